@@ -1,0 +1,37 @@
+"""ggufq's Python client: ``from api_client import Client``."""
+
+from api_client.client import Client, Job
+from scheduler.errors import (
+    GgufqError,
+    InvalidModelFile,
+    InvalidRequest,
+    JobCancelled,
+    JobFailed,
+    JobTimeout,
+    LoadFailed,
+    ModelNotFound,
+    NoCapacity,
+    NoWorkers,
+    ServerBusy,
+    StackNotRunning,
+)
+from scheduler.protocol import GenerateResponse, Options
+
+__all__ = [
+    "Client",
+    "Job",
+    "GenerateResponse",
+    "Options",
+    "GgufqError",
+    "InvalidModelFile",
+    "InvalidRequest",
+    "JobCancelled",
+    "JobFailed",
+    "JobTimeout",
+    "LoadFailed",
+    "ModelNotFound",
+    "NoCapacity",
+    "NoWorkers",
+    "ServerBusy",
+    "StackNotRunning",
+]

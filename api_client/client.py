@@ -1,0 +1,220 @@
+"""The Python client: submit jobs, stream their chunks, read their results."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any, Literal, overload
+
+import redis
+from celery.result import AsyncResult
+
+from scheduler import keys
+from scheduler.celery_app import make_app
+from scheduler.errors import (
+    GgufqError,
+    JobCancelled,
+    JobFailed,
+    JobTimeout,
+    NoWorkers,
+    error_from_code,
+)
+from scheduler.localstack import resolve_redis_url
+from scheduler.protocol import GenerateResponse, JobRequest, Options, check_model_name
+from scheduler.protocol import parse_request as _parse
+from scheduler.settings import Settings, get_settings
+from scheduler.streams import read_chunks
+
+_ALIVE_CACHE_S = 1.0
+
+
+class Job:
+    """A submitted job: its id is the same in the client, the placement service and the worker."""
+
+    def __init__(self, client: Client, request: JobRequest) -> None:
+        self.client = client
+        self.request = request
+        self.id = request.id
+
+    def __repr__(self) -> str:
+        return f"Job(id={self.id!r}, model={self.request.model!r})"
+
+    def status(self) -> str:
+        """Celery's state of the job's run task: PENDING, STARTED, SUCCESS, FAILURE."""
+        return str(AsyncResult(self.id, app=self.client.app).state)
+
+    def stream(self, timeout: float | None = None) -> Iterator[GenerateResponse]:
+        """Chunks in order, from the first, then the final one with the stats.
+
+        ``timeout`` bounds the wait for each next chunk (None = the client's default).
+        """
+        wait = self.client.timeout if timeout is None else timeout
+        try:
+            for chunk in read_chunks(self.client.r, self.id, wait):
+                if chunk.get("done"):
+                    error = chunk.get("error")
+                    if error:
+                        raise error_from_code(error["code"], error["message"])
+                yield self._response(chunk)
+        except TimeoutError:
+            raise JobTimeout(
+                f"job {self.id} sent nothing for {wait} s; it is still queued or running: "
+                f"wait longer, or check `ggufq ps` and the worker logs"
+            ) from None
+
+    def result(self, timeout: float | None = None) -> GenerateResponse:
+        """The final record with the whole text, from the Celery result backend."""
+        wait = self.client.timeout if timeout is None else timeout
+        handle = AsyncResult(self.id, app=self.client.app)
+        try:
+            value = handle.get(timeout=wait, propagate=False, interval=0.05)
+        except Exception as exc:  # celery.exceptions.TimeoutError and backend errors
+            if type(exc).__name__ == "TimeoutError":
+                raise JobTimeout(
+                    f"job {self.id} did not finish within {wait} s; it may still be queued "
+                    "or running: call result() again, or check `ggufq ps`"
+                ) from None
+            raise
+        if handle.state == "FAILURE":
+            if isinstance(value, GgufqError):
+                raise value
+            raise JobFailed(f"job {self.id} failed: {value}")
+        if handle.state == "REVOKED":
+            raise JobCancelled(f"job {self.id} was cancelled")
+        return GenerateResponse.model_validate(value)
+
+    def _response(self, chunk: dict[str, Any]) -> GenerateResponse:
+        if chunk.get("done"):
+            return GenerateResponse.model_validate(chunk)
+        return GenerateResponse(
+            model=self.request.model,
+            job_id=self.id,
+            created_at=time.time(),
+            response=chunk.get("response", ""),
+        )
+
+
+class Client:
+    """Talks to a ggufq stack through its Redis.
+
+    ``redis_url`` defaults to GGUFQ_REDIS_URL, else the local stack of `ggufq up`.
+    ``timeout`` (seconds) bounds each wait for a chunk or a result.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        timeout: float = 300.0,
+        settings: Settings | None = None,
+    ) -> None:
+        self.settings = settings or get_settings()
+        self.redis_url = redis_url or resolve_redis_url(self.settings)
+        self.timeout = timeout
+        self.r = redis.Redis.from_url(self.redis_url)
+        self.app = make_app(self.redis_url, self.settings)
+        self._alive_until = 0.0
+
+    def close(self) -> None:
+        self.r.close()
+        self.app.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # -- jobs -------------------------------------------------------------------------------
+    def submit(
+        self,
+        model: str,
+        prompt: str = "",
+        *,
+        options: Options | dict[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+        priority: Literal["interactive", "batch"] = "interactive",
+    ) -> Job:
+        check_model_name(model)
+        if isinstance(options, Options):
+            options = options.model_dump(exclude_unset=True)
+        request = _parse(
+            {
+                "model": model,
+                "prompt": prompt,
+                "options": options or {},
+                "keep_alive_s": keep_alive,
+                "priority": priority,
+            }
+        )
+        self._check_alive()
+        self.app.send_task(
+            keys.TASK_PLACE,
+            args=[request.model_dump(mode="json")],
+            task_id=f"{request.id}.place",
+            queue=keys.PLACEMENT_QUEUE,
+        )
+        return Job(self, request)
+
+    @overload
+    def generate(
+        self, model: str, prompt: str, *, stream: Literal[False] = False, **kw: Any
+    ) -> GenerateResponse: ...
+
+    @overload
+    def generate(
+        self, model: str, prompt: str, *, stream: Literal[True], **kw: Any
+    ) -> Iterator[GenerateResponse]: ...
+
+    def generate(
+        self, model: str, prompt: str, *, stream: bool = False, **kw: Any
+    ) -> GenerateResponse | Iterator[GenerateResponse]:
+        """Generate a completion; with ``stream=True`` yield chunks, the last with the stats.
+
+        Keyword arguments: ``options`` (dict or Options), ``keep_alive``, ``priority``.
+        """
+        job = self.submit(model, prompt, **kw)
+        return job.stream() if stream else job.result()
+
+    # -- state ------------------------------------------------------------------------------
+    def devices(self) -> list[dict[str, str]]:
+        from scheduler.state import ClusterState
+
+        return ClusterState(self.r).device_records()
+
+    def ps(self) -> list[dict[str, str]]:
+        from scheduler.state import ClusterState
+
+        return ClusterState(self.r).runner_records()
+
+    def health(self) -> dict[str, Any]:
+        now = time.time()
+        devices = self.devices()
+        live = [
+            d for d in devices if now - float(d.get("heartbeat", 0)) <= self.settings.device_ttl_s
+        ]
+        placement = len(self.r.keys(keys.placement_alive_pattern()))
+        return {
+            "redis": self.redis_url,
+            "devices": len(live),
+            "placement": placement,
+            "ok": bool(live) and placement > 0,
+        }
+
+    def _check_alive(self) -> None:
+        now = time.monotonic()
+        if now < self._alive_until:
+            return
+        health = self.health()
+        if not health["placement"]:
+            raise NoWorkers(
+                f"no ggufq placement service is running for {self.redis_url}; start the stack "
+                "with `ggufq up` (or `ggufq placement` beside your workers)"
+            )
+        if not health["devices"]:
+            raise NoWorkers(
+                f"no ggufq worker is running for {self.redis_url} (no device heartbeat in the "
+                f"last {self.settings.device_ttl_s:.0f} s); start one with `ggufq up` or "
+                "`ggufq worker`"
+            )
+        self._alive_until = now + _ALIVE_CACHE_S

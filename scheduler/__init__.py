@@ -1,0 +1,1 @@
+"""ggufq placement side: settings, model registry, memory estimate, decision, Redis state."""

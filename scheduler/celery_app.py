@@ -1,0 +1,33 @@
+"""The Celery application every ggufq process shares: JSON only, Redis broker and results."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from scheduler import keys
+from scheduler.settings import Settings
+
+
+def make_app(redis_url: str, settings: Settings) -> Celery:
+    app = Celery("ggufq", broker=redis_url, backend=redis_url, set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        result_expires=settings.result_ttl_s,
+        result_extended=True,
+        task_default_queue=keys.PLACEMENT_QUEUE,
+        # Jobs are long and each worker owns its device: take one message at a time, so a
+        # job is never stuck behind another in a busy worker's prefetch buffer.
+        worker_prefetch_multiplier=1,
+        task_acks_late=False,
+        task_track_started=True,
+        task_send_sent_event=True,
+        worker_send_task_events=True,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"socket_keepalive": True},
+        enable_utc=True,
+    )
+    return app

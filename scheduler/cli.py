@@ -1,0 +1,282 @@
+"""`ggufq`: run the stack, send jobs, look at state."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from scheduler.durations import format_duration
+from scheduler.errors import GgufqError
+from scheduler.estimate import format_bytes
+from scheduler.settings import describe, get_settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except GgufqError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ggufq", description="GGUF models on a pool of GPUs.")
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    def command(name: str, func: Any, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    from workers.main import add_worker_arguments
+
+    p = command("up", cmd_up, "run the local stack in the foreground until Ctrl-C or SIGTERM")
+    add_worker_arguments(p)
+    p = command("demo", cmd_demo, "run example prompts through the demo model on a local stack")
+    p.add_argument("--prompts", type=Path, help='a JSONL file of {"prompt": ...} rows')
+    p = command("run", cmd_run, "stream an answer from a running stack")
+    p.add_argument("model")
+    p.add_argument("prompt")
+    p.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a model option such as temperature=0 or num_predict=64 (repeatable)",
+    )
+    p.add_argument("--keep-alive", help="how long the model stays loaded after: 5m, 0, -1")
+    p.add_argument("--json", action="store_true", help="print the final record as JSON")
+    command("config", cmd_config, "print the effective settings")
+    p = command("models", cmd_models, "list the models jobs can name")
+    p.add_argument("--json", action="store_true")
+    p = command("ps", cmd_ps, "list the loaded models (runners)")
+    p.add_argument("--json", action="store_true")
+    p = command("devices", cmd_devices, "list the devices and their memory")
+    p.add_argument("--json", action="store_true")
+    p = command("worker", cmd_worker, "run a worker for this host's devices")
+    add_worker_arguments(p)
+    command("placement", cmd_placement, "run a placement service")
+    return parser
+
+
+# -- stack -------------------------------------------------------------------------------
+def cmd_up(args: argparse.Namespace) -> int:
+    from scheduler.stack import LocalStack
+
+    settings = get_settings()
+    stack = LocalStack(settings, worker_args=_worker_argv(args))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack.start()
+    print(f"ggufq is up: Redis {stack.redis_url}; Ctrl-C stops it", flush=True)
+    try:
+        while not stop.wait(0.5):
+            if not stack.alive():
+                print("error: a stack process exited; stopping", file=sys.stderr)
+                return 1
+    finally:
+        print("stopping ggufq ...", flush=True)
+        stack.stop()
+    return 0
+
+
+def _worker_argv(args: argparse.Namespace) -> list[str]:
+    argv = [f"--virtual-gpu={size}" for size in args.virtual_gpu]
+    return argv + (["--cpu"] if args.cpu else [])
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from workers.main import start_from_args
+
+    start_from_args(args)
+    return 0
+
+
+def cmd_placement(_args: argparse.Namespace) -> int:
+    from scheduler.service import main as placement_main
+
+    placement_main([])
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from scheduler.demo import run_demo
+
+    return run_demo(args.prompts)
+
+
+# -- jobs --------------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace) -> int:
+    from api_client import Client
+
+    options = dict(_parse_option(o) for o in args.option)
+    with Client() as client:
+        final = None
+        for chunk in client.generate(
+            args.model, args.prompt, stream=True, options=options, keep_alive=args.keep_alive
+        ):
+            if chunk.done:
+                final = chunk
+            elif not args.json:
+                print(chunk.response, end="", flush=True)
+        if args.json and final is not None:
+            print(final.model_dump_json())
+        else:
+            print()
+    return 0
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise GgufqError(f"option {text!r} must be KEY=VALUE, for example temperature=0")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+# -- listings ----------------------------------------------------------------------------
+def cmd_config(_args: argparse.Namespace) -> int:
+    rows = [(name, value, desc) for name, value, desc in describe(get_settings())]
+    print_table(["SETTING", "VALUE", "DESCRIPTION"], rows)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from scheduler.ggufmeta import format_params
+    from scheduler.registry import Registry
+
+    entries = Registry(get_settings().models_dir).entries()
+    if args.json:
+        out = [
+            {
+                "name": e.name,
+                "path": str(e.path),
+                "error": e.error,
+                **(e.info.__dict__ if e.info else {}),
+            }
+            for e in entries
+        ]
+        print(json.dumps(out, indent=2))
+        return 0
+    rows = []
+    for e in entries:
+        if e.info is None:
+            rows.append((e.name, "-", "-", "-", "-", f"unusable: {e.error}"))
+            continue
+        i = e.info
+        rows.append(
+            (
+                e.name,
+                format_bytes(i.file_size),
+                i.architecture,
+                f"{format_params(i.parameter_count)} {i.quantization}",
+                str(i.context_length),
+                "",
+            )
+        )
+    print_table(["NAME", "SIZE", "ARCH", "PARAMS/QUANT", "CONTEXT", "NOTE"], rows)
+    return 0
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    from api_client import Client
+
+    with Client() as client:
+        records = client.ps()
+        devices = {d["id"]: d for d in client.devices()}
+    if args.json:
+        print(json.dumps(records, indent=2))
+        return 0
+    print_table(*ps_table(records, devices))
+    return 0
+
+
+def ps_table(
+    records: list[dict[str, str]], devices: dict[str, dict[str, str]]
+) -> tuple[list[str], list[list[str]]]:
+    now = time.time()
+    rows: list[list[str]] = []
+    for r in records:
+        held = json.loads(r.get("devices", "{}"))
+        kinds = {devices.get(d, {}).get("kind", "cpu") for d in held}
+        processor = "100% CPU" if kinds <= {"cpu"} else "100% GPU"
+        expires = float(r.get("expires_at", -1))
+        if r.get("state") != "ready":
+            until = r.get("state", "")
+        elif int(r.get("in_flight", 0)) > 0:
+            until = "busy"
+        else:
+            until = "forever" if expires < 0 else format_duration(max(0.0, expires - now))
+        rows.append(
+            [
+                r["model"],
+                format_bytes(int(r.get("bytes", 0))),
+                processor,
+                ",".join(held),
+                r.get("num_ctx", ""),
+                r.get("num_parallel", ""),
+                until,
+            ]
+        )
+    return ["NAME", "SIZE", "PROCESSOR", "DEVICES", "CONTEXT", "PARALLEL", "UNTIL"], rows
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    from api_client import Client
+
+    with Client() as client:
+        records = client.devices()
+        runners = client.ps()
+    if args.json:
+        print(json.dumps(records, indent=2))
+        return 0
+    rows = []
+    for d in records:
+        total, reserved = int(d["total"]), int(d["reserved"])
+        free = max(0, min(int(d["free"]), total - reserved))
+        count = sum(1 for r in runners if d["id"] in json.loads(r.get("devices", "{}")))
+        rows.append(
+            (
+                d["id"],
+                d["worker"],
+                d["name"],
+                format_bytes(total),
+                format_bytes(reserved),
+                format_bytes(free),
+                str(count),
+                "yes" if d.get("virtual") == "1" else "no",
+            )
+        )
+    print_table(["ID", "WORKER", "NAME", "TOTAL", "RESERVED", "FREE", "RUNNERS", "VIRTUAL"], rows)
+    return 0
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(str(c))) for w, c in zip(widths, row, strict=True)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Where a job runs: one pure function over a snapshot. No Redis, no logging, no clock.
+
+The placement service builds the snapshot, calls :func:`decide`, and carries out the
+returned decision (reserve, send, evict, park or refuse) at its edge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from scheduler.estimate import format_bytes
+
+Policy = Literal["binpack", "spread"]
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    id: str
+    worker: str
+    queue: str
+    kind: Literal["gpu", "vgpu", "cpu"]
+    total: int
+    reported_free: int
+    reserved: int
+
+    @property
+    def free(self) -> int:
+        """Free memory = min(reported free, total − Σ reservations)."""
+        return max(0, min(self.reported_free, self.total - self.reserved))
+
+
+@dataclass(frozen=True)
+class RunnerState:
+    id: str
+    model: str
+    config_key: str
+    devices: dict[str, int]
+    state: Literal["loading", "ready", "unloading"]
+    in_flight: int
+    expires_at: float  # <0 never expires
+    last_used: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    devices: list[DeviceState]
+    runners: list[RunnerState]
+    parked: int = 0
+
+
+@dataclass(frozen=True)
+class JobNeeds:
+    model: str
+    config_key: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Route:
+    runner_id: str
+    device_id: str
+
+
+@dataclass(frozen=True)
+class Load:
+    device_id: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Evict:
+    runner_ids: list[str]
+
+
+@dataclass(frozen=True)
+class Park:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Refuse:
+    code: Literal["no_capacity", "server_busy", "no_workers"]
+    reason: str
+    per_device: dict[str, str] = field(default_factory=dict)
+
+
+Decision = Route | Load | Evict | Park | Refuse
+
+
+def decide(
+    job: JobNeeds, snap: Snapshot, policy: Policy, now: float, max_queue: int, max_loaded: int
+) -> Decision:
+    """Decide where ``job`` runs.
+
+    0. No device is alive → refuse: no workers.
+    1. A runner of this model with the same configuration is loading or ready → route to the
+       least busy replica.
+    2. Loaded with another configuration and idle → evict it (the reload happens on retry);
+       busy → leave it and place a new runner beside it.
+    3. Fits whole on one device → load there; GPUs before the CPU; `binpack` picks the device
+       with the least free memory left over, `spread` the most.
+    4. (multi-device groups: the placement issue)
+    5. Fits on a device after unloading idle runners there → evict the fewest runners, those
+       expiring soonest first.
+    6. (partial offload: the placement issue)
+    7. Memory is held by busy runners → park.
+    8. More than ``max_queue`` parked jobs → refuse at once: server busy.
+    9. Larger than every device even when empty → refuse at once with the sizes.
+    """
+    # 0
+    if not snap.devices:
+        return Refuse(
+            "no_workers", "no device is alive: start a worker with `ggufq up` or `ggufq worker`"
+        )
+    live = [r for r in snap.runners if r.state != "unloading"]
+    # 1
+    same = [r for r in live if r.model == job.model and r.config_key == job.config_key]
+    if same:
+        best = min(same, key=lambda r: (r.in_flight, r.last_used))
+        return Route(best.id, next(iter(best.devices)))
+    # 2
+    stale = [r for r in live if r.model == job.model and r.in_flight == 0]
+    if stale:
+        return Evict([r.id for r in stale])
+    # 9
+    largest = max(d.total for d in snap.devices)
+    if job.bytes > largest:
+        sizes = {d.id: f"total {format_bytes(d.total)}" for d in snap.devices}
+        return Refuse(
+            "no_capacity",
+            f"model {job.model!r} needs {format_bytes(job.bytes)} but the largest device has "
+            f"{format_bytes(largest)}; use a smaller num_ctx or num_parallel, a smaller "
+            "quantization, or add a larger device",
+            sizes,
+        )
+    # 3
+    counts = _runner_counts(live)
+    fits = [d for d in snap.devices if d.free >= job.bytes and counts.get(d.id, 0) < max_loaded]
+    if fits:
+        return Load(_pick(fits, job.bytes, policy).id, job.bytes)
+    # 8
+    if snap.parked >= max_queue:
+        return Refuse(
+            "server_busy",
+            f"server busy: {snap.parked} jobs already wait for memory (max_queue {max_queue}); "
+            "retry later or raise GGUFQ_MAX_QUEUE",
+        )
+    # 5
+    victims = _cheapest_victims(job, snap, live, counts, max_loaded, now)
+    if victims:
+        return Evict(victims)
+    # 7
+    return Park(f"memory for {job.model!r} ({format_bytes(job.bytes)}) is held by busy runners")
+
+
+def _runner_counts(runners: list[RunnerState]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for runner in runners:
+        for device_id in runner.devices:
+            counts[device_id] = counts.get(device_id, 0) + 1
+    return counts
+
+
+def _device_order(device: DeviceState) -> int:
+    return 1 if device.kind == "cpu" else 0
+
+
+def _pick(devices: list[DeviceState], need: int, policy: Policy) -> DeviceState:
+    if policy == "spread":
+        return min(devices, key=lambda d: (_device_order(d), -d.free, d.id))
+    return min(devices, key=lambda d: (_device_order(d), d.free - need, d.id))
+
+
+def _cheapest_victims(
+    job: JobNeeds,
+    snap: Snapshot,
+    live: list[RunnerState],
+    counts: dict[str, int],
+    max_loaded: int,
+    now: float,
+) -> list[str]:
+    best: list[str] | None = None
+    for device in sorted(snap.devices, key=_device_order):
+        idle = [
+            r for r in live if device.id in r.devices and r.in_flight == 0 and r.state == "ready"
+        ]
+        idle.sort(key=lambda r: (r.expires_at < 0, r.expires_at, r.last_used))
+        free, count, chosen = device.free, counts.get(device.id, 0), []
+        for runner in idle:
+            if free >= job.bytes and count < max_loaded:
+                break
+            chosen.append(runner.id)
+            free += runner.devices[device.id]
+            count -= 1
+        enough = free >= job.bytes and count < max_loaded and device.total >= job.bytes
+        if enough and chosen and (best is None or len(chosen) < len(best)):
+            best = chosen
+    return best or []

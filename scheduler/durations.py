@@ -1,0 +1,53 @@
+"""Parse Ollama-style durations ("5m", "1h30m", "250ms", 300, -1). Pure."""
+
+from __future__ import annotations
+
+import re
+
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+
+
+def parse_duration_s(value: str | int | float) -> float:
+    """Seconds for a duration; negative means "forever" to callers that allow it.
+
+    Accepts numbers (seconds) and Go-style strings as Ollama does ("5m", "1h30m", "-1").
+    Raises ValueError naming the value and the accepted forms.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"duration {value!r} is a boolean; give seconds or a string like '5m'")
+    if isinstance(value, int | float):
+        return float(value)
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    pos, total = 0, 0.0
+    for match in _PART.finditer(body):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNIT_S[match.group(2)]
+        pos = match.end()
+    if not body or pos != len(body):
+        raise ValueError(
+            f"duration {value!r} is not valid; use seconds (300, -1) "
+            "or units like '5m', '1h30m', '250ms'"
+        )
+    return sign * total
+
+
+def format_duration(seconds: float) -> str:
+    """Short human form: 'forever', '4m59s', '12s'."""
+    if seconds < 0:
+        return "forever"
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"

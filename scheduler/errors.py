@@ -1,0 +1,111 @@
+"""The one exception hierarchy of ggufq.
+
+Every class takes a single message argument so that Celery's JSON result backend can
+rebuild it on the client side (it re-creates exceptions as ``cls(*args)``).
+Messages name the values involved and say what to do.
+"""
+
+from __future__ import annotations
+
+
+class GgufqError(Exception):
+    """Base of every error ggufq raises on purpose."""
+
+    code = "error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidRequest(GgufqError):
+    """A request or option is malformed or out of range."""
+
+    code = "invalid_request"
+
+
+class ModelNotFound(GgufqError):
+    """The model name is not in the registry."""
+
+    code = "model_not_found"
+
+
+class InvalidModelFile(GgufqError):
+    """The model file exists but is not a usable GGUF file."""
+
+    code = "invalid_model_file"
+
+
+class ServerBusy(GgufqError):
+    """Too many jobs are waiting; try again later."""
+
+    code = "server_busy"
+
+
+class NoCapacity(GgufqError):
+    """The model cannot fit on any device, even with everything else unloaded."""
+
+    code = "no_capacity"
+
+
+class NoWorkers(GgufqError):
+    """No worker or placement service is alive."""
+
+    code = "no_workers"
+
+
+class StackNotRunning(GgufqError):
+    """No Redis URL is configured and no local stack is running."""
+
+    code = "stack_not_running"
+
+
+class LoadFailed(GgufqError):
+    """llama.cpp could not load the model."""
+
+    code = "load_failed"
+
+
+class JobFailed(GgufqError):
+    """The job ran but ended in an error."""
+
+    code = "job_failed"
+
+
+class JobCancelled(GgufqError):
+    """The job was cancelled before it finished."""
+
+    code = "job_cancelled"
+
+
+class JobTimeout(GgufqError):
+    """The caller stopped waiting for the job."""
+
+    code = "job_timeout"
+
+
+ERRORS_BY_CODE: dict[str, type[GgufqError]] = {
+    cls.code: cls
+    for cls in (
+        GgufqError,
+        InvalidRequest,
+        ModelNotFound,
+        InvalidModelFile,
+        ServerBusy,
+        NoCapacity,
+        NoWorkers,
+        StackNotRunning,
+        LoadFailed,
+        JobFailed,
+        JobCancelled,
+        JobTimeout,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> GgufqError:
+    """Rebuild an error sent over the wire as ``{"code": ..., "message": ...}``."""
+    return ERRORS_BY_CODE.get(code, GgufqError)(message)

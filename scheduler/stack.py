@@ -1,0 +1,136 @@
+"""The local stack: private Redis (unless GGUFQ_REDIS_URL is set), placement, one worker.
+
+`ggufq up` runs it in the foreground; `ggufq demo` and the tests start and stop it around
+their work. Children die with this process (no orphans) and stop in order on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+import redis
+
+from scheduler import keys
+from scheduler.embedded import EmbeddedRedis
+from scheduler.localstack import clear_runtime, write_runtime
+from scheduler.procs import child_preexec
+from scheduler.settings import Settings
+from scheduler.state import ClusterState
+
+
+class StackError(RuntimeError):
+    pass
+
+
+class LocalStack:
+    def __init__(
+        self,
+        settings: Settings,
+        worker_args: list[str] | None = None,
+        log_dir: Path | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.worker_args = worker_args or []
+        self.log_dir = log_dir  # None: children write to this terminal
+        self.extra_env = extra_env or {}
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = settings.redis_url or ""
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._logs: list[IO[bytes]] = []
+
+    def __enter__(self) -> LocalStack:
+        self.start()
+        return self
+
+    def __exit__(
+        self, _t: type[BaseException] | None, _e: BaseException | None, _tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        try:
+            if not self.redis_url:
+                self.redis = EmbeddedRedis(Path(self.settings.state_dir).expanduser() / "redis")
+                self.redis_url = self.redis.start()
+                write_runtime(self.settings, self.redis_url)
+            self._spawn("placement", [sys.executable, "-m", "scheduler.service"])
+            self._spawn("worker", [sys.executable, "-m", "workers.main", *self.worker_args])
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        env = dict(os.environ, **self.extra_env, GGUFQ_REDIS_URL=self.redis_url)
+        out: int | IO[bytes] | None = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+            self._logs.append(log)
+            out = log
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=child_preexec,
+        )
+        self.procs.append((name, proc))
+
+    def wait_ready(self, timeout_s: float) -> None:
+        client = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                for name, proc in self.procs:
+                    if proc.poll() is not None:
+                        raise StackError(
+                            f"the {name} process exited with code {proc.returncode} "
+                            f"while starting{self._log_hint(name)}"
+                        )
+                placement = client.keys(keys.placement_alive_pattern())
+                workers = {d.get("worker", "") for d in ClusterState(client).device_records()}
+                if placement and any(w.endswith("@" + self.settings.host_id) for w in workers):
+                    return
+                time.sleep(0.1)
+        finally:
+            client.close()
+        raise StackError(
+            f"the stack did not become ready within {timeout_s:.0f} s{self._log_hint('worker')}"
+        )
+
+    def _log_hint(self, name: str) -> str:
+        return f"; see {self.log_dir / (name + '.log')}" if self.log_dir else ""
+
+    def alive(self) -> bool:
+        return all(proc.poll() is None for _, proc in self.procs)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Workers first (they unload and deregister), then placement, then Redis."""
+        for _name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for _name, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            clear_runtime(self.settings)
+            self.redis = None
+        for log in self._logs:
+            log.close()
+        self._logs.clear()

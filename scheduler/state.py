@@ -1,0 +1,231 @@
+"""Device, runner and reservation state in Redis: the I/O edge around the pure decision.
+
+Reservations are taken and released only by the Lua scripts in ``scheduler/lua``, so any
+number of placement processes and workers never over-commit a device.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, cast
+
+import redis
+
+from scheduler import keys
+from scheduler.decision import DeviceState, RunnerState, Snapshot
+
+
+def _script(client: redis.Redis, name: str) -> Any:
+    source = resources.files("scheduler").joinpath("lua", f"{name}.lua").read_text()
+    return client.register_script(source)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What a worker advertises about one of its devices."""
+
+    id: str
+    host: str
+    worker: str
+    name: str
+    kind: str  # gpu | vgpu | cpu
+    total: int
+    free: int
+    virtual: bool
+    uuid: str = ""
+
+    @property
+    def queue(self) -> str:
+        return keys.device_queue(self.id)
+
+
+class ClusterState:
+    def __init__(self, client: redis.Redis) -> None:
+        self.r = client
+        self._reserve = _script(client, "reserve")
+        self._assign = _script(client, "assign")
+        self._finish = _script(client, "finish")
+        self._begin_unload = _script(client, "begin_unload")
+        self._release = _script(client, "release")
+        self._reap = _script(client, "reap")
+        self._update = _script(client, "update_runner")
+
+    # -- devices -------------------------------------------------------------------------
+    def register_device(self, dev: DeviceInfo, now: float) -> None:
+        fields: dict[str, str | int | float] = {
+            "id": dev.id,
+            "host": dev.host,
+            "worker": dev.worker,
+            "name": dev.name,
+            "kind": dev.kind,
+            "total": dev.total,
+            "free": dev.free,
+            "virtual": int(dev.virtual),
+            "uuid": dev.uuid,
+            "queue": dev.queue,
+            "heartbeat": now,
+        }
+        pipe = self.r.pipeline()
+        pipe.hset(keys.device(dev.id), mapping=cast(Any, fields))
+        pipe.sadd(keys.DEVICES, dev.id)
+        pipe.publish(keys.EVENTS, json.dumps({"event": "device_joined", "device": dev.id}))
+        pipe.execute()
+
+    def heartbeat(self, free_by_device: dict[str, int], now: float) -> None:
+        pipe = self.r.pipeline()
+        for device_id, free in free_by_device.items():
+            pipe.hset(keys.device(device_id), mapping={"free": free, "heartbeat": now})
+        pipe.execute()
+
+    def deregister_devices(self, device_ids: list[str]) -> None:
+        """A worker leaving cleanly: its runners and reservations go with it."""
+        self.reap(now=float("inf"), device_ttl_s=0.0, only=device_ids)
+
+    def reap(self, now: float, device_ttl_s: float, only: list[str] | None = None) -> list[str]:
+        if only is not None:
+            for device_id in only:  # expire these devices' heartbeats, then reap as usual
+                self.r.hset(keys.device(device_id), "heartbeat", -1e18)
+            now = 0.0
+        dropped = self._reap(keys=[keys.DEVICES, keys.RUNNERS], args=[now, device_ttl_s])
+        return [d.decode() if isinstance(d, bytes) else d for d in dropped]
+
+    # -- snapshot --------------------------------------------------------------------------
+    def snapshot(self, now: float, device_ttl_s: float) -> Snapshot:
+        pipe = self.r.pipeline()
+        pipe.smembers(keys.DEVICES)
+        pipe.smembers(keys.RUNNERS)
+        pipe.zcard(keys.PARKED)
+        device_ids, runner_ids, parked = pipe.execute()
+        device_ids = sorted(_s(d) for d in device_ids)
+        runner_ids = sorted(_s(r) for r in runner_ids)
+        pipe = self.r.pipeline()
+        for device_id in device_ids:
+            pipe.hgetall(keys.device(device_id))
+            pipe.hvals(keys.reservations(device_id))
+        for runner_id in runner_ids:
+            pipe.hgetall(keys.runner(runner_id))
+        replies = pipe.execute()
+        devices = []
+        for i, device_id in enumerate(device_ids):
+            h = _decode(replies[2 * i])
+            if not h or now - float(h.get("heartbeat", 0)) > device_ttl_s:
+                continue
+            devices.append(
+                DeviceState(
+                    id=device_id,
+                    worker=h["worker"],
+                    queue=h["queue"],
+                    kind=h["kind"],  # type: ignore[arg-type]
+                    total=int(h["total"]),
+                    reported_free=int(h["free"]),
+                    reserved=sum(int(v) for v in replies[2 * i + 1]),
+                )
+            )
+        alive = {d.id for d in devices}
+        runners = []
+        for runner_id, raw in zip(runner_ids, replies[2 * len(device_ids) :], strict=True):
+            record = runner_from_hash(runner_id, _decode(raw))
+            if record is not None and set(record.devices) <= alive:
+                runners.append(record)
+        return Snapshot(devices=devices, runners=runners, parked=int(parked))
+
+    def runner_records(self) -> list[dict[str, str]]:
+        ids = sorted(_s(r) for r in self.r.smembers(keys.RUNNERS))
+        pipe = self.r.pipeline()
+        for runner_id in ids:
+            pipe.hgetall(keys.runner(runner_id))
+        return [dict(_decode(h), id=i) for i, h in zip(ids, pipe.execute(), strict=True) if h]
+
+    def device_records(self) -> list[dict[str, str]]:
+        ids = sorted(_s(d) for d in self.r.smembers(keys.DEVICES))
+        pipe = self.r.pipeline()
+        for device_id in ids:
+            pipe.hgetall(keys.device(device_id))
+            pipe.hvals(keys.reservations(device_id))
+        replies = pipe.execute()
+        rows = []
+        for i in range(len(ids)):
+            h = _decode(replies[2 * i])
+            if h:
+                h["reserved"] = str(sum(int(v) for v in replies[2 * i + 1]))
+                rows.append(h)
+        return rows
+
+    # -- runners ---------------------------------------------------------------------------
+    def reserve(
+        self,
+        runner_id: str,
+        device_id: str,
+        nbytes: int,
+        fields: dict[str, Any],
+        now: float,
+        device_ttl_s: float,
+    ) -> bool:
+        """Create the runner (one job assigned) and reserve its memory.
+
+        False when the device can no longer hold it (another placer won the race).
+        """
+        record = dict(fields, device_ids=device_id, devices=json.dumps({device_id: nbytes}))
+        record.update(state="loading", in_flight=1, last_used=now, expires_at=-1)
+        flat = _flatten(record)
+        ok, _free = self._reserve(
+            keys=[
+                keys.RUNNERS,
+                keys.runner(runner_id),
+                keys.device(device_id),
+                keys.reservations(device_id),
+            ],
+            args=[runner_id, nbytes, now, device_ttl_s, *flat],
+        )
+        return bool(ok)
+
+    def assign(self, runner_id: str, now: float) -> bool:
+        return bool(self._assign(keys=[keys.runner(runner_id)], args=[now]))
+
+    def update_runner(self, runner_id: str, fields: dict[str, Any]) -> bool:
+        return bool(self._update(keys=[keys.runner(runner_id)], args=_flatten(fields)))
+
+    def finish(self, runner_id: str, now: float, keep_alive_s: float) -> int:
+        return int(self._finish(keys=[keys.runner(runner_id)], args=[now, keep_alive_s]))
+
+    def begin_unload(self, runner_id: str, force: bool = False) -> bool:
+        return bool(self._begin_unload(keys=[keys.runner(runner_id)], args=[int(force)]))
+
+    def release(self, runner_id: str, device_ids: list[str]) -> None:
+        self._release(
+            keys=[keys.RUNNERS, keys.runner(runner_id), *map(keys.reservations, device_ids)],
+            args=[runner_id],
+        )
+        self.r.publish(keys.EVENTS, json.dumps({"event": "runner_unloaded", "runner": runner_id}))
+
+
+def runner_from_hash(runner_id: str, h: dict[str, str]) -> RunnerState | None:
+    if not h or "model" not in h:
+        return None
+    return RunnerState(
+        id=runner_id,
+        model=h["model"],
+        config_key=h.get("config_key", ""),
+        devices={k: int(v) for k, v in json.loads(h.get("devices", "{}")).items()},
+        state=h.get("state", "loading"),  # type: ignore[arg-type]
+        in_flight=int(h.get("in_flight", 0)),
+        expires_at=float(h.get("expires_at", -1)),
+        last_used=float(h.get("last_used", 0)),
+    )
+
+
+def _flatten(fields: dict[str, Any]) -> list[Any]:
+    flat: list[Any] = []
+    for key, value in fields.items():
+        flat += [key, value]
+    return flat
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _decode(h: dict[Any, Any]) -> dict[str, str]:
+    return {_s(k): _s(v) for k, v in h.items()}

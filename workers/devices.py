@@ -1,0 +1,121 @@
+"""The devices a worker owns: NVIDIA GPUs (pynvml), virtual GPUs, or the host CPU.
+
+No NVML library, no driver, no GPU: all normal; the worker then serves from the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from scheduler.state import DeviceInfo
+
+log = logging.getLogger(__name__)
+
+
+def system_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory, from /proc/meminfo."""
+    values: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                name, rest = line.split(":", 1)
+                values[name] = int(rest.split()[0]) * 1024
+    except OSError:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return pages, pages
+    total = values.get("MemTotal", 0)
+    return total, values.get("MemAvailable", total)
+
+
+def nvidia_gpus(host: str, worker: str) -> list[DeviceInfo]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:  # no library, no driver: a CPU-only machine
+        log.info("no NVIDIA GPUs (%s)", exc)
+        return []
+    devices = []
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        name = pynvml.nvmlDeviceGetName(handle)
+        uuid = pynvml.nvmlDeviceGetUUID(handle)
+        devices.append(
+            DeviceInfo(
+                id=f"gpu:{host}:{index}",
+                host=host,
+                worker=worker,
+                name=name.decode() if isinstance(name, bytes) else name,
+                kind="gpu",
+                total=int(mem.total),
+                free=int(mem.free),
+                virtual=False,
+                uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
+            )
+        )
+    return devices
+
+
+def nvidia_free(devices: list[DeviceInfo]) -> dict[str, int]:
+    import pynvml
+
+    free = {}
+    for dev in devices:
+        index = int(dev.id.rsplit(":", 1)[1])
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        free[dev.id] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+    return free
+
+
+def virtual_gpus(host: str, worker: str, sizes: list[int]) -> list[DeviceInfo]:
+    return [
+        DeviceInfo(
+            id=f"vgpu:{host}:{i}",
+            host=host,
+            worker=worker,
+            name=f"virtual GPU {i} ({size / 2**30:.1f} GiB, compute on CPU)",
+            kind="vgpu",
+            total=size,
+            free=size,
+            virtual=True,
+        )
+        for i, size in enumerate(sizes)
+    ]
+
+
+def cpu_device(host: str, worker: str) -> DeviceInfo:
+    total, available = system_memory()
+    return DeviceInfo(
+        id=f"cpu:{host}",
+        host=host,
+        worker=worker,
+        name=f"CPU ({os.cpu_count()} cores)",
+        kind="cpu",
+        total=total,
+        free=available,
+        virtual=False,
+    )
+
+
+def detect_devices(
+    host: str, worker: str, virtual_sizes: list[int], use_gpus: bool = True
+) -> list[DeviceInfo]:
+    """Virtual GPUs when asked for, else the NVIDIA GPUs, else the CPU."""
+    if virtual_sizes:
+        return virtual_gpus(host, worker, virtual_sizes)
+    gpus = nvidia_gpus(host, worker) if use_gpus else []
+    return gpus or [cpu_device(host, worker)]
+
+
+def reported_free(devices: list[DeviceInfo]) -> dict[str, int]:
+    """Free memory as the hardware reports it now (virtual GPUs report their size)."""
+    free = {d.id: d.total for d in devices if d.kind == "vgpu"}
+    gpus = [d for d in devices if d.kind == "gpu"]
+    if gpus:
+        free.update(nvidia_free(gpus))
+    for dev in devices:
+        if dev.kind == "cpu":
+            free[dev.id] = system_memory()[1]
+    return free

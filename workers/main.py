@@ -1,0 +1,98 @@
+"""Entry point of a worker process: `ggufq worker` or `python -m workers.main`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import replace
+from typing import Any
+
+import redis
+from celery import signals
+
+from scheduler import keys
+from scheduler.celery_app import make_app
+from scheduler.localstack import resolve_redis_url
+from scheduler.registry import Registry
+from scheduler.settings import Settings, get_settings
+from scheduler.sizes import parse_bytes
+from workers.devices import detect_devices
+from workers.runtime import WorkerRuntime
+
+log = logging.getLogger("ggufq.worker")
+
+
+def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = True) -> None:
+    redis_url = resolve_redis_url(settings)
+    app = make_app(redis_url, settings)
+    host = settings.host_id
+    devices = detect_devices(host, "", virtual_sizes, use_gpus)
+    label = "+".join(d.id.split(":", 1)[0] + d.id.rsplit(":", 1)[-1] for d in devices)
+    worker_name = f"ggufq-{label}@{host}" if devices[0].kind != "cpu" else f"ggufq-cpu@{host}"
+    devices = [replace(d, worker=worker_name) for d in devices]
+    client = redis.Redis.from_url(redis_url)
+    runtime = WorkerRuntime(settings, client, devices, Registry(settings.models_dir))
+
+    @app.task(name=keys.TASK_RUN, bind=True)
+    def run(self: Any, job: dict[str, Any], placement: dict[str, Any]) -> dict[str, Any]:
+        return runtime.run_job(job, placement)
+
+    @app.task(name=keys.TASK_UNLOAD, ignore_result=True)
+    def unload(runner_id: str) -> bool:
+        return runtime.request_unload(runner_id)
+
+    @signals.worker_ready.connect(weak=False)
+    def _ready(**_: Any) -> None:
+        runtime.start()
+
+    @signals.worker_shutdown.connect(weak=False)
+    def _shutdown(**_: Any) -> None:
+        runtime.stop()
+
+    queues = ",".join(d.queue for d in devices)
+    app.worker_main(
+        [
+            "worker",
+            "-Q",
+            queues,
+            "-P",
+            "threads",
+            "-c",
+            str(settings.worker_threads),
+            "-n",
+            worker_name,
+            "--without-mingle",
+            "--without-gossip",
+            "-l",
+            "INFO",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ggufq worker", description=__doc__)
+    add_worker_arguments(parser)
+    args = parser.parse_args(argv)
+    start_from_args(args)
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--virtual-gpu",
+        action="append",
+        default=[],
+        metavar="SIZE",
+        help="advertise a virtual GPU of this size (repeatable), e.g. 8GiB; "
+        "its compute runs on the CPU",
+    )
+    parser.add_argument("--cpu", action="store_true", help="serve from the CPU even if GPUs exist")
+
+
+def start_from_args(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    sizes = [parse_bytes(s) for s in args.virtual_gpu]
+    run_worker(get_settings(), sizes, use_gpus=not args.cpu)
+
+
+if __name__ == "__main__":
+    main()

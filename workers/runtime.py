@@ -1,0 +1,237 @@
+"""What one worker process does: own its devices, keep runners resident, run jobs.
+
+Celery delivers jobs to this process's device queue; this module turns each into chunks
+on the job's stream, a final result, and up-to-date runner state in Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from scheduler import keys
+from scheduler.errors import GgufqError, InvalidModelFile, JobFailed, LoadFailed
+from scheduler.estimate import RunnerConfig
+from scheduler.ggufmeta import read_model_info
+from scheduler.keepalive import ExpirySchedule, effective_keep_alive, expires_at
+from scheduler.protocol import JobRequest, parse_request
+from scheduler.registry import Registry
+from scheduler.settings import Settings
+from scheduler.state import ClusterState, DeviceInfo
+from scheduler.streams import ChunkPublisher
+from workers.devices import reported_free
+from workers.runner import Runner
+
+log = logging.getLogger(__name__)
+Clock = Callable[[], float]
+
+
+class WorkerRuntime:
+    def __init__(
+        self,
+        settings: Settings,
+        client: redis.Redis,
+        devices: list[DeviceInfo],
+        registry: Registry,
+        clock: Clock = time.time,
+    ) -> None:
+        self.settings = settings
+        self.r = client
+        self.state = ClusterState(client)
+        self.devices = devices
+        self.registry = registry
+        self.clock = clock
+        self.runners: dict[str, Runner] = {}
+        self._load_lock = threading.Lock()
+        self._expiry = ExpirySchedule()
+        self._wake = threading.Condition()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        now = self.clock()
+        for dev in self.devices:
+            self.state.register_device(dev, now)
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._expiry_loop, "expiry")):
+            thread = threading.Thread(target=target, name=f"ggufq-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("serving devices %s", ", ".join(d.id for d in self.devices))
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._wake:
+            self._wake.notify_all()
+        for runner_id in list(self.runners):
+            self._unload(runner_id, force=True)
+        self.state.deregister_devices([d.id for d in self.devices])
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stopping.wait(self.settings.heartbeat_interval_s):
+            try:
+                self.state.heartbeat(reported_free(self.devices), self.clock())
+            except redis.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def _expiry_loop(self) -> None:
+        while not self._stopping.is_set():
+            with self._wake:
+                due = self._expiry.pop_due(self.clock())
+                if not due:
+                    next_at = self._expiry.next_at()
+                    timeout = 1.0 if next_at is None else max(0.0, next_at - self.clock())
+                    self._wake.wait(min(timeout, 1.0))
+                    continue
+            for runner_id in due:
+                self._unload(runner_id)
+
+    def _schedule_expiry(self, runner_id: str, at: float | None) -> None:
+        with self._wake:
+            self._expiry.set(runner_id, at)
+            self._wake.notify_all()
+
+    # -- jobs -----------------------------------------------------------------------------
+    def run_job(self, job: dict[str, Any], placement: dict[str, Any]) -> dict[str, Any]:
+        """Run one job to its end; returns the final record, raises a GgufqError on failure."""
+        received = time.perf_counter_ns()
+        req = parse_request(job)
+        runner_id = placement["runner_id"]
+        publisher = ChunkPublisher(self.r, req.id, self.settings.stream_ttl_s)
+        base = {"model": req.model, "job_id": req.id, "device": placement["device_id"]}
+        keep_alive = self.settings.keep_alive_s
+        try:
+            runner, load_ns = self._runner_for(req, placement)
+            keep_alive = effective_keep_alive(req.keep_alive_s, runner.keep_alive_s)
+            runner.keep_alive_s = keep_alive
+            self._schedule_expiry(runner_id, None)
+            final = dict(base, created_at=self.clock(), done=True, load_duration=load_ns)
+            if req.prompt == "":
+                final.update(response="", done_reason="load" if keep_alive != 0 else "unload")
+            else:
+                stats = runner.generate(
+                    req.prompt, req.options, lambda text: publisher.publish({"response": text})
+                )
+                final.update(
+                    response=stats.text,
+                    done_reason=stats.done_reason,
+                    prompt_eval_count=stats.prompt_eval_count,
+                    prompt_eval_duration=stats.prompt_eval_duration_ns,
+                    eval_count=stats.eval_count,
+                    eval_duration=stats.eval_duration_ns,
+                )
+            if placement.get("warnings"):
+                final["warnings"] = placement["warnings"]
+            final["total_duration"] = (
+                time.perf_counter_ns() - received + placement.get("placement_ns", 0)
+            )
+            publisher.publish(dict(final, response=""))
+            return final
+        except GgufqError as exc:
+            publisher.publish(_error_chunk(base, exc, self.clock()))
+            raise
+        except Exception as exc:
+            log.exception("job %s failed", req.id)
+            error = JobFailed(f"job {req.id} failed on {placement['device_id']}: {exc}")
+            publisher.publish(_error_chunk(base, error, self.clock()))
+            raise error from None
+        finally:
+            self._job_ended(runner_id, keep_alive)
+
+    def _job_ended(self, runner_id: str, keep_alive_s: float) -> None:
+        now = self.clock()
+        left = self.state.finish(runner_id, now, keep_alive_s)
+        if left == 0 and runner_id in self.runners:
+            if keep_alive_s == 0:
+                self._unload(runner_id)
+            else:
+                self._schedule_expiry(runner_id, expires_at(now, keep_alive_s))
+
+    def _runner_for(self, req: JobRequest, placement: dict[str, Any]) -> tuple[Runner, int]:
+        runner_id = placement["runner_id"]
+        with self._load_lock:
+            runner = self.runners.get(runner_id)
+            if runner is not None:
+                return runner, 0
+            if not self.r.exists(keys.runner(runner_id)):
+                raise LoadFailed(
+                    f"the runner for {req.model!r} on {placement['device_id']} was unloaded "
+                    "before this job reached it (its load failed or it expired); "
+                    "submit the job again"
+                )
+            runner = self._load(req, placement)
+            self.runners[runner_id] = runner
+        self.state.update_runner(
+            runner_id, {"state": "ready", "loaded_at": self.clock(), "worker": self.worker_name}
+        )
+        return runner, runner.load_duration_ns
+
+    def _load(self, req: JobRequest, placement: dict[str, Any]) -> Runner:
+        runner_id = placement["runner_id"]
+        try:
+            path = self.registry.resolve(req.model)
+            read_model_info(path)  # a clear error for a bad file before llama.cpp sees it
+            config = RunnerConfig(**placement["config"])
+            return Runner(
+                runner_id,
+                req.model,
+                str(path),
+                config,
+                [placement["device_id"]],
+                n_gpu_layers=int(placement.get("n_gpu_layers", 0)),
+                n_threads=self.settings.cpu_threads or None,
+                keep_alive_s=effective_keep_alive(req.keep_alive_s, self.settings.keep_alive_s),
+            )
+        except (GgufqError, ValueError, RuntimeError, OSError) as exc:
+            self._release(runner_id, [placement["device_id"]])
+            if isinstance(exc, InvalidModelFile | LoadFailed):
+                raise
+            raise LoadFailed(
+                f"llama.cpp could not load model {req.model!r} ({exc}); check that the file is a "
+                "complete GGUF of an architecture this llama.cpp supports (`ggufq models`)"
+            ) from None
+
+    # -- unloading --------------------------------------------------------------------------
+    def request_unload(self, runner_id: str) -> bool:
+        """Unload a runner if it is idle (placement asks this to make room)."""
+        if runner_id not in self.runners:
+            return False
+        self._schedule_expiry(runner_id, None)
+        return self._unload(runner_id)
+
+    def _unload(self, runner_id: str, force: bool = False) -> bool:
+        if not self.state.begin_unload(runner_id, force=force) and self.r.exists(
+            keys.runner(runner_id)
+        ):
+            return False  # a job arrived meanwhile, or another unload is under way
+        runner = self.runners.pop(runner_id, None)
+        device_ids = runner.device_ids if runner else []
+        if runner is not None:
+            runner.close()
+        self._release(runner_id, device_ids)
+        log.info("unloaded runner %s", runner_id)
+        return True
+
+    def _release(self, runner_id: str, device_ids: list[str]) -> None:
+        held = device_ids or [d.id for d in self.devices]
+        self.state.release(runner_id, held)
+
+    @property
+    def worker_name(self) -> str:
+        return self.devices[0].worker if self.devices else ""
+
+
+def _error_chunk(base: dict[str, Any], exc: GgufqError, now: float) -> dict[str, Any]:
+    return dict(
+        base,
+        created_at=now,
+        response="",
+        done=True,
+        done_reason="error",
+        error={"code": exc.code, "message": str(exc)},
+    )
