@@ -36,15 +36,12 @@ class RunnerConfig:
 
 def choose_num_ctx(requested: int | None, default: int, trained: int) -> tuple[int, str | None]:
     """Context per slot as Ollama chooses it, with a warning when the request was changed."""
-    num_ctx = requested if requested is not None else default
-    if num_ctx > trained:
-        warning = (
-            f"num_ctx {num_ctx} is above the model's trained context {trained}; using {trained}"
-        )
+    if requested is None:
+        return max(4, min(default, trained)), None
+    if requested > trained:
+        warning = f"num_ctx {requested} is above the model's trained context {trained}; using {trained}"
         return trained, warning
-    if requested is None and default > trained:
-        return trained, None
-    return max(4, num_ctx), None
+    return max(4, requested), None
 
 
 def kv_cache_bytes(info: ModelInfo, config: RunnerConfig) -> int:

@@ -75,7 +75,7 @@ def _parse(path: Path, file_size: int) -> ModelInfo:
             raise InvalidModelFile(f"{path} is truncated ({file_size} bytes): copy it again")
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             try:
-                header = parse_header(memoryview(mm))
+                header = parse_header(mm)
             except GGUFFormatError as exc:
                 raise InvalidModelFile(
                     f"{path} is not a readable GGUF file ({exc}); it is truncated or corrupt: "
@@ -127,10 +127,15 @@ def _parse(path: Path, file_size: int) -> ModelInfo:
     )
 
 
+# Far above any real model, far below what would overflow an estimate.
+_LIMITS = {"block_count": 1 << 14, "embedding_length": 1 << 20, "context_length": 1 << 26}
+
+
 def _positive(path: Path, key: str, value: Any) -> int:
     if value is None:
         raise InvalidModelFile(f"{path} lacks the required key {key}; export the model again")
-    if not isinstance(value, int) or value <= 0 or value > 1 << 40:
+    limit = _LIMITS[key.rsplit(".", 1)[-1]]
+    if not isinstance(value, int) or value <= 0 or value > limit:
         raise InvalidModelFile(f"{path} has an absurd {key} = {value!r}; export the model again")
     return value
 

@@ -8,6 +8,7 @@ constants. Pure: bytes in, values out; malformed input raises GGUFFormatError.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -60,31 +61,41 @@ class GGUFHeader:
 
 
 class _Cursor:
-    def __init__(self, buf: memoryview) -> None:
+    """Reads from bytes or an mmap without exporting buffers (an mmap must stay closable)."""
+
+    def __init__(self, buf: bytes | mmap.mmap) -> None:
         self.buf = buf
+        self.size = len(buf)
         self.pos = 0
 
-    def take(self, n: int) -> memoryview:
-        if n < 0 or self.pos + n > len(self.buf):
+    def _advance(self, n: int) -> int:
+        if n < 0 or self.pos + n > self.size:
             raise GGUFFormatError(f"header ends early: needs {n} bytes at offset {self.pos}")
-        view = self.buf[self.pos : self.pos + n]
+        start = self.pos
         self.pos += n
-        return view
+        return start
+
+    def take(self, n: int) -> bytes:
+        start = self._advance(n)
+        return bytes(self.buf[start : start + n])
+
+    def skip(self, n: int) -> None:
+        self._advance(n)
 
     def unpack(self, fmt: str) -> Any:
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+        start = self._advance(struct.calcsize(fmt))
+        return struct.unpack_from(fmt, self.buf, start)[0]
 
     def string(self) -> str:
-        length = self.unpack("<Q")
-        return bytes(self.take(length)).decode("utf-8", errors="replace")
+        return self.take(self.unpack("<Q")).decode("utf-8", errors="replace")
 
     def skip_string(self) -> None:
-        self.take(self.unpack("<Q"))
+        self.skip(self.unpack("<Q"))
 
 
-def parse_header(buf: memoryview | bytes) -> GGUFHeader:
-    cur = _Cursor(memoryview(buf))
-    if bytes(cur.take(4)) != b"GGUF":
+def parse_header(buf: bytes | mmap.mmap) -> GGUFHeader:
+    cur = _Cursor(buf)
+    if cur.take(4) != b"GGUF":
         raise GGUFFormatError("wrong magic: not a GGUF file")
     version = cur.unpack("<I")
     if version not in (2, 3):
@@ -113,7 +124,7 @@ def _value(cur: _Cursor, vtype: int) -> Any:
             for _ in range(length):
                 cur.skip_string()
         elif item_type in _SCALAR:
-            cur.take(struct.calcsize(_SCALAR[GGUFValueType(item_type)]) * length)
+            cur.skip(struct.calcsize(_SCALAR[GGUFValueType(item_type)]) * length)
         else:
             raise GGUFFormatError(f"array of type {item_type} is too long to skip")
         return SkippedArray(length)

@@ -93,3 +93,20 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     types += [gguf.TokenType.NORMAL] * len(pieces)
     scores = [0.0] * (len(tokens) - len(pieces)) + [-float(i) for i in range(len(pieces))]
     return tokens, scores, [int(t) for t in types]
+
+
+def write_unknown_arch(path: Path) -> Path:
+    """A well-formed GGUF whose architecture llama.cpp does not know: loading must fail."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "notanarch")
+    writer.add_context_length(512)
+    writer.add_embedding_length(8)
+    writer.add_block_count(1)
+    writer.add_head_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

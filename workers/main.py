@@ -12,6 +12,7 @@ from celery import signals
 
 from scheduler import keys
 from scheduler.celery_app import make_app
+from scheduler.errors import GgufqError
 from scheduler.localstack import resolve_redis_url
 from scheduler.registry import Registry
 from scheduler.settings import Settings, get_settings
@@ -33,7 +34,7 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
     client = redis.Redis.from_url(redis_url)
     runtime = WorkerRuntime(settings, client, devices, Registry(settings.models_dir))
 
-    @app.task(name=keys.TASK_RUN, bind=True)
+    @app.task(name=keys.TASK_RUN, bind=True, throws=(GgufqError,))
     def run(self: Any, job: dict[str, Any], placement: dict[str, Any]) -> dict[str, Any]:
         return runtime.run_job(job, placement)
 

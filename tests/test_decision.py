@@ -1,0 +1,121 @@
+"""The pure placement decision, branch by branch (numbers as in decide's docstring)."""
+
+from __future__ import annotations
+
+from scheduler.decision import (
+    DeviceState,
+    Evict,
+    JobNeeds,
+    Load,
+    Park,
+    Refuse,
+    Route,
+    RunnerState,
+    Snapshot,
+    decide,
+)
+
+GIB = 1 << 30
+
+
+def dev(id: str, total: float, free: float | None = None, reserved: float = 0, kind: str = "vgpu"
+        ) -> DeviceState:
+    return DeviceState(id=id, worker="w@h", queue="q." + id, kind=kind,  # type: ignore[arg-type]
+                       total=int(total * GIB), reported_free=int((free or total) * GIB),
+                       reserved=int(reserved * GIB))
+
+
+def runner(id: str, model: str, device: str, gib: float, in_flight: int = 0,
+           expires_at: float = 100.0, config: str = "c1", state: str = "ready",
+           last_used: float = 0.0) -> RunnerState:
+    return RunnerState(id=id, model=model, config_key=config, devices={device: int(gib * GIB)},
+                       state=state, in_flight=in_flight, expires_at=expires_at,  # type: ignore[arg-type]
+                       last_used=last_used)
+
+
+def job(model: str = "m", gib: float = 2, config: str = "c1") -> JobNeeds:
+    return JobNeeds(model=model, config_key=config, bytes=int(gib * GIB))
+
+
+def run(needs: JobNeeds, devices: list[DeviceState], runners: list[RunnerState] | None = None,
+        parked: int = 0, policy: str = "binpack", max_loaded: int = 3):
+    return decide(needs, Snapshot(devices, runners or [], parked), policy,  # type: ignore[arg-type]
+                  now=50.0, max_queue=4, max_loaded=max_loaded)
+
+
+def test_0_no_devices_refuses_with_hint() -> None:
+    out = run(job(), [])
+    assert isinstance(out, Refuse) and out.code == "no_workers" and "ggufq up" in out.reason
+
+
+def test_1_routes_to_least_busy_compatible_replica() -> None:
+    devices = [dev("a", 8, reserved=4), dev("b", 8, reserved=4)]
+    runners = [runner("r1", "m", "a", 2, in_flight=3), runner("r2", "m", "b", 2, in_flight=1)]
+    assert run(job(), devices, runners) == Route("r2", "b")
+
+
+def test_1_never_routes_to_unloading_runner() -> None:
+    devices = [dev("a", 8, reserved=2)]
+    runners = [runner("r1", "m", "a", 2, state="unloading")]
+    assert isinstance(run(job(), devices, runners), Load)
+
+
+def test_2_idle_runner_with_other_config_is_evicted_for_reload() -> None:
+    devices = [dev("a", 8, reserved=2)]
+    runners = [runner("r1", "m", "a", 2, config="old")]
+    assert run(job(config="new"), devices, runners) == Evict(["r1"])
+
+
+def test_2_busy_runner_with_other_config_gets_a_neighbour() -> None:
+    devices = [dev("a", 8, reserved=2)]
+    runners = [runner("r1", "m", "a", 2, config="old", in_flight=1)]
+    assert run(job(config="new"), devices, runners) == Load("a", 2 * GIB)
+
+
+def test_3_binpack_picks_tightest_fit_and_spread_the_roomiest() -> None:
+    devices = [dev("big", 24), dev("small", 4), dev("mid", 8)]
+    assert run(job(gib=3), devices) == Load("small", 3 * GIB)
+    assert run(job(gib=3), devices, policy="spread") == Load("big", 3 * GIB)
+
+
+def test_3_gpus_before_cpu() -> None:
+    devices = [dev("cpu", 64, kind="cpu"), dev("g", 8, kind="gpu")]
+    assert run(job(gib=3), devices) == Load("g", 3 * GIB)
+
+
+def test_3_free_is_min_of_reported_and_unreserved() -> None:
+    devices = [dev("a", 8, free=1)]  # the driver says 1 GiB free whatever we reserved
+    assert isinstance(run(job(gib=2), devices), Park)
+
+
+def test_5_evicts_fewest_idle_runners_expiring_soonest() -> None:
+    devices = [dev("a", 8, reserved=7)]
+    runners = [runner("old", "x", "a", 3, expires_at=60), runner("new", "y", "a", 4, expires_at=90)]
+    assert run(job(gib=3), devices, runners) == Evict(["old"])
+
+
+def test_5_never_evicts_busy_runners_and_parks() -> None:
+    devices = [dev("a", 8, reserved=7)]
+    runners = [runner("busy", "x", "a", 7, in_flight=1)]
+    out = run(job(gib=3), devices, runners)
+    assert isinstance(out, Park) and "busy" in out.reason
+
+
+def test_5_max_loaded_forces_an_eviction() -> None:
+    devices = [dev("a", 80, reserved=3)]
+    runners = [runner(f"r{i}", f"x{i}", "a", 1, expires_at=60 + i) for i in range(3)]
+    assert run(job(gib=1), devices, runners, max_loaded=3) == Evict(["r0"])
+
+
+def test_8_too_many_parked_refuses_at_once() -> None:
+    devices = [dev("a", 8, reserved=7)]
+    runners = [runner("busy", "x", "a", 7, in_flight=1)]
+    out = run(job(gib=3), devices, runners, parked=4)
+    assert isinstance(out, Refuse) and out.code == "server_busy" and "max_queue 4" in out.reason
+
+
+def test_9_larger_than_any_device_refuses_with_sizes() -> None:
+    out = run(job(gib=30), [dev("a", 8), dev("b", 16)])
+    assert isinstance(out, Refuse) and out.code == "no_capacity"
+    assert "30.0 GiB" in out.reason and "16.0 GiB" in out.reason
+    assert set(out.per_device) == {"a", "b"}

@@ -1,0 +1,122 @@
+"""Unit tests of the pure parts: durations, sizes, protocol, keep_alive schedule, num_ctx."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.durations import format_duration, parse_duration_s
+from scheduler.errors import InvalidRequest, error_from_code, ModelNotFound
+from scheduler.estimate import choose_num_ctx
+from scheduler.keepalive import ExpirySchedule, effective_keep_alive, expires_at
+from scheduler.protocol import check_model_name, parse_request
+from scheduler.sizes import parse_bytes
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("5m", 300), ("1h30m", 5400), ("250ms", 0.25), ("0", 0), ("-1", -1), (42, 42), ("1.5s", 1.5),
+     ("-5m", -300)],
+)
+def test_durations(text: str | int, seconds: float) -> None:
+    assert parse_duration_s(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("bad", ["", "5x", "m5", "1h 30m", "five"])
+def test_bad_durations_name_the_value(bad: str) -> None:
+    with pytest.raises(ValueError, match="not valid"):
+        parse_duration_s(bad)
+
+
+def test_format_duration() -> None:
+    assert format_duration(-1) == "forever"
+    assert format_duration(299.6) == "5m00s"
+    assert format_duration(3725) == "1h02m"
+    assert format_duration(12) == "12s"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("24GB", 24 * 10**9),
+                        ("1024", 1024), ("1.5g", int(1.5 * 2**30))]
+)
+def test_sizes(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("bad", ["", "8XB", "-1GiB", "0", "lots"])
+def test_bad_sizes(bad: str) -> None:
+    with pytest.raises(ValueError, match="size"):
+        parse_bytes(bad)
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "models/tiny", "tiny.gguf", "C:\\m\\x", "a/../b"])
+def test_paths_are_not_model_names(name: str) -> None:
+    with pytest.raises(InvalidRequest, match="looks like a file path"):
+        check_model_name(name)
+
+
+@pytest.mark.parametrize("name", ["", "-x", "a b", "x" * 200, "naïve"])
+def test_bad_model_names(name: str) -> None:
+    with pytest.raises(InvalidRequest, match="not valid"):
+        check_model_name(name)
+
+
+def test_model_names_accepted() -> None:
+    for name in ["tiny", "gemma3-270m", "llama3.2_1b-q4"]:
+        assert check_model_name(name) == name
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [({"temperature": 11}, "options.temperature"), ({"top_p": 1.5}, "options.top_p"),
+     ({"num_ctx": 2}, "options.num_ctx"), ({"num_predict": -3}, "options.num_predict"),
+     ({"seed": -2}, "options.seed"), ({"bogus": 1}, "options.bogus")],
+)
+def test_invalid_options_name_field_and_range(options: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse_request({"model": "tiny", "prompt": "x", "options": options})
+    assert field in str(info.value)
+    assert "got" in str(info.value)
+
+
+def test_keep_alive_in_request_parsed() -> None:
+    assert parse_request({"model": "m", "keep_alive_s": "5m"}).keep_alive_s == 300
+    assert parse_request({"model": "m"}).keep_alive_s is None
+    with pytest.raises(InvalidRequest, match="keep_alive_s"):
+        parse_request({"model": "m", "keep_alive_s": "soon"})
+
+
+def test_error_round_trip_by_code() -> None:
+    err = error_from_code("model_not_found", "model 'x' not found")
+    assert isinstance(err, ModelNotFound) and str(err) == "model 'x' not found"
+    assert type(error_from_code("no-such-code", "m")).__name__ == "GgufqError"
+
+
+def test_keep_alive_rules() -> None:
+    assert effective_keep_alive(None, 300) == 300  # omitted keeps the runner's value
+    assert effective_keep_alive(0, 300) == 0
+    assert effective_keep_alive(-1, 300) == -1
+    assert expires_at(100.0, 300) == 400.0
+    assert expires_at(100.0, -1) is None
+
+
+def test_expiry_schedule_with_injected_time() -> None:
+    sched = ExpirySchedule()
+    sched.set("a", 10.0)
+    sched.set("b", 5.0)
+    sched.set("c", None)  # never expires
+    assert sched.next_at() == 5.0
+    assert sched.pop_due(4.9) == []
+    assert sched.pop_due(5.0) == ["b"]
+    sched.set("a", 20.0)  # a new job pushed a's expiry back
+    assert sched.pop_due(15.0) == []
+    sched.cancel("a")
+    assert sched.pop_due(100.0) == []
+    assert sched.next_at() is None
+
+
+def test_num_ctx_choice() -> None:
+    assert choose_num_ctx(None, 4096, 32768) == (4096, None)
+    assert choose_num_ctx(None, 4096, 2048) == (2048, None)
+    ctx, warning = choose_num_ctx(8192, 4096, 2048)
+    assert ctx == 2048 and warning and "8192" in warning and "2048" in warning
+    assert choose_num_ctx(512, 4096, 2048) == (512, None)
