@@ -38,6 +38,7 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 10.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.data_dir / "redis-server.log"
         self.proc = subprocess.Popen(
             [
                 redis_server_path(),
@@ -55,16 +56,18 @@ class EmbeddedRedis:
                 "noeviction",
                 "--loglevel",
                 "warning",
+                "--logfile",
+                str(log_path),
             ],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             preexec_fn=child_preexec,
         )
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                err = log_path.read_text(errors="replace") if log_path.exists() else ""
                 raise RuntimeError(f"redis-server exited at start (port {self.port}): {err}")
             try:
                 client.ping()

@@ -125,4 +125,5 @@ class GenerateResponse(BaseModel):
     eval_count: int | None = None
     eval_duration: int | None = None
     device: str | None = None
+    warnings: list[str] = Field(default_factory=list)
     error: dict[str, str] | None = None

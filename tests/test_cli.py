@@ -1,0 +1,161 @@
+"""The `ggufq` command line, run as a user runs it: in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scheduler.embedded import EmbeddedRedis
+from scheduler.stack import LocalStack
+from tests.conftest import stack_env
+
+
+def ggufq(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "scheduler.cli", *args], env={**os.environ, **env},
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.fixture()
+def cli_env(stack: LocalStack, models_dir: Path, session_dir: Path) -> dict[str, str]:
+    return {**stack_env(models_dir, session_dir / "state"), "GGUFQ_REDIS_URL": stack.redis_url}
+
+
+def test_models_lists_metadata_and_unusable_files(cli_env: dict[str, str]) -> None:
+    out = ggufq("models", env=cli_env)
+    assert out.returncode == 0, out.stderr
+    tiny = next(line for line in out.stdout.splitlines() if line.startswith("tiny "))
+    assert "llama" in tiny and "F32" in tiny and "2048" in tiny
+    assert "unusable" in next(line for line in out.stdout.splitlines() if line.startswith("notgguf"))
+    rows = {row["name"]: row for row in json.loads(ggufq("models", "--json", env=cli_env).stdout)}
+    assert rows["tiny"]["architecture"] == "llama" and rows["tiny"]["context_length"] == 2048
+
+
+def test_config_prints_every_setting(cli_env: dict[str, str]) -> None:
+    out = ggufq("config", env=cli_env)
+    assert out.returncode == 0
+    for name in ("GGUFQ_REDIS_URL", "GGUFQ_MODELS_DIR", "GGUFQ_KEEP_ALIVE_S", "GGUFQ_NUM_PARALLEL",
+                 "GGUFQ_MAX_LOADED_MODELS", "GGUFQ_MAX_QUEUE", "GGUFQ_LOAD_TIMEOUT_S",
+                 "GGUFQ_HOST_ID"):
+        assert name in out.stdout
+    assert "testhost" in out.stdout and "512" in out.stdout
+
+
+def test_run_streams_and_ps_devices_list(cli_env: dict[str, str]) -> None:
+    out = ggufq("run", "tiny", "hello", "-o", "num_predict=8", "-o", "temperature=0", "--json",
+                env=cli_env)
+    assert out.returncode == 0, out.stderr
+    final = json.loads(out.stdout)
+    assert final["done"] and final["eval_count"] <= 8
+    ps = ggufq("ps", env=cli_env)
+    assert ps.stdout.split()[:7] == ["NAME", "SIZE", "PROCESSOR", "DEVICES", "CONTEXT", "PARALLEL",
+                                     "UNTIL"]
+    assert "tiny" in ps.stdout and "100% CPU" in ps.stdout
+    devices = ggufq("devices", env=cli_env)
+    assert "cpu:testhost" in devices.stdout and "ggufq-cpu@testhost" in devices.stdout
+
+
+def test_run_errors_are_one_clear_line(cli_env: dict[str, str]) -> None:
+    out = ggufq("run", "nope", "hi", env=cli_env)
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: model 'nope' not found; available:")
+    assert "Traceback" not in out.stderr
+    bad = ggufq("run", "tiny", "hi", "-o", "temperature=99", env=cli_env)
+    assert bad.returncode == 1 and "options.temperature" in bad.stderr
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _up(env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "scheduler.cli", "up"], env={**os.environ, **env},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def _wait_up(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("ggufq is up"):
+            return line
+        if not line and proc.poll() is not None:
+            break
+    pytest.fail(f"ggufq up did not come up (exit {proc.poll()})")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_up_runs_until_signal_and_leaves_no_orphans(
+    models_dir: Path, tmp_path: Path, signum: int
+) -> None:
+    env = stack_env(models_dir, tmp_path / "state", host="uphost")
+    env.pop("GGUFQ_REDIS_URL", None)
+    proc = _up({**env, "GGUFQ_REDIS_URL": ""})
+    try:
+        _wait_up(proc)
+        children = _descendants(proc.pid)
+        names = {Path(f"/proc/{c}/cmdline").read_text().replace("\0", " ") for c in children}
+        assert any("redis-server" in n for n in names)  # the private Redis
+        run = ggufq("run", "tiny", "hi", "-o", "num_predict=4", env={**env, "GGUFQ_REDIS_URL": ""})
+        assert run.returncode == 0, run.stderr
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) == 0
+        assert not [c for c in children if _alive(c)]
+        assert not (tmp_path / "state" / "stack.json").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def test_up_with_redis_url_starts_no_redis(models_dir: Path, tmp_path: Path) -> None:
+    external = EmbeddedRedis(tmp_path / "external")
+    external.start()
+    env = {**stack_env(models_dir, tmp_path / "state", host="exthost"), "GGUFQ_REDIS_URL": external.url}
+    proc = _up(env)
+    try:
+        assert external.url in _wait_up(proc)
+        names = {Path(f"/proc/{c}/cmdline").read_text() for c in _descendants(proc.pid)}
+        assert not any("redis-server" in n for n in names)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+        external.stop()

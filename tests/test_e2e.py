@@ -1,0 +1,164 @@
+"""One job end to end through the real stack: client → placement → worker → llama.cpp."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from celery.result import AsyncResult
+
+from api_client import (
+    Client,
+    InvalidModelFile,
+    InvalidRequest,
+    LoadFailed,
+    ModelNotFound,
+    NoWorkers,
+    StackNotRunning,
+)
+from scheduler import keys
+from scheduler.embedded import EmbeddedRedis
+from scheduler.settings import Settings
+
+GREEDY = {"temperature": 0, "num_predict": 16, "seed": 7}
+
+
+def wait_for(predicate, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
+
+
+def test_generate_returns_text_and_ollama_stats(client: Client) -> None:
+    result = client.generate("tiny", "Why is the sky blue?", options=GREEDY)
+    assert result.done and result.model == "tiny"
+    assert result.done_reason in ("stop", "length")
+    assert 0 < (result.eval_count or 0) <= 16
+    assert result.prompt_eval_count and result.prompt_eval_count > 5
+    for name in ("total_duration", "prompt_eval_duration", "eval_duration"):
+        assert isinstance(getattr(result, name), int) and getattr(result, name) > 0
+    assert result.load_duration is not None and result.load_duration >= 0
+    assert (result.total_duration or 0) >= (result.eval_duration or 0)
+    assert result.device == "cpu:testhost"
+
+
+def test_greedy_output_is_repeatable(client: Client) -> None:
+    first = client.generate("tiny", "The sky is", options=GREEDY).response
+    second = client.generate("tiny", "The sky is", options=GREEDY).response
+    assert first == second and first
+
+
+def test_stream_yields_chunks_then_final_and_result_has_whole_text(client: Client) -> None:
+    job = client.submit("tiny", "Once upon a time", options=GREEDY)
+    chunks = list(job.stream())
+    assert chunks[-1].done and not any(c.done for c in chunks[:-1])
+    assert len(chunks) >= 3
+    streamed = "".join(c.response for c in chunks[:-1])
+    final = job.result()
+    assert final.response == streamed
+    assert final.eval_count == chunks[-1].eval_count
+    # One id end to end: the Celery task, the stream, the final record.
+    assert AsyncResult(job.id, app=client.app).state == "SUCCESS"
+    assert client.r.exists(keys.job_chunks(job.id))
+    assert final.job_id == job.id
+
+
+def test_generate_stream_true_iterates(client: Client) -> None:
+    chunks = list(client.generate("tiny", "hello", stream=True, options=GREEDY))
+    assert chunks[-1].done and chunks[-1].eval_count
+
+
+def test_num_ctx_above_trained_is_lowered_with_a_warning(client: Client) -> None:
+    result = client.generate("tiny", "hi", options={**GREEDY, "num_ctx": 100_000})
+    assert any("2048" in w for w in result.warnings)
+
+
+def test_unknown_model_lists_available_names(client: Client) -> None:
+    with pytest.raises(ModelNotFound) as info:
+        client.generate("llama3", "hi", options=GREEDY)
+    assert "'llama3' not found" in str(info.value) and "tiny" in str(info.value)
+
+
+def test_paths_and_bad_options_are_refused_before_submitting(client: Client) -> None:
+    with pytest.raises(InvalidRequest, match="file path"):
+        client.submit("../models/tiny", "hi")
+    with pytest.raises(InvalidRequest, match=r"options.top_p.*less than or equal to 1"):
+        client.submit("tiny", "hi", options={"top_p": 3})
+    with pytest.raises(InvalidRequest, match="keep_alive"):
+        client.submit("tiny", "hi", keep_alive="sometimes")
+
+
+def test_bad_files_fail_cleanly_and_the_worker_keeps_serving(client: Client) -> None:
+    with pytest.raises(InvalidModelFile, match="notgguf.gguf is not a GGUF file"):
+        client.generate("notgguf", "hi", options=GREEDY)
+    with pytest.raises(InvalidModelFile, match="truncated.gguf is truncated"):
+        client.generate("truncated", "hi", options=GREEDY)
+    with pytest.raises(LoadFailed, match="could not load model 'alien'"):
+        client.generate("alien", "hi", options=GREEDY)
+    # The failed load left no runner and no reservation behind.
+    assert not [r for r in client.ps() if r["model"] == "alien"]
+    runner_ids = {r["id"].encode() for r in client.ps()}
+    for device in client.devices():
+        assert set(client.r.hkeys(keys.reservations(device["id"]))) <= runner_ids
+    assert client.generate("tiny", "still there?", options=GREEDY).done
+
+
+def test_keep_alive_zero_unloads_and_releases_memory(client: Client) -> None:
+    client.generate("tiny", "hi", options=GREEDY, keep_alive=0)
+
+    def unloaded() -> bool:
+        return not client.ps() and all(d["reserved"] == "0" for d in client.devices())
+
+    assert wait_for(unloaded)
+
+
+def test_empty_prompt_preloads_and_keep_alive_zero_unloads(client: Client) -> None:
+    loaded = client.generate("tiny", "", keep_alive=-1)
+    assert loaded.done_reason == "load"
+    runners = [r for r in client.ps() if r["model"] == "tiny"]
+    assert len(runners) == 1 and runners[0]["expires_at"] == "-1"
+    # A job that omits keep_alive keeps the runner's value (never expire).
+    client.generate("tiny", "hi", options=GREEDY)
+    assert [r["expires_at"] for r in client.ps() if r["model"] == "tiny"] == ["-1"]
+    assert client.generate("tiny", "", keep_alive=0).done_reason == "unload"
+    assert wait_for(lambda: not [r for r in client.ps() if r["model"] == "tiny"])
+
+
+def test_runner_stays_resident_between_jobs(client: Client) -> None:
+    client.generate("tiny", "warm up", options=GREEDY, keep_alive="5m")
+    second = client.generate("tiny", "again", options=GREEDY)
+    assert second.load_duration == 0
+    (runner,) = [r for r in client.ps() if r["model"] == "tiny"]
+    assert runner["state"] == "ready" and runner["in_flight"] == "0"
+    assert 295 < float(runner["expires_at"]) - time.time() <= 300
+
+
+def test_no_worker_is_reported_quickly(session_dir: Path) -> None:
+    lonely = EmbeddedRedis(session_dir / "lonely")
+    lonely.start()
+    try:
+        started = time.monotonic()
+        with Client(lonely.url, timeout=60) as c, pytest.raises(NoWorkers, match="ggufq up"):
+            c.generate("tiny", "hi")
+        assert time.monotonic() - started < 5
+    finally:
+        lonely.stop()
+
+
+def test_no_stack_and_no_url_says_how_to_start(tmp_path: Path) -> None:
+    with pytest.raises(StackNotRunning, match="ggufq up"):
+        Client(settings=Settings(redis_url=None, state_dir=tmp_path))
+
+
+def test_device_registered_with_heartbeat(client: Client, r: redis.Redis) -> None:
+    (device,) = [d for d in client.devices() if d["id"] == "cpu:testhost"]
+    assert device["kind"] == "cpu" and device["worker"] == "ggufq-cpu@testhost"
+    assert int(device["total"]) > int(device["reserved"]) >= 0
+    beat = float(device["heartbeat"])
+    assert wait_for(lambda: float(r.hget(keys.device("cpu:testhost"), "heartbeat") or 0) > beat)
+    assert client.health()["ok"]

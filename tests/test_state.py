@@ -1,0 +1,127 @@
+"""Redis state and streams against a real redis-server (database 1, away from the stack)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from scheduler import keys
+from scheduler.embedded import EmbeddedRedis
+from scheduler.state import ClusterState, DeviceInfo
+from scheduler.streams import ChunkPublisher, publish_final, read_chunks
+
+GIB = 1 << 30
+
+
+@pytest.fixture()
+def db(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis(port=redis_server.port, db=1)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def vgpu(index: int, total_gib: int = 8, host: str = "h") -> DeviceInfo:
+    return DeviceInfo(id=f"vgpu:{host}:{index}", host=host, worker=f"w@{host}", name="v",
+                      kind="vgpu", total=total_gib * GIB, free=total_gib * GIB, virtual=True)
+
+
+def test_concurrent_reservations_never_over_commit(db: redis.Redis) -> None:
+    state = ClusterState(db)
+    state.register_device(vgpu(0), now=100.0)
+    won: list[str] = []
+    lock = threading.Lock()
+
+    def placer(n: int) -> None:
+        mine = ClusterState(redis.Redis(connection_pool=db.connection_pool))
+        for i in range(10):
+            rid = f"r{n}-{i}"
+            if mine.reserve(rid, "vgpu:h:0", GIB, {"model": "m"}, now=100.0, device_ttl_s=10):
+                with lock:
+                    won.append(rid)
+
+    threads = [threading.Thread(target=placer, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 8  # 60 attempts of 1 GiB on an 8 GiB device
+    reserved = sum(int(v) for v in db.hvals(keys.reservations("vgpu:h:0")))
+    assert reserved == 8 * GIB
+    for rid in won:
+        state.release(rid, ["vgpu:h:0"])
+    assert db.hlen(keys.reservations("vgpu:h:0")) == 0
+    assert db.scard(keys.RUNNERS) == 0
+
+
+def test_reported_free_limits_reservations(db: redis.Redis) -> None:
+    state = ClusterState(db)
+    state.register_device(vgpu(0), now=100.0)
+    state.heartbeat({"vgpu:h:0": GIB}, now=101.0)  # the driver says only 1 GiB is free
+    assert not state.reserve("r", "vgpu:h:0", 2 * GIB, {"model": "m"}, 101.0, 10)
+    assert state.reserve("r", "vgpu:h:0", GIB, {"model": "m"}, 101.0, 10)
+
+
+def test_stale_device_refuses_reservations_and_is_reaped(db: redis.Redis) -> None:
+    state = ClusterState(db)
+    state.register_device(vgpu(0), now=100.0)
+    state.register_device(vgpu(1), now=100.0)
+    assert state.reserve("r0", "vgpu:h:0", GIB, {"model": "m"}, 100.0, 10)
+    assert state.reserve("r1", "vgpu:h:1", GIB, {"model": "m"}, 100.0, 10)
+    state.heartbeat({"vgpu:h:1": 8 * GIB}, now=120.0)
+    assert not state.reserve("late", "vgpu:h:0", GIB, {"model": "m"}, 120.0, 10)
+    assert state.reap(now=120.0, device_ttl_s=10) == ["vgpu:h:0"]
+    assert not db.exists(keys.runner("r0")) and not db.exists(keys.reservations("vgpu:h:0"))
+    assert db.smembers(keys.RUNNERS) == {b"r1"}
+    snap = state.snapshot(now=120.0, device_ttl_s=10)
+    assert [d.id for d in snap.devices] == ["vgpu:h:1"] and [r.id for r in snap.runners] == ["r1"]
+
+
+def test_unload_waits_for_assigned_jobs(db: redis.Redis) -> None:
+    state = ClusterState(db)
+    state.register_device(vgpu(0), now=100.0)
+    assert state.reserve("r", "vgpu:h:0", GIB, {"model": "m"}, 100.0, 10)  # one job assigned
+    assert not state.begin_unload("r")  # busy
+    assert state.finish("r", now=101.0, keep_alive_s=300) == 0
+    assert float(db.hget(keys.runner("r"), "expires_at") or 0) == 401.0
+    assert state.begin_unload("r")
+    assert not state.assign("r", now=102.0)  # placement can no longer route to it
+    assert not state.begin_unload("r")  # a second unload event is a no-op
+    state.release("r", ["vgpu:h:0"])
+    state.release("r", ["vgpu:h:0"])  # repeated release is harmless
+    assert not state.update_runner("r", {"state": "ready"})  # and cannot resurrect it
+    assert not db.exists(keys.runner("r"))
+
+
+def test_stream_replays_for_late_and_reconnecting_readers(db: redis.Redis) -> None:
+    pub = ChunkPublisher(db, "job1", ttl_s=60)
+    for word in ["a", "b", "c"]:
+        pub.publish({"response": word})
+    # A late reader gets everything from the start, then live chunks.
+    reader = read_chunks(db, "job1", timeout_s=5)
+    assert [next(reader)["response"] for _ in range(3)] == ["a", "b", "c"]
+    done = threading.Timer(0.2, lambda: (pub.publish({"response": "d"}),
+                                         pub.publish({"done": True, "response": ""})))
+    done.start()
+    rest = list(reader)
+    assert [c["seq"] for c in rest] == [4, 5] and rest[-1]["done"]
+    # A reader that reconnects after seq 2 gets 3, 4, 5 once each.
+    assert [c["seq"] for c in read_chunks(db, "job1", 5, after_seq=2)] == [3, 4, 5]
+    assert 0 < db.ttl(keys.job_chunks("job1")) <= 60
+
+
+def test_final_from_another_process_continues_the_sequence(db: redis.Redis) -> None:
+    pub = ChunkPublisher(db, "job2", ttl_s=60)
+    pub.publish({"response": "x"})
+    publish_final(db, "job2", {"error": {"code": "job_failed", "message": "boom"}}, 60)
+    chunks = list(read_chunks(db, "job2", 5))
+    assert [c["seq"] for c in chunks] == [1, 2] and chunks[1]["done"]
+
+
+def test_reader_times_out_when_nothing_comes(db: redis.Redis) -> None:
+    with pytest.raises(TimeoutError):
+        list(read_chunks(db, "silent", timeout_s=0.3))
