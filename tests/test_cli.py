@@ -17,10 +17,15 @@ from scheduler.stack import LocalStack
 from tests.conftest import stack_env
 
 
-def ggufq(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def ggufq(
+    *args: str, env: dict[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "scheduler.cli", *args], env={**os.environ, **env},
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "scheduler.cli", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -34,7 +39,9 @@ def test_models_lists_metadata_and_unusable_files(cli_env: dict[str, str]) -> No
     assert out.returncode == 0, out.stderr
     tiny = next(line for line in out.stdout.splitlines() if line.startswith("tiny "))
     assert "llama" in tiny and "F32" in tiny and "2048" in tiny
-    assert "unusable" in next(line for line in out.stdout.splitlines() if line.startswith("notgguf"))
+    assert "unusable" in next(
+        line for line in out.stdout.splitlines() if line.startswith("notgguf")
+    )
     rows = {row["name"]: row for row in json.loads(ggufq("models", "--json", env=cli_env).stdout)}
     assert rows["tiny"]["architecture"] == "llama" and rows["tiny"]["context_length"] == 2048
 
@@ -42,22 +49,37 @@ def test_models_lists_metadata_and_unusable_files(cli_env: dict[str, str]) -> No
 def test_config_prints_every_setting(cli_env: dict[str, str]) -> None:
     out = ggufq("config", env=cli_env)
     assert out.returncode == 0
-    for name in ("GGUFQ_REDIS_URL", "GGUFQ_MODELS_DIR", "GGUFQ_KEEP_ALIVE_S", "GGUFQ_NUM_PARALLEL",
-                 "GGUFQ_MAX_LOADED_MODELS", "GGUFQ_MAX_QUEUE", "GGUFQ_LOAD_TIMEOUT_S",
-                 "GGUFQ_HOST_ID"):
+    for name in (
+        "GGUFQ_REDIS_URL",
+        "GGUFQ_MODELS_DIR",
+        "GGUFQ_KEEP_ALIVE_S",
+        "GGUFQ_NUM_PARALLEL",
+        "GGUFQ_MAX_LOADED_MODELS",
+        "GGUFQ_MAX_QUEUE",
+        "GGUFQ_LOAD_TIMEOUT_S",
+        "GGUFQ_HOST_ID",
+    ):
         assert name in out.stdout
     assert "testhost" in out.stdout and "512" in out.stdout
 
 
 def test_run_streams_and_ps_devices_list(cli_env: dict[str, str]) -> None:
-    out = ggufq("run", "tiny", "hello", "-o", "num_predict=8", "-o", "temperature=0", "--json",
-                env=cli_env)
+    out = ggufq(
+        "run", "tiny", "hello", "-o", "num_predict=8", "-o", "temperature=0", "--json", env=cli_env
+    )
     assert out.returncode == 0, out.stderr
     final = json.loads(out.stdout)
     assert final["done"] and final["eval_count"] <= 8
     ps = ggufq("ps", env=cli_env)
-    assert ps.stdout.split()[:7] == ["NAME", "SIZE", "PROCESSOR", "DEVICES", "CONTEXT", "PARALLEL",
-                                     "UNTIL"]
+    assert ps.stdout.split()[:7] == [
+        "NAME",
+        "SIZE",
+        "PROCESSOR",
+        "DEVICES",
+        "CONTEXT",
+        "PARALLEL",
+        "UNTIL",
+    ]
     assert "tiny" in ps.stdout and "100% CPU" in ps.stdout
     devices = ggufq("devices", env=cli_env)
     assert "cpu:testhost" in devices.stdout and "ggufq-cpu@testhost" in devices.stdout
@@ -98,8 +120,11 @@ def _alive(pid: int) -> bool:
 
 def _up(env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "scheduler.cli", "up"], env={**os.environ, **env},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "scheduler.cli", "up"],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -144,7 +169,10 @@ def test_up_runs_until_signal_and_leaves_no_orphans(
 def test_up_with_redis_url_starts_no_redis(models_dir: Path, tmp_path: Path) -> None:
     external = EmbeddedRedis(tmp_path / "external")
     external.start()
-    env = {**stack_env(models_dir, tmp_path / "state", host="exthost"), "GGUFQ_REDIS_URL": external.url}
+    env = {
+        **stack_env(models_dir, tmp_path / "state", host="exthost"),
+        "GGUFQ_REDIS_URL": external.url,
+    }
     proc = _up(env)
     try:
         assert external.url in _wait_up(proc)

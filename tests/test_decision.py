@@ -18,29 +18,63 @@ from scheduler.decision import (
 GIB = 1 << 30
 
 
-def dev(id: str, total: float, free: float | None = None, reserved: float = 0, kind: str = "vgpu"
-        ) -> DeviceState:
-    return DeviceState(id=id, worker="w@h", queue="q." + id, kind=kind,  # type: ignore[arg-type]
-                       total=int(total * GIB), reported_free=int((free or total) * GIB),
-                       reserved=int(reserved * GIB))
+def dev(
+    id: str, total: float, free: float | None = None, reserved: float = 0, kind: str = "vgpu"
+) -> DeviceState:
+    return DeviceState(
+        id=id,
+        worker="w@h",
+        queue="q." + id,
+        kind=kind,  # type: ignore[arg-type]
+        total=int(total * GIB),
+        reported_free=int((free or total) * GIB),
+        reserved=int(reserved * GIB),
+    )
 
 
-def runner(id: str, model: str, device: str, gib: float, in_flight: int = 0,
-           expires_at: float = 100.0, config: str = "c1", state: str = "ready",
-           last_used: float = 0.0) -> RunnerState:
-    return RunnerState(id=id, model=model, config_key=config, devices={device: int(gib * GIB)},
-                       state=state, in_flight=in_flight, expires_at=expires_at,  # type: ignore[arg-type]
-                       last_used=last_used)
+def runner(
+    id: str,
+    model: str,
+    device: str,
+    gib: float,
+    in_flight: int = 0,
+    expires_at: float = 100.0,
+    config: str = "c1",
+    state: str = "ready",
+    last_used: float = 0.0,
+) -> RunnerState:
+    return RunnerState(
+        id=id,
+        model=model,
+        config_key=config,
+        devices={device: int(gib * GIB)},
+        state=state,
+        in_flight=in_flight,
+        expires_at=expires_at,  # type: ignore[arg-type]
+        last_used=last_used,
+    )
 
 
 def job(model: str = "m", gib: float = 2, config: str = "c1") -> JobNeeds:
     return JobNeeds(model=model, config_key=config, bytes=int(gib * GIB))
 
 
-def run(needs: JobNeeds, devices: list[DeviceState], runners: list[RunnerState] | None = None,
-        parked: int = 0, policy: str = "binpack", max_loaded: int = 3):
-    return decide(needs, Snapshot(devices, runners or [], parked), policy,  # type: ignore[arg-type]
-                  now=50.0, max_queue=4, max_loaded=max_loaded)
+def run(
+    needs: JobNeeds,
+    devices: list[DeviceState],
+    runners: list[RunnerState] | None = None,
+    parked: int = 0,
+    policy: str = "binpack",
+    max_loaded: int = 3,
+):
+    return decide(
+        needs,
+        Snapshot(devices, runners or [], parked),
+        policy,  # type: ignore[arg-type]
+        now=50.0,
+        max_queue=4,
+        max_loaded=max_loaded,
+    )
 
 
 def test_0_no_devices_refuses_with_hint() -> None:

@@ -16,7 +16,11 @@ def test_tiny_model_metadata(models_dir: Path) -> None:
     info = read_model_info(models_dir / "tiny.gguf")
     assert info.architecture == "llama"
     assert (info.block_count, info.embedding_length, info.head_count, info.head_count_kv) == (
-        2, 64, 4, 2)
+        2,
+        64,
+        4,
+        2,
+    )
     assert info.context_length == 2048
     assert info.quantization == "F32"
     assert info.vocab_size == 3 + 256 + 35

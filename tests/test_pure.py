@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.durations import format_duration, parse_duration_s
-from scheduler.errors import InvalidRequest, error_from_code, ModelNotFound
+from scheduler.errors import InvalidRequest, ModelNotFound, error_from_code
 from scheduler.estimate import choose_num_ctx
 from scheduler.keepalive import ExpirySchedule, effective_keep_alive, expires_at
 from scheduler.protocol import check_model_name, parse_request
@@ -14,8 +14,16 @@ from scheduler.sizes import parse_bytes
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("5m", 300), ("1h30m", 5400), ("250ms", 0.25), ("0", 0), ("-1", -1), (42, 42), ("1.5s", 1.5),
-     ("-5m", -300)],
+    [
+        ("5m", 300),
+        ("1h30m", 5400),
+        ("250ms", 0.25),
+        ("0", 0),
+        ("-1", -1),
+        (42, 42),
+        ("1.5s", 1.5),
+        ("-5m", -300),
+    ],
 )
 def test_durations(text: str | int, seconds: float) -> None:
     assert parse_duration_s(text) == pytest.approx(seconds)
@@ -35,8 +43,14 @@ def test_format_duration() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "value"), [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("24GB", 24 * 10**9),
-                        ("1024", 1024), ("1.5g", int(1.5 * 2**30))]
+    ("text", "value"),
+    [
+        ("8GiB", 8 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("24GB", 24 * 10**9),
+        ("1024", 1024),
+        ("1.5g", int(1.5 * 2**30)),
+    ],
 )
 def test_sizes(text: str, value: int) -> None:
     assert parse_bytes(text) == value
@@ -48,7 +62,9 @@ def test_bad_sizes(bad: str) -> None:
         parse_bytes(bad)
 
 
-@pytest.mark.parametrize("name", ["../etc/passwd", "models/tiny", "tiny.gguf", "C:\\m\\x", "a/../b"])
+@pytest.mark.parametrize(
+    "name", ["../etc/passwd", "models/tiny", "tiny.gguf", "C:\\m\\x", "a/../b"]
+)
 def test_paths_are_not_model_names(name: str) -> None:
     with pytest.raises(InvalidRequest, match="looks like a file path"):
         check_model_name(name)
@@ -67,9 +83,14 @@ def test_model_names_accepted() -> None:
 
 @pytest.mark.parametrize(
     ("options", "field"),
-    [({"temperature": 11}, "options.temperature"), ({"top_p": 1.5}, "options.top_p"),
-     ({"num_ctx": 2}, "options.num_ctx"), ({"num_predict": -3}, "options.num_predict"),
-     ({"seed": -2}, "options.seed"), ({"bogus": 1}, "options.bogus")],
+    [
+        ({"temperature": 11}, "options.temperature"),
+        ({"top_p": 1.5}, "options.top_p"),
+        ({"num_ctx": 2}, "options.num_ctx"),
+        ({"num_predict": -3}, "options.num_predict"),
+        ({"seed": -2}, "options.seed"),
+        ({"bogus": 1}, "options.bogus"),
+    ],
 )
 def test_invalid_options_name_field_and_range(options: dict[str, object], field: str) -> None:
     with pytest.raises(InvalidRequest) as info:

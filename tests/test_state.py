@@ -26,8 +26,16 @@ def db(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
 
 
 def vgpu(index: int, total_gib: int = 8, host: str = "h") -> DeviceInfo:
-    return DeviceInfo(id=f"vgpu:{host}:{index}", host=host, worker=f"w@{host}", name="v",
-                      kind="vgpu", total=total_gib * GIB, free=total_gib * GIB, virtual=True)
+    return DeviceInfo(
+        id=f"vgpu:{host}:{index}",
+        host=host,
+        worker=f"w@{host}",
+        name="v",
+        kind="vgpu",
+        total=total_gib * GIB,
+        free=total_gib * GIB,
+        virtual=True,
+    )
 
 
 def test_concurrent_reservations_never_over_commit(db: redis.Redis) -> None:
@@ -104,8 +112,9 @@ def test_stream_replays_for_late_and_reconnecting_readers(db: redis.Redis) -> No
     # A late reader gets everything from the start, then live chunks.
     reader = read_chunks(db, "job1", timeout_s=5)
     assert [next(reader)["response"] for _ in range(3)] == ["a", "b", "c"]
-    done = threading.Timer(0.2, lambda: (pub.publish({"response": "d"}),
-                                         pub.publish({"done": True, "response": ""})))
+    done = threading.Timer(
+        0.2, lambda: (pub.publish({"response": "d"}), pub.publish({"done": True, "response": ""}))
+    )
     done.start()
     rest = list(reader)
     assert [c["seq"] for c in rest] == [4, 5] and rest[-1]["done"]
