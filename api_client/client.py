@@ -10,7 +10,7 @@ import redis
 from celery.result import AsyncResult
 
 from scheduler import keys
-from scheduler.celery_app import make_app
+from scheduler.celery_app import make_app, send_job
 from scheduler.errors import (
     GgufqError,
     JobCancelled,
@@ -23,6 +23,7 @@ from scheduler.localstack import resolve_redis_url
 from scheduler.protocol import GenerateResponse, JobRequest, Options, check_model_name
 from scheduler.protocol import parse_request as _parse
 from scheduler.settings import Settings, get_settings
+from scheduler.state import ClusterState
 from scheduler.streams import read_chunks
 
 _ALIVE_CACHE_S = 1.0
@@ -113,6 +114,7 @@ class Client:
         self.timeout = timeout
         self.r = redis.Redis.from_url(self.redis_url)
         self.app = make_app(self.redis_url, self.settings)
+        self.state = ClusterState(self.r)
         self._alive_until = 0.0
 
     def close(self) -> None:
@@ -148,12 +150,7 @@ class Client:
             }
         )
         self._check_alive()
-        self.app.send_task(
-            keys.TASK_PLACE,
-            args=[request.model_dump(mode="json")],
-            task_id=f"{request.id}.place",
-            queue=keys.PLACEMENT_QUEUE,
-        )
+        send_job(self.app, keys.TASK_PLACE, request, f"{request.id}.place", keys.PLACEMENT_QUEUE)
         return Job(self, request)
 
     @overload
@@ -178,27 +175,19 @@ class Client:
 
     # -- state ------------------------------------------------------------------------------
     def devices(self) -> list[dict[str, str]]:
-        from scheduler.state import ClusterState
-
-        return ClusterState(self.r).device_records()
+        return self.state.device_records()
 
     def ps(self) -> list[dict[str, str]]:
-        from scheduler.state import ClusterState
-
-        return ClusterState(self.r).runner_records()
+        return self.state.runner_records()
 
     def health(self) -> dict[str, Any]:
-        now = time.time()
-        devices = self.devices()
-        live = [
-            d for d in devices if now - float(d.get("heartbeat", 0)) <= self.settings.device_ttl_s
-        ]
-        placement = len(self.r.keys(keys.placement_alive_pattern()))
+        """Live devices and placement services (one Redis round trip)."""
+        devices, placement = self.state.alive_counts(time.time(), self.settings.device_ttl_s)
         return {
             "redis": self.redis_url,
-            "devices": len(live),
+            "devices": devices,
             "placement": placement,
-            "ok": bool(live) and placement > 0,
+            "ok": devices > 0 and placement > 0,
         }
 
     def _check_alive(self) -> None:

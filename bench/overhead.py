@@ -94,13 +94,25 @@ def main() -> None:
     print(f"{'':22}{'direct':>12}{'ggufq':>12}{'added':>12}")
     for key in d:
         print(f"{key:22}{d[key]:12.1f}{s[key]:12.1f}{added[key]:12.1f}")
-    print(f"requests: {args.requests} each, interleaved; tokens per request: "
-          f"direct {direct[0][2]}, ggufq {system[0][2]}")
+    print(
+        f"requests: {args.requests} each, interleaved; tokens per request: "
+        f"direct {direct[0][2]}, ggufq {system[0][2]}"
+    )
     verdict = added["latency_p50_ms"] <= 10 and added["ttft_p50_ms"] <= 10
     print(f"target (added median latency and TTFT <= 10 ms): {'met' if verdict else 'NOT met'}")
-    print(json.dumps({"bench": "overhead", "requests": args.requests, "direct": d, "ggufq": s,
-                      "added": added, "ratio_latency_p50": s["latency_p50_ms"] / d["latency_p50_ms"],
-                      "target_met": verdict}))
+    print(
+        json.dumps(
+            {
+                "bench": "overhead",
+                "requests": args.requests,
+                "direct": d,
+                "ggufq": s,
+                "added": added,
+                "ratio_latency_p50": s["latency_p50_ms"] / d["latency_p50_ms"],
+                "target_met": verdict,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

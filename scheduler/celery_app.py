@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
 
 from scheduler import keys
+from scheduler.protocol import JobRequest
 from scheduler.settings import Settings
 
 
@@ -22,12 +25,28 @@ def make_app(redis_url: str, settings: Settings) -> Celery:
         # job is never stuck behind another in a busy worker's prefetch buffer.
         worker_prefetch_multiplier=1,
         task_acks_late=False,
-        task_track_started=True,
-        task_send_sent_event=True,
-        worker_send_task_events=True,
+        task_track_started=False,
+        task_send_sent_event=False,
+        worker_send_task_events=False,
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
         broker_transport_options={"socket_keepalive": True},
         enable_utc=True,
     )
     return app
+
+
+def send_job(
+    app: Celery, task: str, req: JobRequest, task_id: str, queue: str, *extra: Any
+) -> None:
+    """Send a job's task with a short readable repr (Flower shows it; Celery's own repr of a
+    large prompt costs milliseconds per send)."""
+    prompt = req.prompt if len(req.prompt) <= 40 else req.prompt[:39] + "…"
+    app.send_task(
+        task,
+        args=[req.model_dump(mode="json"), *extra],
+        task_id=task_id,
+        queue=queue,
+        argsrepr=f"(model={req.model!r}, job={req.id}, prompt={prompt!r})",
+        kwargsrepr="{}",
+    )

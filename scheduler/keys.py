@@ -5,6 +5,8 @@ from __future__ import annotations
 PREFIX = "ggufq"
 
 DEVICES = f"{PREFIX}:devices"  # set of device ids
+HEARTBEATS = f"{PREFIX}:heartbeats"  # sorted set: device id → time of its last heartbeat
+PLACEMENT_ALIVE = f"{PREFIX}:placement:alive"  # sorted set: placement service → last beat
 RUNNERS = f"{PREFIX}:runners"  # set of runner ids
 PARKED = f"{PREFIX}:parked"  # sorted set: job id → time it parked
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
@@ -25,14 +27,6 @@ def reservations(device_id: str) -> str:
 
 def runner(runner_id: str) -> str:
     return f"{PREFIX}:runner:{runner_id}"  # hash: model, config_key, devices, state, in_flight...
-
-
-def placement_alive(name: str) -> str:
-    return f"{PREFIX}:placement:{name}"  # string with a TTL, refreshed while the service runs
-
-
-def placement_alive_pattern() -> str:
-    return f"{PREFIX}:placement:*"
 
 
 def job_chunks(job_id: str) -> str:

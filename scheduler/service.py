@@ -8,7 +8,6 @@ unload idle runners, park, or refuse with a reason.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import threading
 import time
@@ -19,7 +18,7 @@ import redis
 from celery import Celery, signals
 
 from scheduler import keys
-from scheduler.celery_app import make_app
+from scheduler.celery_app import make_app, send_job
 from scheduler.decision import Evict, JobNeeds, Load, Park, Refuse, Route, decide
 from scheduler.errors import GgufqError, error_from_code
 from scheduler.estimate import RunnerConfig, choose_num_ctx, estimate_bytes
@@ -49,7 +48,7 @@ class PlacementService:
         self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
         self._stop = threading.Event()
 
-    def place(self, job: dict[str, Any]) -> dict[str, Any]:
+    def place(self, job: dict[str, Any], was_parked: bool = False) -> dict[str, Any]:
         """Place one job. Returns what was done; raises Parked when the job must wait."""
         started = time.perf_counter_ns()
         try:
@@ -60,7 +59,8 @@ class PlacementService:
         except GgufqError as exc:
             self.fail(str(job.get("id", "")), str(job.get("model", "")), exc)
             return {"refused": exc.code, "reason": str(exc)}
-        self.r.zrem(keys.PARKED, req.id)
+        if was_parked:
+            self.r.zrem(keys.PARKED, req.id)
         return outcome
 
     def _place(self, req: JobRequest, started: int) -> dict[str, Any]:
@@ -115,12 +115,7 @@ class PlacementService:
                     raise error_from_code(code, reason)
             placement["placement_ns"] = time.perf_counter_ns() - started
             queue = keys.device_queue(placement["device_id"])
-            self.app.send_task(
-                keys.TASK_RUN,
-                args=[req.model_dump(mode="json"), placement],
-                task_id=req.id,
-                queue=queue,
-            )
+            send_job(self.app, keys.TASK_RUN, req, req.id, queue, placement)
             return {"device": placement["device_id"], "runner": placement["runner_id"]}
         self._park(req, time.time())
 
@@ -157,13 +152,12 @@ class PlacementService:
 
     def stop(self) -> None:
         self._stop.set()
-        self.r.delete(keys.placement_alive(self.name))
+        self.state.placement_gone(self.name)
 
     def _alive_loop(self) -> None:
-        ttl = max(1, int(self.settings.device_ttl_s))
         while True:
             try:
-                self.r.set(keys.placement_alive(self.name), json.dumps({"at": time.time()}), ex=ttl)
+                self.state.placement_beat(self.name, time.time(), self.settings.device_ttl_s)
                 dropped = self.state.reap(time.time(), self.settings.device_ttl_s)
                 if dropped:
                     log.warning("dropped devices without heartbeat: %s", ", ".join(dropped))
@@ -181,7 +175,7 @@ def run_service(settings: Settings) -> None:
     @app.task(name=keys.TASK_PLACE, bind=True, ignore_result=True, max_retries=None)
     def place(self: Any, job: dict[str, Any]) -> dict[str, Any]:
         try:
-            return service.place(job)
+            return service.place(job, was_parked=self.request.retries > 0)
         except Parked:
             raise self.retry(countdown=PARK_RETRY_S) from None
 

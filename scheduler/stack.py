@@ -17,7 +17,6 @@ from typing import IO
 
 import redis
 
-from scheduler import keys
 from scheduler.embedded import EmbeddedRedis
 from scheduler.localstack import clear_runtime, write_runtime
 from scheduler.procs import child_preexec
@@ -97,7 +96,9 @@ class LocalStack:
                             f"the {name} process exited with code {proc.returncode} "
                             f"while starting{self._log_hint(name)}"
                         )
-                placement = client.keys(keys.placement_alive_pattern())
+                _devices, placement = ClusterState(client).alive_counts(
+                    time.time(), self.settings.device_ttl_s
+                )
                 workers = {d.get("worker", "") for d in ClusterState(client).device_records()}
                 if placement and any(w.endswith("@" + self.settings.host_id) for w in workers):
                     return

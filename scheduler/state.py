@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cache
 from importlib import resources
 from typing import Any, cast
 
@@ -17,9 +18,13 @@ from scheduler import keys
 from scheduler.decision import DeviceState, RunnerState, Snapshot
 
 
+@cache
+def _lua_source(name: str) -> str:
+    return resources.files("scheduler").joinpath("lua", f"{name}.lua").read_text()
+
+
 def _script(client: redis.Redis, name: str) -> Any:
-    source = resources.files("scheduler").joinpath("lua", f"{name}.lua").read_text()
-    return client.register_script(source)
+    return client.register_script(_lua_source(name))
 
 
 @dataclass(frozen=True)
@@ -70,13 +75,15 @@ class ClusterState:
         pipe = self.r.pipeline()
         pipe.hset(keys.device(dev.id), mapping=cast(Any, fields))
         pipe.sadd(keys.DEVICES, dev.id)
+        pipe.zadd(keys.HEARTBEATS, {dev.id: now})
         pipe.publish(keys.EVENTS, json.dumps({"event": "device_joined", "device": dev.id}))
         pipe.execute()
 
     def heartbeat(self, free_by_device: dict[str, int], now: float) -> None:
-        pipe = self.r.pipeline()
+        pipe = self.r.pipeline(transaction=False)
         for device_id, free in free_by_device.items():
             pipe.hset(keys.device(device_id), mapping={"free": free, "heartbeat": now})
+            pipe.zadd(keys.HEARTBEATS, {device_id: now})
         pipe.execute()
 
     def deregister_devices(self, device_ids: list[str]) -> None:
@@ -88,19 +95,21 @@ class ClusterState:
             for device_id in only:  # expire these devices' heartbeats, then reap as usual
                 self.r.hset(keys.device(device_id), "heartbeat", -1e18)
             now = 0.0
-        dropped = self._reap(keys=[keys.DEVICES, keys.RUNNERS], args=[now, device_ttl_s])
+        dropped = self._reap(
+            keys=[keys.DEVICES, keys.RUNNERS, keys.HEARTBEATS], args=[now, device_ttl_s]
+        )
         return [d.decode() if isinstance(d, bytes) else d for d in dropped]
 
     # -- snapshot --------------------------------------------------------------------------
     def snapshot(self, now: float, device_ttl_s: float) -> Snapshot:
-        pipe = self.r.pipeline()
+        pipe = self.r.pipeline(transaction=False)
         pipe.smembers(keys.DEVICES)
         pipe.smembers(keys.RUNNERS)
         pipe.zcard(keys.PARKED)
         device_ids, runner_ids, parked = pipe.execute()
         device_ids = sorted(_s(d) for d in device_ids)
         runner_ids = sorted(_s(r) for r in runner_ids)
-        pipe = self.r.pipeline()
+        pipe = self.r.pipeline(transaction=False)
         for device_id in device_ids:
             pipe.hgetall(keys.device(device_id))
             pipe.hvals(keys.reservations(device_id))
@@ -131,16 +140,33 @@ class ClusterState:
                 runners.append(record)
         return Snapshot(devices=devices, runners=runners, parked=int(parked))
 
+    def alive_counts(self, now: float, ttl_s: float) -> tuple[int, int]:
+        """(devices, placement services) that beat within the last ``ttl_s`` seconds."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zcount(keys.HEARTBEATS, now - ttl_s, "+inf")
+        pipe.zcount(keys.PLACEMENT_ALIVE, now - ttl_s, "+inf")
+        devices, placement = pipe.execute()
+        return int(devices), int(placement)
+
+    def placement_beat(self, name: str, now: float, ttl_s: float) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zadd(keys.PLACEMENT_ALIVE, {name: now})
+        pipe.zremrangebyscore(keys.PLACEMENT_ALIVE, "-inf", now - 10 * ttl_s)
+        pipe.execute()
+
+    def placement_gone(self, name: str) -> None:
+        self.r.zrem(keys.PLACEMENT_ALIVE, name)
+
     def runner_records(self) -> list[dict[str, str]]:
         ids = sorted(_s(r) for r in self.r.smembers(keys.RUNNERS))
-        pipe = self.r.pipeline()
+        pipe = self.r.pipeline(transaction=False)
         for runner_id in ids:
             pipe.hgetall(keys.runner(runner_id))
         return [dict(_decode(h), id=i) for i, h in zip(ids, pipe.execute(), strict=True) if h]
 
     def device_records(self) -> list[dict[str, str]]:
         ids = sorted(_s(d) for d in self.r.smembers(keys.DEVICES))
-        pipe = self.r.pipeline()
+        pipe = self.r.pipeline(transaction=False)
         for device_id in ids:
             pipe.hgetall(keys.device(device_id))
             pipe.hvals(keys.reservations(device_id))

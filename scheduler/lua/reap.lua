@@ -1,6 +1,7 @@
 -- Drop devices whose worker stopped heartbeating, with their runners and reservations.
 -- KEYS[1] ggufq:devices   (set)
 -- KEYS[2] ggufq:runners   (set)
+-- KEYS[3] ggufq:heartbeats (sorted set) device id -> last heartbeat
 -- Also touches, by name: ggufq:device:<dev>, ggufq:resv:<dev>, ggufq:runner:<id>
 -- ARGV: now, device_ttl_s
 -- Returns the ids of the dropped devices.
@@ -19,6 +20,7 @@ for _, dev in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     end
     redis.call('DEL', 'ggufq:resv:' .. dev, 'ggufq:device:' .. dev)
     redis.call('SREM', KEYS[1], dev)
+    redis.call('ZREM', KEYS[3], dev)
     table.insert(dropped, dev)
   end
 end
