@@ -91,6 +91,11 @@ def main() -> None:
 
     d, s = summary(direct), summary(system)
     added = {k: s[k] - d[k] for k in d}
+    # Each ggufq request ran right after a direct one: the median of the pairwise
+    # differences is less exposed to slow drifts of this noisy machine than a difference
+    # of medians.
+    paired_latency = statistics.median((b[0] - a[0]) * 1000 for a, b in zip(direct, system))
+    paired_ttft = statistics.median((b[1] - a[1]) * 1000 for a, b in zip(direct, system))
     print(f"{'':22}{'direct':>12}{'ggufq':>12}{'added':>12}")
     for key in d:
         print(f"{key:22}{d[key]:12.1f}{s[key]:12.1f}{added[key]:12.1f}")
