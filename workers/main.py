@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from dataclasses import replace
 from typing import Any
 
@@ -25,9 +24,6 @@ log = logging.getLogger("ggufq.worker")
 
 
 def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = True) -> None:
-    # The consumer thread hands jobs to pool threads while a decode thread runs Python
-    # between tokens; the default 5 ms GIL switch interval would delay each hand-off.
-    sys.setswitchinterval(0.0005)
     redis_url = resolve_redis_url(settings)
     app = make_app(redis_url, settings)
     host = settings.host_id

@@ -23,7 +23,7 @@ from scheduler.protocol import JobRequest, parse_request
 from scheduler.registry import Registry
 from scheduler.settings import Settings
 from scheduler.state import ClusterState, DeviceInfo
-from scheduler.streams import ChunkPublisher
+from scheduler.streams import ChunkPublisher, ChunkWriter
 from workers.devices import reported_free
 from workers.runner import Runner
 
@@ -52,6 +52,7 @@ class WorkerRuntime:
         self._wake = threading.Condition()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.chunks = ChunkWriter(client)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -71,6 +72,7 @@ class WorkerRuntime:
         for runner_id in list(self.runners):
             self._unload(runner_id, force=True)
         self.state.deregister_devices([d.id for d in self.devices])
+        self.chunks.close()
 
     def _heartbeat_loop(self) -> None:
         while not self._stopping.wait(self.settings.heartbeat_interval_s):
@@ -102,7 +104,7 @@ class WorkerRuntime:
         received = time.perf_counter_ns()
         req = parse_request(job)
         runner_id = placement["runner_id"]
-        publisher = ChunkPublisher(self.r, req.id, self.settings.stream_ttl_s)
+        publisher = ChunkPublisher(self.r, req.id, self.settings.stream_ttl_s, self.chunks)
         base = {"model": req.model, "job_id": req.id, "device": placement["device_id"]}
         keep_alive = self.settings.keep_alive_s
         try:
@@ -131,14 +133,17 @@ class WorkerRuntime:
                 time.perf_counter_ns() - received + placement.get("placement_ns", 0)
             )
             publisher.publish(dict(final, response=""))
+            publisher.flush()  # the stream is complete before the result is stored
             return final
         except GgufqError as exc:
             publisher.publish(_error_chunk(base, exc, self.clock()))
+            publisher.flush()
             raise
         except Exception as exc:
             log.exception("job %s failed", req.id)
             error = JobFailed(f"job {req.id} failed on {placement['device_id']}: {exc}")
             publisher.publish(_error_chunk(base, error, self.clock()))
+            publisher.flush()
             raise error from None
         finally:
             self._job_ended(runner_id, keep_alive)
