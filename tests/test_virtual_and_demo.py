@@ -1,0 +1,65 @@
+"""Virtual GPUs through the whole placement path, and README's first command (`ggufq demo`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from api_client import Client
+from scheduler.stack import LocalStack
+from tests.conftest import needs_demo, settings_from, stack_env
+
+
+def test_virtual_gpus_are_advertised_and_preferred(models_dir: Path, tmp_path: Path) -> None:
+    env = stack_env(models_dir, tmp_path / "state", host="vhost")
+    settings = settings_from(env, None)  # a private Redis for this stack
+    worker = ["--virtual-gpu", "1GiB", "--virtual-gpu", "512MiB"]
+    with LocalStack(settings, worker_args=worker, log_dir=tmp_path / "logs", extra_env=env) as st:
+        with Client(st.redis_url, settings=settings, timeout=60) as client:
+            devices = {d["id"]: d for d in client.devices()}
+            assert set(devices) == {"vgpu:vhost:0", "vgpu:vhost:1"}
+            assert all(d["virtual"] == "1" and d["kind"] == "vgpu" for d in devices.values())
+            assert devices["vgpu:vhost:0"]["total"] == str(2**30)
+            assert devices["vgpu:vhost:0"]["worker"] == "ggufq-vgpu0+vgpu1@vhost"
+            result = client.generate("tiny", "hi", options={"num_predict": 4, "temperature": 0})
+            # binpack: the smaller device that holds the model
+            assert result.device == "vgpu:vhost:1"
+            (runner,) = client.ps()
+            reserved = {d["id"]: int(d["reserved"]) for d in client.devices()}
+            assert reserved == {"vgpu:vhost:0": 0, "vgpu:vhost:1": int(runner["bytes"])}
+            out = subprocess.run(
+                [sys.executable, "-m", "scheduler.cli", "devices"],
+                env={**os.environ, **env, "GGUFQ_REDIS_URL": st.redis_url},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            line = next(x for x in out.stdout.splitlines() if x.startswith("vgpu:vhost:1"))
+            assert line.rstrip().endswith("yes")
+
+
+@needs_demo
+def test_demo_command_runs_end_to_end(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "GGUFQ_STATE_DIR": str(tmp_path / "state"),
+        "GGUFQ_MODELS_DIR": str(tmp_path / "models"),
+        "GGUFQ_HOST_ID": "demohost",
+    }
+    env.pop("GGUFQ_REDIS_URL", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "scheduler.cli", "demo"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "5/5" in out.stdout and "Streaming:" in out.stdout
+    assert "gemma3-270m" in out.stdout and "100% CPU" in out.stdout
+    assert "100 degrees" in out.stdout  # "Water boils at a temperature of" at temperature 0
+    assert out.stdout.rstrip().endswith("Done.")
+    assert not (tmp_path / "state" / "stack.json").exists()
