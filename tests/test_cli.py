@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -118,14 +120,24 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _up(env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+@contextmanager
+def _up(env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
+    """`ggufq up` in a subprocess, killed and reaped whatever the test does."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "scheduler.cli", "up"],
         env={**os.environ, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
 
 
 def _wait_up(proc: subprocess.Popen[str]) -> str:
@@ -146,8 +158,7 @@ def test_up_runs_until_signal_and_leaves_no_orphans(
 ) -> None:
     env = stack_env(models_dir, tmp_path / "state", host="uphost")
     env.pop("GGUFQ_REDIS_URL", None)
-    proc = _up({**env, "GGUFQ_REDIS_URL": ""})
-    try:
+    with _up({**env, "GGUFQ_REDIS_URL": ""}) as proc:
         _wait_up(proc)
         children = _descendants(proc.pid)
         names = {Path(f"/proc/{c}/cmdline").read_text().replace("\0", " ") for c in children}
@@ -158,12 +169,6 @@ def test_up_runs_until_signal_and_leaves_no_orphans(
         assert proc.wait(timeout=60) == 0
         assert not [c for c in children if _alive(c)]
         assert not (tmp_path / "state" / "stack.json").exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
 
 
 def test_up_with_redis_url_starts_no_redis(models_dir: Path, tmp_path: Path) -> None:
@@ -173,17 +178,12 @@ def test_up_with_redis_url_starts_no_redis(models_dir: Path, tmp_path: Path) -> 
         **stack_env(models_dir, tmp_path / "state", host="exthost"),
         "GGUFQ_REDIS_URL": external.url,
     }
-    proc = _up(env)
     try:
-        assert external.url in _wait_up(proc)
-        names = {Path(f"/proc/{c}/cmdline").read_text() for c in _descendants(proc.pid)}
-        assert not any("redis-server" in n for n in names)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        with _up(env) as proc:
+            assert external.url in _wait_up(proc)
+            names = {Path(f"/proc/{c}/cmdline").read_text() for c in _descendants(proc.pid)}
+            assert not any("redis-server" in n for n in names)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
         external.stop()

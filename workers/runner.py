@@ -26,6 +26,17 @@ class GenerationStats:
     eval_count: int
     eval_duration_ns: int
 
+    def ollama_fields(self) -> dict[str, Any]:
+        """The final record's fields under Ollama's names."""
+        return {
+            "response": self.text,
+            "done_reason": self.done_reason,
+            "prompt_eval_count": self.prompt_eval_count,
+            "prompt_eval_duration": self.prompt_eval_duration_ns,
+            "eval_count": self.eval_count,
+            "eval_duration": self.eval_duration_ns,
+        }
+
 
 class Runner:
     def __init__(

@@ -119,14 +119,7 @@ class WorkerRuntime:
                 stats = runner.generate(
                     req.prompt, req.options, lambda text: publisher.publish({"response": text})
                 )
-                final.update(
-                    response=stats.text,
-                    done_reason=stats.done_reason,
-                    prompt_eval_count=stats.prompt_eval_count,
-                    prompt_eval_duration=stats.prompt_eval_duration_ns,
-                    eval_count=stats.eval_count,
-                    eval_duration=stats.eval_duration_ns,
-                )
+                final.update(stats.ollama_fields())
             if placement.get("warnings"):
                 final["warnings"] = placement["warnings"]
             final["total_duration"] = (
