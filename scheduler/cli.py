@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     command("config", cmd_config, "print the effective settings")
     p = command("models", cmd_models, "list the models jobs can name")
     p.add_argument("--json", action="store_true")
+    p = command("estimate", cmd_estimate, "memory a model needs, per component and device")
+    p.add_argument("model")
+    p.add_argument("--ctx", type=int, default=None, help="num_ctx per sequence (default 4096)")
+    p.add_argument("--parallel", type=int, default=1, help="num_parallel sequences")
+    p.add_argument("--kv-type", default="f16", help="KV cache type: f16, q8_0, q4_0, ...")
+    p.add_argument("--flash-attn", action="store_true", help="flash attention on")
+    p.add_argument("--swa-full", action="store_true", help="full-size sliding-window cache")
+    p.add_argument("--gpus", default="", help="free memory of the GPU, e.g. 24GiB (one GPU)")
+    p.add_argument("--json", action="store_true", help="the same figures in bytes")
     p = command("ps", cmd_ps, "list the loaded models (runners)")
     p.add_argument("--json", action="store_true")
     p = command("devices", cmd_devices, "list the devices and their memory")
@@ -193,6 +202,70 @@ def cmd_models(args: argparse.Namespace) -> int:
             )
         )
     print_table(["NAME", "SIZE", "ARCH", "PARAMS/QUANT", "CONTEXT", "NOTE"], rows)
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from scheduler.estimate import RunnerConfig, choose_num_ctx, estimate, max_layers_that_fit
+    from scheduler.registry import Registry
+    from scheduler.sizes import parse_bytes
+
+    settings = get_settings()
+    info = Registry(settings.models_dir).info(args.model)
+    num_ctx, warning = choose_num_ctx(args.ctx, settings.num_ctx, info.context_length)
+    cfg = RunnerConfig(
+        num_ctx=num_ctx,
+        num_parallel=args.parallel,
+        kv_type=args.kv_type,
+        flash_attn=args.flash_attn,
+        swa_full=args.swa_full,
+    )
+    gpus = [parse_bytes(g) for g in args.gpus.split(",") if g.strip()]
+    if len(gpus) > 1:
+        raise GgufqError(
+            "--gpus takes one GPU for now; splitting a model across GPUs comes "
+            "with the placement issue"
+        )
+    layers = max_layers_that_fit(info, cfg, gpus[0]) if gpus else 0
+    est = estimate(info, cfg, num_gpu=layers)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "config": cfg.__dict__,
+                    "n_gpu_layers": layers,
+                    "block_count": info.block_count,
+                    "warning": warning,
+                    "devices": [dict(d.__dict__, total=d.total) for d in est.devices],
+                    "kv_caches": [c.__dict__ for c in est.kv_caches],
+                    "total": est.total,
+                }
+            )
+        )
+        return 0
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    rows = [
+        [
+            d.device,
+            str(d.layers),
+            *(format_bytes(v) for v in (d.weights, d.kv, d.compute, d.output, d.total)),
+        ]
+        for d in est.devices
+    ]
+    print_table(["DEVICE", "LAYERS", "WEIGHTS", "KV CACHE", "COMPUTE", "OUTPUT", "TOTAL"], rows)
+    for c in est.kv_caches:
+        kind = "sliding-window" if c.swa else "full"
+        print(
+            f"KV {kind}: {len(c.layers)} layers × {c.cells} cells × {c.streams} streams "
+            f"({cfg.kv_type}) = {format_bytes(c.bytes)}"
+        )
+    if gpus:
+        print(
+            f"offload: {layers}/{info.block_count + 1} layers (output layer first) fit in "
+            f"{format_bytes(gpus[0])}"
+        )
     return 0
 
 

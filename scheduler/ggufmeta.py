@@ -38,6 +38,13 @@ class ModelInfo:
     vocab_size: int
     sliding_window: int
     has_chat_template: bool
+    feed_forward_length: int = 0
+    head_count_kv_layers: tuple[int, ...] = ()  # per layer; 0 = the layer keeps no KV
+    swa_layers: tuple[bool, ...] = ()  # per layer: uses the sliding window
+    layer_bytes: tuple[int, ...] = ()  # weights of each block (blk.N.*)
+    input_bytes: int = 0  # token embedding and other tensors outside the blocks
+    output_bytes: int = 0  # output projection and norm (0 projection when tied)
+    tied_output: bool = False
 
 
 _cache: dict[tuple[str, int, int], ModelInfo] = {}
@@ -108,6 +115,9 @@ def _parse(path: Path, file_size: int) -> ModelInfo:
     head_dim = embedding // max(heads, 1)
     tokens = fields.get("tokenizer.ggml.tokens")
     n_tokens = tokens.length if isinstance(tokens, SkippedArray) else len(tokens or [])
+    layer_bytes, input_bytes, output_bytes, tied = _tensor_groups(header, block_count)
+    kv_layers = _per_layer(fields.get(f"{arch}.attention.head_count_kv", heads), block_count)
+    sliding_window = int(get(f"{arch}.attention.sliding_window", 0) or 0)
     return ModelInfo(
         path=str(path),
         file_size=file_size,
@@ -122,9 +132,57 @@ def _parse(path: Path, file_size: int) -> ModelInfo:
         key_length=int(get(f"{arch}.attention.key_length", head_dim) or head_dim),
         value_length=int(get(f"{arch}.attention.value_length", head_dim) or head_dim),
         vocab_size=int(get(f"{arch}.vocab_size", 0) or n_tokens),
-        sliding_window=int(get(f"{arch}.attention.sliding_window", 0) or 0),
+        sliding_window=sliding_window,
         has_chat_template="tokenizer.chat_template" in fields,
+        feed_forward_length=int(get(f"{arch}.feed_forward_length", 0) or 0),
+        head_count_kv_layers=kv_layers,
+        swa_layers=swa_layers(arch, block_count, sliding_window, fields),
+        layer_bytes=layer_bytes,
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
+        tied_output=tied,
     )
+
+
+def _per_layer(value: Any, n_layer: int) -> tuple[int, ...]:
+    if isinstance(value, list):
+        return tuple(int(v) for v in value[:n_layer]) + (0,) * max(0, n_layer - len(value))
+    return (int(value or 0),) * n_layer
+
+
+def _tensor_groups(header: GGUFHeader, n_layer: int) -> tuple[tuple[int, ...], int, int, bool]:
+    """Weights per block, of the input side and of the output side, as llama.cpp places them."""
+    layers = [0] * n_layer
+    input_bytes = output_bytes = 0
+    names = {t.name for t in header.tensors}
+    for tensor in header.tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit() and int(parts[1]) < n_layer:
+            layers[int(parts[1])] += tensor.n_bytes
+        elif parts[0] in ("output", "output_norm"):
+            output_bytes += tensor.n_bytes
+        else:
+            input_bytes += tensor.n_bytes
+    return tuple(layers), input_bytes, output_bytes, "output.weight" not in names
+
+
+# Layers with sliding-window attention when the file has no per-layer pattern: one in every
+# N layers is global (llama.cpp's hparams.set_swa_pattern(N) for these architectures).
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "gpt-oss": 2, "llama4": 4}
+
+
+def swa_layers(
+    arch: str, n_layer: int, sliding_window: int, fields: dict[str, Any]
+) -> tuple[bool, ...]:
+    explicit = fields.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(explicit, list) and len(explicit) >= n_layer:
+        return tuple(bool(v) for v in explicit[:n_layer])
+    if sliding_window <= 0:
+        return (False,) * n_layer
+    period = explicit if isinstance(explicit, int) and explicit > 0 else SWA_PATTERN.get(arch)
+    if period is None:  # unknown: assume full-size caches, which over-estimates safely
+        return (False,) * n_layer
+    return tuple(i % period < period - 1 for i in range(n_layer))
 
 
 # Far above any real model, far below what would overflow an estimate.

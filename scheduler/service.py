@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import asdict
 from typing import Any, NoReturn
 
 import redis
@@ -82,7 +83,7 @@ class PlacementService:
                 self.settings.max_loaded_models,
             )
             placement: dict[str, Any] = {
-                "config": {"num_ctx": config.num_ctx, "num_parallel": config.num_parallel},
+                "config": asdict(config),
                 "warnings": [warning] if warning else [],
             }
             match decision:

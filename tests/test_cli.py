@@ -187,3 +187,23 @@ def test_up_with_redis_url_starts_no_redis(models_dir: Path, tmp_path: Path) -> 
             assert proc.wait(timeout=60) == 0
     finally:
         external.stop()
+
+
+def test_estimate_prints_devices_and_json(cli_env: dict[str, str]) -> None:
+    out = ggufq("estimate", "tiny", "--ctx", "1000", "--parallel", "2", env=cli_env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:7] == [
+        "DEVICE",
+        "LAYERS",
+        "WEIGHTS",
+        "KV",
+        "CACHE",
+        "COMPUTE",
+        "OUTPUT",
+    ]
+    assert "2 layers × 1024 cells × 2 streams" in out.stdout  # pad(2000) / 2
+    data = json.loads(ggufq("estimate", "tiny", "--gpus", "1GiB", "--json", env=cli_env).stdout)
+    assert data["n_gpu_layers"] == 3 and [d["device"] for d in data["devices"]] == ["gpu", "host"]
+    assert data["total"] == sum(d["total"] for d in data["devices"])
+    bad = ggufq("estimate", "tiny", "--kv-type", "q8_0", env=cli_env)
+    assert bad.returncode == 1 and "flash attention" in bad.stderr

@@ -32,6 +32,7 @@ def cli_commands() -> list[str]:
                 "devices",
                 "config",
                 "models",
+                "estimate",
             }:
                 commands.append(command)
     return commands

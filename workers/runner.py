@@ -16,6 +16,19 @@ from scheduler.errors import InvalidRequest, JobFailed
 from scheduler.estimate import RunnerConfig
 from scheduler.protocol import Options
 
+# ggml type ids of the KV cache types (ggml.h: GGML_TYPE_F32 = 0, F16 = 1, Q4_0 = 2, ...)
+_GGML_TYPES = {
+    "f32": 0,
+    "f16": 1,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q8_0": 8,
+    "iq4_nl": 20,
+    "bf16": 30,
+}
+
 
 @dataclass
 class GenerationStats:
@@ -59,11 +72,17 @@ class Runner:
         self.keep_alive_s = keep_alive_s
         self.turn = threading.Lock()
         started = time.perf_counter_ns()
-        n_ctx = config.num_ctx * config.num_parallel
+        kv_type = _GGML_TYPES[config.kv_type]
+        # Exactly the context the estimator sized (scheduler.estimate.context_sizes).
         self.llm = Llama(
             model_path=path,
-            n_ctx=n_ctx,
-            n_batch=min(512, n_ctx),
+            n_ctx=config.num_ctx * config.num_parallel,
+            n_batch=config.n_batch,
+            n_ubatch=config.n_ubatch,
+            flash_attn=config.flash_attn,
+            swa_full=config.swa_full,
+            type_k=kv_type,
+            type_v=kv_type,
             n_gpu_layers=n_gpu_layers,
             n_threads=n_threads,
             verbose=False,
