@@ -30,13 +30,12 @@ from scheduler.estimate import (  # noqa: E402
     MIB,
     RunnerConfig,
     compute_model_bytes,
-    context_sizes,
     estimate,
 )
 from scheduler.ggufmeta import ModelInfo, read_model_info  # noqa: E402
 from scheduler.registry import demo_installed, demo_model_path  # noqa: E402
 from tests.tinymodel import calibration_models  # noqa: E402
-from workers.measure import Measured, measure  # noqa: E402
+from workers.measure import Measured, measure_config  # noqa: E402
 
 # llama.cpp refuses a quantized V cache without flash attention, so q8_0 runs with it only.
 GRID = [
@@ -62,16 +61,7 @@ def measure_all(models: dict[str, Path], grid: list[tuple[int, int, bool, str]])
         info = read_model_info(path)
         for num_ctx, par, fa, kv in grid:
             cfg = RunnerConfig(num_ctx=num_ctx, num_parallel=par, kv_type=kv, flash_attn=fa)
-            n_ctx, _cells, _streams, _ub = context_sizes(cfg)
-            m = measure(
-                str(path),
-                n_ctx=num_ctx * par,
-                n_seq_max=par,
-                flash_attn=fa,
-                kv_type=kv,
-                n_batch=cfg.n_batch,
-                n_ubatch=cfg.n_ubatch,
-            )
+            m = measure_config(str(path), cfg)
             rows.append(Row(name, info, cfg, m))
     return rows
 

@@ -20,7 +20,7 @@ from scheduler.estimate import (
 )
 from scheduler.ggufmeta import ModelInfo, read_model_info, swa_layers
 from tests.tinymodel import calibration_models
-from workers.measure import measure
+from workers.measure import measure_config
 
 
 @pytest.fixture(scope="module")
@@ -119,15 +119,7 @@ def test_estimate_agrees_with_llama_cpp(tiny: dict[str, Path], model: str) -> No
     info: ModelInfo = read_model_info(tiny[model])
     for num_ctx, par, fa, kv in GRID:
         cfg = RunnerConfig(num_ctx, par, kv_type=kv, flash_attn=fa)
-        m = measure(
-            str(tiny[model]),
-            n_ctx=num_ctx * par,
-            n_seq_max=par,
-            flash_attn=fa,
-            kv_type=kv,
-            n_batch=cfg.n_batch,
-            n_ubatch=cfg.n_ubatch,
-        )
+        m = measure_config(str(tiny[model]), cfg)
         est = estimate(info, cfg).by_device()["host"]
         case = f"{model} num_ctx={num_ctx} parallel={par} fa={fa} kv={kv}"
         assert abs(est.kv - m.kv) <= 0.1 * MIB, case

@@ -17,28 +17,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tiny_llama(
-    path: Path,
-    *,
-    n_embd: int = 64,
-    n_layer: int = 2,
-    n_head: int = 4,
-    n_head_kv: int = 2,
-    n_ff: int = 128,
-    context_length: int = 2048,
-    seed: int = 0,
-) -> Path:
-    return write_tiny_model(
-        path,
-        "llama",
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        n_ff=n_ff,
-        context_length=context_length,
-        seed=seed,
-    )
+def write_tiny_llama(path: Path, **kw: int) -> Path:
+    return write_tiny_model(path, "llama", **kw)
 
 
 def write_tiny_model(

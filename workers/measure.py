@@ -13,6 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.estimate import RunnerConfig
+
 MIB = 1 << 20
 
 _MODEL = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB")
@@ -115,6 +117,21 @@ def measure(
 
             llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
     return parse_log("".join(lines))
+
+
+def measure_config(path: str, cfg: RunnerConfig) -> Measured:
+    """What llama.cpp allocates for the context a runner with ``cfg`` creates."""
+    return measure(
+        path,
+        n_ctx=cfg.num_ctx * cfg.num_parallel,
+        n_seq_max=cfg.num_parallel,
+        flash_attn=cfg.flash_attn,
+        kv_type=cfg.kv_type,
+        swa_full=cfg.swa_full,
+        n_batch=cfg.n_batch,
+        n_ubatch=cfg.n_ubatch,
+        n_outputs_max=cfg.n_outputs,
+    )
 
 
 def parse_log(text: str) -> Measured:
