@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any, Literal, overload
@@ -20,6 +21,7 @@ from scheduler.errors import (
     error_from_code,
 )
 from scheduler.localstack import resolve_redis_url
+from scheduler.parking import ParkedJobs
 from scheduler.protocol import GenerateResponse, JobRequest, Options, check_model_name
 from scheduler.protocol import parse_request as _parse
 from scheduler.settings import Settings, get_settings
@@ -136,6 +138,7 @@ class Client:
         options: Options | dict[str, Any] | None = None,
         keep_alive: str | float | None = None,
         priority: Literal["interactive", "batch"] = "interactive",
+        device: str | None = None,
     ) -> Job:
         check_model_name(model)
         if isinstance(options, Options):
@@ -147,10 +150,17 @@ class Client:
                 "options": options or {},
                 "keep_alive_s": keep_alive,
                 "priority": priority,
+                "device": device,
             }
         )
         self._check_alive()
-        send_job(self.app, keys.TASK_PLACE, request, f"{request.id}.place", keys.PLACEMENT_QUEUE)
+        send_job(
+            self.app,
+            keys.TASK_PLACE,
+            request,
+            f"{request.id}.place",
+            keys.placement_queue(request.priority),
+        )
         return Job(self, request)
 
     @overload
@@ -172,6 +182,44 @@ class Client:
         """
         job = self.submit(model, prompt, **kw)
         return job.stream() if stream else job.result()
+
+    def load(
+        self,
+        model: str,
+        *,
+        device: str | None = None,
+        keep_alive: str | float | None = None,
+        options: Options | dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> GenerateResponse:
+        """Load a model ahead of use (optionally on one device); returns once it is loaded."""
+        job = self.submit(model, "", options=options, keep_alive=keep_alive, device=device)
+        return job.result(timeout)
+
+    def unload(self, model: str) -> list[str]:
+        """Unload every runner of ``model`` (a busy one when its last job ends).
+
+        Returns the ids of the runners asked to unload.
+        """
+        check_model_name(model)
+        asked = []
+        devices = {d["id"]: d for d in self.devices()}
+        for runner in self.ps():
+            if runner["model"] != model:
+                continue
+            for device_id in json.loads(runner.get("devices", "{}")):
+                if device_id in devices:
+                    self.app.send_task(
+                        keys.TASK_UNLOAD,
+                        args=[runner["id"], True],
+                        queue=keys.device_queue(device_id),
+                    )
+            asked.append(runner["id"])
+        return asked
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """Parked jobs (waiting for memory), in the order they will be retried."""
+        return ParkedJobs(self.r).listing()
 
     # -- state ------------------------------------------------------------------------------
     def devices(self) -> list[dict[str, str]]:

@@ -73,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swa-full", action="store_true", help="full-size sliding-window cache")
     p.add_argument("--gpus", default="", help="free memory of the GPU, e.g. 24GiB (one GPU)")
     p.add_argument("--json", action="store_true", help="the same figures in bytes")
+    p = command("load", cmd_load, "load a model ahead of use")
+    p.add_argument("model")
+    p.add_argument("--device", help="the device id to load it on (see `ggufq devices`)")
+    p.add_argument("--keep-alive", help="how long it stays loaded when idle: 5m, 1h, -1 = forever")
+    p = command("unload", cmd_unload, "unload a model (a busy runner when its last job ends)")
+    p.add_argument("model")
+    p = command("jobs", cmd_jobs, "list jobs waiting for memory, with their position")
+    p.add_argument("--json", action="store_true")
     p = command("ps", cmd_ps, "list the loaded models (runners)")
     p.add_argument("--json", action="store_true")
     p = command("devices", cmd_devices, "list the devices and their memory")
@@ -266,6 +274,51 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             f"offload: {layers}/{info.block_count + 1} layers (output layer first) fit in "
             f"{format_bytes(gpus[0])}"
         )
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    from api_client import Client
+
+    with Client() as client:
+        result = client.load(args.model, device=args.device, keep_alive=args.keep_alive)
+    ms = (result.load_duration or 0) / 1e6
+    print(f"loaded {args.model} on {result.device} in {ms:.0f} ms")
+    return 0
+
+
+def cmd_unload(args: argparse.Namespace) -> int:
+    from api_client import Client
+
+    with Client() as client:
+        asked = client.unload(args.model)
+    if not asked:
+        print(f"{args.model} is not loaded")
+    else:
+        print(f"unloading {args.model}: {len(asked)} runner(s)")
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from api_client import Client
+
+    with Client() as client:
+        rows = client.jobs()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = [
+        [
+            str(r["position"]),
+            r["id"],
+            r["model"],
+            str(r["model_position"]),
+            r["priority"],
+            format_duration(time.time() - float(r["submitted_at"])),
+        ]
+        for r in rows
+    ]
+    print_table(["POS", "JOB", "MODEL", "MODEL POS", "PRIORITY", "WAITING"], table)
     return 0
 
 

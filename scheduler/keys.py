@@ -8,9 +8,10 @@ DEVICES = f"{PREFIX}:devices"  # set of device ids
 HEARTBEATS = f"{PREFIX}:heartbeats"  # sorted set: device id → time of its last heartbeat
 PLACEMENT_ALIVE = f"{PREFIX}:placement:alive"  # sorted set: placement service → last beat
 RUNNERS = f"{PREFIX}:runners"  # set of runner ids
-PARKED = f"{PREFIX}:parked"  # sorted set: job id → time it parked
+PARKED = f"{PREFIX}:parked"  # sorted set: job id → order (interactive first, then FIFO)
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
 PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service
+BATCH_SUFFIX = ".batch"  # batch jobs go to a sibling queue that workers drain second
 
 TASK_PLACE = "ggufq.place"
 TASK_RUN = "ggufq.run"
@@ -37,6 +38,15 @@ def job_channel(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"  # pub/sub channel: each chunk as it is produced
 
 
-def device_queue(device_id: str) -> str:
-    """The Celery queue of a device: ``gpu:host:0`` → ``ggufq.gpu.host.0``."""
-    return f"{PREFIX}." + device_id.replace(":", ".")
+def parked_job(job_id: str) -> str:
+    return f"{PREFIX}:parked:{job_id}"  # string: the parked job's JSON
+
+
+def device_queue(device_id: str, priority: str = "interactive") -> str:
+    """The Celery queue of a device: ``gpu:host:0`` → ``ggufq.gpu.host.0`` (+ ``.batch``)."""
+    base = f"{PREFIX}." + device_id.replace(":", ".")
+    return base + BATCH_SUFFIX if priority == "batch" else base
+
+
+def placement_queue(priority: str = "interactive") -> str:
+    return PLACEMENT_QUEUE + BATCH_SUFFIX if priority == "batch" else PLACEMENT_QUEUE

@@ -72,6 +72,7 @@ class JobRequest(BaseModel):
         None, description="None keeps the runner's current value; 0 unloads after; <0 never"
     )
     priority: Literal["interactive", "batch"] = "interactive"
+    device: str | None = Field(None, max_length=256, description="pin to this device id")
     submitted_at: float = Field(default_factory=time.time)
 
     @field_validator("model")

@@ -20,10 +20,11 @@ from celery import Celery, signals
 
 from scheduler import keys
 from scheduler.celery_app import make_app, send_job
-from scheduler.decision import Evict, JobNeeds, Load, Park, Refuse, Route, decide
-from scheduler.errors import GgufqError, error_from_code
+from scheduler.decision import Evict, JobNeeds, Load, Park, Refuse, Route, Snapshot, decide
+from scheduler.errors import GgufqError, InvalidRequest, error_from_code
 from scheduler.estimate import RunnerConfig, choose_num_ctx, estimate_bytes
 from scheduler.localstack import resolve_redis_url
+from scheduler.parking import ParkedJobs, park_score
 from scheduler.protocol import JobRequest, parse_request
 from scheduler.registry import Registry
 from scheduler.settings import Settings, get_settings
@@ -32,11 +33,23 @@ from scheduler.streams import publish_final
 
 log = logging.getLogger("ggufq.placement")
 
-PARK_RETRY_S = 0.25  # until the placement issue wakes parked jobs on events
-
 
 class Parked(Exception):
-    """The job waits for memory; the task retries it."""
+    """The job was parked: it waits in Redis for capacity."""
+
+
+def pinned(snap: Snapshot, device_id: str) -> Snapshot:
+    """The part of the snapshot a job pinned to one device may use."""
+    if device_id not in {d.id for d in snap.devices}:
+        alive = ", ".join(d.id for d in snap.devices) or "none"
+        raise InvalidRequest(
+            f"device {device_id!r} is not alive; alive devices: {alive} (`ggufq devices`)"
+        )
+    return Snapshot(
+        devices=[d for d in snap.devices if d.id == device_id],
+        runners=[r for r in snap.runners if set(r.devices) == {device_id}],
+        parked=snap.parked,
+    )
 
 
 class PlacementService:
@@ -46,40 +59,70 @@ class PlacementService:
         self.app = app
         self.state = ClusterState(client)
         self.registry = Registry(settings.models_dir)
+        self.parked = ParkedJobs(client)
         self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
         self._stop = threading.Event()
 
-    def place(self, job: dict[str, Any], was_parked: bool = False) -> dict[str, Any]:
-        """Place one job. Returns what was done; raises Parked when the job must wait."""
+    def place(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Place a newly submitted job: send it to a device, park it, or refuse it."""
         started = time.perf_counter_ns()
         try:
             req = parse_request(job)
-            outcome = self._place(req, started)
-        except Parked:
-            raise
+            return self._place(req, started)
+        except Parked as parked:
+            return {"parked": str(parked)}
         except GgufqError as exc:
             self.fail(str(job.get("id", "")), str(job.get("model", "")), exc)
             return {"refused": exc.code, "reason": str(exc)}
-        if was_parked:
-            self.r.zrem(keys.PARKED, req.id)
-        return outcome
 
-    def _place(self, req: JobRequest, started: int) -> dict[str, Any]:
+    def retry_parked(self) -> int:
+        """Retry parked jobs in order; returns how many left the queue.
+
+        After one job of a model parks again, later jobs of that model are not tried: they
+        could not run either, and must not overtake it.
+        """
+        moved, blocked = 0, set()
+        for req in self.parked.jobs():
+            if req.model in blocked:
+                continue
+            claimed = self.parked.claim(req.id)
+            if claimed is None:
+                continue  # another placement process took it
+            job, score = claimed
+            try:
+                self._place(job, time.perf_counter_ns(), score=score)
+                moved += 1
+            except Parked:
+                blocked.add(job.model)
+            except GgufqError as exc:
+                self.fail(job.id, job.model, exc)
+                moved += 1
+        return moved
+
+    def _place(self, req: JobRequest, started: int, score: float | None = None) -> dict[str, Any]:
+        """Decide and carry out; ``score`` is set when a parked job is retried."""
         info = self.registry.info(req.model)
         num_ctx, warning = choose_num_ctx(
             req.options.num_ctx, self.settings.num_ctx, info.context_length
         )
         config = RunnerConfig(num_ctx=num_ctx, num_parallel=self.settings.num_parallel)
         needs = JobNeeds(req.model, config.key(), estimate_bytes(info, config))
+        retry = score is not None
+        order = score if score is not None else park_score(req, time.time())
         for _attempt in range(8):  # lost races against other placers: decide again
             now = time.time()
             snap = self.state.snapshot(now, self.settings.device_ttl_s)
+            if req.device is not None:
+                snap = pinned(snap, req.device)
+            if not retry and snap.parked and req.model in self.parked.models():
+                self._park(req, order)  # behind the parked jobs of its model
             decision = decide(
                 needs,
                 snap,
                 self.settings.placement_policy,
                 now,
-                self.settings.max_queue,
+                # a retried job is already in the queue: never refuse it as "busy"
+                self.settings.max_queue + (snap.parked + 1 if retry else 0),
                 self.settings.max_loaded_models,
             )
             placement: dict[str, Any] = {
@@ -108,20 +151,20 @@ class PlacementService:
                     placement.update(runner_id=runner_id, device_id=device_id, n_gpu_layers=0)
                 case Evict(runner_ids):
                     self._evict(runner_ids, snap)
-                    self._park(req, now)
+                    self._park(req, order)
                 case Park(reason):
                     log.info("job %s parked: %s", req.id, reason)
-                    self._park(req, now)
+                    self._park(req, order)
                 case Refuse(code, reason):
                     raise error_from_code(code, reason)
             placement["placement_ns"] = time.perf_counter_ns() - started
-            queue = keys.device_queue(placement["device_id"])
+            queue = keys.device_queue(placement["device_id"], req.priority)
             send_job(self.app, keys.TASK_RUN, req, req.id, queue, placement)
             return {"device": placement["device_id"], "runner": placement["runner_id"]}
-        self._park(req, time.time())
+        self._park(req, order)
 
-    def _park(self, req: JobRequest, now: float) -> NoReturn:
-        self.r.zadd(keys.PARKED, {req.id: now}, nx=True)
+    def _park(self, req: JobRequest, score: float) -> NoReturn:
+        self.parked.park(req, score)
         raise Parked(req.id)
 
     def _evict(self, runner_ids: list[str], snap: Any) -> None:
@@ -135,7 +178,7 @@ class PlacementService:
         """End a job that will never run: a final error chunk and a FAILURE result."""
         if not job_id:
             return
-        self.r.zrem(keys.PARKED, job_id)
+        self.parked.drop(job_id)
         chunk = {
             "model": model,
             "job_id": job_id,
@@ -150,6 +193,28 @@ class PlacementService:
     # -- liveness --------------------------------------------------------------------------
     def start(self) -> None:
         threading.Thread(target=self._alive_loop, name="ggufq-placement-alive", daemon=True).start()
+        threading.Thread(target=self._wake_loop, name="ggufq-placement-wake", daemon=True).start()
+
+    def _wake_loop(self) -> None:
+        """Retry parked jobs when an event says capacity may have freed.
+
+        Pub/sub drops messages while disconnected, so a slow sweep
+        (GGUFQ_PARK_SWEEP_S) also retries; events, not the sweep, are the normal path.
+        """
+        pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(keys.EVENTS)
+        next_sweep = time.monotonic() + self.settings.park_sweep_s
+        while not self._stop.is_set():
+            try:
+                message = pubsub.get_message(timeout=1.0)
+                due = time.monotonic() >= next_sweep
+                if (message is not None or due) and self.r.zcard(keys.PARKED):
+                    self.retry_parked()
+                if due:
+                    next_sweep = time.monotonic() + self.settings.park_sweep_s
+            except redis.RedisError as exc:
+                log.warning("parked-job waker: %s", exc)
+                self._stop.wait(1.0)
 
     def stop(self) -> None:
         self._stop.set()
@@ -173,12 +238,9 @@ def run_service(settings: Settings) -> None:
     app = make_app(redis_url, settings)
     service = PlacementService(settings, redis.Redis.from_url(redis_url), app)
 
-    @app.task(name=keys.TASK_PLACE, bind=True, ignore_result=True, max_retries=None)
-    def place(self: Any, job: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return service.place(job, was_parked=self.request.retries > 0)
-        except Parked:
-            raise self.retry(countdown=PARK_RETRY_S) from None
+    @app.task(name=keys.TASK_PLACE, ignore_result=True)
+    def place(job: dict[str, Any]) -> dict[str, Any]:
+        return service.place(job)
 
     @signals.worker_ready.connect(weak=False)
     def _ready(**_: Any) -> None:
@@ -192,7 +254,7 @@ def run_service(settings: Settings) -> None:
         [
             "worker",
             "-Q",
-            keys.PLACEMENT_QUEUE,
+            f"{keys.placement_queue('interactive')},{keys.placement_queue('batch')}",
             "-P",
             "solo",  # placement takes ~2 ms: run it on the consumer thread, no hand-off
             "-c",

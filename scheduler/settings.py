@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     placement_policy: Literal["binpack", "spread"] = Field(
         "binpack", description="binpack = best fit (least free left over), spread = most free."
     )
+    park_sweep_s: float = Field(
+        5.0, gt=0, description="Safety sweep of parked jobs (they are woken by events)."
+    )
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Device heartbeat period.")
     device_ttl_s: float = Field(
         10.0, gt=0, description="A device without a heartbeat for this long is dropped."

@@ -219,12 +219,16 @@ class ClusterState:
     def begin_unload(self, runner_id: str, force: bool = False) -> bool:
         return bool(self._begin_unload(keys=[keys.runner(runner_id)], args=[int(force)]))
 
+    def announce(self, event: dict[str, Any]) -> None:
+        """Tell placement that capacity may have changed (wakes parked jobs)."""
+        self.r.publish(keys.EVENTS, json.dumps(event))
+
     def release(self, runner_id: str, device_ids: list[str]) -> None:
         self._release(
             keys=[keys.RUNNERS, keys.runner(runner_id), *map(keys.reservations, device_ids)],
             args=[runner_id],
         )
-        self.r.publish(keys.EVENTS, json.dumps({"event": "runner_unloaded", "runner": runner_id}))
+        self.announce({"event": "runner_unloaded", "runner": runner_id})
 
 
 def runner_from_hash(runner_id: str, h: dict[str, str]) -> RunnerState | None:

@@ -39,8 +39,8 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
         return runtime.run_job(job, placement)
 
     @app.task(name=keys.TASK_UNLOAD, ignore_result=True)
-    def unload(runner_id: str) -> bool:
-        return runtime.request_unload(runner_id)
+    def unload(runner_id: str, when_idle: bool = False) -> bool:
+        return runtime.request_unload(runner_id, when_idle)
 
     @signals.worker_ready.connect(weak=False)
     def _ready(**_: Any) -> None:
@@ -50,7 +50,7 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
     def _shutdown(**_: Any) -> None:
         runtime.stop()
 
-    queues = ",".join(d.queue for d in devices)
+    queues = ",".join(keys.device_queue(d.id, p) for p in ("interactive", "batch") for d in devices)
     app.worker_main(
         [
             "worker",

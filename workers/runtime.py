@@ -144,6 +144,7 @@ class WorkerRuntime:
     def _job_ended(self, runner_id: str, keep_alive_s: float) -> None:
         now = self.clock()
         left = self.state.finish(runner_id, now, keep_alive_s)
+        self.state.announce({"event": "job_finished", "runner": runner_id, "in_flight": left})
         if left == 0 and runner_id in self.runners:
             if keep_alive_s == 0:
                 self._unload(runner_id)
@@ -195,10 +196,16 @@ class WorkerRuntime:
             ) from None
 
     # -- unloading --------------------------------------------------------------------------
-    def request_unload(self, runner_id: str) -> bool:
-        """Unload a runner if it is idle (placement asks this to make room)."""
-        if runner_id not in self.runners:
+    def request_unload(self, runner_id: str, when_idle: bool = False) -> bool:
+        """Unload a runner if it is idle (placement asks this to make room).
+
+        With ``when_idle`` (``ggufq unload``) a busy runner unloads as its last job ends.
+        """
+        runner = self.runners.get(runner_id)
+        if runner is None:
             return False
+        if when_idle:
+            runner.keep_alive_s = 0
         self._schedule_expiry(runner_id, None)
         return self._unload(runner_id)
 

@@ -1,0 +1,84 @@
+"""Jobs that wait for memory, kept in Redis in the order they will be retried.
+
+Interactive jobs come before batch jobs, and each class keeps its arrival order, so jobs for
+one model keep their order. A parked job is retried when capacity may have freed (a runner
+unloaded, a job finished, a device joined), by whichever placement process claims it first.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, cast
+
+import redis
+
+from scheduler import keys
+from scheduler.protocol import JobRequest
+
+_BATCH_OFFSET = 1e12  # every batch job sorts after every interactive one
+
+
+def park_score(req: JobRequest, now: float) -> float:
+    return now + (_BATCH_OFFSET if req.priority == "batch" else 0.0)
+
+
+class ParkedJobs:
+    def __init__(self, client: redis.Redis) -> None:
+        self.r = client
+
+    def park(self, req: JobRequest, score: float) -> None:
+        """Add (or put back, at its old place) a job that cannot run yet."""
+        record = json.dumps({"job": req.model_dump(mode="json"), "score": score})
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(keys.parked_job(req.id), record)
+        pipe.zadd(keys.PARKED, {req.id: score})
+        pipe.execute()
+
+    def claim(self, job_id: str) -> tuple[JobRequest, float] | None:
+        """Take a parked job out for a retry; None when another placer took it first."""
+        if not self.r.zrem(keys.PARKED, job_id):
+            return None
+        raw = cast(bytes | None, self.r.getdel(keys.parked_job(job_id)))
+        if raw is None:
+            return None
+        record = json.loads(raw)
+        return JobRequest.model_validate(record["job"]), float(record["score"])
+
+    def drop(self, job_id: str) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zrem(keys.PARKED, job_id)
+        pipe.delete(keys.parked_job(job_id))
+        pipe.execute()
+
+    def ids(self) -> list[str]:
+        return [i.decode() for i in cast(list[bytes], self.r.zrange(keys.PARKED, 0, -1))]
+
+    def jobs(self) -> list[JobRequest]:
+        """Parked jobs in retry order."""
+        ids = self.ids()
+        if not ids:
+            return []
+        raws = cast(list[bytes | None], self.r.mget([keys.parked_job(i) for i in ids]))
+        return [
+            JobRequest.model_validate(json.loads(raw)["job"]) for raw in raws if raw is not None
+        ]
+
+    def models(self) -> set[str]:
+        return {job.model for job in self.jobs()}
+
+    def listing(self) -> list[dict[str, Any]]:
+        """One row per parked job: position overall and within its model."""
+        rows, per_model = [], {}  # type: ignore[var-annotated]
+        for position, job in enumerate(self.jobs(), 1):
+            per_model[job.model] = per_model.get(job.model, 0) + 1
+            rows.append(
+                {
+                    "id": job.id,
+                    "model": job.model,
+                    "priority": job.priority,
+                    "position": position,
+                    "model_position": per_model[job.model],
+                    "submitted_at": job.submitted_at,
+                }
+            )
+        return rows
