@@ -141,17 +141,21 @@ def decide(
         return Load(_pick(fits, job.bytes, policy).id, job.bytes)
     # 8
     if snap.parked >= max_queue:
-        return Refuse(
-            "server_busy",
-            f"server busy: {snap.parked} jobs already wait for memory (max_queue {max_queue}); "
-            "retry later or raise GGUFQ_MAX_QUEUE",
-        )
+        return server_busy(snap.parked, max_queue)
     # 5
     victims = _cheapest_victims(job, snap, live, counts, max_loaded, now)
     if victims:
         return Evict(victims)
     # 7
     return Park(f"memory for {job.model!r} ({format_bytes(job.bytes)}) is held by busy runners")
+
+
+def server_busy(parked: int, max_queue: int) -> Refuse:
+    return Refuse(
+        "server_busy",
+        f"server busy: {parked} jobs already wait for memory (max_queue {max_queue}); "
+        "retry later or raise GGUFQ_MAX_QUEUE",
+    )
 
 
 def _runner_counts(runners: list[RunnerState]) -> dict[str, int]:

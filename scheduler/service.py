@@ -20,7 +20,17 @@ from celery import Celery, signals
 
 from scheduler import keys
 from scheduler.celery_app import make_app, send_job
-from scheduler.decision import Evict, JobNeeds, Load, Park, Refuse, Route, Snapshot, decide
+from scheduler.decision import (
+    Evict,
+    JobNeeds,
+    Load,
+    Park,
+    Refuse,
+    Route,
+    Snapshot,
+    decide,
+    server_busy,
+)
 from scheduler.errors import GgufqError, InvalidRequest, error_from_code
 from scheduler.estimate import RunnerConfig, choose_num_ctx, estimate_bytes
 from scheduler.localstack import resolve_redis_url
@@ -36,6 +46,12 @@ log = logging.getLogger("ggufq.placement")
 
 class Parked(Exception):
     """The job was parked: it waits in Redis for capacity."""
+
+
+def behind_parked(model: str, parked: int, max_queue: int) -> Park | Refuse:
+    if parked >= max_queue:
+        return server_busy(parked, max_queue)
+    return Park(f"earlier jobs for {model!r} are waiting")
 
 
 def pinned(snap: Snapshot, device_id: str) -> Snapshot:
@@ -114,8 +130,6 @@ class PlacementService:
             snap = self.state.snapshot(now, self.settings.device_ttl_s)
             if req.device is not None:
                 snap = pinned(snap, req.device)
-            if not retry and snap.parked and req.model in self.parked.models():
-                self._park(req, order)  # behind the parked jobs of its model
             decision = decide(
                 needs,
                 snap,
@@ -125,6 +139,15 @@ class PlacementService:
                 self.settings.max_queue + (snap.parked + 1 if retry else 0),
                 self.settings.max_loaded_models,
             )
+            if (
+                not retry
+                and isinstance(decision, Load | Evict)
+                and snap.parked
+                and req.model in self.parked.models()
+            ):
+                # A loaded runner takes a job at once; a job that needs a new runner waits
+                # behind the parked jobs of its model, so that a model's jobs keep their order.
+                decision = behind_parked(req.model, snap.parked, self.settings.max_queue)
             placement: dict[str, Any] = {
                 "config": asdict(config),
                 "warnings": [warning] if warning else [],

@@ -1,0 +1,221 @@
+"""Property tests: the pure decision on random snapshots, and a simulated cluster in which
+several placers decide on stale snapshots and commit through an atomic re-check (as the
+Lua scripts do), with random arrivals, completions, expiries and worker deaths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.decision import (
+    DeviceState,
+    Evict,
+    JobNeeds,
+    Load,
+    Park,
+    Refuse,
+    Route,
+    RunnerState,
+    Snapshot,
+    decide,
+)
+
+GIB = 1 << 30
+MODELS = {f"m{i}": (i % 4 + 1) * GIB for i in range(6)}  # model → bytes
+
+
+@st.composite
+def snapshots(draw: st.DrawFn) -> tuple[Snapshot, JobNeeds]:
+    devices = []
+    runners = []
+    for d in range(draw(st.integers(1, 4))):
+        total = draw(st.integers(2, 12)) * GIB
+        used = 0
+        for r in range(draw(st.integers(0, 3))):
+            model = draw(st.sampled_from(sorted(MODELS)))
+            size = MODELS[model]
+            if used + size > total:
+                break
+            used += size
+            runners.append(
+                RunnerState(
+                    id=f"r{d}{r}",
+                    model=model,
+                    config_key=draw(st.sampled_from(["a", "b"])),
+                    devices={f"d{d}": size},
+                    state=draw(st.sampled_from(["loading", "ready", "unloading"])),
+                    in_flight=draw(st.integers(0, 2)),
+                    expires_at=draw(st.floats(-1, 100)),
+                    last_used=draw(st.floats(0, 100)),
+                )
+            )
+        free = draw(st.integers(0, total))
+        devices.append(
+            DeviceState(
+                id=f"d{d}",
+                worker="w",
+                queue=f"q{d}",
+                kind=draw(st.sampled_from(["gpu", "vgpu", "cpu"])),
+                total=total,
+                reported_free=free,
+                reserved=used,
+            )
+        )
+    model = draw(st.sampled_from(sorted(MODELS)))
+    job = JobNeeds(model, draw(st.sampled_from(["a", "b"])), MODELS[model])
+    return Snapshot(devices, runners, parked=draw(st.integers(0, 5))), job
+
+
+@settings(max_examples=400, deadline=None)
+@given(snapshots())
+def test_decision_is_always_admissible(case: tuple[Snapshot, JobNeeds]) -> None:
+    snap, job = case
+    decision = decide(job, snap, "binpack", now=50.0, max_queue=4, max_loaded=3)
+    devices = {d.id: d for d in snap.devices}
+    runners = {r.id: r for r in snap.runners}
+    match decision:
+        case Route(runner_id, device_id):
+            r = runners[runner_id]
+            assert (r.model, r.config_key) == (job.model, job.config_key)
+            assert r.state != "unloading" and device_id in r.devices
+        case Load(device_id, nbytes):
+            assert nbytes == job.bytes and devices[device_id].free >= nbytes
+            live = [r for r in snap.runners if r.state != "unloading" and device_id in r.devices]
+            assert len(live) < 3
+        case Evict(ids):
+            assert ids and all(
+                runners[i].in_flight == 0 and runners[i].state != "unloading" for i in ids
+            )
+        case Refuse("no_capacity", _):
+            assert job.bytes > max(d.total for d in snap.devices)
+        case Refuse("server_busy", _):
+            assert snap.parked >= 4
+        case Park(_):
+            assert not any(d.free >= job.bytes for d in snap.devices) or any(
+                len([r for r in snap.runners if i in r.devices and r.state != "unloading"]) >= 3
+                for i in devices
+            )
+        case _:
+            raise AssertionError(decision)
+
+
+@dataclass
+class Cluster:
+    """In-memory Redis: commits re-check capacity atomically, like reserve.lua."""
+
+    total: dict[str, int]
+    alive: set[str] = field(default_factory=set)
+    runners: dict[str, RunnerState] = field(default_factory=dict)
+    counter: int = 0
+
+    def reserved(self, device: str) -> int:
+        return sum(r.devices.get(device, 0) for r in self.runners.values())
+
+    def snapshot(self, parked: int) -> Snapshot:
+        devices = [
+            DeviceState(d, "w", d, "vgpu", t, t, self.reserved(d))
+            for d, t in self.total.items()
+            if d in self.alive
+        ]
+        live = [r for r in self.runners.values() if set(r.devices) <= self.alive]
+        return Snapshot(devices, live, parked)
+
+    def commit(self, decision: object, job: JobNeeds) -> str:
+        match decision:
+            case Route(rid, _) if rid in self.runners and self.runners[rid].state != "unloading":
+                r = self.runners[rid]
+                self.runners[rid] = replace(r, in_flight=r.in_flight + 1)
+                return "served"
+            case Load(dev, nbytes) if dev in self.alive and (
+                self.total[dev] - self.reserved(dev) >= nbytes
+            ):
+                self.counter += 1
+                rid = f"r{self.counter}"
+                self.runners[rid] = RunnerState(
+                    rid, job.model, job.config_key, {dev: nbytes}, "ready", 1, -1, 0
+                )
+                return "served"
+            case Evict(ids):
+                for rid in ids:
+                    if rid in self.runners and self.runners[rid].in_flight == 0:
+                        del self.runners[rid]
+                return "parked"
+            case Park(_):
+                return "parked"
+            case Refuse(code, _):
+                return "refused:" + code
+        return "lost race"
+
+
+events = st.lists(
+    st.one_of(
+        st.tuples(st.just("arrive"), st.sampled_from(sorted(MODELS)), st.integers(0, 2)),
+        st.tuples(st.just("finish"), st.integers(0, 50), st.just(0)),
+        st.tuples(st.just("expire"), st.integers(0, 50), st.just(0)),
+        st.tuples(st.just("die"), st.integers(0, 2), st.just(0)),
+        st.tuples(st.just("join"), st.integers(0, 2), st.just(0)),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(events, st.integers(1, 3))
+def test_simulated_cluster_keeps_invariants(trace: list, placers: int) -> None:
+    cluster = Cluster(total={"d0": 4 * GIB, "d1": 6 * GIB, "d2": 8 * GIB}, alive={"d0", "d1", "d2"})
+    parked: list[JobNeeds] = []
+    outcomes: list[str] = []
+    stale = [cluster.snapshot(0) for _ in range(placers)]  # each placer's last view
+    for step, (kind, arg, placer) in enumerate(trace):
+        if kind == "arrive":
+            job = JobNeeds(arg, "a", MODELS[arg])
+            view = stale[placer % placers]
+            outcome = cluster.commit(decide(job, view, "binpack", step, 8, 3), job)
+            if outcome == "lost race":  # re-decide on a fresh snapshot, as the service does
+                fresh = cluster.snapshot(len(parked))
+                outcome = cluster.commit(decide(job, fresh, "binpack", step, 8, 3), job)
+            if outcome in ("parked", "lost race"):
+                parked.append(job)
+            else:
+                outcomes.append(outcome)
+        elif kind == "finish" and cluster.runners:
+            rid = sorted(cluster.runners)[arg % len(cluster.runners)]
+            r = cluster.runners[rid]
+            cluster.runners[rid] = replace(r, in_flight=max(0, r.in_flight - 1))
+        elif kind == "expire" and cluster.runners:
+            rid = sorted(cluster.runners)[arg % len(cluster.runners)]
+            if cluster.runners[rid].in_flight == 0:
+                del cluster.runners[rid]
+        elif kind == "die":  # the reaper drops a dead worker's device, runners and reservations
+            dev = f"d{arg}"
+            cluster.alive.discard(dev)
+            cluster.runners = {k: r for k, r in cluster.runners.items() if dev not in r.devices}
+        elif kind == "join":
+            cluster.alive.add(f"d{arg}")
+        stale[step % placers] = cluster.snapshot(len(parked))
+        # wake parked jobs on every event, in order
+        still = []
+        for job in parked:
+            outcome = cluster.commit(
+                decide(job, cluster.snapshot(len(still)), "binpack", step, 10**6, 3), job
+            )
+            (still.append(job) if outcome in ("parked", "lost race") else outcomes.append(outcome))
+        parked = still
+        for dev, total in cluster.total.items():
+            assert cluster.reserved(dev) <= total, "over-committed"
+        for r in cluster.runners.values():
+            assert set(r.devices) <= cluster.alive, "runner leaked on a dead device"
+    # Drain: finish everything; every job ends served or refused with a reason.
+    cluster.alive = set(cluster.total)
+    for _ in range(len(parked) + 1):
+        cluster.runners = {k: replace(r, in_flight=0) for k, r in cluster.runners.items()}
+        still = []
+        for job in parked:
+            outcome = cluster.commit(decide(job, cluster.snapshot(0), "binpack", 0, 10**6, 3), job)
+            (still.append(job) if outcome in ("parked", "lost race") else outcomes.append(outcome))
+        parked = still
+    assert not parked
+    assert all(o == "served" or o.startswith("refused:") for o in outcomes)

@@ -1,0 +1,98 @@
+"""Parked jobs on a real stack: they wait for memory, are woken by events, never block
+jobs for a loaded model, and keep the queue bounded."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from api_client import Client, InvalidRequest, ServerBusy
+from scheduler.estimate import RunnerConfig, estimate_bytes
+from scheduler.ggufmeta import read_model_info
+from scheduler.stack import LocalStack
+from tests.conftest import settings_from, stack_env
+from tests.tinymodel import write_tiny_model
+
+
+def wait_for(predicate, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return bool(predicate())
+
+
+@pytest.fixture(scope="module")
+def one_slot_stack(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A virtual GPU that holds one runner of `slow` at a time; events are the only waker."""
+    root = tmp_path_factory.mktemp("parking")
+    models = root / "models"
+    models.mkdir()
+    path = write_tiny_model(
+        models / "slow.gguf",
+        "llama",
+        n_embd=256,
+        n_ff=768,
+        n_head=8,
+        n_head_kv=2,
+        n_layer=4,
+        context_length=8192,
+    )
+    info = read_model_info(path)
+    big = estimate_bytes(info, RunnerConfig(8192))
+    small = estimate_bytes(info, RunnerConfig(4096))
+    env = {
+        **stack_env(models, root / "state", host="parkhost"),
+        "GGUFQ_PARK_SWEEP_S": "600",
+        "GGUFQ_MAX_QUEUE": "1",
+    }
+    settings = settings_from(env, None)
+    worker = ["--virtual-gpu", str(big + small // 2)]
+    with LocalStack(settings, worker_args=worker, log_dir=root / "logs", extra_env=env) as st:
+        with Client(st.redis_url, settings=settings, timeout=120) as client:
+            yield client
+
+
+LONG = {"temperature": 0, "num_predict": 6000, "num_ctx": 8192}
+
+
+def test_parked_job_waits_then_runs_and_loaded_model_is_not_blocked(
+    one_slot_stack: Client,
+) -> None:
+    client = one_slot_stack
+    a = client.submit("slow", "a", options=LONG)
+    assert wait_for(
+        lambda: any(r["in_flight"] == "1" and r["state"] == "ready" for r in client.ps())
+    )
+    b = client.submit("slow", "b", options={"num_ctx": 4096, "num_predict": 4})
+    assert wait_for(lambda: [j["id"] for j in client.jobs()] == [b.id])
+    assert client.jobs()[0]["model_position"] == 1
+    # A job for the loaded configuration is routed at once, past the parked one.
+    c = client.submit("slow", "c", options={**LONG, "num_predict": 4})
+    assert wait_for(lambda: sum(int(r["in_flight"]) for r in client.ps()) == 2)
+    assert [j["id"] for j in client.jobs()] == [b.id]
+    # The queue holds one job (GGUFQ_MAX_QUEUE=1): another that must wait is refused.
+    with pytest.raises(ServerBusy, match="max_queue 1"):
+        client.generate("slow", "d", options={"num_ctx": 6144, "num_predict": 4})
+    assert a.result().done and c.result().done
+    # A's runner went idle (job_finished) → evicted (runner_unloaded) → B loaded: events only.
+    result = b.result(timeout=60)
+    assert result.done and result.load_duration and result.load_duration > 0
+    (runner,) = client.ps()
+    assert runner["num_ctx"] == "4096"
+    assert client.jobs() == []
+
+
+def test_load_pin_and_unload(one_slot_stack: Client) -> None:
+    client = one_slot_stack
+    (device,) = client.devices()
+    loaded = client.load("slow", device=device["id"], keep_alive=-1, options={"num_ctx": 4096})
+    assert loaded.device == device["id"] and loaded.done_reason == "load"
+    assert [r["expires_at"] for r in client.ps()] == ["-1"]
+    with pytest.raises(InvalidRequest, match="'vgpu:nowhere:0' is not alive"):
+        client.load("slow", device="vgpu:nowhere:0")
+    assert client.unload("slow")
+    assert wait_for(lambda: not client.ps())
+    assert client.unload("slow") == []
