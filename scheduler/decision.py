@@ -7,6 +7,7 @@ returned decision (reserve, send, evict, park or refuse) at its edge.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 from scheduler.estimate import format_bytes
@@ -47,6 +48,38 @@ class Snapshot:
     devices: list[DeviceState]
     runners: list[RunnerState]
     parked: int = 0
+
+    # Indexes built once per snapshot, so that a decision costs O(devices) plus the runners
+    # of the job's model, not O(devices × runners).
+    @cached_property
+    def live_by_model(self) -> dict[str, list[RunnerState]]:
+        index: dict[str, list[RunnerState]] = {}
+        for runner in self.runners:
+            if runner.state != "unloading":
+                index.setdefault(runner.model, []).append(runner)
+        return index
+
+    @cached_property
+    def counts(self) -> dict[str, int]:
+        """Live runners per device."""
+        counts: dict[str, int] = {}
+        for runner in self.runners:
+            if runner.state != "unloading":
+                for device_id in runner.devices:
+                    counts[device_id] = counts.get(device_id, 0) + 1
+        return counts
+
+    @cached_property
+    def idle_by_device(self) -> dict[str, list[RunnerState]]:
+        """Evictable runners per device, cheapest first: soonest expiry, then least recent."""
+        index: dict[str, list[RunnerState]] = {}
+        for runner in self.runners:
+            if runner.state == "ready" and runner.in_flight == 0:
+                for device_id in runner.devices:
+                    index.setdefault(device_id, []).append(runner)
+        for runners in index.values():
+            runners.sort(key=lambda r: (r.expires_at < 0, r.expires_at, r.last_used))
+        return index
 
 
 @dataclass(frozen=True)
@@ -113,14 +146,14 @@ def decide(
         return Refuse(
             "no_workers", "no device is alive: start a worker with `ggufq up` or `ggufq worker`"
         )
-    live = [r for r in snap.runners if r.state != "unloading"]
+    of_model = snap.live_by_model.get(job.model, [])
     # 1
-    same = [r for r in live if r.model == job.model and r.config_key == job.config_key]
+    same = [r for r in of_model if r.config_key == job.config_key]
     if same:
         best = min(same, key=lambda r: (r.in_flight, r.last_used))
         return Route(best.id, next(iter(best.devices)))
     # 2
-    stale = [r for r in live if r.model == job.model and r.in_flight == 0]
+    stale = [r for r in of_model if r.in_flight == 0]
     if stale:
         return Evict([r.id for r in stale])
     # 9
@@ -135,7 +168,7 @@ def decide(
             sizes,
         )
     # 3
-    counts = _runner_counts(live)
+    counts = snap.counts
     fits = [d for d in snap.devices if d.free >= job.bytes and counts.get(d.id, 0) < max_loaded]
     if fits:
         return Load(_pick(fits, job.bytes, policy).id, job.bytes)
@@ -143,7 +176,7 @@ def decide(
     if snap.parked >= max_queue:
         return server_busy(snap.parked, max_queue)
     # 5
-    victims = _cheapest_victims(job, snap, live, counts, max_loaded, now)
+    victims = _cheapest_victims(job, snap, max_loaded)
     if victims:
         return Evict(victims)
     # 7
@@ -158,14 +191,6 @@ def server_busy(parked: int, max_queue: int) -> Refuse:
     )
 
 
-def _runner_counts(runners: list[RunnerState]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for runner in runners:
-        for device_id in runner.devices:
-            counts[device_id] = counts.get(device_id, 0) + 1
-    return counts
-
-
 def _device_order(device: DeviceState) -> int:
     return 1 if device.kind == "cpu" else 0
 
@@ -176,28 +201,19 @@ def _pick(devices: list[DeviceState], need: int, policy: Policy) -> DeviceState:
     return min(devices, key=lambda d: (_device_order(d), d.free - need, d.id))
 
 
-def _cheapest_victims(
-    job: JobNeeds,
-    snap: Snapshot,
-    live: list[RunnerState],
-    counts: dict[str, int],
-    max_loaded: int,
-    now: float,
-) -> list[str]:
+def _cheapest_victims(job: JobNeeds, snap: Snapshot, max_loaded: int) -> list[str]:
     best: list[str] | None = None
     for device in sorted(snap.devices, key=_device_order):
-        idle = [
-            r for r in live if device.id in r.devices and r.in_flight == 0 and r.state == "ready"
-        ]
-        idle.sort(key=lambda r: (r.expires_at < 0, r.expires_at, r.last_used))
-        free, count, chosen = device.free, counts.get(device.id, 0), []
-        for runner in idle:
+        if device.total < job.bytes:
+            continue
+        free, count, chosen = device.free, snap.counts.get(device.id, 0), []
+        for runner in snap.idle_by_device.get(device.id, []):
             if free >= job.bytes and count < max_loaded:
                 break
             chosen.append(runner.id)
             free += runner.devices[device.id]
             count -= 1
-        enough = free >= job.bytes and count < max_loaded and device.total >= job.bytes
+        enough = free >= job.bytes and count < max_loaded
         if enough and chosen and (best is None or len(chosen) < len(best)):
             best = chosen
     return best or []

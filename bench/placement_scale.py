@@ -1,0 +1,165 @@
+"""Placement at scale: the pure decision and a placement through Redis, with 1,000 devices
+and 5,000 runners in the snapshot.
+
+    python bench/placement_scale.py [--devices 1000] [--runners 5000] [--decisions 2000]
+
+Targets: decision p50 <= 1 ms; end to end through Redis (snapshot, decision, atomic
+reservation) p50 <= 3 ms. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import redis  # noqa: E402
+
+from scheduler.decision import (  # noqa: E402
+    DeviceState,
+    JobNeeds,
+    Load,
+    Route,
+    RunnerState,
+    Snapshot,
+    decide,
+)
+from scheduler.embedded import EmbeddedRedis  # noqa: E402
+from scheduler.state import ClusterState, DeviceInfo  # noqa: E402
+
+GIB = 1 << 30
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1)))]
+
+
+def build(n_devices: int, n_runners: int, n_models: int, rng: random.Random) -> Snapshot:
+    devices = [
+        DeviceState(f"vgpu:h{i // 8}:{i % 8}", f"w{i // 8}", f"q{i}", "vgpu", 80 * GIB, 80 * GIB, 0)
+        for i in range(n_devices)
+    ]
+    runners = []
+    used = [0] * n_devices
+    for r in range(n_runners):
+        d = r % n_devices
+        size = rng.choice([2, 4, 8]) * GIB
+        used[d] += size
+        runners.append(
+            RunnerState(
+                f"r{r}",
+                f"m{rng.randrange(n_models)}",
+                "c",
+                {devices[d].id: size},
+                "ready",
+                rng.choice([0, 0, 1]),
+                1e9 + r,
+                r,
+            )
+        )
+    devices = [
+        DeviceState(d.id, d.worker, d.queue, d.kind, d.total, d.reported_free, used[i])
+        for i, d in enumerate(devices)
+    ]
+    return Snapshot(devices, runners, 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--devices", type=int, default=1000)
+    parser.add_argument("--runners", type=int, default=5000)
+    parser.add_argument("--decisions", type=int, default=2000)
+    args = parser.parse_args()
+    rng = random.Random(1)
+    n_models = args.runners // 10
+    snap = build(args.devices, args.runners, n_models, rng)
+    jobs = [
+        JobNeeds(f"m{rng.randrange(n_models * 2)}", "c", rng.choice([2, 4, 8]) * GIB)
+        for _ in range(args.decisions)
+    ]
+    pure = []
+    kinds: dict[str, int] = {}
+    for job in jobs:
+        started = time.perf_counter()
+        decision = decide(job, snap, "binpack", 0.0, 512, 8)
+        pure.append((time.perf_counter() - started) * 1000)
+        kinds[type(decision).__name__] = kinds.get(type(decision).__name__, 0) + 1
+
+    fresh = []  # a new snapshot per decision: its indexes are built inside the timing
+    for job in jobs[: max(50, args.decisions // 10)]:
+        view = Snapshot(snap.devices, snap.runners, 0)
+        started = time.perf_counter()
+        decide(job, view, "binpack", 0.0, 512, 8)
+        fresh.append((time.perf_counter() - started) * 1000)
+
+    server = EmbeddedRedis(Path(tempfile.mkdtemp(prefix="ggufq-scale-")))
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        state = ClusterState(client)
+        now = time.time()
+        for d in snap.devices:
+            state.register_device(
+                DeviceInfo(d.id, "h", d.worker, "v", "vgpu", d.total, d.total, True), now
+            )
+        for r in snap.runners:
+            ((dev, size),) = r.devices.items()
+            state.reserve(r.id, dev, size, {"model": r.model, "config_key": "c"}, now, 1e9)
+        e2e, snap_ms = [], []
+        for i, job in enumerate(jobs[: max(50, args.decisions // 20)]):
+            started = time.perf_counter()
+            view = state.snapshot(time.time(), 1e9)
+            snap_ms.append((time.perf_counter() - started) * 1000)
+            decision = decide(job, view, "binpack", time.time(), 512, 8)
+            if isinstance(decision, Load):
+                state.reserve(
+                    f"new{i}",
+                    decision.device_id,
+                    decision.bytes,
+                    {"model": job.model, "config_key": "c"},
+                    time.time(),
+                    1e9,
+                )
+            elif isinstance(decision, Route):
+                state.assign(decision.runner_id, time.time())
+            e2e.append((time.perf_counter() - started) * 1000)
+        client.close()
+    finally:
+        server.stop()
+
+    rows = {
+        "decision_p50_ms": statistics.median(pure),
+        "decision_fresh_snapshot_p50_ms": statistics.median(fresh),
+        "decision_p95_ms": pct(pure, 0.95),
+        "e2e_p50_ms": statistics.median(e2e),
+        "e2e_p95_ms": pct(e2e, 0.95),
+        "snapshot_p50_ms": statistics.median(snap_ms),
+    }
+    for key, value in rows.items():
+        print(f"{key:32}{value:10.2f}")
+    print(f"decisions: {kinds}; {args.devices} devices, {args.runners} runners")
+    met = rows["decision_p50_ms"] <= 1 and rows["e2e_p50_ms"] <= 3
+    print(f"targets (decision p50 <= 1 ms, end to end p50 <= 3 ms): {'met' if met else 'NOT met'}")
+    print(
+        json.dumps(
+            {
+                "bench": "placement_scale",
+                "devices": args.devices,
+                "runners": args.runners,
+                **rows,
+                "targets_met": met,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
