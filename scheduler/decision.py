@@ -6,9 +6,11 @@ returned decision (reserve, send, evict, park or refuse) at its edge.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal
 
 from scheduler.estimate import format_bytes
 
@@ -48,6 +50,7 @@ class Snapshot:
     devices: list[DeviceState]
     runners: list[RunnerState]
     parked: int = 0
+    demand: dict[str, float] = field(default_factory=dict)  # model → decayed request count
 
     # Indexes built once per snapshot, so that a decision costs O(devices) plus the runners
     # of the job's model, not O(devices × runners).
@@ -71,14 +74,22 @@ class Snapshot:
 
     @cached_property
     def idle_by_device(self) -> dict[str, list[RunnerState]]:
-        """Evictable runners per device, cheapest first: soonest expiry, then least recent."""
+        """Evictable runners per device, cheapest first: never-expiring ones last, then the
+        least demanded model, then soonest expiry and least recent use."""
         index: dict[str, list[RunnerState]] = {}
         for runner in self.runners:
             if runner.state == "ready" and runner.in_flight == 0:
                 for device_id in runner.devices:
                     index.setdefault(device_id, []).append(runner)
         for runners in index.values():
-            runners.sort(key=lambda r: (r.expires_at < 0, r.expires_at, r.last_used))
+            runners.sort(
+                key=lambda r: (
+                    r.expires_at < 0,
+                    self.demand.get(r.model, 0.0),
+                    r.expires_at,
+                    r.last_used,
+                )
+            )
         return index
 
 
@@ -121,8 +132,23 @@ class Refuse:
 Decision = Route | Load | Evict | Park | Refuse
 
 
+VictimKey = Callable[[RunnerState], Any]
+DEMAND_TAU_S = 600.0  # demand decays by e every 10 minutes
+
+
+def decayed(score: float, last: float, now: float, tau_s: float = DEMAND_TAU_S) -> float:
+    """A request count that decays exponentially with time: recent demand weighs most."""
+    return score * math.exp(-max(0.0, now - last) / tau_s)
+
+
 def decide(
-    job: JobNeeds, snap: Snapshot, policy: Policy, now: float, max_queue: int, max_loaded: int
+    job: JobNeeds,
+    snap: Snapshot,
+    policy: Policy,
+    now: float,
+    max_queue: int,
+    max_loaded: int,
+    victim_key: VictimKey | None = None,
 ) -> Decision:
     """Decide where ``job`` runs.
 
@@ -134,8 +160,10 @@ def decide(
     3. Fits whole on one device → load there; GPUs before the CPU; `binpack` picks the device
        with the least free memory left over, `spread` the most.
     4. (multi-device groups: the placement issue)
-    5. Fits on a device after unloading idle runners there → evict the fewest runners, those
-       expiring soonest first.
+    5. Fits on a device after unloading idle runners there → evict the fewest runners: runners
+       that never expire last, then the models with the least recent demand (a request count
+       decayed by e every DEMAND_TAU_S), then the soonest expiry, then least recently used;
+       ``victim_key`` replaces that order (bench/cache_sim.py compares rules with it).
     6. (partial offload: the placement issue)
     7. Memory is held by busy runners → park.
     8. More than ``max_queue`` parked jobs → refuse at once: server busy.
@@ -176,7 +204,7 @@ def decide(
     if snap.parked >= max_queue:
         return server_busy(snap.parked, max_queue)
     # 5
-    victims = _cheapest_victims(job, snap, max_loaded)
+    victims = _cheapest_victims(job, snap, max_loaded, victim_key)
     if victims:
         return Evict(victims)
     # 7
@@ -201,13 +229,16 @@ def _pick(devices: list[DeviceState], need: int, policy: Policy) -> DeviceState:
     return min(devices, key=lambda d: (_device_order(d), d.free - need, d.id))
 
 
-def _cheapest_victims(job: JobNeeds, snap: Snapshot, max_loaded: int) -> list[str]:
+def _cheapest_victims(
+    job: JobNeeds, snap: Snapshot, max_loaded: int, key: VictimKey | None
+) -> list[str]:
     best: list[str] | None = None
     for device in sorted(snap.devices, key=_device_order):
         if device.total < job.bytes:
             continue
         free, count, chosen = device.free, snap.counts.get(device.id, 0), []
-        for runner in snap.idle_by_device.get(device.id, []):
+        idle = snap.idle_by_device.get(device.id, [])
+        for runner in sorted(idle, key=key) if key else idle:
             if free >= job.bytes and count < max_loaded:
                 break
             chosen.append(runner.id)

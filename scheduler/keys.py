@@ -9,6 +9,7 @@ HEARTBEATS = f"{PREFIX}:heartbeats"  # sorted set: device id → time of its las
 PLACEMENT_ALIVE = f"{PREFIX}:placement:alive"  # sorted set: placement service → last beat
 RUNNERS = f"{PREFIX}:runners"  # set of runner ids
 PARKED = f"{PREFIX}:parked"  # sorted set: job id → order (interactive first, then FIFO)
+DEMAND = f"{PREFIX}:demand"  # hash: model → "decayed request count:time" (eviction order)
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
 PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service
 BATCH_SUFFIX = ".batch"  # batch jobs go to a sibling queue that workers drain second

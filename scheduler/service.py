@@ -84,9 +84,14 @@ class PlacementService:
         started = time.perf_counter_ns()
         try:
             req = parse_request(job)
-            return self._place(req, started)
-        except Parked as parked:
-            return {"parked": str(parked)}
+            try:
+                outcome = self._place(req, started)
+            except Parked as parked:
+                outcome = {"parked": str(parked)}
+            # counted after sending, off the job's path to its first token; the eviction
+            # order uses it (decision branch 5)
+            self.state.count_request(req.model, time.time())
+            return outcome
         except GgufqError as exc:
             self.fail(str(job.get("id", "")), str(job.get("model", "")), exc)
             return {"refused": exc.code, "reason": str(exc)}

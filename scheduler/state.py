@@ -15,7 +15,7 @@ from typing import Any, cast
 import redis
 
 from scheduler import keys
-from scheduler.decision import DeviceState, RunnerState, Snapshot
+from scheduler.decision import DEMAND_TAU_S, DeviceState, RunnerState, Snapshot, decayed
 
 
 @cache
@@ -56,6 +56,7 @@ class ClusterState:
         self._release = _script(client, "release")
         self._reap = _script(client, "reap")
         self._update = _script(client, "update_runner")
+        self._demand = _script(client, "demand")
 
     # -- devices -------------------------------------------------------------------------
     def register_device(self, dev: DeviceInfo, now: float) -> None:
@@ -106,7 +107,8 @@ class ClusterState:
         pipe.smembers(keys.DEVICES)
         pipe.smembers(keys.RUNNERS)
         pipe.zcard(keys.PARKED)
-        device_ids, runner_ids, parked = pipe.execute()
+        pipe.hgetall(keys.DEMAND)
+        device_ids, runner_ids, parked, demand_raw = pipe.execute()
         device_ids = sorted(_s(d) for d in device_ids)
         runner_ids = sorted(_s(r) for r in runner_ids)
         pipe = self.r.pipeline(transaction=False)
@@ -138,7 +140,14 @@ class ClusterState:
             record = runner_from_hash(runner_id, _decode(raw))
             if record is not None and set(record.devices) <= alive:
                 runners.append(record)
-        return Snapshot(devices=devices, runners=runners, parked=int(parked))
+        demand = {}
+        for model, raw in _decode(demand_raw).items():
+            score, last = raw.split(":")
+            demand[model] = decayed(float(score), float(last), now)
+        return Snapshot(devices=devices, runners=runners, parked=int(parked), demand=demand)
+
+    def count_request(self, model: str, now: float) -> None:
+        self._demand(keys=[keys.DEMAND], args=[model, now, DEMAND_TAU_S])
 
     def alive_counts(self, now: float, ttl_s: float) -> tuple[int, int]:
         """(devices, placement services) that beat within the last ``ttl_s`` seconds."""

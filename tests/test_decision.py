@@ -153,3 +153,22 @@ def test_9_larger_than_any_device_refuses_with_sizes() -> None:
     assert isinstance(out, Refuse) and out.code == "no_capacity"
     assert "30.0 GiB" in out.reason and "16.0 GiB" in out.reason
     assert set(out.per_device) == {"a", "b"}
+
+
+def test_5_evicts_the_least_demanded_model_first() -> None:
+    devices = [dev("a", 8, reserved=7)]
+    runners = [
+        runner("hot", "x", "a", 3, expires_at=60),
+        runner("cold", "y", "a", 4, expires_at=90),
+    ]
+    snap = Snapshot(devices, runners, 0, demand={"x": 9.0, "y": 0.5})
+    out = decide(job(gib=3), snap, "binpack", now=50.0, max_queue=4, max_loaded=3)
+    assert out == Evict(["cold"])  # though "hot" expires sooner
+
+
+def test_decayed_demand() -> None:
+    from scheduler.decision import DEMAND_TAU_S, decayed
+
+    assert decayed(10.0, 100.0, 100.0) == 10.0
+    assert abs(decayed(10.0, 0.0, DEMAND_TAU_S) - 10.0 / 2.718281828) < 1e-6
+    assert decayed(5.0, 100.0, 50.0) == 5.0  # a clock that went back does not inflate it

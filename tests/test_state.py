@@ -134,3 +134,12 @@ def test_final_from_another_process_continues_the_sequence(db: redis.Redis) -> N
 def test_reader_times_out_when_nothing_comes(db: redis.Redis) -> None:
     with pytest.raises(TimeoutError):
         list(read_chunks(db, "silent", timeout_s=0.3))
+
+
+def test_request_demand_decays_in_redis(db: redis.Redis) -> None:
+    state = ClusterState(db)
+    state.register_device(vgpu(0), now=0.0)
+    for t in (0.0, 0.0, 600.0):
+        state.count_request("m", t)
+    snap = state.snapshot(now=600.0, device_ttl_s=1e9)
+    assert abs(snap.demand["m"] - (2 / 2.718281828 + 1)) < 1e-3

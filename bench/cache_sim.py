@@ -1,0 +1,197 @@
+"""Model loads under a multi-model workload, replayed through the real decision function.
+
+A synthetic trace (Zipf mix over a dozen models of different sizes, Poisson arrivals,
+exponential job durations) runs on a simulated clock against a few devices. Victims for
+eviction are chosen by: ggufq's rule (least decayed demand for the model, then soonest
+expiry, then least recently used; demand recorded per request as placement does), Ollama's
+(idle runners, shortest keep_alive first: with one keep_alive for all, arbitrary), LRU, and
+Belady's offline optimum (the idle runner whose model is needed again furthest in the
+future: a lower bound on loads for this greedy eviction).
+
+    python bench/cache_sim.py [--jobs 4000] [--seed 1]
+
+Targets: loads <= 1.15 × Belady, and fewer than Ollama's rule. Prints a table, then JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import heapq
+import json
+import random
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scheduler.decision import (  # noqa: E402
+    DeviceState,
+    Evict,
+    JobNeeds,
+    Load,
+    Route,
+    RunnerState,
+    Snapshot,
+    VictimKey,
+    decayed,
+    decide,
+)
+
+GIB = 1 << 30
+KEEP_ALIVE = 300.0
+LOAD_S_PER_GIB = 0.5
+
+
+def trace(n: int, seed: int) -> tuple[dict[str, int], list[tuple[float, str, float]]]:
+    rng = random.Random(seed)
+    models = {f"m{i:02d}": rng.choice([2, 3, 4, 6, 8, 12]) * GIB for i in range(12)}
+    names = sorted(models)
+    weights = [1 / (rank + 1) ** 1.1 for rank in range(len(names))]
+    rng.shuffle(names)
+    t, jobs = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(0.6)
+        jobs.append((t, rng.choices(names, weights)[0], rng.expovariate(1 / 4.0)))
+    return models, jobs
+
+
+def simulate(models: dict[str, int], jobs: list[tuple[float, str, float]], rule: str) -> dict:
+    totals = {"d0": 16 * GIB, "d1": 16 * GIB, "d2": 24 * GIB}
+    uses: dict[str, list[float]] = {}
+    for t, m, _ in jobs:
+        uses.setdefault(m, []).append(t)
+    runners: dict[str, RunnerState] = {}
+    busy_until: dict[str, float] = {}
+    loads = evictions = 0
+    waits: list[float] = []
+    waiting: list[tuple[float, str, float]] = []
+    completions: list[tuple[float, str]] = []
+    counter = 0
+
+    def key_for(now: float) -> VictimKey | None:
+        if rule == "ggufq":
+            return None
+        if rule == "lru":
+            return lambda r: r.last_used
+        if rule == "ollama":
+            return lambda r: (KEEP_ALIVE, r.id)  # equal keep_alive: first found
+
+        def next_use(r: RunnerState) -> float:  # Belady: needed again furthest away first
+            times = uses[r.model]
+            i = bisect.bisect_right(times, now)
+            return -(times[i] if i < len(times) else float("inf"))
+
+        return next_use
+
+    demand: dict[str, tuple[float, float]] = {}  # what placement records per request
+
+    def count_request(model: str, now: float) -> None:
+        score, last = demand.get(model, (0.0, now))
+        demand[model] = (decayed(score, last, now) + 1, now)
+
+    def snapshot(now: float) -> Snapshot:
+        reserved = {d: 0 for d in totals}
+        for r in runners.values():
+            for d, b in r.devices.items():
+                reserved[d] += b
+        devices = [DeviceState(d, "w", d, "vgpu", t, t, reserved[d]) for d, t in totals.items()]
+        scores = {m: decayed(s, last, now) for m, (s, last) in demand.items()}
+        return Snapshot(devices, list(runners.values()), demand=scores if rule == "ggufq" else {})
+
+    def try_place(now: float, arrived: float, model: str, duration: float) -> bool:
+        nonlocal loads, evictions, counter
+        job = JobNeeds(model, "c", models[model])
+        for _ in range(10):
+            decision = decide(job, snapshot(now), "binpack", now, 10**6, 3, key_for(now))
+            match decision:
+                case Route(rid, _):
+                    start = max(now, busy_until[rid])
+                case Load(dev, nbytes):
+                    counter += 1
+                    rid = f"r{counter}"
+                    runners[rid] = RunnerState(rid, model, "c", {dev: nbytes}, "ready", 0, -1, now)
+                    busy_until[rid] = now + nbytes / GIB * LOAD_S_PER_GIB
+                    start = busy_until[rid]
+                    loads += 1
+                case Evict(ids):
+                    for rid in ids:
+                        runners.pop(rid)
+                        busy_until.pop(rid)
+                        evictions += 1
+                    continue
+                case _:
+                    return False
+            r = runners[rid]
+            runners[rid] = replace(r, in_flight=r.in_flight + 1, expires_at=-1)
+            busy_until[rid] = start + duration
+            heapq.heappush(completions, (start + duration, rid))
+            waits.append(start - arrived)
+            return True
+        return False
+
+    def complete_until(t: float) -> None:
+        while completions and completions[0][0] <= t:
+            at, rid = heapq.heappop(completions)
+            r = runners[rid]
+            left = r.in_flight - 1
+            runners[rid] = replace(
+                r, in_flight=left, last_used=at, expires_at=at + KEEP_ALIVE if left == 0 else -1
+            )
+            for rid2, r2 in list(runners.items()):  # keep_alive expiries
+                if r2.in_flight == 0 and 0 <= r2.expires_at <= at:
+                    runners.pop(rid2)
+                    busy_until.pop(rid2)
+            still = []
+            for w in waiting:
+                if not try_place(at, *w):
+                    still.append(w)
+            waiting[:] = still
+
+    for arrived, model, duration in jobs:
+        complete_until(arrived)
+        count_request(model, arrived)
+        if waiting or not try_place(arrived, arrived, model, duration):
+            waiting.append((arrived, model, duration))
+    complete_until(float("inf"))
+    return {
+        "loads": loads,
+        "evictions": evictions,
+        "served": len(waits),
+        "mean_wait_s": sum(waits) / max(1, len(waits)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--jobs", type=int, default=4000)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    models, jobs = trace(args.jobs, args.seed)
+    results = {rule: simulate(models, jobs, rule) for rule in ("ggufq", "ollama", "lru", "belady")}
+    print(f"{'rule':12}{'loads':>8}{'evictions':>11}{'served':>8}{'mean wait s':>13}")
+    for rule, r in results.items():
+        print(f"{rule:12}{r['loads']:8}{r['evictions']:11}{r['served']:8}{r['mean_wait_s']:13.2f}")
+    ratio = results["ggufq"]["loads"] / max(1, results["belady"]["loads"])
+    met = ratio <= 1.15 and results["ggufq"]["loads"] < results["ollama"]["loads"]
+    print(
+        f"ggufq loads / Belady = {ratio:.3f}; target (<= 1.15 and fewer than Ollama's rule): "
+        f"{'met' if met else 'NOT met'}"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "cache_sim",
+                "jobs": args.jobs,
+                "seed": args.seed,
+                **{f"{rule}_{k}": v for rule, r in results.items() for k, v in r.items()},
+                "ratio_to_belady": ratio,
+                "target_met": met,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
