@@ -21,17 +21,9 @@ from api_client import (
 from scheduler import keys
 from scheduler.embedded import EmbeddedRedis
 from scheduler.settings import Settings
+from tests.conftest import wait_for
 
 GREEDY = {"temperature": 0, "num_predict": 16, "seed": 7}
-
-
-def wait_for(predicate, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return bool(predicate())
 
 
 def test_generate_returns_text_and_ollama_stats(client: Client) -> None:

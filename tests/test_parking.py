@@ -3,25 +3,14 @@ jobs for a loaded model, and keep the queue bounded."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from api_client import Client, InvalidRequest, ServerBusy
 from scheduler.estimate import RunnerConfig, estimate_bytes
 from scheduler.ggufmeta import read_model_info
 from scheduler.stack import LocalStack
-from tests.conftest import settings_from, stack_env
+from tests.conftest import settings_from, stack_env, wait_for
 from tests.tinymodel import write_tiny_model
-
-
-def wait_for(predicate, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return bool(predicate())
 
 
 @pytest.fixture(scope="module")
