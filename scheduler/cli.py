@@ -342,8 +342,7 @@ def ps_table(
     rows: list[list[str]] = []
     for r in records:
         held = json.loads(r.get("devices", "{}"))
-        kinds = {devices.get(d, {}).get("kind", "cpu") for d in held}
-        processor = "100% CPU" if kinds <= {"cpu"} else "100% GPU"
+        processor = _processor(r, {devices.get(d, {}).get("kind", "cpu") for d in held})
         expires = float(r.get("expires_at", -1))
         if r.get("state") != "ready":
             until = r.get("state", "")
@@ -363,6 +362,18 @@ def ps_table(
             ]
         )
     return ["NAME", "SIZE", "PROCESSOR", "DEVICES", "CONTEXT", "PARALLEL", "UNTIL"], rows
+
+
+def _processor(runner: dict[str, str], kinds: set[str]) -> str:
+    """Where a runner computes, as Ollama's ps says it: "100% GPU", "35%/65% CPU/GPU"."""
+    if kinds <= {"cpu"}:
+        return "100% CPU"
+    layers = int(runner.get("n_gpu_layers", -1))
+    total = int(runner.get("total_bytes", 0))
+    if layers < 0 or total <= 0:
+        return "100% GPU"
+    gpu = round(100 * int(runner.get("bytes", 0)) / total)
+    return f"{100 - gpu}%/{gpu}% CPU/GPU"
 
 
 def cmd_devices(args: argparse.Namespace) -> int:

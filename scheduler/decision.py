@@ -98,6 +98,9 @@ class JobNeeds:
     model: str
     config_key: str
     bytes: int
+    # partial[n] = GPU bytes with n layers offloaded (n = 1..block_count; llama.cpp's
+    # n_gpu_layers, output layer first); empty when no partial offload is allowed
+    partial: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class Route:
 class Load:
     device_id: str
     bytes: int
+    n_gpu_layers: int = -1  # -1 = the whole model on the device
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,9 @@ def decide(
        that never expire last, then the models with the least recent demand (a request count
        decayed by e every DEMAND_TAU_S), then the soonest expiry, then least recently used;
        ``victim_key`` replaces that order (bench/cache_sim.py compares rules with it).
-    6. (partial offload: the placement issue)
+    6. Larger than every device (so no eviction can make it fit whole), and partial offload
+       allowed → the most layers that fit on the GPU with the most free memory (the rest
+       on the host); if no layer fits now but would on an emptier GPU → park.
     7. Memory is held by busy runners → park.
     8. More than ``max_queue`` parked jobs → refuse at once: server busy.
     9. Larger than every device even when empty → refuse at once with the sizes.
@@ -184,9 +190,13 @@ def decide(
     stale = [r for r in of_model if r.in_flight == 0]
     if stale:
         return Evict([r.id for r in stale])
-    # 9
     largest = max(d.total for d in snap.devices)
     if job.bytes > largest:
+        # 6
+        partial = _partial_offload(job, snap, max_loaded)
+        if partial is not None:
+            return partial
+        # 9
         sizes = {d.id: f"total {format_bytes(d.total)}" for d in snap.devices}
         return Refuse(
             "no_capacity",
@@ -209,6 +219,21 @@ def decide(
         return Evict(victims)
     # 7
     return Park(f"memory for {job.model!r} ({format_bytes(job.bytes)}) is held by busy runners")
+
+
+def _partial_offload(job: JobNeeds, snap: Snapshot, max_loaded: int) -> Decision | None:
+    gpus = [d for d in snap.devices if d.kind != "cpu"]
+    if not job.partial or not gpus:
+        return None
+    room = [d for d in gpus if snap.counts.get(d.id, 0) < max_loaded]
+    if room:
+        best = max(room, key=lambda d: (d.free, d.id))
+        layers = sum(1 for need in job.partial if need <= best.free)  # partial is increasing
+        if layers:
+            return Load(best.id, job.partial[layers - 1], n_gpu_layers=layers)
+    if job.partial[0] <= max(d.total for d in gpus):
+        return Park(f"no GPU has room for a layer of {job.model!r} now")
+    return None
 
 
 def server_busy(parked: int, max_queue: int) -> Refuse:

@@ -298,6 +298,13 @@ def max_layers_that_fit(info: ModelInfo, cfg: RunnerConfig, free_gpu: int) -> in
     return best
 
 
+def partial_table(info: ModelInfo, cfg: RunnerConfig) -> tuple[int, ...]:
+    """GPU bytes for n_gpu_layers = 1 .. block_count (decision branch 6)."""
+    return tuple(
+        estimate(info, cfg, num_gpu=n).devices[0].total for n in range(1, info.block_count + 1)
+    )
+
+
 def format_bytes(count: float) -> str:
     for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
         if abs(count) >= scale:

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, NoReturn
 
 import redis
@@ -32,7 +32,8 @@ from scheduler.decision import (
     server_busy,
 )
 from scheduler.errors import GgufqError, InvalidRequest, error_from_code
-from scheduler.estimate import RunnerConfig, choose_num_ctx, estimate_bytes
+from scheduler.estimate import RunnerConfig, choose_num_ctx, estimate_bytes, partial_table
+from scheduler.ggufmeta import ModelInfo
 from scheduler.localstack import resolve_redis_url
 from scheduler.parking import ParkedJobs, park_score
 from scheduler.protocol import JobRequest, parse_request
@@ -76,6 +77,7 @@ class PlacementService:
         self.state = ClusterState(client)
         self.registry = Registry(settings.models_dir)
         self.parked = ParkedJobs(client)
+        self._partials: dict[tuple[str, str], tuple[int, ...]] = {}
         self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
         self._stop = threading.Event()
 
@@ -135,6 +137,8 @@ class PlacementService:
             snap = self.state.snapshot(now, self.settings.device_ttl_s)
             if req.device is not None:
                 snap = pinned(snap, req.device)
+            if snap.devices and needs.bytes > max(d.total for d in snap.devices):
+                needs = replace(needs, partial=self._partial(info, config))
             decision = decide(
                 needs,
                 snap,
@@ -162,7 +166,7 @@ class PlacementService:
                     if not self.state.assign(runner_id, now):
                         continue
                     placement.update(runner_id=runner_id, device_id=device_id)
-                case Load(device_id, nbytes):
+                case Load(device_id, nbytes, n_gpu_layers):
                     runner_id = uuid.uuid4().hex[:16]
                     fields = {
                         "model": req.model,
@@ -170,13 +174,21 @@ class PlacementService:
                         "num_ctx": config.num_ctx,
                         "num_parallel": config.num_parallel,
                         "bytes": nbytes,
+                        "total_bytes": needs.bytes,
+                        "n_gpu_layers": n_gpu_layers,
+                        "block_count": info.block_count,
                         "keep_alive_s": self.settings.keep_alive_s,
                     }
                     if not self.state.reserve(
                         runner_id, device_id, nbytes, fields, now, self.settings.device_ttl_s
                     ):
                         continue
-                    placement.update(runner_id=runner_id, device_id=device_id, n_gpu_layers=0)
+                    kind = next(d.kind for d in snap.devices if d.id == device_id)
+                    placement.update(
+                        runner_id=runner_id,
+                        device_id=device_id,
+                        n_gpu_layers=0 if kind == "cpu" else n_gpu_layers,
+                    )
                 case Evict(runner_ids):
                     self._evict(runner_ids, snap)
                     self._park(req, order)
@@ -190,6 +202,12 @@ class PlacementService:
             send_job(self.app, keys.TASK_RUN, req, req.id, queue, placement)
             return {"device": placement["device_id"], "runner": placement["runner_id"]}
         self._park(req, order)
+
+    def _partial(self, info: ModelInfo, config: RunnerConfig) -> tuple[int, ...]:
+        key = (info.path, config.key())
+        if key not in self._partials:
+            self._partials[key] = partial_table(info, config)
+        return self._partials[key]
 
     def _park(self, req: JobRequest, score: float) -> NoReturn:
         self.parked.park(req, score)

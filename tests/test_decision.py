@@ -172,3 +172,32 @@ def test_decayed_demand() -> None:
     assert decayed(10.0, 100.0, 100.0) == 10.0
     assert abs(decayed(10.0, 0.0, DEMAND_TAU_S) - 10.0 / 2.718281828) < 1e-6
     assert decayed(5.0, 100.0, 50.0) == 5.0  # a clock that went back does not inflate it
+
+
+def test_6_partial_offload_when_no_device_holds_it_whole() -> None:
+    devices = [dev("g", 8, reserved=1)]
+    needs = JobNeeds("big", "c1", 12 * GIB, partial=tuple(g * GIB for g in (2, 4, 6, 8, 10)))
+    snap = Snapshot(devices, [runner("busy", "x", "g", 1, in_flight=1)])
+    assert decide(needs, snap, "binpack", 0.0, 4, 3) == Load("g", 6 * GIB, n_gpu_layers=3)
+
+
+def test_6_park_when_a_layer_would_fit_on_an_emptier_gpu() -> None:
+    devices = [dev("g", 8, reserved=7)]
+    needs = JobNeeds("big", "c1", 12 * GIB, partial=(2 * GIB, 4 * GIB))
+    snap = Snapshot(devices, [runner("busy", "x", "g", 7, in_flight=1)])
+    assert isinstance(decide(needs, snap, "binpack", 0.0, 4, 3), Park)
+
+
+def test_9_refuse_when_not_even_one_layer_fits() -> None:
+    needs = JobNeeds("big", "c1", 40 * GIB, partial=(20 * GIB, 30 * GIB))
+    out = decide(needs, Snapshot([dev("g", 8)], []), "binpack", 0.0, 4, 3)
+    assert isinstance(out, Refuse) and out.code == "no_capacity"
+
+
+def test_ps_processor_column() -> None:
+    from scheduler.cli import _processor
+
+    assert _processor({"n_gpu_layers": "-1"}, {"gpu"}) == "100% GPU"
+    assert _processor({}, {"cpu"}) == "100% CPU"
+    split = {"n_gpu_layers": "3", "bytes": str(65), "total_bytes": str(100)}
+    assert _processor(split, {"vgpu"}) == "35%/65% CPU/GPU"

@@ -40,6 +40,33 @@ def test_virtual_gpus_are_advertised_and_preferred(models_dir: Path, tmp_path: P
             assert line.rstrip().endswith("yes")
 
 
+def test_partial_offload_when_the_gpu_is_too_small(models_dir: Path, tmp_path: Path) -> None:
+    from scheduler.estimate import RunnerConfig, estimate_bytes, partial_table
+    from scheduler.ggufmeta import read_model_info
+
+    info = read_model_info(models_dir / "tiny.gguf")
+    cfg = RunnerConfig(2048)
+    table = partial_table(info, cfg)
+    assert table[1] < estimate_bytes(info, cfg)
+    env = stack_env(models_dir, tmp_path / "state", host="small")
+    settings = settings_from(env, None)
+    worker = ["--virtual-gpu", str(table[1])]  # room for the output layer and one block
+    with LocalStack(settings, worker_args=worker, log_dir=tmp_path / "logs", extra_env=env) as st:
+        with Client(st.redis_url, settings=settings, timeout=60) as client:
+            result = client.generate("tiny", "hi", options={"num_predict": 4, "num_ctx": 2048})
+            assert result.done and result.device == "vgpu:small:0"
+            (runner,) = client.ps()
+            assert runner["n_gpu_layers"] == "2" and int(runner["bytes"]) == table[1]
+            out = subprocess.run(
+                [sys.executable, "-m", "scheduler.cli", "ps"],
+                env={**os.environ, **env, "GGUFQ_REDIS_URL": st.redis_url},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert "% CPU/GPU" in out.stdout
+
+
 @needs_demo
 def test_demo_command_runs_end_to_end(tmp_path: Path) -> None:
     env = {
