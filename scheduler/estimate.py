@@ -80,11 +80,10 @@ class DeviceEstimate:
     kv: int = 0
     compute: int = 0
     output: int = 0
-    overhead: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.compute + self.output + self.overhead
+        return self.weights + self.kv + self.compute + self.output
 
 
 @dataclass
@@ -94,7 +93,6 @@ class Estimate:
     devices: list[DeviceEstimate]
     kv_caches: list[KVCache] = field(default_factory=list)
     n_gpu_layers: int = 0
-    fits: bool = True
 
     @property
     def total(self) -> int:
@@ -286,23 +284,22 @@ def estimate_bytes(info: ModelInfo, cfg: RunnerConfig) -> int:
     return estimate(info, cfg).total
 
 
+def gpu_bytes_by_layers(info: ModelInfo, cfg: RunnerConfig) -> tuple[int, ...]:
+    """GPU bytes for n_gpu_layers = 1 .. block_count + 1 (increasing)."""
+    return tuple(
+        estimate(info, cfg, num_gpu=n).devices[0].total for n in range(1, info.block_count + 2)
+    )
+
+
 def max_layers_that_fit(info: ModelInfo, cfg: RunnerConfig, free_gpu: int) -> int:
     """The largest n_gpu_layers whose GPU share fits in ``free_gpu`` (0: nothing fits;
     block_count + 1: the whole model)."""
-    best = 0
-    for n in range(1, info.block_count + 2):
-        gpu_part = estimate(info, cfg, num_gpu=n).devices[0].total
-        if gpu_part > free_gpu:
-            break
-        best = n
-    return best
+    return sum(1 for need in gpu_bytes_by_layers(info, cfg) if need <= free_gpu)
 
 
 def partial_table(info: ModelInfo, cfg: RunnerConfig) -> tuple[int, ...]:
-    """GPU bytes for n_gpu_layers = 1 .. block_count (decision branch 6)."""
-    return tuple(
-        estimate(info, cfg, num_gpu=n).devices[0].total for n in range(1, info.block_count + 1)
-    )
+    """GPU bytes for n_gpu_layers = 1 .. block_count: the partial offloads (branch 6)."""
+    return gpu_bytes_by_layers(info, cfg)[:-1]
 
 
 def format_bytes(count: float) -> str:

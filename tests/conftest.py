@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -86,6 +88,19 @@ def r(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_server.url)
     yield client
     client.close()
+
+
+def ggufq(
+    *args: str, env: dict[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run the `ggufq` command line as a user would, in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "scheduler.cli", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 20.0) -> bool:

@@ -16,19 +16,7 @@ import pytest
 
 from scheduler.embedded import EmbeddedRedis
 from scheduler.stack import LocalStack
-from tests.conftest import stack_env
-
-
-def ggufq(
-    *args: str, env: dict[str, str], timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "scheduler.cli", *args],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from tests.conftest import ggufq, stack_env
 
 
 @pytest.fixture()

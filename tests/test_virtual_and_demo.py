@@ -9,7 +9,7 @@ from pathlib import Path
 
 from api_client import Client
 from scheduler.stack import LocalStack
-from tests.conftest import needs_demo, settings_from, stack_env
+from tests.conftest import ggufq, needs_demo, settings_from, stack_env
 
 
 def test_virtual_gpus_are_advertised_and_preferred(models_dir: Path, tmp_path: Path) -> None:
@@ -29,13 +29,7 @@ def test_virtual_gpus_are_advertised_and_preferred(models_dir: Path, tmp_path: P
             (runner,) = client.ps()
             reserved = {d["id"]: int(d["reserved"]) for d in client.devices()}
             assert reserved == {"vgpu:vhost:0": 0, "vgpu:vhost:1": int(runner["bytes"])}
-            out = subprocess.run(
-                [sys.executable, "-m", "scheduler.cli", "devices"],
-                env={**os.environ, **env, "GGUFQ_REDIS_URL": st.redis_url},
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            out = ggufq("devices", env={**env, "GGUFQ_REDIS_URL": st.redis_url})
             line = next(x for x in out.stdout.splitlines() if x.startswith("vgpu:vhost:1"))
             assert line.rstrip().endswith("yes")
 
@@ -57,13 +51,7 @@ def test_partial_offload_when_the_gpu_is_too_small(models_dir: Path, tmp_path: P
             assert result.done and result.device == "vgpu:small:0"
             (runner,) = client.ps()
             assert runner["n_gpu_layers"] == "2" and int(runner["bytes"]) == table[1]
-            out = subprocess.run(
-                [sys.executable, "-m", "scheduler.cli", "ps"],
-                env={**os.environ, **env, "GGUFQ_REDIS_URL": st.redis_url},
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            out = ggufq("ps", env={**env, "GGUFQ_REDIS_URL": st.redis_url})
             assert "% CPU/GPU" in out.stdout
 
 

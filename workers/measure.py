@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.estimate import RunnerConfig
+from workers.runner import GGML_KV_TYPES
 
 MIB = 1 << 20
 
@@ -74,12 +75,7 @@ def measure(
     def capture(_level: int, text: bytes, _user: ctypes.c_void_p) -> None:
         lines.append(text.decode("utf-8", errors="replace"))
 
-    ggml_type = {
-        "f16": llama_cpp.GGML_TYPE_F16,
-        "q8_0": llama_cpp.GGML_TYPE_Q8_0,
-        "q4_0": llama_cpp.GGML_TYPE_Q4_0,
-        "f32": llama_cpp.GGML_TYPE_F32,
-    }[kv_type]
+    ggml_type = GGML_KV_TYPES[kv_type]
     with _lock:  # the log callback is process-wide
         llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
         model: Any = None

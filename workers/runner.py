@@ -17,7 +17,7 @@ from scheduler.estimate import RunnerConfig
 from scheduler.protocol import Options
 
 # ggml type ids of the KV cache types (ggml.h: GGML_TYPE_F32 = 0, F16 = 1, Q4_0 = 2, ...)
-_GGML_TYPES = {
+GGML_KV_TYPES = {
     "f32": 0,
     "f16": 1,
     "q4_0": 2,
@@ -72,7 +72,7 @@ class Runner:
         self.keep_alive_s = keep_alive_s
         self.turn = threading.Lock()
         started = time.perf_counter_ns()
-        kv_type = _GGML_TYPES[config.kv_type]
+        kv_type = GGML_KV_TYPES[config.kv_type]
         # Exactly the context the estimator sized (scheduler.estimate.context_sizes).
         self.llm = Llama(
             model_path=path,
