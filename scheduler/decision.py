@@ -7,7 +7,7 @@ returned decision (reserve, send, evict, park or refuse) at its edge.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -45,51 +45,57 @@ class RunnerState:
     last_used: float
 
 
+def is_live(runner: RunnerState) -> bool:
+    """Counts against its devices and takes jobs (loading or ready)."""
+    return runner.state != "unloading"
+
+
+def is_idle(runner: RunnerState) -> bool:
+    """May be evicted: loaded and serving no job."""
+    return runner.state == "ready" and runner.in_flight == 0
+
+
+def eviction_order(demand: Mapping[str, float]) -> Callable[[RunnerState], Any]:
+    """Cheapest victim first: never-expiring runners last, then the least demanded model,
+    then the soonest expiry and the least recent use."""
+    return lambda r: (r.expires_at < 0, demand.get(r.model, 0.0), r.expires_at, r.last_used)
+
+
 @dataclass(frozen=True)
 class Snapshot:
     devices: list[DeviceState]
     runners: list[RunnerState]
     parked: int = 0
-    demand: dict[str, float] = field(default_factory=dict)  # model → decayed request count
+    demand: Mapping[str, float] = field(default_factory=dict)  # model → decayed request count
 
     # Indexes built once per snapshot, so that a decision costs O(devices) plus the runners
-    # of the job's model, not O(devices × runners).
+    # of the job's model, not O(devices × runners). scheduler/snapcache.py supplies them
+    # ready-made, kept current between snapshots.
     @cached_property
-    def live_by_model(self) -> dict[str, list[RunnerState]]:
+    def live_by_model(self) -> Mapping[str, list[RunnerState]]:
         index: dict[str, list[RunnerState]] = {}
-        for runner in self.runners:
-            if runner.state != "unloading":
-                index.setdefault(runner.model, []).append(runner)
+        for runner in filter(is_live, self.runners):
+            index.setdefault(runner.model, []).append(runner)
         return index
 
     @cached_property
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> Mapping[str, int]:
         """Live runners per device."""
         counts: dict[str, int] = {}
-        for runner in self.runners:
-            if runner.state != "unloading":
-                for device_id in runner.devices:
-                    counts[device_id] = counts.get(device_id, 0) + 1
+        for runner in filter(is_live, self.runners):
+            for device_id in runner.devices:
+                counts[device_id] = counts.get(device_id, 0) + 1
         return counts
 
     @cached_property
-    def idle_by_device(self) -> dict[str, list[RunnerState]]:
-        """Evictable runners per device, cheapest first: never-expiring ones last, then the
-        least demanded model, then soonest expiry and least recent use."""
+    def idle_by_device(self) -> Mapping[str, list[RunnerState]]:
+        """Evictable runners per device, cheapest first (:func:`eviction_order`)."""
         index: dict[str, list[RunnerState]] = {}
-        for runner in self.runners:
-            if runner.state == "ready" and runner.in_flight == 0:
-                for device_id in runner.devices:
-                    index.setdefault(device_id, []).append(runner)
+        for runner in filter(is_idle, self.runners):
+            for device_id in runner.devices:
+                index.setdefault(device_id, []).append(runner)
         for runners in index.values():
-            runners.sort(
-                key=lambda r: (
-                    r.expires_at < 0,
-                    self.demand.get(r.model, 0.0),
-                    r.expires_at,
-                    r.last_used,
-                )
-            )
+            runners.sort(key=eviction_order(self.demand))
         return index
 
 

@@ -10,6 +10,8 @@ PLACEMENT_ALIVE = f"{PREFIX}:placement:alive"  # sorted set: placement service �
 RUNNERS = f"{PREFIX}:runners"  # set of runner ids
 PARKED = f"{PREFIX}:parked"  # sorted set: job id → order (interactive first, then FIFO)
 DEMAND = f"{PREFIX}:demand"  # hash: model → "decayed request count:time" (eviction order)
+CHANGES = f"{PREFIX}:changes"  # stream: n, k = a changed key (lua/_changes.lua); trimmed
+CHANGES_N = f"{PREFIX}:changes:n"  # counter: number of the last change logged
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
 PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service
 BATCH_SUFFIX = ".batch"  # batch jobs go to a sibling queue that workers drain second

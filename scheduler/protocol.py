@@ -68,6 +68,9 @@ class JobRequest(BaseModel):
     model: str
     prompt: str = Field("", max_length=4_000_000)
     options: Options = Field(default_factory=Options)
+    format: Literal["json"] | dict[str, Any] | None = Field(
+        None, description='"json" or a JSON schema: constrain the output through a grammar'
+    )
     keep_alive_s: float | None = Field(
         None, description="None keeps the runner's current value; 0 unloads after; <0 never"
     )

@@ -39,6 +39,7 @@ from scheduler.parking import ParkedJobs, park_score
 from scheduler.protocol import JobRequest, parse_request
 from scheduler.registry import Registry
 from scheduler.settings import Settings, get_settings
+from scheduler.snapcache import SnapshotCache
 from scheduler.state import ClusterState
 from scheduler.streams import publish_final
 
@@ -77,6 +78,7 @@ class PlacementService:
         self.state = ClusterState(client)
         self.registry = Registry(settings.models_dir)
         self.parked = ParkedJobs(client)
+        self.snapshots = SnapshotCache(client)
         self._partials: dict[tuple[str, str], tuple[int, ...]] = {}
         self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
         self._stop = threading.Event()
@@ -134,7 +136,7 @@ class PlacementService:
         order = score if score is not None else park_score(req, time.time())
         for _attempt in range(8):  # lost races against other placers: decide again
             now = time.time()
-            snap = self.state.snapshot(now, self.settings.device_ttl_s)
+            snap = self.snapshots.snapshot(now, self.settings.device_ttl_s)
             if req.device is not None:
                 snap = pinned(snap, req.device)
             if snap.devices and needs.bytes > max(d.total for d in snap.devices):

@@ -20,7 +20,9 @@ from scheduler.decision import DEMAND_TAU_S, DeviceState, RunnerState, Snapshot,
 
 @cache
 def _lua_source(name: str) -> str:
-    return resources.files("scheduler").joinpath("lua", f"{name}.lua").read_text()
+    folder = resources.files("scheduler").joinpath("lua")
+    # every script logs the keys it changes (snapcache.py reads that log)
+    return folder.joinpath("_changes.lua").read_text() + folder.joinpath(f"{name}.lua").read_text()
 
 
 def _script(client: redis.Redis, name: str) -> Any:
@@ -57,6 +59,7 @@ class ClusterState:
         self._reap = _script(client, "reap")
         self._update = _script(client, "update_runner")
         self._demand = _script(client, "demand")
+        self._touch = _script(client, "touch")
 
     # -- devices -------------------------------------------------------------------------
     def register_device(self, dev: DeviceInfo, now: float) -> None:
@@ -77,6 +80,7 @@ class ClusterState:
         pipe.hset(keys.device(dev.id), mapping=cast(Any, fields))
         pipe.sadd(keys.DEVICES, dev.id)
         pipe.zadd(keys.HEARTBEATS, {dev.id: now})
+        self._touch(keys=[keys.device(dev.id), keys.reservations(dev.id)], client=pipe)
         pipe.publish(keys.EVENTS, json.dumps({"event": "device_joined", "device": dev.id}))
         pipe.execute()
 
@@ -85,6 +89,7 @@ class ClusterState:
         for device_id, free in free_by_device.items():
             pipe.hset(keys.device(device_id), mapping={"free": free, "heartbeat": now})
             pipe.zadd(keys.HEARTBEATS, {device_id: now})
+        self._touch(keys=[keys.device(d) for d in free_by_device], client=pipe)
         pipe.execute()
 
     def deregister_devices(self, device_ids: list[str]) -> None:
@@ -121,29 +126,16 @@ class ClusterState:
         devices = []
         for i, device_id in enumerate(device_ids):
             h = _decode(replies[2 * i])
-            if not h or now - float(h.get("heartbeat", 0)) > device_ttl_s:
-                continue
-            devices.append(
-                DeviceState(
-                    id=device_id,
-                    worker=h["worker"],
-                    queue=h["queue"],
-                    kind=h["kind"],  # type: ignore[arg-type]
-                    total=int(h["total"]),
-                    reported_free=int(h["free"]),
-                    reserved=sum(int(v) for v in replies[2 * i + 1]),
-                )
-            )
+            if h and now - float(h.get("heartbeat", 0)) <= device_ttl_s:
+                reserved = sum(int(v) for v in replies[2 * i + 1])
+                devices.append(device_from_hash(device_id, h, reserved))
         alive = {d.id for d in devices}
         runners = []
         for runner_id, raw in zip(runner_ids, replies[2 * len(device_ids) :], strict=True):
             record = runner_from_hash(runner_id, _decode(raw))
             if record is not None and set(record.devices) <= alive:
                 runners.append(record)
-        demand = {}
-        for model, raw in _decode(demand_raw).items():
-            score, last = raw.split(":")
-            demand[model] = decayed(float(score), float(last), now)
+        demand = decayed_demand(_decode(demand_raw), now)
         return Snapshot(devices=devices, runners=runners, parked=int(parked), demand=demand)
 
     def count_request(self, model: str, now: float) -> None:
@@ -238,6 +230,27 @@ class ClusterState:
             args=[runner_id],
         )
         self.announce({"event": "runner_unloaded", "runner": runner_id})
+
+
+def device_from_hash(device_id: str, h: dict[str, str], reserved: int) -> DeviceState:
+    return DeviceState(
+        id=device_id,
+        worker=h["worker"],
+        queue=h["queue"],
+        kind=h["kind"],  # type: ignore[arg-type]
+        total=int(h["total"]),
+        reported_free=int(h["free"]),
+        reserved=reserved,
+    )
+
+
+def decayed_demand(raw: dict[str, str], now: float) -> dict[str, float]:
+    """The demand hash (model → "count:time") as counts decayed to ``now``."""
+    demand = {}
+    for model, value in raw.items():
+        score, last = value.split(":")
+        demand[model] = decayed(float(score), float(last), now)
+    return demand
 
 
 def runner_from_hash(runner_id: str, h: dict[str, str]) -> RunnerState | None:

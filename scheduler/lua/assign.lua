@@ -6,4 +6,5 @@ local state = redis.call('HGET', KEYS[1], 'state')
 if not state or state == 'unloading' then return 0 end
 redis.call('HINCRBY', KEYS[1], 'in_flight', 1)
 redis.call('HSET', KEYS[1], 'last_used', ARGV[1], 'expires_at', -1)
+changed(KEYS[1])
 return 1

@@ -6,4 +6,5 @@ local h = redis.call('HMGET', KEYS[1], 'state', 'in_flight')
 if not h[1] or h[1] == 'unloading' then return 0 end
 if ARGV[1] ~= '1' and tonumber(h[2]) > 0 then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'unloading')
+changed(KEYS[1])
 return 1

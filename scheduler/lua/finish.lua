@@ -12,4 +12,5 @@ local now, keep = tonumber(ARGV[1]), tonumber(ARGV[2])
 local expires = -1
 if left == 0 and keep >= 0 then expires = now + keep end
 redis.call('HSET', KEYS[1], 'last_used', now, 'keep_alive_s', keep, 'expires_at', expires)
+changed(KEYS[1])
 return left

@@ -14,11 +14,15 @@ for _, dev in ipairs(redis.call('SMEMBERS', KEYS[1])) do
       local held = redis.call('HGET', 'ggufq:runner:' .. rid, 'device_ids') or ''
       for other in string.gmatch(held, '[^,]+') do
         redis.call('HDEL', 'ggufq:resv:' .. other, rid)
+        changed('ggufq:resv:' .. other)
       end
       redis.call('DEL', 'ggufq:runner:' .. rid)
+      changed('ggufq:runner:' .. rid)
       redis.call('SREM', KEYS[2], rid)
     end
     redis.call('DEL', 'ggufq:resv:' .. dev, 'ggufq:device:' .. dev)
+    changed('ggufq:resv:' .. dev)
+    changed('ggufq:device:' .. dev)
     redis.call('SREM', KEYS[1], dev)
     redis.call('ZREM', KEYS[3], dev)
     table.insert(dropped, dev)

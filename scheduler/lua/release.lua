@@ -6,7 +6,11 @@
 -- ARGV: runner_id
 -- Returns the number of reservations removed.
 local removed = 0
-for i = 3, #KEYS do removed = removed + redis.call('HDEL', KEYS[i], ARGV[1]) end
+for i = 3, #KEYS do
+  removed = removed + redis.call('HDEL', KEYS[i], ARGV[1])
+  changed(KEYS[i])
+end
 redis.call('DEL', KEYS[2])
+changed(KEYS[2])
 redis.call('SREM', KEYS[1], ARGV[1])
 return removed

@@ -20,4 +20,6 @@ end
 redis.call('HSET', KEYS[4], runner_id, need)
 for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('SADD', KEYS[1], runner_id)
+changed(KEYS[2])
+changed(KEYS[4])
 return {1, free - need}

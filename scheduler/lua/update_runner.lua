@@ -4,4 +4,5 @@
 -- Returns 1 when updated, 0 when the runner is gone.
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 for i = 1, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+changed(KEYS[1])
 return 1
