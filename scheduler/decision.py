@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Literal
 
@@ -100,6 +100,15 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
+class GroupNeeds:
+    """What a model needs when its blocks are split over several GPUs of one worker."""
+
+    per_block: tuple[int, ...]  # weights + KV cache of each block, in order
+    per_device: int  # each GPU holds a compute buffer
+    last: int  # the output layer, on the GPU that holds the last blocks
+
+
+@dataclass(frozen=True)
 class JobNeeds:
     model: str
     config_key: str
@@ -107,6 +116,7 @@ class JobNeeds:
     # partial[n] = GPU bytes with n layers offloaded (n = 1..block_count; llama.cpp's
     # n_gpu_layers, output layer first); empty when no partial offload is allowed
     partial: tuple[int, ...] = ()
+    group: GroupNeeds | None = None  # None: the model may not span devices
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,14 @@ class Load:
     device_id: str
     bytes: int
     n_gpu_layers: int = -1  # -1 = the whole model on the device
+    # a model split over several GPUs of one worker: device → (bytes, blocks), in layer order
+    split: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def reservations(self) -> dict[str, int]:
+        if not self.split:
+            return {self.device_id: self.bytes}
+        return {device_id: nbytes for device_id, nbytes, _blocks in self.split}
 
 
 @dataclass(frozen=True)
@@ -169,7 +187,9 @@ def decide(
        busy → leave it and place a new runner beside it.
     3. Fits whole on one device → load there; GPUs before the CPU; `binpack` picks the device
        with the least free memory left over, `spread` the most.
-    4. (multi-device groups: the placement issue)
+    4. Fits whole on several GPUs of one worker → the fewest devices, then the least free
+       memory left over; blocks are split in order, each GPU filled before the next, the
+       output layer with the last blocks.
     5. Fits on a device after unloading idle runners there → evict the fewest runners: runners
        that never expire last, then the models with the least recent demand (a request count
        decayed by e every DEMAND_TAU_S), then the soonest expiry, then least recently used;
@@ -198,10 +218,21 @@ def decide(
         return Evict([r.id for r in stale])
     largest = max(d.total for d in snap.devices)
     if job.bytes > largest:
+        # 4
+        spanning = _fewest_devices(job.group, snap, max_loaded) if job.group else None
+        if spanning is not None:
+            return spanning
         # 6
         partial = _partial_offload(job, snap, max_loaded)
         if partial is not None:
             return partial
+        if job.group and _fewest_devices(job.group, _emptied(snap), max_loaded):
+            # 5
+            victims = _group_victims(job.group, snap, max_loaded, victim_key)
+            if victims:
+                return Evict(victims)
+            # 7
+            return Park(f"{job.model!r} spans several GPUs whose memory is in use")
         # 9
         sizes = {d.id: f"total {format_bytes(d.total)}" for d in snap.devices}
         return Refuse(
@@ -216,6 +247,11 @@ def decide(
     fits = [d for d in snap.devices if d.free >= job.bytes and counts.get(d.id, 0) < max_loaded]
     if fits:
         return Load(_pick(fits, job.bytes, policy).id, job.bytes)
+    # 4
+    if job.group is not None:
+        spanning = _fewest_devices(job.group, snap, max_loaded)
+        if spanning is not None:
+            return spanning
     # 8
     if snap.parked >= max_queue:
         return server_busy(snap.parked, max_queue)
@@ -240,6 +276,86 @@ def _partial_offload(job: JobNeeds, snap: Snapshot, max_loaded: int) -> Decision
     if job.partial[0] <= max(d.total for d in gpus):
         return Park(f"no GPU has room for a layer of {job.model!r} now")
     return None
+
+
+def _fewest_devices(group: GroupNeeds, snap: Snapshot, max_loaded: int) -> Load | None:
+    by_worker: dict[str, list[DeviceState]] = {}
+    for d in snap.devices:
+        if d.kind != "cpu" and snap.counts.get(d.id, 0) < max_loaded:
+            by_worker.setdefault(d.worker, []).append(d)
+    best: tuple[int, int, str] | None = None
+    chosen: Load | None = None
+    for worker, devices in by_worker.items():
+        devices.sort(key=lambda d: (-d.free, d.id))
+        for k in range(2, len(devices) + 1):
+            split = split_blocks(group, devices[:k])
+            if split is not None:
+                leftover = sum(d.free for d in devices[:k]) - sum(b for _, b, _ in split)
+                if best is None or (k, leftover, worker) < best:
+                    best, chosen = (k, leftover, worker), Load(split[0][0], 0, -1, split)
+                break
+    if chosen is None:
+        return None
+    return Load(chosen.device_id, sum(b for _, b, _ in chosen.split), -1, chosen.split)
+
+
+def _group_victims(
+    group: GroupNeeds, snap: Snapshot, max_loaded: int, key: VictimKey | None
+) -> list[str]:
+    """The fewest idle runners to unload on one worker's GPUs so that a group fits."""
+    best: list[str] | None = None
+    workers = {d.worker for d in snap.devices if d.kind != "cpu"}
+    for worker in sorted(workers):
+        gpus = [d for d in snap.devices if d.worker == worker and d.kind != "cpu"]
+        on_worker = {d.id for d in gpus}
+        idle = {r.id: r for d in gpus for r in snap.idle_by_device.get(d.id, [])}
+        order = sorted(idle.values(), key=key or eviction_order(snap.demand))
+        held = [r for r in snap.runners if is_live(r) and on_worker & set(r.devices)]
+        chosen: list[str] = []
+        for victim in order:
+            chosen.append(victim.id)
+            freed = {
+                d: sum(r.devices.get(d, 0) for r in idle.values() if r.id in chosen)
+                for d in on_worker
+            }
+            devices = [replace(d, reserved=max(0, d.reserved - freed[d.id])) for d in gpus]
+            rest = [r for r in held if r.id not in chosen]
+            if _fewest_devices(group, Snapshot(devices, rest), max_loaded):
+                if best is None or len(chosen) < len(best):
+                    best = list(chosen)
+                break
+    return best or []
+
+
+def _emptied(snap: Snapshot) -> Snapshot:
+    """The cluster with every runner gone: what could fit at all."""
+    devices = [replace(d, reported_free=d.total, reserved=0) for d in snap.devices]
+    return Snapshot(devices, [], snap.parked)
+
+
+def split_blocks(
+    group: GroupNeeds, devices: list[DeviceState]
+) -> tuple[tuple[str, int, int], ...] | None:
+    """Blocks in order over ``devices``, each filled before the next; None if they don't fit.
+
+    Every device gets at least one block and its compute buffer; the last also gets the
+    output layer. Returns (device id, bytes, blocks) per device.
+    """
+    split, start, n = [], 0, len(group.per_block)
+    for i, device in enumerate(devices):
+        last = i == len(devices) - 1
+        room = device.free - group.per_device - (group.last if last else 0)
+        stop = n - (len(devices) - 1 - i)  # leave a block for each device after this one
+        used, end = 0, start
+        while end < stop and used + group.per_block[end] <= room:
+            used += group.per_block[end]
+            end += 1
+        if end == start or (last and end < n):
+            return None
+        fixed = group.per_device + (group.last if last else 0)
+        split.append((device.id, used + fixed, end - start))
+        start = end
+    return tuple(split)
 
 
 def server_busy(parked: int, max_queue: int) -> Refuse:

@@ -297,6 +297,18 @@ def max_layers_that_fit(info: ModelInfo, cfg: RunnerConfig, free_gpu: int) -> in
     return sum(1 for need in gpu_bytes_by_layers(info, cfg) if need <= free_gpu)
 
 
+def group_parts(info: ModelInfo, cfg: RunnerConfig) -> tuple[tuple[int, ...], int, int]:
+    """For a model split over several GPUs: (weights + KV of each block, the compute buffer
+    every GPU holds, the output layer that goes with the last block)."""
+    per_block = list(info.layer_bytes)
+    for cache in kv_caches(info, cfg):
+        per_layer = cache.bytes // max(1, len(cache.layers))
+        for il in cache.layers:
+            per_block[il] += per_layer
+    output = info.output_bytes + (_tied_projection_bytes(info) if info.tied_output else 0)
+    return tuple(per_block), compute_bytes(info, cfg), output
+
+
 def partial_table(info: ModelInfo, cfg: RunnerConfig) -> tuple[int, ...]:
     """GPU bytes for n_gpu_layers = 1 .. block_count: the partial offloads (branch 6)."""
     return gpu_bytes_by_layers(info, cfg)[:-1]

@@ -22,6 +22,7 @@ from scheduler import keys
 from scheduler.celery_app import make_app, send_job
 from scheduler.decision import (
     Evict,
+    GroupNeeds,
     JobNeeds,
     Load,
     Park,
@@ -32,7 +33,13 @@ from scheduler.decision import (
     server_busy,
 )
 from scheduler.errors import GgufqError, InvalidRequest, error_from_code
-from scheduler.estimate import RunnerConfig, choose_num_ctx, estimate_bytes, partial_table
+from scheduler.estimate import (
+    RunnerConfig,
+    choose_num_ctx,
+    estimate_bytes,
+    group_parts,
+    partial_table,
+)
 from scheduler.ggufmeta import ModelInfo
 from scheduler.localstack import resolve_redis_url
 from scheduler.parking import ParkedJobs, park_score
@@ -70,6 +77,17 @@ def pinned(snap: Snapshot, device_id: str) -> Snapshot:
     )
 
 
+def _has_gpu_groups(snap: Snapshot) -> bool:
+    """Whether some worker owns several GPUs (so a model may span them: branch 4)."""
+    seen: set[str] = set()
+    for d in snap.devices:
+        if d.kind != "cpu":
+            if d.worker in seen:
+                return True
+            seen.add(d.worker)
+    return False
+
+
 class PlacementService:
     def __init__(self, settings: Settings, client: redis.Redis, app: Celery) -> None:
         self.settings = settings
@@ -80,6 +98,7 @@ class PlacementService:
         self.parked = ParkedJobs(client)
         self.snapshots = SnapshotCache(client)
         self._partials: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._groups: dict[tuple[str, str], GroupNeeds] = {}
         self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
         self._stop = threading.Event()
 
@@ -141,6 +160,8 @@ class PlacementService:
                 snap = pinned(snap, req.device)
             if snap.devices and needs.bytes > max(d.total for d in snap.devices):
                 needs = replace(needs, partial=self._partial(info, config))
+            if needs.group is None and _has_gpu_groups(snap):
+                needs = replace(needs, group=self._group(info, config))
             decision = decide(
                 needs,
                 snap,
@@ -168,7 +189,7 @@ class PlacementService:
                     if not self.state.assign(runner_id, now):
                         continue
                     placement.update(runner_id=runner_id, device_id=device_id)
-                case Load(device_id, nbytes, n_gpu_layers):
+                case Load(device_id, nbytes, n_gpu_layers, split) as load:
                     runner_id = uuid.uuid4().hex[:16]
                     fields = {
                         "model": req.model,
@@ -182,13 +203,16 @@ class PlacementService:
                         "keep_alive_s": self.settings.keep_alive_s,
                     }
                     if not self.state.reserve(
-                        runner_id, device_id, nbytes, fields, now, self.settings.device_ttl_s
+                        runner_id, load.reservations, fields, now, self.settings.device_ttl_s
                     ):
                         continue
                     kind = next(d.kind for d in snap.devices if d.id == device_id)
                     placement.update(
                         runner_id=runner_id,
                         device_id=device_id,
+                        device_ids=list(load.reservations),
+                        # blocks per device in layer order, for llama.cpp's tensor_split
+                        split_blocks=[blocks for _dev, _bytes, blocks in split],
                         n_gpu_layers=0 if kind == "cpu" else n_gpu_layers,
                     )
                 case Evict(runner_ids):
@@ -210,6 +234,12 @@ class PlacementService:
         if key not in self._partials:
             self._partials[key] = partial_table(info, config)
         return self._partials[key]
+
+    def _group(self, info: ModelInfo, config: RunnerConfig) -> GroupNeeds:
+        key = (info.path, config.key())
+        if key not in self._groups:
+            self._groups[key] = GroupNeeds(*group_parts(info, config))
+        return self._groups[key]
 
     def _park(self, req: JobRequest, score: float) -> NoReturn:
         self.parked.park(req, score)

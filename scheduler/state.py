@@ -184,27 +184,32 @@ class ClusterState:
     def reserve(
         self,
         runner_id: str,
-        device_id: str,
-        nbytes: int,
+        reservations: dict[str, int],
         fields: dict[str, Any],
         now: float,
         device_ttl_s: float,
     ) -> bool:
-        """Create the runner (one job assigned) and reserve its memory.
+        """Create the runner (one job assigned) and reserve its memory on every device it
+        spans, all or nothing.
 
-        False when the device can no longer hold it (another placer won the race).
+        False when a device can no longer hold its part (another placer won the race).
         """
-        record = dict(fields, device_ids=device_id, devices=json.dumps({device_id: nbytes}))
+        device_ids = list(reservations)
+        record = dict(fields, device_ids=",".join(device_ids), devices=json.dumps(reservations))
         record.update(state="loading", in_flight=1, last_used=now, expires_at=-1)
-        flat = _flatten(record)
+        device_keys = []
+        for device_id in device_ids:
+            device_keys += [keys.device(device_id), keys.reservations(device_id)]
         ok, _free = self._reserve(
-            keys=[
-                keys.RUNNERS,
-                keys.runner(runner_id),
-                keys.device(device_id),
-                keys.reservations(device_id),
+            keys=[keys.RUNNERS, keys.runner(runner_id), *device_keys],
+            args=[
+                runner_id,
+                now,
+                device_ttl_s,
+                len(device_ids),
+                *reservations.values(),
+                *_flatten(record),
             ],
-            args=[runner_id, nbytes, now, device_ttl_s, *flat],
         )
         return bool(ok)
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from scheduler.decision import (
     DeviceState,
     Evict,
+    GroupNeeds,
     JobNeeds,
     Load,
     Park,
@@ -13,6 +16,7 @@ from scheduler.decision import (
     RunnerState,
     Snapshot,
     decide,
+    split_blocks,
 )
 
 GIB = 1 << 30
@@ -201,3 +205,40 @@ def test_ps_processor_column() -> None:
     assert _processor({}, {"cpu"}) == "100% CPU"
     split = {"n_gpu_layers": "3", "bytes": str(65), "total_bytes": str(100)}
     assert _processor(split, {"vgpu"}) == "35%/65% CPU/GPU"
+
+
+def group_job(blocks: int = 8, block_gib: float = 1, per_device: float = 0.5) -> JobNeeds:
+    group = GroupNeeds(
+        per_block=(int(block_gib * GIB),) * blocks, per_device=int(per_device * GIB), last=GIB
+    )
+    total = int((blocks * block_gib + per_device + 1) * GIB)
+    return JobNeeds(model="big", config_key="c1", bytes=total, group=group)
+
+
+def test_4_spans_the_fewest_gpus_of_one_worker() -> None:
+    # 9.5 GiB: no 6 GiB GPU holds it; two of them do (blocks split 5 + 3, output on the last)
+    devices = [dev("a", 6), dev("b", 6), dev("c", 6)]
+    decision = decide(group_job(), Snapshot(devices, []), "binpack", 0.0, 10, 3)
+    assert isinstance(decision, Load) and len(decision.split) == 2
+    assert [blocks for _, _, blocks in decision.split] == [5, 3]
+    assert sum(decision.reservations.values()) == decision.bytes == int(10 * GIB)
+    assert all(nbytes <= 6 * GIB for nbytes in decision.reservations.values())
+
+
+def test_4_groups_never_cross_workers() -> None:
+    devices = [dev("a", 6), replace(dev("b", 6), worker="other@h2")]
+    decision = decide(group_job(), Snapshot(devices, []), "binpack", 0.0, 10, 3)
+    assert not isinstance(decision, Load)
+
+
+def test_4_parks_when_the_group_is_busy_and_could_fit_empty() -> None:
+    devices = [dev("a", 6, reserved=3), dev("b", 6)]
+    busy = [runner("r1", "other", "a", 3, in_flight=1)]
+    decision = decide(group_job(), Snapshot(devices, busy), "binpack", 0.0, 10, 3)
+    assert isinstance(decision, Park)
+
+
+def test_4_split_leaves_a_block_for_every_device() -> None:
+    group = GroupNeeds(per_block=(GIB,) * 4, per_device=0, last=3 * GIB)
+    split = split_blocks(group, [dev("a", 8), dev("b", 4)])
+    assert split is not None and [b for _, _, b in split] == [3, 1]

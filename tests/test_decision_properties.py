@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from scheduler.decision import (
     DeviceState,
     Evict,
+    GroupNeeds,
     JobNeeds,
     Load,
     Park,
@@ -24,6 +25,13 @@ from scheduler.decision import (
 
 GIB = 1 << 30
 MODELS = {f"m{i}": (i % 4 + 1) * GIB for i in range(6)}  # model → bytes
+# a model larger than any one device: it runs split over GPUs of one worker (branch 4)
+BIG = GroupNeeds(per_block=(GIB,) * 8, per_device=GIB // 2, last=GIB)
+MODELS["big"] = 8 * GIB + GIB // 2 + GIB + 4 * GIB  # bytes if it were on one device
+
+
+def needs(model: str, config: str = "a") -> JobNeeds:
+    return JobNeeds(model, config, MODELS[model], group=BIG if model == "big" else None)
 
 
 @st.composite
@@ -64,7 +72,7 @@ def snapshots(draw: st.DrawFn) -> tuple[Snapshot, JobNeeds]:
             )
         )
     model = draw(st.sampled_from(sorted(MODELS)))
-    job = JobNeeds(model, draw(st.sampled_from(["a", "b"])), MODELS[model])
+    job = needs(model, draw(st.sampled_from(["a", "b"])))
     return Snapshot(devices, runners, parked=draw(st.integers(0, 5))), job
 
 
@@ -80,10 +88,18 @@ def test_decision_is_always_admissible(case: tuple[Snapshot, JobNeeds]) -> None:
             r = runners[runner_id]
             assert (r.model, r.config_key) == (job.model, job.config_key)
             assert r.state != "unloading" and device_id in r.devices
-        case Load(device_id, nbytes):
-            assert nbytes == job.bytes and devices[device_id].free >= nbytes
-            live = [r for r in snap.runners if r.state != "unloading" and device_id in r.devices]
-            assert len(live) < 3
+        case Load() as load:
+            for device_id, nbytes in load.reservations.items():
+                assert devices[device_id].free >= nbytes
+                live = [
+                    r for r in snap.runners if r.state != "unloading" and device_id in r.devices
+                ]
+                assert len(live) < 3
+            if load.split:
+                assert job.group and sum(b for _, _, b in load.split) == len(job.group.per_block)
+                assert len({devices[d].worker for d in load.reservations}) == 1
+            else:
+                assert load.bytes == job.bytes
         case Evict(ids):
             assert ids and all(
                 runners[i].in_flight == 0 and runners[i].state != "unloading" for i in ids
@@ -128,13 +144,14 @@ class Cluster:
                 r = self.runners[rid]
                 self.runners[rid] = replace(r, in_flight=r.in_flight + 1)
                 return "served"
-            case Load(dev, nbytes) if dev in self.alive and (
-                self.total[dev] - self.reserved(dev) >= nbytes
+            case Load() as load if all(
+                dev in self.alive and self.total[dev] - self.reserved(dev) >= nbytes
+                for dev, nbytes in load.reservations.items()
             ):
                 self.counter += 1
                 rid = f"r{self.counter}"
                 self.runners[rid] = RunnerState(
-                    rid, job.model, job.config_key, {dev: nbytes}, "ready", 1, -1, 0
+                    rid, job.model, job.config_key, load.reservations, "ready", 1, -1, 0
                 )
                 return "served"
             case Evict(ids):
@@ -171,7 +188,7 @@ def test_simulated_cluster_keeps_invariants(trace: list, placers: int) -> None:
     stale = [cluster.snapshot(0) for _ in range(placers)]  # each placer's last view
     for step, (kind, arg, placer) in enumerate(trace):
         if kind == "arrive":
-            job = JobNeeds(arg, "a", MODELS[arg])
+            job = needs(arg)
             view = stale[placer % placers]
             outcome = cluster.commit(decide(job, view, "binpack", step, 8, 3), job)
             if outcome == "lost race":  # re-decide on a fresh snapshot, as the service does

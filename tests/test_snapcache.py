@@ -52,7 +52,7 @@ def test_cache_matches_full_read_through_random_changes(db: redis.Redis) -> None
             runner_id = f"r{step}"
             dev = rng.choice(devices).id
             fields = {"model": f"m{rng.randrange(5)}", "config_key": "c"}
-            if state.reserve(runner_id, dev, rng.choice([1, 2, 3]) * GIB, fields, now, 30):
+            if state.reserve(runner_id, {dev: rng.choice([1, 2, 3]) * GIB}, fields, now, 30):
                 runners.append(runner_id)
         elif action in ("assign", "finish", "ready", "unload") and runners:
             runner_id = rng.choice(runners)
@@ -82,9 +82,9 @@ def test_cache_reloads_when_the_log_has_a_gap(db: redis.Redis) -> None:
     state, cache = ClusterState(db), SnapshotCache(db)
     state.register_device(vgpu(0), 1.0)
     cache.snapshot(1.0, 30)
-    state.reserve("r1", vgpu(0).id, GIB, {"model": "m", "config_key": "c"}, 1.0, 30)
+    state.reserve("r1", {vgpu(0).id: GIB}, {"model": "m", "config_key": "c"}, 1.0, 30)
     db.delete(keys.CHANGES)  # trimmed before this reader saw them: a gap in the numbers
-    state.reserve("r2", vgpu(0).id, GIB, {"model": "m", "config_key": "c"}, 1.0, 30)
+    state.reserve("r2", {vgpu(0).id: GIB}, {"model": "m", "config_key": "c"}, 1.0, 30)
     snap = cache.snapshot(1.0, 30)
     assert cache.reloads == 2
     assert snap.devices[0].reserved == 2 * GIB

@@ -48,7 +48,7 @@ def test_concurrent_reservations_never_over_commit(db: redis.Redis) -> None:
         mine = ClusterState(redis.Redis(connection_pool=db.connection_pool))
         for i in range(10):
             rid = f"r{n}-{i}"
-            if mine.reserve(rid, "vgpu:h:0", GIB, {"model": "m"}, now=100.0, device_ttl_s=10):
+            if mine.reserve(rid, {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10):
                 with lock:
                     won.append(rid)
 
@@ -70,18 +70,18 @@ def test_reported_free_limits_reservations(db: redis.Redis) -> None:
     state = ClusterState(db)
     state.register_device(vgpu(0), now=100.0)
     state.heartbeat({"vgpu:h:0": GIB}, now=101.0)  # the driver says only 1 GiB is free
-    assert not state.reserve("r", "vgpu:h:0", 2 * GIB, {"model": "m"}, 101.0, 10)
-    assert state.reserve("r", "vgpu:h:0", GIB, {"model": "m"}, 101.0, 10)
+    assert not state.reserve("r", {"vgpu:h:0": 2 * GIB}, {"model": "m"}, 101.0, 10)
+    assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 101.0, 10)
 
 
 def test_stale_device_refuses_reservations_and_is_reaped(db: redis.Redis) -> None:
     state = ClusterState(db)
     state.register_device(vgpu(0), now=100.0)
     state.register_device(vgpu(1), now=100.0)
-    assert state.reserve("r0", "vgpu:h:0", GIB, {"model": "m"}, 100.0, 10)
-    assert state.reserve("r1", "vgpu:h:1", GIB, {"model": "m"}, 100.0, 10)
+    assert state.reserve("r0", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)
+    assert state.reserve("r1", {"vgpu:h:1": GIB}, {"model": "m"}, 100.0, 10)
     state.heartbeat({"vgpu:h:1": 8 * GIB}, now=120.0)
-    assert not state.reserve("late", "vgpu:h:0", GIB, {"model": "m"}, 120.0, 10)
+    assert not state.reserve("late", {"vgpu:h:0": GIB}, {"model": "m"}, 120.0, 10)
     assert state.reap(now=120.0, device_ttl_s=10) == ["vgpu:h:0"]
     assert not db.exists(keys.runner("r0")) and not db.exists(keys.reservations("vgpu:h:0"))
     assert db.smembers(keys.RUNNERS) == {b"r1"}
@@ -92,7 +92,7 @@ def test_stale_device_refuses_reservations_and_is_reaped(db: redis.Redis) -> Non
 def test_unload_waits_for_assigned_jobs(db: redis.Redis) -> None:
     state = ClusterState(db)
     state.register_device(vgpu(0), now=100.0)
-    assert state.reserve("r", "vgpu:h:0", GIB, {"model": "m"}, 100.0, 10)  # one job assigned
+    assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # one job assigned
     assert not state.begin_unload("r")  # busy
     assert state.finish("r", now=101.0, keep_alive_s=300) == 0
     assert float(db.hget(keys.runner("r"), "expires_at") or 0) == 401.0

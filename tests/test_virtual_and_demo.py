@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from api_client import Client
 from scheduler.stack import LocalStack
-from tests.conftest import ggufq, needs_demo, settings_from, stack_env
+from tests.conftest import ggufq, needs_demo, settings_from, stack_env, wait_for
 
 
 def test_virtual_gpus_are_advertised_and_preferred(models_dir: Path, tmp_path: Path) -> None:
@@ -53,6 +54,35 @@ def test_partial_offload_when_the_gpu_is_too_small(models_dir: Path, tmp_path: P
             assert runner["n_gpu_layers"] == "2" and int(runner["bytes"]) == table[1]
             out = ggufq("ps", env={**env, "GGUFQ_REDIS_URL": st.redis_url})
             assert "% CPU/GPU" in out.stdout
+
+
+def test_a_model_spans_two_gpus_of_one_worker(models_dir: Path, tmp_path: Path) -> None:
+    from scheduler.estimate import RunnerConfig, estimate_bytes, group_parts
+    from scheduler.ggufmeta import read_model_info
+
+    info = read_model_info(models_dir / "tiny.gguf")
+    cfg = RunnerConfig(2048)
+    per_block, compute, output = group_parts(info, cfg)
+    # each GPU holds a compute buffer, one block, and the output layer: not the whole model
+    size = compute + max(per_block) + output + 4096
+    assert size < estimate_bytes(info, cfg) and len(per_block) == 2
+    env = stack_env(models_dir, tmp_path / "state", host="pair")
+    settings = settings_from(env, None)
+    worker = ["--virtual-gpu", str(size), "--virtual-gpu", str(size)]
+    with LocalStack(settings, worker_args=worker, log_dir=tmp_path / "logs", extra_env=env) as st:
+        with Client(st.redis_url, settings=settings, timeout=60) as client:
+            result = client.generate("tiny", "hi", options={"num_predict": 4, "num_ctx": 2048})
+            assert result.done
+            (runner,) = client.ps()
+            held = json.loads(runner["devices"])
+            assert set(held) == {"vgpu:pair:0", "vgpu:pair:1"}
+            reserved = {d["id"]: int(d["reserved"]) for d in client.devices()}
+            assert reserved == held and all(0 < b <= size for b in held.values())
+            out = ggufq("ps", env={**env, "GGUFQ_REDIS_URL": st.redis_url})
+            assert "vgpu:pair:0,vgpu:pair:1" in out.stdout.replace(" ", "")
+            client.unload("tiny")
+            assert wait_for(lambda: not client.ps())
+            assert all(d["reserved"] == "0" for d in client.devices())
 
 
 @needs_demo

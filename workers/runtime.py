@@ -181,13 +181,13 @@ class WorkerRuntime:
                 req.model,
                 str(path),
                 config,
-                [placement["device_id"]],
+                _device_ids(placement),
                 n_gpu_layers=int(placement.get("n_gpu_layers", 0)),
                 n_threads=self.settings.cpu_threads or None,
                 keep_alive_s=effective_keep_alive(req.keep_alive_s, self.settings.keep_alive_s),
             )
         except (GgufqError, ValueError, RuntimeError, OSError) as exc:
-            self._release(runner_id, [placement["device_id"]])
+            self._release(runner_id, _device_ids(placement))
             if isinstance(exc, InvalidModelFile | LoadFailed):
                 raise
             raise LoadFailed(
@@ -229,6 +229,11 @@ class WorkerRuntime:
     @property
     def worker_name(self) -> str:
         return self.devices[0].worker if self.devices else ""
+
+
+def _device_ids(placement: dict[str, Any]) -> list[str]:
+    """Every device the runner's memory is reserved on (several when it spans GPUs)."""
+    return list(placement.get("device_ids") or [placement["device_id"]])
 
 
 def _error_chunk(base: dict[str, Any], exc: GgufqError, now: float) -> dict[str, Any]:

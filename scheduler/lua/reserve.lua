@@ -1,25 +1,28 @@
--- Create a runner and reserve its memory on one device, atomically, re-checking free memory.
+-- Create a runner and reserve its memory on each device it spans, atomically, all or
+-- nothing, re-checking every device's free memory.
 -- KEYS[1] ggufq:runners          (set)   runner ids
 -- KEYS[2] ggufq:runner:<id>      (hash)  the new runner
--- KEYS[3] ggufq:device:<dev>     (hash)  the device: total, free (reported), heartbeat
--- KEYS[4] ggufq:resv:<dev>       (hash)  runner id -> bytes reserved on the device
--- ARGV: runner_id, bytes, now, device_ttl_s, then field/value pairs for the runner hash
--- Returns {1, free_after} on success, {0, free} when the device cannot hold it now.
-local runner_id, need = ARGV[1], tonumber(ARGV[2])
-local now, ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
-local dev = redis.call('HMGET', KEYS[3], 'total', 'free', 'heartbeat')
-if not dev[1] or (now - tonumber(dev[3])) > ttl then
-  return {0, -1}
+-- KEYS[3], KEYS[4], ...          for each device: ggufq:device:<dev> (hash: total, free
+--                                (reported), heartbeat), then ggufq:resv:<dev> (hash:
+--                                runner id -> bytes reserved on the device)
+-- ARGV: runner_id, now, device_ttl_s, n devices, n byte counts, then field/value pairs
+--       for the runner hash
+-- Returns {1, 0} on success, {0, i} when device i (1-based) cannot hold its part now.
+local runner_id = ARGV[1]
+local now, ttl, n = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+for i = 1, n do
+  local dev = redis.call('HMGET', KEYS[1 + 2 * i], 'total', 'free', 'heartbeat')
+  if not dev[1] or (now - tonumber(dev[3])) > ttl then return {0, i} end
+  local reserved = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[2 + 2 * i])) do reserved = reserved + tonumber(v) end
+  local free = math.min(tonumber(dev[2]), tonumber(dev[1]) - reserved)
+  if free < tonumber(ARGV[4 + i]) then return {0, i} end
 end
-local reserved = 0
-for _, v in ipairs(redis.call('HVALS', KEYS[4])) do reserved = reserved + tonumber(v) end
-local free = math.min(tonumber(dev[2]), tonumber(dev[1]) - reserved)
-if free < need then
-  return {0, free}
+for i = 1, n do
+  redis.call('HSET', KEYS[2 + 2 * i], runner_id, ARGV[4 + i])
+  changed(KEYS[2 + 2 * i])
 end
-redis.call('HSET', KEYS[4], runner_id, need)
-for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+for i = 5 + n, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('SADD', KEYS[1], runner_id)
 changed(KEYS[2])
-changed(KEYS[4])
-return {1, free - need}
+return {1, 0}
