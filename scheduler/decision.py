@@ -43,6 +43,8 @@ class RunnerState:
     in_flight: int
     expires_at: float  # <0 never expires
     last_used: float
+    num_parallel: int = 1
+    n_gpu_layers: int = -1  # -1: the whole model on its devices
 
 
 def is_live(runner: RunnerState) -> bool:
@@ -117,6 +119,10 @@ class JobNeeds:
     # n_gpu_layers, output layer first); empty when no partial offload is allowed
     partial: tuple[int, ...] = ()
     group: GroupNeeds | None = None  # None: the model may not span devices
+    num_parallel: int | None = None  # slots the job asks for; None: any runner's
+    # the job asks for this many layers on a GPU (``bytes`` is their GPU share); -1 = as
+    # many as fit (any runner), 0 = the whole model on GPUs (no partial runner)
+    n_gpu_layers: int = -1
 
 
 @dataclass(frozen=True)
@@ -181,8 +187,9 @@ def decide(
     """Decide where ``job`` runs.
 
     0. No device is alive → refuse: no workers.
-    1. A runner of this model with the same configuration is loading or ready → route to the
-       least busy replica.
+    1. A runner of this model with the same configuration (and as many slots and GPU
+       layers, when the job asks for a number) is loading or ready → route to the least
+       busy replica.
     2. Loaded with another configuration and idle → evict it (the reload happens on retry);
        busy → leave it and place a new runner beside it.
     3. Fits whole on one device → load there; GPUs before the CPU; `binpack` picks the device
@@ -208,7 +215,13 @@ def decide(
         )
     of_model = snap.live_by_model.get(job.model, [])
     # 1
-    same = [r for r in of_model if r.config_key == job.config_key]
+    same = [
+        r
+        for r in of_model
+        if r.config_key == job.config_key
+        and job.num_parallel in (None, r.num_parallel)
+        and job.n_gpu_layers in (-1, r.n_gpu_layers if r.n_gpu_layers > 0 else 0)
+    ]
     if same:
         best = min(same, key=lambda r: (r.in_flight, r.last_used))
         return Route(best.id, next(iter(best.devices)))
@@ -246,7 +259,7 @@ def decide(
     counts = snap.counts
     fits = [d for d in snap.devices if d.free >= job.bytes and counts.get(d.id, 0) < max_loaded]
     if fits:
-        return Load(_pick(fits, job.bytes, policy).id, job.bytes)
+        return Load(_pick(fits, job.bytes, policy).id, job.bytes, max(-1, job.n_gpu_layers or -1))
     # 4
     if job.group is not None:
         spanning = _fewest_devices(job.group, snap, max_loaded)

@@ -45,7 +45,8 @@ KV_TYPES: dict[str, tuple[int, int]] = {
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """What a runner is loaded with; a job can share a runner only if these match."""
+    """What a runner is loaded with. A job can share a runner only if these match, except
+    num_parallel: it sizes a new runner, and binds only a job that asks for it explicitly."""
 
     num_ctx: int  # context per sequence (Ollama's num_ctx)
     num_parallel: int = 1
@@ -57,7 +58,10 @@ class RunnerConfig:
     n_outputs: int = 0  # logits rows of the worst-case graph; 0 = llama.cpp's default (n_batch)
 
     def key(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        """What must match for a job to share a runner (num_parallel aside)."""
+        fields = asdict(self)
+        del fields["num_parallel"]
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha1(blob).hexdigest()[:12]
 
 

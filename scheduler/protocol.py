@@ -42,6 +42,9 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_ctx: int | None = Field(None, ge=4, le=1_048_576, description="context tokens per slot")
+    num_parallel: int | None = Field(
+        None, ge=1, le=256, description="slots of a new runner; set: only such a runner serves"
+    )
     num_predict: int = Field(-1, ge=-2, le=1_048_576, description="-1 = until the context is full")
     temperature: float = Field(0.8, ge=0.0, le=10.0)
     top_k: int = Field(40, ge=0, le=1_000_000)

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any, NoReturn
 
@@ -21,6 +22,7 @@ from celery import Celery, signals
 from scheduler import keys
 from scheduler.celery_app import make_app, send_job
 from scheduler.decision import (
+    DeviceState,
     Evict,
     GroupNeeds,
     JobNeeds,
@@ -63,18 +65,40 @@ def behind_parked(model: str, parked: int, max_queue: int) -> Park | Refuse:
     return Park(f"earlier jobs for {model!r} are waiting")
 
 
+def restricted(snap: Snapshot, keep: Callable[[DeviceState], bool], none_left: str) -> Snapshot:
+    """The part of the snapshot on the devices ``keep`` accepts (InvalidRequest if none)."""
+    devices = [d for d in snap.devices if keep(d)]
+    if not devices:
+        alive = ", ".join(d.id for d in snap.devices) or "none"
+        raise InvalidRequest(f"{none_left}; alive devices: {alive} (`ggufq devices`)")
+    ids = {d.id for d in devices}
+    runners = [r for r in snap.runners if set(r.devices) <= ids]
+    return Snapshot(devices, runners, snap.parked, snap.demand)
+
+
 def pinned(snap: Snapshot, device_id: str) -> Snapshot:
     """The part of the snapshot a job pinned to one device may use."""
-    if device_id not in {d.id for d in snap.devices}:
-        alive = ", ".join(d.id for d in snap.devices) or "none"
-        raise InvalidRequest(
-            f"device {device_id!r} is not alive; alive devices: {alive} (`ggufq devices`)"
+    return restricted(snap, lambda d: d.id == device_id, f"device {device_id!r} is not alive")
+
+
+def gpu_layers_rule(snap: Snapshot, num_gpu: int, whole: int) -> Snapshot:
+    """Ollama's num_gpu: 0 = the CPU only; -1 = as many layers on a GPU as fit; otherwise
+    that many layers, all on GPUs (``whole`` = every block and the output layer)."""
+    if num_gpu == 0:
+        return restricted(
+            snap,
+            lambda d: d.kind == "cpu",
+            "num_gpu 0 asks for the CPU but no CPU device is alive: start a worker with "
+            "`ggufq worker --cpu`, or omit num_gpu",
         )
-    return Snapshot(
-        devices=[d for d in snap.devices if d.id == device_id],
-        runners=[r for r in snap.runners if set(r.devices) == {device_id}],
-        parked=snap.parked,
-    )
+    if num_gpu > 0:
+        return restricted(
+            snap,
+            lambda d: d.kind != "cpu",
+            f"num_gpu {num_gpu} asks for {min(num_gpu, whole)} layers on a GPU but no GPU is "
+            "alive: omit num_gpu (or set -1) to run where the model fits",
+        )
+    return snap
 
 
 def _has_gpu_groups(snap: Snapshot) -> bool:
@@ -97,8 +121,8 @@ class PlacementService:
         self.registry = Registry(settings.models_dir)
         self.parked = ParkedJobs(client)
         self.snapshots = SnapshotCache(client)
-        self._partials: dict[tuple[str, str], tuple[int, ...]] = {}
-        self._groups: dict[tuple[str, str], GroupNeeds] = {}
+        self._partials: dict[tuple[str, RunnerConfig], tuple[int, ...]] = {}
+        self._groups: dict[tuple[str, RunnerConfig], GroupNeeds] = {}
         self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
         self._stop = threading.Event()
 
@@ -149,8 +173,9 @@ class PlacementService:
         num_ctx, warning = choose_num_ctx(
             req.options.num_ctx, self.settings.num_ctx, info.context_length
         )
-        config = RunnerConfig(num_ctx=num_ctx, num_parallel=self.settings.num_parallel)
-        needs = JobNeeds(req.model, config.key(), estimate_bytes(info, config))
+        slots = req.options.num_parallel
+        config = RunnerConfig(num_ctx=num_ctx, num_parallel=slots or self._slots(req.model))
+        needs = JobNeeds(req.model, config.key(), estimate_bytes(info, config), num_parallel=slots)
         retry = score is not None
         order = score if score is not None else park_score(req, time.time())
         for _attempt in range(8):  # lost races against other placers: decide again
@@ -158,9 +183,21 @@ class PlacementService:
             snap = self.snapshots.snapshot(now, self.settings.device_ttl_s)
             if req.device is not None:
                 snap = pinned(snap, req.device)
-            if snap.devices and needs.bytes > max(d.total for d in snap.devices):
+            whole = info.block_count + 1
+            snap = gpu_layers_rule(snap, req.options.num_gpu, whole)
+            if 0 < req.options.num_gpu < whole:  # exactly that many layers on the GPU
+                layers = req.options.num_gpu
+                needs = replace(needs, bytes=self._partial(info, config)[layers - 1])
+                needs = replace(needs, n_gpu_layers=layers, group=None)
+            elif req.options.num_gpu >= whole:
+                needs = replace(needs, n_gpu_layers=0)  # whole on GPUs: no partial runner
+            elif (
+                req.options.num_gpu < 0
+                and snap.devices
+                and needs.bytes > max(d.total for d in snap.devices)
+            ):
                 needs = replace(needs, partial=self._partial(info, config))
-            if needs.group is None and _has_gpu_groups(snap):
+            if needs.group is None and needs.n_gpu_layers < 0 and _has_gpu_groups(snap):
                 needs = replace(needs, group=self._group(info, config))
             decision = decide(
                 needs,
@@ -229,14 +266,18 @@ class PlacementService:
             return {"device": placement["device_id"], "runner": placement["runner_id"]}
         self._park(req, order)
 
+    def _slots(self, model: str) -> int:
+        """num_parallel for a new runner of ``model``: per model, else the default."""
+        return self.settings.model_parallel.get(model, self.settings.num_parallel)
+
     def _partial(self, info: ModelInfo, config: RunnerConfig) -> tuple[int, ...]:
-        key = (info.path, config.key())
+        key = (info.path, config)
         if key not in self._partials:
             self._partials[key] = partial_table(info, config)
         return self._partials[key]
 
     def _group(self, info: ModelInfo, config: RunnerConfig) -> GroupNeeds:
-        key = (info.path, config.key())
+        key = (info.path, config)
         if key not in self._groups:
             self._groups[key] = GroupNeeds(*group_parts(info, config))
         return self._groups[key]

@@ -42,6 +42,10 @@ class Settings(BaseSettings):
         "0 unloads after each job, negative never unloads.",
     )
     num_parallel: int = Field(1, ge=1, le=256, description="Parallel slots per runner.")
+    model_parallel: dict[str, int] = Field(
+        default_factory=dict,
+        description='Slots per model, overriding num_parallel: JSON such as {"gemma3-270m": 8}.',
+    )
     num_ctx: int = Field(4096, ge=4, description="Default context size per slot, in tokens.")
     max_loaded_models: int = Field(
         3, ge=1, description="Most runners resident per GPU (as Ollama's OLLAMA_MAX_LOADED_MODELS)."

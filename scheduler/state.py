@@ -270,6 +270,8 @@ def runner_from_hash(runner_id: str, h: dict[str, str]) -> RunnerState | None:
         in_flight=int(h.get("in_flight", 0)),
         expires_at=float(h.get("expires_at", -1)),
         last_used=float(h.get("last_used", 0)),
+        num_parallel=int(h.get("num_parallel", 1)),
+        n_gpu_layers=int(h.get("n_gpu_layers", -1)),
     )
 
 

@@ -242,3 +242,28 @@ def test_4_split_leaves_a_block_for_every_device() -> None:
     group = GroupNeeds(per_block=(GIB,) * 4, per_device=0, last=3 * GIB)
     split = split_blocks(group, [dev("a", 8), dev("b", 4)])
     assert split is not None and [b for _, _, b in split] == [3, 1]
+
+
+def test_1_a_job_that_asks_for_slots_needs_a_runner_with_that_many() -> None:
+    devices = [dev("a", 8)]
+    four = replace(runner("r4", "m", "a", 2), num_parallel=4)
+    snap = Snapshot(devices, [four])
+    assert decide(job(), snap, "binpack", 0.0, 10, 3) == Route("r4", "a")
+    asks_four = replace(job(), num_parallel=4)
+    assert decide(asks_four, snap, "binpack", 0.0, 10, 3) == Route("r4", "a")
+    asks_eight = replace(job(), num_parallel=8)
+    assert decide(asks_eight, snap, "binpack", 0.0, 10, 3) == Evict(["r4"])  # idle: reload
+
+
+def test_1_a_job_that_asks_for_gpu_layers_needs_a_runner_with_that_many() -> None:
+    devices = [dev("a", 8)]
+    partial = replace(runner("r2", "m", "a", 1), n_gpu_layers=2)
+    snap = Snapshot(devices, [partial])
+    assert decide(job(), snap, "binpack", 0.0, 10, 3) == Route("r2", "a")  # -1: any runner
+    two = replace(job(gib=1), n_gpu_layers=2)
+    assert decide(two, snap, "binpack", 0.0, 10, 3) == Route("r2", "a")
+    whole = replace(job(), n_gpu_layers=0)  # the whole model on a GPU: not a partial runner
+    assert decide(whole, snap, "binpack", 0.0, 10, 3) == Evict(["r2"])
+    three = replace(job(gib=1.5), n_gpu_layers=3)
+    fresh = decide(three, Snapshot(devices, []), "binpack", 0.0, 10, 3)
+    assert fresh == Load("a", int(1.5 * GIB), 3)

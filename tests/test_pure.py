@@ -141,3 +141,12 @@ def test_num_ctx_choice() -> None:
     ctx, warning = choose_num_ctx(8192, 4096, 2048)
     assert ctx == 2048 and warning and "8192" in warning and "2048" in warning
     assert choose_num_ctx(512, 4096, 2048) == (512, None)
+
+
+def test_slots_per_model_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from scheduler.settings import Settings
+
+    monkeypatch.setenv("GGUFQ_MODEL_PARALLEL", '{"gemma3-270m": 8}')
+    assert Settings().model_parallel == {"gemma3-270m": 8}
+    with pytest.raises(InvalidRequest, match="num_parallel"):
+        parse_request({"model": "m", "options": {"num_parallel": 0}})

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from api_client import Client
+from scheduler.errors import InvalidRequest
 from scheduler.stack import LocalStack
 from tests.conftest import ggufq, needs_demo, settings_from, stack_env, wait_for
 
@@ -33,6 +36,15 @@ def test_virtual_gpus_are_advertised_and_preferred(models_dir: Path, tmp_path: P
             out = ggufq("devices", env={**env, "GGUFQ_REDIS_URL": st.redis_url})
             line = next(x for x in out.stdout.splitlines() if x.startswith("vgpu:vhost:1"))
             assert line.rstrip().endswith("yes")
+            with pytest.raises(InvalidRequest, match="no CPU device is alive"):
+                client.generate("tiny", "hi", options={"num_gpu": 0})
+            # num_gpu 1: exactly one layer (the output layer) on a GPU; an explicit num_gpu
+            # reloads the idle runner, as in Ollama (-1 would have kept it)
+            one = client.generate("tiny", "hi", options={"num_gpu": 1, "num_predict": 2})
+            assert one.done
+            assert [r["n_gpu_layers"] for r in client.ps()] == ["1"]
+            again = client.generate("tiny", "hi", options={"num_predict": 2})
+            assert again.done and [r["n_gpu_layers"] for r in client.ps()] == ["1"]
 
 
 def test_partial_offload_when_the_gpu_is_too_small(models_dir: Path, tmp_path: Path) -> None:
