@@ -11,6 +11,7 @@ import redis
 from celery.result import AsyncResult
 
 from scheduler import keys
+from scheduler.cancel import request_cancel
 from scheduler.celery_app import make_app, send_job
 from scheduler.errors import (
     GgufqError,
@@ -46,19 +47,35 @@ class Job:
         """Celery's state of the job's run task: PENDING, STARTED, SUCCESS, FAILURE."""
         return str(AsyncResult(self.id, app=self.client.app).state)
 
-    def stream(self, timeout: float | None = None) -> Iterator[GenerateResponse]:
+    def cancel(self) -> None:
+        """Ask for the job to stop: a queued or parked job never starts, a running one
+        frees its slot within one decode step; its result then raises JobCancelled."""
+        self.client.cancel(self.id)
+
+    def stream(
+        self, timeout: float | None = None, cancel_on_close: bool = True
+    ) -> Iterator[GenerateResponse]:
         """Chunks in order, from the first, then the final one with the stats.
 
         ``timeout`` bounds the wait for each next chunk (None = the client's default).
+        Leaving the loop before the final chunk (``break``, or closing the iterator)
+        cancels the job, as a client that disconnects does, unless ``cancel_on_close`` is
+        False.
         """
         wait = self.client.timeout if timeout is None else timeout
+        done = False
         try:
             for chunk in read_chunks(self.client.r, self.id, wait):
                 if chunk.get("done"):
+                    done = True
                     error = chunk.get("error")
                     if error:
                         raise error_from_code(error["code"], error["message"])
                 yield self._response(chunk)
+        except GeneratorExit:
+            if cancel_on_close and not done:
+                self.cancel()
+            raise
         except TimeoutError:
             raise JobTimeout(
                 f"job {self.id} sent nothing for {wait} s; it is still queued or running: "
@@ -82,8 +99,8 @@ class Job:
             if isinstance(value, GgufqError):
                 raise value
             raise JobFailed(f"job {self.id} failed: {value}")
-        if handle.state == "REVOKED":
-            raise JobCancelled(f"job {self.id} was cancelled")
+        if handle.state == "REVOKED":  # the reason was stored with the state
+            raise JobCancelled(str(value) or f"job {self.id} was cancelled")
         return GenerateResponse.model_validate(value)
 
     def _response(self, chunk: dict[str, Any]) -> GenerateResponse:
@@ -216,6 +233,10 @@ class Client:
                     )
             asked.append(runner["id"])
         return asked
+
+    def cancel(self, job_id: str) -> None:
+        """Cancel a job by id (see :meth:`Job.cancel`)."""
+        request_cancel(self.r, job_id, self.settings.stream_ttl_s)
 
     def jobs(self) -> list[dict[str, Any]]:
         """Parked jobs (waiting for memory), in the order they will be retried."""

@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-alive", help="how long it stays loaded when idle: 5m, 1h, -1 = forever")
     p = command("unload", cmd_unload, "unload a model (a busy runner when its last job ends)")
     p.add_argument("model")
+    p = command("cancel", cmd_cancel, "cancel jobs (queued, parked or running)")
+    p.add_argument("job_ids", nargs="+", metavar="JOB")
     p = command("jobs", cmd_jobs, "list jobs waiting for memory, with their position")
     p.add_argument("--json", action="store_true")
     p = command("ps", cmd_ps, "list the loaded models (runners)")
@@ -296,6 +298,16 @@ def cmd_unload(args: argparse.Namespace) -> int:
         print(f"{args.model} is not loaded")
     else:
         print(f"unloading {args.model}: {len(asked)} runner(s)")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from api_client import Client
+
+    with Client() as client:
+        for job_id in args.job_ids:
+            client.cancel(job_id)
+            print(f"asked job {job_id} to cancel")
     return 0
 
 

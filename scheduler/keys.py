@@ -12,6 +12,7 @@ PARKED = f"{PREFIX}:parked"  # sorted set: job id → order (interactive first, 
 DEMAND = f"{PREFIX}:demand"  # hash: model → "decayed request count:time" (eviction order)
 CHANGES = f"{PREFIX}:changes"  # stream: n, k = a changed key (lua/_changes.lua); trimmed
 CHANGES_N = f"{PREFIX}:changes:n"  # counter: number of the last change logged
+CANCELS = f"{PREFIX}:cancels"  # pub/sub channel: ids of jobs asked to cancel
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
 PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service
 BATCH_SUFFIX = ".batch"  # batch jobs go to a sibling queue that workers drain second
@@ -39,6 +40,10 @@ def job_chunks(job_id: str) -> str:
 
 def job_channel(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"  # pub/sub channel: each chunk as it is produced
+
+
+def cancel_flag(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}:cancel"  # string: set when the job is asked to cancel
 
 
 def parked_job(job_id: str) -> str:

@@ -20,6 +20,7 @@ import redis
 from celery import Celery, signals
 
 from scheduler import keys
+from scheduler.cancel import cancelled_before_start, is_cancelled
 from scheduler.celery_app import make_app, send_job
 from scheduler.decision import (
     DeviceState,
@@ -34,7 +35,7 @@ from scheduler.decision import (
     decide,
     server_busy,
 )
-from scheduler.errors import GgufqError, InvalidRequest, error_from_code
+from scheduler.errors import GgufqError, InvalidRequest, JobCancelled, error_from_code
 from scheduler.estimate import (
     RunnerConfig,
     choose_num_ctx,
@@ -50,7 +51,7 @@ from scheduler.registry import Registry
 from scheduler.settings import Settings, get_settings
 from scheduler.snapcache import SnapshotCache
 from scheduler.state import ClusterState
-from scheduler.streams import publish_final
+from scheduler.streams import error_chunk, publish_final
 
 log = logging.getLogger("ggufq.placement")
 
@@ -131,6 +132,8 @@ class PlacementService:
         started = time.perf_counter_ns()
         try:
             req = parse_request(job)
+            if is_cancelled(self.r, req.id):
+                raise cancelled_before_start(req.id)
             try:
                 outcome = self._place(req, started)
             except Parked as parked:
@@ -158,6 +161,8 @@ class PlacementService:
                 continue  # another placement process took it
             job, score = claimed
             try:
+                if is_cancelled(self.r, job.id):
+                    raise cancelled_before_start(job.id)
                 self._place(job, time.perf_counter_ns(), score=score)
                 moved += 1
             except Parked:
@@ -298,16 +303,19 @@ class PlacementService:
         if not job_id:
             return
         self.parked.drop(job_id)
-        chunk = {
-            "model": model,
-            "job_id": job_id,
-            "created_at": time.time(),
-            "response": "",
-            "done_reason": "error",
-            "error": {"code": exc.code, "message": str(exc)},
-        }
-        publish_final(self.r, job_id, chunk, self.settings.stream_ttl_s)
-        self.app.backend.mark_as_failure(job_id, exc)
+        publish_final(self.r, job_id, error_chunk(model, job_id, exc), self.settings.stream_ttl_s)
+        if isinstance(exc, JobCancelled):
+            self.app.backend.mark_as_revoked(job_id, reason=str(exc))
+        else:
+            self.app.backend.mark_as_failure(job_id, exc)
+
+    def cancel_parked(self, job_id: str) -> bool:
+        """End a parked job that was asked to cancel; False if it is not parked here."""
+        claimed = self.parked.claim(job_id)
+        if claimed is None:
+            return False
+        self.fail(job_id, claimed[0].model, cancelled_before_start(job_id))
+        return True
 
     # -- liveness --------------------------------------------------------------------------
     def start(self) -> None:
@@ -321,11 +329,14 @@ class PlacementService:
         (GGUFQ_PARK_SWEEP_S) also retries; events, not the sweep, are the normal path.
         """
         pubsub = self.r.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(keys.EVENTS)
+        pubsub.subscribe(keys.EVENTS, keys.CANCELS)
         next_sweep = time.monotonic() + self.settings.park_sweep_s
         while not self._stop.is_set():
             try:
                 message = pubsub.get_message(timeout=1.0)
+                if message is not None and message["channel"].decode() == keys.CANCELS:
+                    self.cancel_parked(message["data"].decode())
+                    continue
                 due = time.monotonic() >= next_sweep
                 if (message is not None or due) and self.r.zcard(keys.PARKED):
                     self.retry_parked()

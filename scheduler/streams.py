@@ -18,6 +18,7 @@ from typing import Any, cast
 import redis
 
 from scheduler import keys
+from scheduler.errors import GgufqError, JobCancelled
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 log = logging.getLogger(__name__)
@@ -120,6 +121,21 @@ class ChunkPublisher:
         """Return once every chunk published so far is in Redis."""
         if self.writer is not None:
             self.writer.flush()
+
+
+def error_chunk(model: str, job_id: str, exc: GgufqError, **fields: Any) -> dict[str, Any]:
+    """The final chunk of a job that failed or was cancelled (the reader raises ``exc``)."""
+    reason = "cancel" if isinstance(exc, JobCancelled) else "error"
+    return dict(
+        fields,
+        model=model,
+        job_id=job_id,
+        created_at=time.time(),
+        response="",
+        done=True,
+        done_reason=reason,
+        error={"code": exc.code, "message": str(exc)},
+    )
 
 
 def publish_final(client: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s: int) -> None:

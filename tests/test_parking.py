@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from api_client import Client, InvalidRequest, ServerBusy
+from api_client import Client, InvalidRequest, JobCancelled, ServerBusy
 from scheduler.estimate import RunnerConfig, estimate_bytes
 from scheduler.ggufmeta import read_model_info
 from scheduler.stack import LocalStack
@@ -85,3 +85,29 @@ def test_load_pin_and_unload(one_slot_stack: Client) -> None:
     assert client.unload("slow")
     assert wait_for(lambda: not client.ps())
     assert client.unload("slow") == []
+
+
+def test_cancel_a_parked_and_a_running_job(one_slot_stack: Client) -> None:
+    client = one_slot_stack
+    a = client.submit("slow", "a", options=LONG)
+    assert wait_for(
+        lambda: any(r["in_flight"] == "1" and r["state"] == "ready" for r in client.ps())
+    )
+    b = client.submit("slow", "b", options={"num_ctx": 4096, "num_predict": 4})
+    assert wait_for(lambda: [j["id"] for j in client.jobs()] == [b.id])
+    b.cancel()  # parked: it leaves the queue and never starts
+    assert wait_for(lambda: client.jobs() == [])
+    with pytest.raises(JobCancelled, match="before it started"):
+        b.result()
+    assert b.status() == "REVOKED"
+    # leaving a stream early cancels its job, as a client that disconnects does
+    for seen, _chunk in enumerate(a.stream(), 1):
+        if seen == 3:
+            break
+    with pytest.raises(JobCancelled, match="generated tokens"):
+        a.result()
+    assert a.status() == "REVOKED"
+    # the runner stays loaded and serves the next job
+    assert wait_for(lambda: [r["in_flight"] for r in client.ps()] == ["0"])
+    after = client.generate("slow", "c", options={**LONG, "num_predict": 4})
+    assert after.done and after.load_duration == 0

@@ -9,10 +9,11 @@ from typing import Any
 
 import redis
 from celery import signals
+from celery.exceptions import Ignore
 
 from scheduler import keys
 from scheduler.celery_app import make_app
-from scheduler.errors import GgufqError
+from scheduler.errors import GgufqError, JobCancelled
 from scheduler.localstack import resolve_redis_url
 from scheduler.registry import Registry
 from scheduler.settings import Settings, get_settings
@@ -36,7 +37,12 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
 
     @app.task(name=keys.TASK_RUN, bind=True, throws=(GgufqError,))
     def run(self: Any, job: dict[str, Any], placement: dict[str, Any]) -> dict[str, Any]:
-        return runtime.run_job(job, placement)
+        try:
+            return runtime.run_job(job, placement)
+        except JobCancelled as exc:
+            # the job's state is REVOKED (cancelled), not FAILURE
+            self.backend.mark_as_revoked(self.request.id, reason=str(exc))
+            raise Ignore() from None
 
     @app.task(name=keys.TASK_UNLOAD, ignore_result=True)
     def unload(runner_id: str, when_idle: bool = False) -> bool:

@@ -15,7 +15,8 @@ from typing import Any
 import redis
 
 from scheduler import keys
-from scheduler.errors import GgufqError, InvalidModelFile, JobFailed, LoadFailed
+from scheduler.cancel import CancelWatcher, cancelled_before_start
+from scheduler.errors import GgufqError, InvalidModelFile, JobCancelled, JobFailed, LoadFailed
 from scheduler.estimate import RunnerConfig
 from scheduler.ggufmeta import read_model_info
 from scheduler.keepalive import ExpirySchedule, effective_keep_alive, expires_at
@@ -23,7 +24,7 @@ from scheduler.protocol import JobRequest, parse_request
 from scheduler.registry import Registry
 from scheduler.settings import Settings
 from scheduler.state import ClusterState, DeviceInfo
-from scheduler.streams import ChunkPublisher, ChunkWriter
+from scheduler.streams import ChunkPublisher, ChunkWriter, error_chunk
 from workers.devices import reported_free
 from workers.runner import Runner
 
@@ -53,12 +54,14 @@ class WorkerRuntime:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self.chunks = ChunkWriter(client)
+        self.cancels = CancelWatcher(client)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         now = self.clock()
         for dev in self.devices:
             self.state.register_device(dev, now)
+        self.cancels.start()
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._expiry_loop, "expiry")):
             thread = threading.Thread(target=target, name=f"ggufq-{name}", daemon=True)
             thread.start()
@@ -67,6 +70,7 @@ class WorkerRuntime:
 
     def stop(self) -> None:
         self._stopping.set()
+        self.cancels.stop()
         with self._wake:
             self._wake.notify_all()
         for runner_id in list(self.runners):
@@ -107,7 +111,10 @@ class WorkerRuntime:
         publisher = ChunkPublisher(self.r, req.id, self.settings.stream_ttl_s, self.chunks)
         base = {"model": req.model, "job_id": req.id, "device": placement["device_id"]}
         keep_alive = self.settings.keep_alive_s
+        cancelled = self.cancels.watch(req.id)
         try:
+            if cancelled():
+                raise cancelled_before_start(req.id)  # while it waited in the queue
             runner, load_ns = self._runner_for(req, placement)
             keep_alive = effective_keep_alive(req.keep_alive_s, runner.keep_alive_s)
             runner.keep_alive_s = keep_alive
@@ -117,8 +124,15 @@ class WorkerRuntime:
                 final.update(response="", done_reason="load" if keep_alive != 0 else "unload")
             else:
                 stats = runner.generate(
-                    req.prompt, req.options, lambda text: publisher.publish({"response": text})
+                    req.prompt,
+                    req.options,
+                    lambda text: publisher.publish({"response": text}),
+                    cancelled=cancelled,
                 )
+                if stats.done_reason == "cancel":
+                    raise JobCancelled(
+                        f"job {req.id} was cancelled after {stats.eval_count} generated tokens"
+                    )
                 final.update(stats.ollama_fields())
             if placement.get("warnings"):
                 final["warnings"] = placement["warnings"]
@@ -129,23 +143,28 @@ class WorkerRuntime:
             publisher.flush()  # the stream is complete before the result is stored
             return final
         except GgufqError as exc:
-            publisher.publish(_error_chunk(base, exc, self.clock()))
+            publisher.publish(error_chunk(req.model, req.id, exc, device=base["device"]))
             publisher.flush()
             raise
         except Exception as exc:
             log.exception("job %s failed", req.id)
             error = JobFailed(f"job {req.id} failed on {placement['device_id']}: {exc}")
-            publisher.publish(_error_chunk(base, error, self.clock()))
+            publisher.publish(error_chunk(req.model, req.id, error, device=base["device"]))
             publisher.flush()
             raise error from None
         finally:
+            self.cancels.forget(req.id)
             self._job_ended(runner_id, keep_alive)
 
     def _job_ended(self, runner_id: str, keep_alive_s: float) -> None:
         now = self.clock()
         left = self.state.finish(runner_id, now, keep_alive_s)
         self.state.announce({"event": "job_finished", "runner": runner_id, "in_flight": left})
-        if left == 0 and runner_id in self.runners:
+        if left == 0 and runner_id not in self.runners:
+            # never loaded (its only job was cancelled in the queue, or the load failed):
+            # nothing will expire it, so release its reservation now
+            self._unload(runner_id)
+        elif left == 0:
             if keep_alive_s == 0:
                 self._unload(runner_id)
             else:
@@ -234,14 +253,3 @@ class WorkerRuntime:
 def _device_ids(placement: dict[str, Any]) -> list[str]:
     """Every device the runner's memory is reserved on (several when it spans GPUs)."""
     return list(placement.get("device_ids") or [placement["device_id"]])
-
-
-def _error_chunk(base: dict[str, Any], exc: GgufqError, now: float) -> dict[str, Any]:
-    return dict(
-        base,
-        created_at=now,
-        response="",
-        done=True,
-        done_reason="error",
-        error={"code": exc.code, "message": str(exc)},
-    )
