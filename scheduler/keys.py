@@ -13,6 +13,7 @@ DEMAND = f"{PREFIX}:demand"  # hash: model → "decayed request count:time" (evi
 CHANGES = f"{PREFIX}:changes"  # stream: n, k = a changed key (lua/_changes.lua); trimmed
 CHANGES_N = f"{PREFIX}:changes:n"  # counter: number of the last change logged
 CANCELS = f"{PREFIX}:cancels"  # pub/sub channel: ids of jobs asked to cancel
+ORPHANS = f"{PREFIX}:orphans"  # hash: job id → in-flight record of a device that was dropped
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
 PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service
 BATCH_SUFFIX = ".batch"  # batch jobs go to a sibling queue that workers drain second
@@ -40,6 +41,10 @@ def job_chunks(job_id: str) -> str:
 
 def job_channel(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"  # pub/sub channel: each chunk as it is produced
+
+
+def inflight(device_id: str) -> str:
+    return f"{PREFIX}:inflight:{device_id}"  # hash: job id → {job, placement} sent there
 
 
 def cancel_flag(job_id: str) -> str:

@@ -80,6 +80,7 @@ class JobRequest(BaseModel):
     priority: Literal["interactive", "batch"] = "interactive"
     device: str | None = Field(None, max_length=256, description="pin to this device id")
     submitted_at: float = Field(default_factory=time.time)
+    attempt: int = Field(0, ge=0, le=1, description="1 once re-placed after its worker died")
 
     @field_validator("model")
     @classmethod

@@ -35,7 +35,13 @@ from scheduler.decision import (
     decide,
     server_busy,
 )
-from scheduler.errors import GgufqError, InvalidRequest, JobCancelled, error_from_code
+from scheduler.errors import (
+    GgufqError,
+    InvalidRequest,
+    JobCancelled,
+    JobFailed,
+    error_from_code,
+)
 from scheduler.estimate import (
     RunnerConfig,
     choose_num_ctx,
@@ -51,9 +57,22 @@ from scheduler.registry import Registry
 from scheduler.settings import Settings, get_settings
 from scheduler.snapcache import SnapshotCache
 from scheduler.state import ClusterState
-from scheduler.streams import error_chunk, publish_final
+from scheduler.streams import error_chunk, progress, publish_final
 
 log = logging.getLogger("ggufq.placement")
+
+
+def lost_job_message(job_id: str, where: str, streamed: int) -> str:
+    what = (
+        f"after it had streamed {streamed} chunks (its partial output stays in the job's "
+        "stream), so it was not re-run"
+        if streamed
+        else "after it had already been re-run once"
+    )
+    return (
+        f"job {job_id} was lost: worker {where} stopped heartbeating while it held the job, "
+        f"{what}; submit it again"
+    )
 
 
 class Parked(Exception):
@@ -265,7 +284,11 @@ class PlacementService:
                     self._park(req, order)
                 case Refuse(code, reason):
                     raise error_from_code(code, reason)
+            placement["id"] = uuid.uuid4().hex[:12]
             placement["placement_ns"] = time.perf_counter_ns() - started
+            worker = next(d.worker for d in snap.devices if d.id == placement["device_id"])
+            record = {"job": req.model_dump(mode="json"), "placement": placement, "worker": worker}
+            self.state.sent(placement["device_id"], req.id, record)
             queue = keys.device_queue(placement["device_id"], req.priority)
             send_job(self.app, keys.TASK_RUN, req, req.id, queue, placement)
             return {"device": placement["device_id"], "runner": placement["runner_id"]}
@@ -308,6 +331,38 @@ class PlacementService:
             self.app.backend.mark_as_revoked(job_id, reason=str(exc))
         else:
             self.app.backend.mark_as_failure(job_id, exc)
+
+    def recover_orphans(self) -> int:
+        """Handle the jobs that were sent to devices since dropped (their worker died or
+        stopped): re-place a job once when nothing of it had been streamed, otherwise end it
+        with an error that says what happened. Returns how many were handled."""
+        handled = 0
+        for job_id in self.state.orphans():
+            record = self.state.claim_orphan(job_id)
+            if record is None:
+                continue  # another placement process handles it
+            handled += 1
+            req = parse_request(record["job"])
+            streamed, finished = progress(self.r, job_id)
+            if finished:
+                continue  # it ended before its device was dropped
+            where = f"{record['worker']} ({record['placement']['device_id']})"
+            if is_cancelled(self.r, job_id):
+                self.fail(job_id, req.model, cancelled_before_start(job_id))
+            elif streamed == 0 and req.attempt == 0:
+                log.warning("re-placing job %s: worker %s was dropped", job_id, where)
+                self._replace(req.model_copy(update={"attempt": 1}))
+            else:
+                self.fail(job_id, req.model, JobFailed(lost_job_message(job_id, where, streamed)))
+        return handled
+
+    def _replace(self, req: JobRequest) -> None:
+        try:
+            self._place(req, time.perf_counter_ns())
+        except Parked:
+            pass
+        except GgufqError as exc:
+            self.fail(req.id, req.model, exc)
 
     def cancel_parked(self, job_id: str) -> bool:
         """End a parked job that was asked to cancel; False if it is not parked here."""
@@ -357,6 +412,7 @@ class PlacementService:
                 dropped = self.state.reap(time.time(), self.settings.device_ttl_s)
                 if dropped:
                     log.warning("dropped devices without heartbeat: %s", ", ".join(dropped))
+                self.recover_orphans()
             except redis.RedisError as exc:
                 log.warning("placement heartbeat failed: %s", exc)
             if self._stop.wait(self.settings.heartbeat_interval_s):

@@ -67,8 +67,18 @@ class LocalStack:
             self.stop()
             raise
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        env = dict(os.environ, **self.extra_env, GGUFQ_REDIS_URL=self.redis_url)
+    def add_worker(
+        self, name: str, worker_args: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start another worker on this stack's Redis (another host id in ``env`` makes it
+        another host); it stops with the stack."""
+        return self._spawn(name, [sys.executable, "-m", "workers.main", *worker_args], env)
+
+    def _spawn(
+        self, name: str, argv: list[str], env_overrides: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        env = {**os.environ, **self.extra_env, **(env_overrides or {})}
+        env["GGUFQ_REDIS_URL"] = self.redis_url
         out: int | IO[bytes] | None = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -84,6 +94,7 @@ class LocalStack:
             preexec_fn=child_preexec,
         )
         self.procs.append((name, proc))
+        return proc
 
     def wait_ready(self, timeout_s: float) -> None:
         client = redis.Redis.from_url(self.redis_url)

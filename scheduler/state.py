@@ -102,7 +102,8 @@ class ClusterState:
                 self.r.hset(keys.device(device_id), "heartbeat", -1e18)
             now = 0.0
         dropped = self._reap(
-            keys=[keys.DEVICES, keys.RUNNERS, keys.HEARTBEATS], args=[now, device_ttl_s]
+            keys=[keys.DEVICES, keys.RUNNERS, keys.HEARTBEATS, keys.ORPHANS],
+            args=[now, device_ttl_s],
         )
         return [d.decode() if isinstance(d, bytes) else d for d in dropped]
 
@@ -224,6 +225,33 @@ class ClusterState:
 
     def begin_unload(self, runner_id: str, force: bool = False) -> bool:
         return bool(self._begin_unload(keys=[keys.runner(runner_id)], args=[int(force)]))
+
+    # -- jobs sent to devices -------------------------------------------------------------
+    def sent(self, device_id: str, job_id: str, record: dict[str, Any]) -> None:
+        """Record a job sent to a device's queue, before sending it: if the device is
+        dropped, placement finds the job among the orphans."""
+        self.r.hset(keys.inflight(device_id), job_id, json.dumps(record))
+
+    def owns(self, device_id: str, job_id: str, placement_id: str) -> bool:
+        """Whether this placement of the job is still the device's: not re-placed after the
+        device was dropped (a re-placement, even onto the same device, has a new id)."""
+        raw = self.r.hget(keys.inflight(device_id), job_id)
+        return raw is not None and json.loads(raw)["placement"].get("id") == placement_id
+
+    def done_with(self, device_id: str, job_id: str, placement_id: str) -> None:
+        if self.owns(device_id, job_id, placement_id):
+            self.r.hdel(keys.inflight(device_id), job_id)
+
+    def orphans(self) -> list[str]:
+        return [_s(j) for j in self.r.hkeys(keys.ORPHANS)]
+
+    def claim_orphan(self, job_id: str) -> dict[str, Any] | None:
+        """Take an orphan to handle it; None when another placement process took it."""
+        pipe = self.r.pipeline()
+        pipe.hget(keys.ORPHANS, job_id)
+        pipe.hdel(keys.ORPHANS, job_id)
+        raw, removed = pipe.execute()
+        return json.loads(raw) if raw and removed else None
 
     def announce(self, event: dict[str, Any]) -> None:
         """Tell placement that capacity may have changed (wakes parked jobs)."""

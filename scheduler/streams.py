@@ -138,6 +138,16 @@ def error_chunk(model: str, job_id: str, exc: GgufqError, **fields: Any) -> dict
     )
 
 
+def progress(client: redis.Redis, job_id: str) -> tuple[int, bool]:
+    """(chunks recorded so far, whether the final one is among them)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.xlen(keys.job_chunks(job_id))
+    pipe.xrevrange(keys.job_chunks(job_id), count=1)
+    count, last = pipe.execute()
+    finished = bool(last) and bool(json.loads(last[0][1][b"c"]).get("done"))
+    return int(count), finished
+
+
 def publish_final(client: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s: int) -> None:
     """Record the final chunk of a job from a process that published nothing before it."""
     stream = keys.job_chunks(job_id)

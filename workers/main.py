@@ -19,7 +19,7 @@ from scheduler.registry import Registry
 from scheduler.settings import Settings, get_settings
 from scheduler.sizes import parse_bytes
 from workers.devices import detect_devices
-from workers.runtime import WorkerRuntime
+from workers.runtime import NotOwned, WorkerRuntime
 
 log = logging.getLogger("ggufq.worker")
 
@@ -39,6 +39,9 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
     def run(self: Any, job: dict[str, Any], placement: dict[str, Any]) -> dict[str, Any]:
         try:
             return runtime.run_job(job, placement)
+        except NotOwned as exc:
+            log.info("dropping job %s: it was re-placed after this device was dropped", exc)
+            raise Ignore() from None
         except JobCancelled as exc:
             # the job's state is REVOKED (cancelled), not FAILURE
             self.backend.mark_as_revoked(self.request.id, reason=str(exc))

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 
+class NotOwned(Exception):
+    """A delivered job that is no longer this device's: drop it without a result."""
+
+
 class WorkerRuntime:
     def __init__(
         self,
@@ -107,6 +111,10 @@ class WorkerRuntime:
         """Run one job to its end; returns the final record, raises a GgufqError on failure."""
         received = time.perf_counter_ns()
         req = parse_request(job)
+        if not self.state.owns(placement["device_id"], req.id, placement.get("id", "")):
+            # the device was dropped meanwhile (this worker was stopped or lost its Redis
+            # connection) and placement re-placed or failed the job
+            raise NotOwned(req.id)
         runner_id = placement["runner_id"]
         publisher = ChunkPublisher(self.r, req.id, self.settings.stream_ttl_s, self.chunks)
         base = {"model": req.model, "job_id": req.id, "device": placement["device_id"]}
@@ -153,6 +161,7 @@ class WorkerRuntime:
             publisher.flush()
             raise error from None
         finally:
+            self.state.done_with(placement["device_id"], req.id, placement.get("id", ""))
             self.cancels.forget(req.id)
             self._job_ended(runner_id, keep_alive)
 

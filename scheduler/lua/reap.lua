@@ -1,8 +1,11 @@
--- Drop devices whose worker stopped heartbeating, with their runners and reservations.
+-- Drop devices whose worker stopped heartbeating, with their runners and reservations; the
+-- jobs sent to them become orphans, for placement to re-place or fail.
 -- KEYS[1] ggufq:devices   (set)
 -- KEYS[2] ggufq:runners   (set)
 -- KEYS[3] ggufq:heartbeats (sorted set) device id -> last heartbeat
--- Also touches, by name: ggufq:device:<dev>, ggufq:resv:<dev>, ggufq:runner:<id>
+-- KEYS[4] ggufq:orphans   (hash) job id -> in-flight record
+-- Also touches, by name: ggufq:device:<dev>, ggufq:resv:<dev>, ggufq:runner:<id>,
+-- ggufq:inflight:<dev> (hash) job id -> in-flight record
 -- ARGV: now, device_ttl_s
 -- Returns the ids of the dropped devices.
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -20,7 +23,9 @@ for _, dev in ipairs(redis.call('SMEMBERS', KEYS[1])) do
       changed('ggufq:runner:' .. rid)
       redis.call('SREM', KEYS[2], rid)
     end
-    redis.call('DEL', 'ggufq:resv:' .. dev, 'ggufq:device:' .. dev)
+    local sent = redis.call('HGETALL', 'ggufq:inflight:' .. dev)
+    for i = 1, #sent, 2 do redis.call('HSET', KEYS[4], sent[i], sent[i + 1]) end
+    redis.call('DEL', 'ggufq:resv:' .. dev, 'ggufq:device:' .. dev, 'ggufq:inflight:' .. dev)
     changed('ggufq:resv:' .. dev)
     changed('ggufq:device:' .. dev)
     redis.call('SREM', KEYS[1], dev)
