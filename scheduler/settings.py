@@ -51,7 +51,15 @@ class Settings(BaseSettings):
         3, ge=1, description="Most runners resident per GPU (as Ollama's OLLAMA_MAX_LOADED_MODELS)."
     )
     max_queue: int = Field(512, ge=1, description="Most parked jobs before refusing new ones.")
-    load_timeout_s: float = Field(300.0, gt=0, description="Give up loading a model after this.")
+    load_timeout_s: float = Field(
+        300.0, gt=0, description="Give up a model load that shows no progress for this long."
+    )
+    unload_wait_s: float = Field(
+        5.0,
+        ge=0,
+        description="After unloading from an NVIDIA GPU, wait up to this long for the driver "
+        "to report 75% of the memory free again before releasing the reservation.",
+    )
     placement_policy: Literal["binpack", "spread"] = Field(
         "binpack", description="binpack = best fit (least free left over), spread = most free."
     )

@@ -150,3 +150,28 @@ def test_slots_per_model_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     assert Settings().model_parallel == {"gemma3-270m": 8}
     with pytest.raises(InvalidRequest, match="num_parallel"):
         parse_request({"model": "m", "options": {"num_parallel": 0}})
+
+
+def test_unload_waits_for_the_driver_to_report_memory_back() -> None:
+    from workers.devices import wait_for_release
+
+    now = [0.0]
+    reports = iter([{"g": 1_000}, {"g": 5_000}, {"g": 8_000}])
+    ok = wait_for_release(
+        lambda: next(reports),
+        before={"g": 1_000},
+        held={"g": 8_000},  # 75% of it back = 6,000 more than before
+        timeout_s=5,
+        clock=lambda: now[0],
+        sleep=lambda s: now.__setitem__(0, now[0] + s),
+    )
+    assert ok and now[0] == 0.1  # two polls short, the third enough
+    stuck = wait_for_release(
+        lambda: {"g": 1_000},
+        {"g": 1_000},
+        {"g": 8_000},
+        timeout_s=1,
+        clock=lambda: now[0],
+        sleep=lambda s: now.__setitem__(0, now[0] + s),
+    )
+    assert not stuck

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
 
 from scheduler.state import DeviceInfo
 
@@ -119,3 +121,30 @@ def reported_free(devices: list[DeviceInfo]) -> dict[str, int]:
         if dev.kind == "cpu":
             free[dev.id] = system_memory()[1]
     return free
+
+
+def wait_for_release(
+    read_free: Callable[[], dict[str, int]],
+    before: dict[str, int],
+    held: dict[str, int],
+    timeout_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    fraction: float = 0.75,
+) -> bool:
+    """After an unload, wait until the driver reports most of the memory back.
+
+    Drivers report freed GPU memory late; placing into it at once would over-commit. Waits
+    until each GPU in ``held`` (bytes the runner held there) shows ``fraction`` of them
+    back over ``before`` (free before the unload), or ``timeout_s`` passes (False).
+    """
+    if not held:
+        return True
+    deadline = clock() + timeout_s
+    while True:
+        free = read_free()
+        if all(free.get(d, 0) - before.get(d, 0) >= fraction * n for d, n in held.items()):
+            return True
+        if clock() >= deadline:
+            return False
+        sleep(0.05)

@@ -6,6 +6,7 @@ on the job's stream, a final result, and up-to-date runner state in Redis.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -25,7 +26,7 @@ from scheduler.registry import Registry
 from scheduler.settings import Settings
 from scheduler.state import ClusterState, DeviceInfo
 from scheduler.streams import ChunkPublisher, ChunkWriter, error_chunk
-from workers.devices import reported_free
+from workers.devices import reported_free, wait_for_release
 from workers.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -245,10 +246,26 @@ class WorkerRuntime:
         runner = self.runners.pop(runner_id, None)
         device_ids = runner.device_ids if runner else []
         if runner is not None:
-            runner.close()
+            self._close(runner)
         self._release(runner_id, device_ids)
         log.info("unloaded runner %s", runner_id)
         return True
+
+    def _close(self, runner: Runner) -> None:
+        """Free llama.cpp's memory; on NVIDIA GPUs wait (bounded) until the driver shows it."""
+        gpus = [d for d in self.devices if d.kind == "gpu" and d.id in runner.device_ids]
+        raw = self.r.hget(keys.runner(runner.id), "devices") if gpus else None
+        held = {d: n for d, n in json.loads(raw or "{}").items() if d in {g.id for g in gpus}}
+        before = reported_free(gpus) if held else {}
+        runner.close()
+        wait = self.settings.unload_wait_s
+        if not wait_for_release(lambda: reported_free(gpus), before, held, wait):
+            log.warning(
+                "the driver still shows runner %s's memory in use %.0f s after unloading; "
+                "releasing its reservation anyway",
+                runner.id,
+                wait,
+            )
 
     def _release(self, runner_id: str, device_ids: list[str]) -> None:
         held = device_ids or [d.id for d in self.devices]
