@@ -15,11 +15,12 @@ from scheduler.errors import (
     ServerBusy,
     StackNotRunning,
 )
-from scheduler.protocol import GenerateResponse, Options
+from scheduler.protocol import EmbedResponse, GenerateResponse, Options
 
 __all__ = [
     "Client",
     "Job",
+    "EmbedResponse",
     "GenerateResponse",
     "Options",
     "GgufqError",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 import redis
 from celery.result import AsyncResult
@@ -23,7 +23,13 @@ from scheduler.errors import (
 )
 from scheduler.localstack import resolve_redis_url
 from scheduler.parking import ParkedJobs
-from scheduler.protocol import GenerateResponse, JobRequest, Options, check_model_name
+from scheduler.protocol import (
+    EmbedResponse,
+    GenerateResponse,
+    JobRequest,
+    Options,
+    check_model_name,
+)
 from scheduler.protocol import parse_request as _parse
 from scheduler.settings import Settings, get_settings
 from scheduler.state import ClusterState
@@ -84,6 +90,10 @@ class Job:
 
     def result(self, timeout: float | None = None) -> GenerateResponse:
         """The final record with the whole text, from the Celery result backend."""
+        return GenerateResponse.model_validate(self.final(timeout))
+
+    def final(self, timeout: float | None = None) -> dict[str, Any]:
+        """The job's final record as stored (raises the job's typed error)."""
         wait = self.client.timeout if timeout is None else timeout
         handle = AsyncResult(self.id, app=self.client.app)
         try:
@@ -101,7 +111,7 @@ class Job:
             raise JobFailed(f"job {self.id} failed: {value}")
         if handle.state == "REVOKED":  # the reason was stored with the state
             raise JobCancelled(str(value) or f"job {self.id} was cancelled")
-        return GenerateResponse.model_validate(value)
+        return cast(dict[str, Any], value)
 
     def _response(self, chunk: dict[str, Any]) -> GenerateResponse:
         if chunk.get("done"):
@@ -156,7 +166,10 @@ class Client:
         keep_alive: str | float | None = None,
         priority: Literal["interactive", "batch"] = "interactive",
         device: str | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> Job:
+        """Submit a job and return its handle at once; ``extra`` carries further request
+        fields (``kind``, ``input``, ``truncate``, ``format``)."""
         check_model_name(model)
         if isinstance(options, Options):
             options = options.model_dump(exclude_unset=True)
@@ -168,6 +181,7 @@ class Client:
                 "keep_alive_s": keep_alive,
                 "priority": priority,
                 "device": device,
+                **(extra or {}),
             }
         )
         self._check_alive()
@@ -199,6 +213,26 @@ class Client:
         """
         job = self.submit(model, prompt, **kw)
         return job.stream() if stream else job.result()
+
+    def embed(
+        self,
+        model: str,
+        input: str | list[str],
+        *,
+        truncate: bool = False,
+        options: Options | dict[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+        timeout: float | None = None,
+    ) -> EmbedResponse:
+        """One L2-normalized vector per input (Ollama's /api/embed). An input longer than
+        the context is refused (InvalidRequest) unless ``truncate``."""
+        job = self.submit(
+            model,
+            options=options,
+            keep_alive=keep_alive,
+            extra={"kind": "embed", "input": input, "truncate": truncate},
+        )
+        return EmbedResponse.model_validate(job.final(timeout))
 
     def load(
         self,

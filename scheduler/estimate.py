@@ -56,6 +56,14 @@ class RunnerConfig:
     n_ubatch: int = 512
     swa_full: bool = False
     n_outputs: int = 0  # logits rows of the worst-case graph; 0 = llama.cpp's default (n_batch)
+    embedding: bool = False  # an embedding runner: one slot, a batch as large as the context
+
+    @classmethod
+    def for_embedding(cls, num_ctx: int) -> RunnerConfig:
+        """llama.cpp embeds an input in one batch: the batch is as large as the context."""
+        return cls(
+            num_ctx=num_ctx, num_parallel=1, n_batch=num_ctx, n_ubatch=num_ctx, embedding=True
+        )
 
     def key(self) -> str:
         """What must match for a job to share a runner (num_parallel aside)."""
@@ -179,7 +187,9 @@ def kv_cache_bytes(info: ModelInfo, cfg: RunnerConfig) -> int:
 
 def output_bytes(info: ModelInfo, cfg: RunnerConfig) -> int:
     """Logits of one output per sequence, f32 (llama.cpp's output buffer at creation)."""
-    return info.vocab_size * 4 * cfg.num_parallel
+    # an embedding context holds one output row per sequence, up to llama.cpp's 256
+    n_seq = min(cfg.n_batch, 256) if cfg.embedding else cfg.num_parallel
+    return info.vocab_size * 4 * n_seq
 
 
 def compute_model_bytes(info: ModelInfo, cfg: RunnerConfig) -> int:

@@ -45,6 +45,7 @@ class ModelInfo:
     input_bytes: int = 0  # token embedding and other tensors outside the blocks
     output_bytes: int = 0  # output projection and norm (0 projection when tied)
     tied_output: bool = False
+    pooling_type: int = -1  # llama.cpp's enum: -1 unspecified, 0 none, 1 mean, 2 cls, 3 last
 
 
 _cache: dict[tuple[str, int, int], ModelInfo] = {}
@@ -141,6 +142,7 @@ def _parse(path: Path, file_size: int) -> ModelInfo:
         input_bytes=input_bytes,
         output_bytes=output_bytes,
         tied_output=tied,
+        pooling_type=int(get(f"{arch}.pooling_type", -1)),
     )
 
 

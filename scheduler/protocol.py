@@ -12,7 +12,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from scheduler.durations import parse_duration_s
 from scheduler.errors import InvalidRequest
@@ -67,9 +74,15 @@ class JobRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(default_factory=lambda: uuid.uuid4().hex, pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    kind: Literal["generate"] = "generate"
+    kind: Literal["generate", "embed"] = "generate"
     model: str
     prompt: str = Field("", max_length=4_000_000)
+    input: list[str] = Field(
+        default_factory=list, max_length=4096, description="embed: the texts to embed"
+    )
+    truncate: bool = Field(
+        False, description="embed: cut inputs longer than the context instead of refusing them"
+    )
     options: Options = Field(default_factory=Options)
     format: Literal["json"] | dict[str, Any] | None = Field(
         None, description='"json" or a JSON schema: constrain the output through a grammar'
@@ -86,6 +99,17 @@ class JobRequest(BaseModel):
     @classmethod
     def _model(cls, value: str) -> str:
         return check_model_name(value)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _embed_has_input(self) -> JobRequest:
+        if self.kind == "embed" and not self.input:
+            raise ValueError("an embed job needs input: one text or a list of texts")
+        return self
 
     @field_validator("keep_alive_s", mode="before")
     @classmethod
@@ -115,6 +139,18 @@ def describe_validation_error(exc: ValidationError) -> str:
 
 
 DoneReason = Literal["stop", "length", "error", "cancel", "load", "unload"]
+
+
+class EmbedResponse(BaseModel):
+    """The result of an embed job (Ollama's /api/embed fields)."""
+
+    model: str
+    job_id: str
+    embeddings: list[list[float]]
+    prompt_eval_count: int = 0
+    total_duration: int | None = None
+    load_duration: int | None = None
+    device: str | None = None
 
 
 class GenerateResponse(BaseModel):

@@ -194,11 +194,12 @@ class PlacementService:
     def _place(self, req: JobRequest, started: int, score: float | None = None) -> dict[str, Any]:
         """Decide and carry out; ``score`` is set when a parked job is retried."""
         info = self.registry.info(req.model)
-        num_ctx, warning = choose_num_ctx(
-            req.options.num_ctx, self.settings.num_ctx, info.context_length
-        )
+        default_ctx = self.settings.embed_num_ctx if req.kind == "embed" else self.settings.num_ctx
+        num_ctx, warning = choose_num_ctx(req.options.num_ctx, default_ctx, info.context_length)
         slots = req.options.num_parallel
         config = RunnerConfig(num_ctx=num_ctx, num_parallel=slots or self._slots(req.model))
+        if req.kind == "embed":
+            slots, config = None, RunnerConfig.for_embedding(num_ctx)
         needs = JobNeeds(req.model, config.key(), estimate_bytes(info, config), num_parallel=slots)
         retry = score is not None
         order = score if score is not None else park_score(req, time.time())
@@ -257,6 +258,7 @@ class PlacementService:
                         "config_key": needs.config_key,
                         "num_ctx": config.num_ctx,
                         "num_parallel": config.num_parallel,
+                        "embedding": int(config.embedding),
                         "bytes": nbytes,
                         "total_bytes": needs.bytes,
                         "n_gpu_layers": n_gpu_layers,

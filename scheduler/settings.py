@@ -47,6 +47,12 @@ class Settings(BaseSettings):
         description='Slots per model, overriding num_parallel: JSON such as {"gemma3-270m": 8}.',
     )
     num_ctx: int = Field(4096, ge=4, description="Default context size per slot, in tokens.")
+    embed_num_ctx: int = Field(
+        2048,
+        ge=4,
+        description="Default context of embedding runners, in tokens; their batch is as "
+        "large, so their compute buffer grows with it (with a large vocabulary, a lot).",
+    )
     max_loaded_models: int = Field(
         3, ge=1, description="Most runners resident per GPU (as Ollama's OLLAMA_MAX_LOADED_MODELS)."
     )

@@ -157,3 +157,24 @@ def test_device_registered_with_heartbeat(client: Client, r: redis.Redis) -> Non
     beat = float(device["heartbeat"])
     assert wait_for(lambda: float(r.hget(keys.device("cpu:testhost"), "heartbeat") or 0) > beat)
     assert client.health()["ok"]
+
+
+def test_embed_gives_one_normalized_vector_per_input(client: Client) -> None:
+    result = client.embed("tiny", ["hello there", "a different text", "hello there"])
+    vectors = result.embeddings
+    assert len(vectors) == 3 and len(vectors[0]) == 64  # the tiny model's n_embd
+    assert all(abs(sum(x * x for x in v) - 1) < 1e-4 for v in vectors)
+    # the same text gives the same vector (up to float noise of its place in the batch)
+    assert max(abs(a - b) for a, b in zip(vectors[0], vectors[2], strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(vectors[0], vectors[1], strict=True)) > 1e-2
+    assert result.prompt_eval_count and result.prompt_eval_count >= 6
+    embedders = [r for r in client.ps() if r["embedding"] == "1"]
+    assert [(r["model"], r["num_parallel"]) for r in embedders] == [("tiny", "1")]
+    # an input longer than the context is refused unless the job asks to truncate
+    long = "word " * 200
+    with pytest.raises(InvalidRequest, match="set truncate=True"):
+        client.embed("tiny", [long], options={"num_ctx": 64})
+    (cut,) = client.embed("tiny", long, options={"num_ctx": 64}, truncate=True).embeddings
+    assert len(cut) == 64
+    with pytest.raises(InvalidRequest, match="embed job needs input"):
+        client.embed("tiny", [])

@@ -27,10 +27,12 @@ from scheduler.settings import Settings
 from scheduler.state import ClusterState, DeviceInfo
 from scheduler.streams import ChunkPublisher, ChunkWriter, error_chunk
 from workers.devices import reported_free, wait_for_release
+from workers.embedder import Embedder
 from workers.runner import Runner
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
+AnyRunner = Runner | Embedder
 
 
 class NotOwned(Exception):
@@ -52,7 +54,7 @@ class WorkerRuntime:
         self.devices = devices
         self.registry = registry
         self.clock = clock
-        self.runners: dict[str, Runner] = {}
+        self.runners: dict[str, AnyRunner] = {}
         self._load_lock = threading.Lock()
         self._expiry = ExpirySchedule()
         self._wake = threading.Condition()
@@ -129,26 +131,19 @@ class WorkerRuntime:
             runner.keep_alive_s = keep_alive
             self._schedule_expiry(runner_id, None)
             final = dict(base, created_at=self.clock(), done=True, load_duration=load_ns)
-            if req.prompt == "":
+            if req.kind == "embed":
+                final.update(_embed(req, runner))
+            elif req.prompt == "":
                 final.update(response="", done_reason="load" if keep_alive != 0 else "unload")
             else:
-                stats = runner.generate(
-                    req.prompt,
-                    req.options,
-                    lambda text: publisher.publish({"response": text}),
-                    cancelled=cancelled,
-                )
-                if stats.done_reason == "cancel":
-                    raise JobCancelled(
-                        f"job {req.id} was cancelled after {stats.eval_count} generated tokens"
-                    )
-                final.update(stats.ollama_fields())
+                final.update(_generate(req, runner, publisher, cancelled))
             if placement.get("warnings"):
                 final["warnings"] = placement["warnings"]
             final["total_duration"] = (
                 time.perf_counter_ns() - received + placement.get("placement_ns", 0)
             )
-            publisher.publish(dict(final, response=""))
+            # vectors travel in the result only: the stream's final chunk has the stats
+            publisher.publish({k: v for k, v in final.items() if k != "embeddings"})
             publisher.flush()  # the stream is complete before the result is stored
             return final
         except GgufqError as exc:
@@ -180,7 +175,7 @@ class WorkerRuntime:
             else:
                 self._schedule_expiry(runner_id, expires_at(now, keep_alive_s))
 
-    def _runner_for(self, req: JobRequest, placement: dict[str, Any]) -> tuple[Runner, int]:
+    def _runner_for(self, req: JobRequest, placement: dict[str, Any]) -> tuple[AnyRunner, int]:
         runner_id = placement["runner_id"]
         with self._load_lock:
             runner = self.runners.get(runner_id)
@@ -199,12 +194,24 @@ class WorkerRuntime:
         )
         return runner, runner.load_duration_ns
 
-    def _load(self, req: JobRequest, placement: dict[str, Any]) -> Runner:
+    def _load(self, req: JobRequest, placement: dict[str, Any]) -> AnyRunner:
         runner_id = placement["runner_id"]
         try:
             path = self.registry.resolve(req.model)
             read_model_info(path)  # a clear error for a bad file before llama.cpp sees it
             config = RunnerConfig(**placement["config"])
+            if config.embedding:
+                return Embedder(
+                    runner_id,
+                    req.model,
+                    str(path),
+                    config,
+                    _device_ids(placement),
+                    n_gpu_layers=int(placement.get("n_gpu_layers", 0)),
+                    n_threads=self.settings.cpu_threads or None,
+                    keep_alive_s=effective_keep_alive(req.keep_alive_s, self.settings.keep_alive_s),
+                    pooling_type=read_model_info(path).pooling_type,
+                )
             return Runner(
                 runner_id,
                 req.model,
@@ -251,7 +258,7 @@ class WorkerRuntime:
         log.info("unloaded runner %s", runner_id)
         return True
 
-    def _close(self, runner: Runner) -> None:
+    def _close(self, runner: AnyRunner) -> None:
         """Free llama.cpp's memory; on NVIDIA GPUs wait (bounded) until the driver shows it."""
         gpus = [d for d in self.devices if d.kind == "gpu" and d.id in runner.device_ids]
         raw = self.r.hget(keys.runner(runner.id), "devices") if gpus else None
@@ -274,6 +281,33 @@ class WorkerRuntime:
     @property
     def worker_name(self) -> str:
         return self.devices[0].worker if self.devices else ""
+
+
+def _generate(
+    req: JobRequest, runner: AnyRunner, publisher: ChunkPublisher, cancelled: Callable[[], bool]
+) -> dict[str, Any]:
+    if not isinstance(runner, Runner):
+        raise JobFailed(f"runner {runner.id} is loaded for embeddings; it cannot generate")
+    stats = runner.generate(
+        req.prompt,
+        req.options,
+        lambda text: publisher.publish({"response": text}),
+        cancelled=cancelled,
+    )
+    if stats.done_reason == "cancel":
+        raise JobCancelled(f"job {req.id} was cancelled after {stats.eval_count} generated tokens")
+    return stats.ollama_fields()
+
+
+def _embed(req: JobRequest, runner: AnyRunner) -> dict[str, Any]:
+    if not isinstance(runner, Embedder):
+        raise JobFailed(f"runner {runner.id} is loaded for generation; it cannot embed")
+    stats = runner.embed(req.input, req.truncate)
+    return {
+        "embeddings": stats.embeddings,
+        "prompt_eval_count": stats.prompt_eval_count,
+        "done_reason": "stop",
+    }
 
 
 def _device_ids(placement: dict[str, Any]) -> list[str]:
