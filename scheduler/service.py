@@ -62,6 +62,17 @@ from scheduler.streams import error_chunk, progress, publish_final
 log = logging.getLogger("ggufq.placement")
 
 
+def format_warning(req: JobRequest) -> str | None:
+    """Constrained to JSON by a prompt that never asks for JSON, models tend to emit endless
+    whitespace (a lesson from Ollama)."""
+    if req.format is None or "json" in req.prompt.lower():
+        return None
+    return (
+        "format asks for JSON but the prompt never mentions JSON; models then tend to emit "
+        "endless whitespace: ask for JSON in the prompt"
+    )
+
+
 def lost_job_message(job_id: str, where: str, streamed: int) -> str:
     what = (
         f"after it had streamed {streamed} chunks (its partial output stays in the job's "
@@ -244,7 +255,7 @@ class PlacementService:
                 decision = behind_parked(req.model, snap.parked, self.settings.max_queue)
             placement: dict[str, Any] = {
                 "config": asdict(config),
-                "warnings": [warning] if warning else [],
+                "warnings": [w for w in (warning, format_warning(req)) if w],
             }
             match decision:
                 case Route(runner_id, device_id):

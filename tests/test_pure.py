@@ -175,3 +175,14 @@ def test_unload_waits_for_the_driver_to_report_memory_back() -> None:
         sleep=lambda s: now.__setitem__(0, now[0] + s),
     )
     assert not stuck
+
+
+def test_format_json_without_json_in_the_prompt_warns() -> None:
+    from scheduler.service import format_warning
+
+    assert format_warning(parse_request({"model": "m", "prompt": "Hi", "format": "json"}))
+    schema = {"type": "object"}
+    assert not format_warning(
+        parse_request({"model": "m", "prompt": "Reply in JSON", "format": schema})
+    )
+    assert not format_warning(parse_request({"model": "m", "prompt": "Hi"}))
