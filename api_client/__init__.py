@@ -15,13 +15,14 @@ from scheduler.errors import (
     ServerBusy,
     StackNotRunning,
 )
-from scheduler.protocol import EmbedResponse, GenerateResponse, Options
+from scheduler.protocol import EmbedResponse, GenerateResponse, Message, Options
 
 __all__ = [
     "Client",
     "Job",
     "EmbedResponse",
     "GenerateResponse",
+    "Message",
     "Options",
     "GgufqError",
     "InvalidModelFile",

@@ -27,6 +27,7 @@ from scheduler.protocol import (
     EmbedResponse,
     GenerateResponse,
     JobRequest,
+    Message,
     Options,
     check_model_name,
 )
@@ -36,6 +37,7 @@ from scheduler.state import ClusterState
 from scheduler.streams import read_chunks
 
 _ALIVE_CACHE_S = 1.0
+Messages = list[Message] | list[dict[str, Any]]
 
 
 class Job:
@@ -212,6 +214,26 @@ class Client:
         Keyword arguments: ``options`` (dict or Options), ``keep_alive``, ``priority``.
         """
         job = self.submit(model, prompt, **kw)
+        return job.stream() if stream else job.result()
+
+    @overload
+    def chat(
+        self, model: str, messages: Messages, *, stream: Literal[False] = False, **kw: Any
+    ) -> GenerateResponse: ...
+
+    @overload
+    def chat(
+        self, model: str, messages: Messages, *, stream: Literal[True], **kw: Any
+    ) -> Iterator[GenerateResponse]: ...
+
+    def chat(
+        self, model: str, messages: Messages, *, stream: bool = False, **kw: Any
+    ) -> GenerateResponse | Iterator[GenerateResponse]:
+        """Answer a conversation, rendered with the model's own chat template (from its GGUF
+        metadata); the final record's ``message`` is the assistant's answer. Keyword
+        arguments as for :meth:`generate`."""
+        turns = [m.model_dump() if isinstance(m, Message) else m for m in messages]
+        job = self.submit(model, extra={"kind": "chat", "messages": turns}, **kw)
         return job.stream() if stream else job.result()
 
     def embed(

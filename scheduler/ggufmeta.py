@@ -16,7 +16,13 @@ from typing import Any
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from scheduler.errors import InvalidModelFile
-from scheduler.ggufparse import GGUFFormatError, GGUFHeader, SkippedArray, parse_header
+from scheduler.ggufparse import (
+    GGUFFormatError,
+    GGUFHeader,
+    SkippedArray,
+    parse_header,
+    string_item,
+)
 
 GGUF_MAGIC = b"GGUF"
 
@@ -46,6 +52,9 @@ class ModelInfo:
     output_bytes: int = 0  # output projection and norm (0 projection when tied)
     tied_output: bool = False
     pooling_type: int = -1  # llama.cpp's enum: -1 unspecified, 0 none, 1 mean, 2 cls, 3 last
+    chat_template: str = ""
+    bos_text: str = ""  # the BOS and EOS tokens as text, for chat templates
+    eos_text: str = ""
 
 
 _cache: dict[tuple[str, int, int], ModelInfo] = {}
@@ -84,6 +93,11 @@ def _parse(path: Path, file_size: int) -> ModelInfo:
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             try:
                 header = parse_header(mm)
+                tokens = header.fields.get("tokenizer.ggml.tokens")
+                specials = [
+                    string_item(mm, tokens, int(header.fields.get(f"tokenizer.ggml.{name}", -1)))
+                    for name in ("bos_token_id", "eos_token_id")
+                ]
             except GGUFFormatError as exc:
                 raise InvalidModelFile(
                     f"{path} is not a readable GGUF file ({exc}); it is truncated or corrupt: "
@@ -143,6 +157,9 @@ def _parse(path: Path, file_size: int) -> ModelInfo:
         output_bytes=output_bytes,
         tied_output=tied,
         pooling_type=int(get(f"{arch}.pooling_type", -1)),
+        chat_template=str(fields.get("tokenizer.chat_template", "")),
+        bos_text=specials[0],
+        eos_text=specials[1],
     )
 
 

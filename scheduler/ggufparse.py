@@ -37,9 +37,11 @@ class GGUFFormatError(ValueError):
 
 @dataclass(frozen=True)
 class SkippedArray:
-    """An array too long to decode for placement; only its length is kept."""
+    """An array too long to decode for placement; its length and place are kept."""
 
     length: int
+    offset: int = -1  # of its first item, in the file
+    item_type: int = -1
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,22 @@ def parse_header(buf: bytes | mmap.mmap) -> GGUFHeader:
     return GGUFHeader(version, fields, tensors, data_offset)
 
 
+def string_item(buf: bytes | mmap.mmap, array: Any, index: int) -> str:
+    """Item ``index`` of a string array (decoded, or skipped: then walked to from its start);
+    "" when there is no such item."""
+    if isinstance(array, list):
+        return str(array[index]) if 0 <= index < len(array) else ""
+    if not isinstance(array, SkippedArray) or array.item_type != GGUFValueType.STRING:
+        return ""
+    if not 0 <= index < array.length:
+        return ""
+    cur = _Cursor(buf)
+    cur.pos = array.offset
+    for _ in range(index):
+        cur.skip_string()
+    return cur.string()
+
+
 def _value(cur: _Cursor, vtype: int) -> Any:
     if vtype == GGUFValueType.STRING:
         return cur.string()
@@ -120,6 +138,7 @@ def _value(cur: _Cursor, vtype: int) -> Any:
         item_type, length = cur.unpack("<I"), cur.unpack("<Q")
         if length <= MAX_ARRAY_DECODE:
             return [_value(cur, item_type) for _ in range(length)]
+        start = cur.pos
         if item_type == GGUFValueType.STRING:
             for _ in range(length):
                 cur.skip_string()
@@ -127,7 +146,7 @@ def _value(cur: _Cursor, vtype: int) -> Any:
             cur.skip(struct.calcsize(_SCALAR[GGUFValueType(item_type)]) * length)
         else:
             raise GGUFFormatError(f"array of type {item_type} is too long to skip")
-        return SkippedArray(length)
+        return SkippedArray(length, start, item_type)
     try:
         return cur.unpack(_SCALAR[GGUFValueType(vtype)])
     except (KeyError, ValueError):

@@ -68,15 +68,27 @@ class Options(BaseModel):
     num_thread: int = Field(0, ge=0, le=1024, description="0 = worker default")
 
 
+class Message(BaseModel):
+    """One chat message (Ollama's /api/chat)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = Field(max_length=4_000_000)
+
+
 class JobRequest(BaseModel):
     """One job as it travels client → placement → worker."""
 
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(default_factory=lambda: uuid.uuid4().hex, pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    kind: Literal["generate", "embed"] = "generate"
+    kind: Literal["generate", "embed", "chat"] = "generate"
     model: str
     prompt: str = Field("", max_length=4_000_000)
+    messages: list[Message] = Field(
+        default_factory=list, max_length=10_000, description="chat: the conversation so far"
+    )
     input: list[str] = Field(
         default_factory=list, max_length=4096, description="embed: the texts to embed"
     )
@@ -109,6 +121,8 @@ class JobRequest(BaseModel):
     def _embed_has_input(self) -> JobRequest:
         if self.kind == "embed" and not self.input:
             raise ValueError("an embed job needs input: one text or a list of texts")
+        if self.kind == "chat" and not self.messages:
+            raise ValueError("a chat job needs messages: [{'role': 'user', 'content': ...}]")
         return self
 
     @field_validator("keep_alive_s", mode="before")
@@ -169,5 +183,6 @@ class GenerateResponse(BaseModel):
     eval_count: int | None = None
     eval_duration: int | None = None
     device: str | None = None
+    message: Message | None = None  # chat: the assistant's answer (the final record)
     warnings: list[str] = Field(default_factory=list)
     error: dict[str, str] | None = None

@@ -178,3 +178,25 @@ def test_embed_gives_one_normalized_vector_per_input(client: Client) -> None:
     assert len(cut) == 64
     with pytest.raises(InvalidRequest, match="embed job needs input"):
         client.embed("tiny", [])
+
+
+def test_chat_renders_the_models_own_template(client: Client) -> None:
+    from scheduler.chat import render
+    from tests.tinymodel import CHAT_TEMPLATE
+
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "the sky is"},
+    ]
+    prompt = render(CHAT_TEMPLATE, messages)
+    assert prompt == "<|system|>be brief\n<|user|>the sky is\n<|assistant|>"
+    result = client.chat("tiny", messages, options=GREEDY)
+    assert result.message is not None and result.message.role == "assistant"
+    assert result.message.content == result.response
+    # the same prompt through generate gives the same greedy answer and prompt size
+    plain = client.generate("tiny", prompt, options=GREEDY)
+    assert (plain.response, plain.prompt_eval_count) == (result.response, result.prompt_eval_count)
+    chunks = list(client.chat("tiny", messages, options=GREEDY, stream=True))
+    assert "".join(c.response for c in chunks[:-1]) == result.response
+    with pytest.raises(InvalidRequest, match="chat job needs messages"):
+        client.chat("tiny", [])

@@ -186,3 +186,17 @@ def test_format_json_without_json_in_the_prompt_warns() -> None:
         parse_request({"model": "m", "prompt": "Reply in JSON", "format": schema})
     )
     assert not format_warning(parse_request({"model": "m", "prompt": "Hi"}))
+
+
+def test_chat_rendering_fallback_bos_and_template_errors() -> None:
+    from scheduler.chat import render
+
+    turns = [{"role": "user", "content": "hi"}]
+    assert render("", turns) == "User: hi\nAssistant:"  # a base model without a template
+    with_bos = "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert render(with_bos, turns, bos_text="<s>") == "[hi]"  # the runner adds BOS itself
+    strict = (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}"
+    )
+    with pytest.raises(InvalidRequest, match="system first"):
+        render(strict, turns, model="m")

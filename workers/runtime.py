@@ -17,6 +17,7 @@ import redis
 
 from scheduler import keys
 from scheduler.cancel import CancelWatcher, cancelled_before_start
+from scheduler.chat import render
 from scheduler.errors import GgufqError, InvalidModelFile, JobCancelled, JobFailed, LoadFailed
 from scheduler.estimate import RunnerConfig
 from scheduler.ggufmeta import read_model_info
@@ -131,14 +132,19 @@ class WorkerRuntime:
             runner.keep_alive_s = keep_alive
             self._schedule_expiry(runner_id, None)
             final = dict(base, created_at=self.clock(), done=True, load_duration=load_ns)
+            warnings = list(placement.get("warnings", []))
             if req.kind == "embed":
                 final.update(_embed(req, runner))
+            elif req.kind == "chat":
+                prompt = self._chat_prompt(req, warnings)
+                final.update(_generate(req, runner, publisher, cancelled, prompt))
+                final["message"] = {"role": "assistant", "content": final["response"]}
             elif req.prompt == "":
                 final.update(response="", done_reason="load" if keep_alive != 0 else "unload")
             else:
-                final.update(_generate(req, runner, publisher, cancelled))
-            if placement.get("warnings"):
-                final["warnings"] = placement["warnings"]
+                final.update(_generate(req, runner, publisher, cancelled, req.prompt))
+            if warnings:
+                final["warnings"] = warnings
             final["total_duration"] = (
                 time.perf_counter_ns() - received + placement.get("placement_ns", 0)
             )
@@ -160,6 +166,16 @@ class WorkerRuntime:
             self.state.done_with(placement["device_id"], req.id, placement.get("id", ""))
             self.cancels.forget(req.id)
             self._job_ended(runner_id, keep_alive)
+
+    def _chat_prompt(self, req: JobRequest, warnings: list[str]) -> str:
+        info = read_model_info(self.registry.resolve(req.model))
+        if not info.chat_template:
+            warnings.append(
+                f"model {req.model!r} has no chat template in its metadata; the messages were "
+                "rendered as a plain 'Role: text' transcript"
+            )
+        messages = [m.model_dump() for m in req.messages]
+        return render(info.chat_template, messages, info.bos_text, info.eos_text, req.model)
 
     def _job_ended(self, runner_id: str, keep_alive_s: float) -> None:
         now = self.clock()
@@ -284,12 +300,16 @@ class WorkerRuntime:
 
 
 def _generate(
-    req: JobRequest, runner: AnyRunner, publisher: ChunkPublisher, cancelled: Callable[[], bool]
+    req: JobRequest,
+    runner: AnyRunner,
+    publisher: ChunkPublisher,
+    cancelled: Callable[[], bool],
+    prompt: str,
 ) -> dict[str, Any]:
     if not isinstance(runner, Runner):
         raise JobFailed(f"runner {runner.id} is loaded for embeddings; it cannot generate")
     stats = runner.generate(
-        req.prompt,
+        prompt,
         req.options,
         lambda text: publisher.publish({"response": text}),
         cancelled=cancelled,
