@@ -295,8 +295,11 @@ class Client:
         request_cancel(self.r, job_id, self.settings.stream_ttl_s)
 
     def jobs(self) -> list[dict[str, Any]]:
-        """Parked jobs (waiting for memory), in the order they will be retried."""
-        return ParkedJobs(self.r).listing()
+        """Jobs not ended yet: ``parked`` (waiting for memory; ``position`` in the order
+        they will be retried, ``model_position`` among their model's), then ``queued`` at a
+        worker (``position`` in their device's queue) and ``running``."""
+        parked = [dict(row, state="parked", device=None) for row in ParkedJobs(self.r).listing()]
+        return parked + self.state.sent_jobs()
 
     # -- state ------------------------------------------------------------------------------
     def devices(self) -> list[dict[str, str]]:

@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p = command("cancel", cmd_cancel, "cancel jobs (queued, parked or running)")
     p.add_argument("job_ids", nargs="+", metavar="JOB")
-    p = command("jobs", cmd_jobs, "list jobs waiting for memory, with their position")
+    p = command("jobs", cmd_jobs, "list jobs not ended: parked, queued, running, with position")
     p.add_argument("--json", action="store_true")
     p = command("ps", cmd_ps, "list the loaded models (runners)")
     p.add_argument("--json", action="store_true")
@@ -321,16 +321,17 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         return 0
     table = [
         [
-            str(r["position"]),
             r["id"],
             r["model"],
-            str(r["model_position"]),
+            r["state"],
+            str(r["position"] or ""),
+            r["device"] or "",
             r["priority"],
             format_duration(time.time() - float(r["submitted_at"])),
         ]
         for r in rows
     ]
-    print_table(["POS", "JOB", "MODEL", "MODEL POS", "PRIORITY", "WAITING"], table)
+    print_table(["JOB", "MODEL", "STATE", "POS", "DEVICE", "PRIORITY", "AGE"], table)
     return 0
 
 

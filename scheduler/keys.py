@@ -13,6 +13,7 @@ DEMAND = f"{PREFIX}:demand"  # hash: model → "decayed request count:time" (evi
 CHANGES = f"{PREFIX}:changes"  # stream: n, k = a changed key (lua/_changes.lua); trimmed
 CHANGES_N = f"{PREFIX}:changes:n"  # counter: number of the last change logged
 CANCELS = f"{PREFIX}:cancels"  # pub/sub channel: ids of jobs asked to cancel
+RUNNING = f"{PREFIX}:running"  # hash: job id → time its worker started it
 ORPHANS = f"{PREFIX}:orphans"  # hash: job id → in-flight record of a device that was dropped
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
 PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service

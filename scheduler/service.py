@@ -300,7 +300,12 @@ class PlacementService:
             placement["id"] = uuid.uuid4().hex[:12]
             placement["placement_ns"] = time.perf_counter_ns() - started
             worker = next(d.worker for d in snap.devices if d.id == placement["device_id"])
-            record = {"job": req.model_dump(mode="json"), "placement": placement, "worker": worker}
+            record = {
+                "job": req.model_dump(mode="json"),
+                "placement": placement,
+                "worker": worker,
+                "sent_at": time.time(),
+            }
             self.state.sent(placement["device_id"], req.id, record)
             queue = keys.device_queue(placement["device_id"], req.priority)
             send_job(self.app, keys.TASK_RUN, req, req.id, queue, placement)

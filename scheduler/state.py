@@ -238,9 +238,49 @@ class ClusterState:
         raw = self.r.hget(keys.inflight(device_id), job_id)
         return raw is not None and json.loads(raw)["placement"].get("id") == placement_id
 
+    def started(self, job_id: str, now: float) -> None:
+        self.r.hset(keys.RUNNING, job_id, now)
+
     def done_with(self, device_id: str, job_id: str, placement_id: str) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hdel(keys.RUNNING, job_id)
         if self.owns(device_id, job_id, placement_id):
-            self.r.hdel(keys.inflight(device_id), job_id)
+            pipe.hdel(keys.inflight(device_id), job_id)
+        pipe.execute()
+
+    def sent_jobs(self) -> list[dict[str, Any]]:
+        """Jobs sent to devices and not ended: running, or queued at their worker (with the
+        position in their device's queue, in the order they were sent)."""
+        device_ids = sorted(_s(d) for d in self.r.smembers(keys.DEVICES))
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(keys.RUNNING)
+        for device_id in device_ids:
+            pipe.hgetall(keys.inflight(device_id))
+        running_raw, *per_device = pipe.execute()
+        running = {_s(k): float(v) for k, v in running_raw.items()}
+        rows = []
+        for device_id, records in zip(device_ids, per_device, strict=True):
+            jobs = sorted(
+                (json.loads(v) for v in records.values()), key=lambda r: r.get("sent_at", 0)
+            )
+            position = 0
+            for record in jobs:
+                job = record["job"]
+                started = running.get(job["id"])
+                position += started is None
+                rows.append(
+                    {
+                        "id": job["id"],
+                        "model": job["model"],
+                        "priority": job.get("priority", "interactive"),
+                        "device": device_id,
+                        "state": "running" if started is not None else "queued",
+                        "position": 0 if started is not None else position,
+                        "submitted_at": job.get("submitted_at", 0.0),
+                        "started_at": started,
+                    }
+                )
+        return rows
 
     def orphans(self) -> list[str]:
         return [_s(j) for j in self.r.hkeys(keys.ORPHANS)]

@@ -47,6 +47,10 @@ def one_slot_stack(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
 LONG = {"temperature": 0, "num_predict": 6000, "num_ctx": 8192}
 
 
+def parked(client: Client) -> list[str]:
+    return [j["id"] for j in client.jobs() if j["state"] == "parked"]
+
+
 def test_parked_job_waits_then_runs_and_loaded_model_is_not_blocked(
     one_slot_stack: Client,
 ) -> None:
@@ -56,12 +60,14 @@ def test_parked_job_waits_then_runs_and_loaded_model_is_not_blocked(
         lambda: any(r["in_flight"] == "1" and r["state"] == "ready" for r in client.ps())
     )
     b = client.submit("slow", "b", options={"num_ctx": 4096, "num_predict": 4})
-    assert wait_for(lambda: [j["id"] for j in client.jobs()] == [b.id])
-    assert client.jobs()[0]["model_position"] == 1
+    assert wait_for(lambda: parked(client) == [b.id])
+    rows = {j["id"]: j for j in client.jobs()}
+    assert rows[b.id]["model_position"] == 1 and rows[b.id]["position"] == 1
+    assert rows[a.id]["state"] == "running" and rows[a.id]["device"] == "vgpu:parkhost:0"
     # A job for the loaded configuration is routed at once, past the parked one.
     c = client.submit("slow", "c", options={**LONG, "num_predict": 4})
     assert wait_for(lambda: sum(int(r["in_flight"]) for r in client.ps()) == 2)
-    assert [j["id"] for j in client.jobs()] == [b.id]
+    assert parked(client) == [b.id]
     # The queue holds one job (GGUFQ_MAX_QUEUE=1): another that must wait is refused.
     with pytest.raises(ServerBusy, match="max_queue 1"):
         client.generate("slow", "d", options={"num_ctx": 6144, "num_predict": 4})
@@ -94,9 +100,9 @@ def test_cancel_a_parked_and_a_running_job(one_slot_stack: Client) -> None:
         lambda: any(r["in_flight"] == "1" and r["state"] == "ready" for r in client.ps())
     )
     b = client.submit("slow", "b", options={"num_ctx": 4096, "num_predict": 4})
-    assert wait_for(lambda: [j["id"] for j in client.jobs()] == [b.id])
+    assert wait_for(lambda: parked(client) == [b.id])
     b.cancel()  # parked: it leaves the queue and never starts
-    assert wait_for(lambda: client.jobs() == [])
+    assert wait_for(lambda: parked(client) == [])
     with pytest.raises(JobCancelled, match="before it started"):
         b.result()
     assert b.status() == "REVOKED"

@@ -127,6 +127,7 @@ class WorkerRuntime:
         try:
             if cancelled():
                 raise cancelled_before_start(req.id)  # while it waited in the queue
+            self.state.started(req.id, self.clock())
             runner, load_ns = self._runner_for(req, placement)
             keep_alive = effective_keep_alive(req.keep_alive_s, runner.keep_alive_s)
             runner.keep_alive_s = keep_alive
