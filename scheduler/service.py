@@ -51,6 +51,7 @@ from scheduler.estimate import (
 )
 from scheduler.ggufmeta import ModelInfo
 from scheduler.localstack import resolve_redis_url
+from scheduler.metrics import serve_metrics
 from scheduler.parking import ParkedJobs, park_score
 from scheduler.protocol import JobRequest, parse_request
 from scheduler.registry import Registry
@@ -392,6 +393,8 @@ class PlacementService:
 
     # -- liveness --------------------------------------------------------------------------
     def start(self) -> None:
+        if self.settings.metrics_port:
+            serve_metrics(self.r, self.settings.metrics_port, self.settings.device_ttl_s)
         threading.Thread(target=self._alive_loop, name="ggufq-placement-alive", daemon=True).start()
         threading.Thread(target=self._wake_loop, name="ggufq-placement-wake", daemon=True).start()
 

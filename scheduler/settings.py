@@ -72,6 +72,12 @@ class Settings(BaseSettings):
     park_sweep_s: float = Field(
         5.0, gt=0, description="Safety sweep of parked jobs (they are woken by events)."
     )
+    metrics_port: int = Field(
+        9464,
+        ge=0,
+        le=65535,
+        description="Each placement service serves Prometheus metrics on this port; 0 = off.",
+    )
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Device heartbeat period.")
     device_ttl_s: float = Field(
         10.0, gt=0, description="A device without a heartbeat for this long is dropped."

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from api_client import Client
-from scheduler.embedded import EmbeddedRedis
+from scheduler.embedded import EmbeddedRedis, free_port
 from scheduler.registry import demo_installed
 from scheduler.settings import Settings
 from scheduler.stack import LocalStack
@@ -56,6 +56,7 @@ def stack_env(models_dir: Path, state_dir: Path, host: str = HOST) -> dict[str, 
         "GGUFQ_HOST_ID": host,
         "GGUFQ_HEARTBEAT_INTERVAL_S": "0.5",
         "GGUFQ_DEVICE_TTL_S": "5",
+        "GGUFQ_METRICS_PORT": "0",  # many stacks run at once; the session stack gets a port
     }
 
 
@@ -66,7 +67,7 @@ def settings_from(env: dict[str, str], redis_url: str | None) -> Settings:
 
 @pytest.fixture(scope="session")
 def stack(redis_server: EmbeddedRedis, models_dir: Path, session_dir: Path) -> Iterator[LocalStack]:
-    env = stack_env(models_dir, session_dir / "state")
+    env = dict(stack_env(models_dir, session_dir / "state"), GGUFQ_METRICS_PORT=str(free_port()))
     settings = settings_from(env, redis_server.url)
     with LocalStack(settings, log_dir=session_dir / "logs", extra_env=env) as running:
         yield running

@@ -22,6 +22,7 @@ from scheduler.errors import GgufqError, InvalidModelFile, JobCancelled, JobFail
 from scheduler.estimate import RunnerConfig
 from scheduler.ggufmeta import read_model_info
 from scheduler.keepalive import ExpirySchedule, effective_keep_alive, expires_at
+from scheduler.metrics import count
 from scheduler.protocol import JobRequest, parse_request
 from scheduler.registry import Registry
 from scheduler.settings import Settings
@@ -152,16 +153,26 @@ class WorkerRuntime:
             # vectors travel in the result only: the stream's final chunk has the stats
             publisher.publish({k: v for k, v in final.items() if k != "embeddings"})
             publisher.flush()  # the stream is complete before the result is stored
+            count(
+                self.r,
+                req.model,
+                finished=1,
+                tokens=final.get("eval_count") or 0,
+                prompt_tokens=final.get("prompt_eval_count") or 0,
+            )
             return final
         except GgufqError as exc:
             publisher.publish(error_chunk(req.model, req.id, exc, device=base["device"]))
             publisher.flush()
+            cancelled_job = isinstance(exc, JobCancelled)
+            count(self.r, req.model, cancelled=int(cancelled_job), failed=int(not cancelled_job))
             raise
         except Exception as exc:
             log.exception("job %s failed", req.id)
             error = JobFailed(f"job {req.id} failed on {placement['device_id']}: {exc}")
             publisher.publish(error_chunk(req.model, req.id, error, device=base["device"]))
             publisher.flush()
+            count(self.r, req.model, failed=1)
             raise error from None
         finally:
             self.state.done_with(placement["device_id"], req.id, placement.get("id", ""))
@@ -209,6 +220,7 @@ class WorkerRuntime:
         self.state.update_runner(
             runner_id, {"state": "ready", "loaded_at": self.clock(), "worker": self.worker_name}
         )
+        count(self.r, req.model, loads=1, load_seconds=runner.load_duration_ns / 1e9)
         return runner, runner.load_duration_ns
 
     def _load(self, req: JobRequest, placement: dict[str, Any]) -> AnyRunner:

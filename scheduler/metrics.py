@@ -1,0 +1,136 @@
+"""Prometheus metrics of the whole cluster, served by each placement service.
+
+Gauges are read from Redis at scrape time (devices, runners, jobs); counters are kept in
+Redis by the workers (``ggufq:stats``), so any placement service reports the same totals.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from scheduler import keys
+from scheduler.parking import ParkedJobs
+from scheduler.state import ClusterState
+
+log = logging.getLogger(__name__)
+
+# the counters workers keep in ggufq:stats, as "<name>|<model>" fields
+COUNTERS = {
+    "finished": ("ggufq_jobs_finished", "Jobs that ended with a result."),
+    "failed": ("ggufq_jobs_failed", "Jobs that ended with an error."),
+    "cancelled": ("ggufq_jobs_cancelled", "Jobs that were cancelled."),
+    "tokens": ("ggufq_tokens_generated", "Tokens generated."),
+    "prompt_tokens": ("ggufq_prompt_tokens", "Prompt tokens evaluated."),
+    "loads": ("ggufq_model_loads", "Models loaded into a runner."),
+    "load_seconds": ("ggufq_model_load_seconds", "Time spent loading models, in seconds."),
+}
+
+
+def count(client: redis.Redis, model: str, **amounts: float) -> None:
+    """Add to the cluster's counters (one round trip)."""
+    pipe = client.pipeline(transaction=False)
+    for name, amount in amounts.items():
+        if amount:
+            pipe.hincrbyfloat(keys.STATS, f"{name}|{model}", amount)
+    pipe.execute()
+
+
+class ClusterCollector(Collector):
+    def __init__(self, client: redis.Redis, device_ttl_s: float) -> None:
+        self.r = client
+        self.state = ClusterState(client)
+        self.device_ttl_s = device_ttl_s
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._devices()
+        yield from self._runners()
+        yield from self._jobs()
+        yield from self._counters()
+
+    def _devices(self) -> Iterator[Metric]:
+        labels = ["device", "worker", "kind"]
+        families = {
+            "total": GaugeMetricFamily("ggufq_device_total_bytes", "Device memory.", labels=labels),
+            "reserved": GaugeMetricFamily(
+                "ggufq_device_reserved_bytes", "Memory reserved by runners.", labels=labels
+            ),
+            "free": GaugeMetricFamily(
+                "ggufq_device_free_bytes",
+                "Free memory: min(reported free, total - reserved).",
+                labels=labels,
+            ),
+            "up": GaugeMetricFamily(
+                "ggufq_device_up", "1 while the device heartbeats.", labels=labels
+            ),
+        }
+        now = time.time()
+        for d in self.state.device_records():
+            values = [d["id"], d.get("worker", ""), d.get("kind", "")]
+            total, reserved = int(d["total"]), int(d.get("reserved", 0))
+            free = max(0, min(int(d.get("free", 0)), total - reserved))
+            up = now - float(d.get("heartbeat", 0)) <= self.device_ttl_s
+            for name, value in (("total", total), ("reserved", reserved), ("free", free)):
+                families[name].add_metric(values, value)
+            families["up"].add_metric(values, 1.0 if up else 0.0)
+        yield from families.values()
+
+    def _runners(self) -> Iterator[Metric]:
+        runners = GaugeMetricFamily(
+            "ggufq_runners", "Loaded runners (model instances).", labels=["model", "state"]
+        )
+        busy = GaugeMetricFamily(
+            "ggufq_runner_jobs_in_flight", "Jobs assigned to runners.", labels=["model"]
+        )
+        counts: Counter[tuple[str, str]] = Counter()
+        in_flight: Counter[str] = Counter()
+        for r in self.state.runner_records():
+            counts[(r["model"], r.get("state", ""))] += 1
+            in_flight[r["model"]] += int(r.get("in_flight", 0))
+        for (model, state), n in sorted(counts.items()):
+            runners.add_metric([model, state], n)
+        for model, n in sorted(in_flight.items()):
+            busy.add_metric([model], n)
+        yield runners
+        yield busy
+
+    def _jobs(self) -> Iterator[Metric]:
+        jobs = GaugeMetricFamily(
+            "ggufq_jobs", "Jobs not ended, by state (parked, queued, running).", labels=["state"]
+        )
+        states = Counter(row["state"] for row in self.state.sent_jobs())
+        states["parked"] = len(ParkedJobs(self.r).ids())
+        for state in ("parked", "queued", "running"):
+            jobs.add_metric([state], states.get(state, 0))
+        yield jobs
+
+    def _counters(self) -> Iterator[Metric]:
+        families = {
+            key: CounterMetricFamily(name, doc, labels=["model"])
+            for key, (name, doc) in COUNTERS.items()
+        }
+        raw: dict[bytes, bytes] = self.r.hgetall(keys.STATS)  # type: ignore[assignment]
+        for field, value in sorted(raw.items()):
+            name, _, model = field.decode().partition("|")
+            if name in families:
+                families[name].add_metric([model], float(value))
+        yield from families.values()
+
+
+def serve_metrics(client: redis.Redis, port: int, device_ttl_s: float) -> Any:
+    """Serve /metrics on ``port``; None (with a warning) when the port is taken."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ClusterCollector(client, device_ttl_s))
+    try:
+        return start_http_server(port, registry=registry)
+    except OSError as exc:
+        log.warning("metrics not served: port %d: %s (set GGUFQ_METRICS_PORT)", port, exc)
+        return None
