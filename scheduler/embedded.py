@@ -27,14 +27,16 @@ def free_port() -> int:
 class EmbeddedRedis:
     """redis-server bound to 127.0.0.1, nothing persisted, stopped with the stack."""
 
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, password: str = "") -> None:
         self.port = port or free_port()
         self.data_dir = Path(data_dir)
+        self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -58,13 +60,16 @@ class EmbeddedRedis:
                 "warning",
                 "--logfile",
                 str(log_path),
+                *(["--requirepass", self.password] if self.password else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             preexec_fn=child_preexec,
         )
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        client = redis.Redis(
+            port=self.port, password=self.password or None, socket_connect_timeout=0.5
+        )
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = log_path.read_text(errors="replace") if log_path.exists() else ""
