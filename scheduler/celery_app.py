@@ -26,8 +26,10 @@ def make_app(redis_url: str, settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,
         task_acks_late=False,
         task_track_started=False,
-        task_send_sent_event=False,
-        worker_send_task_events=False,
+        # events feed Flower: tasks appear when sent and show their states live
+        # (workers add LOADING and GENERATING); a few hundred bytes of pub/sub per state
+        task_send_sent_event=True,
+        worker_send_task_events=True,
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
         broker_transport_options={"socket_keepalive": True},

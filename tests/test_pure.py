@@ -200,3 +200,22 @@ def test_chat_rendering_fallback_bos_and_template_errors() -> None:
     )
     with pytest.raises(InvalidRequest, match="system first"):
         render(strict, turns, model="m")
+
+
+def test_generation_progress_reported_at_most_once_a_second() -> None:
+    from workers.runtime import Ticker
+
+    now = [0.0]
+    published: list[str] = []
+    reports: list[tuple[str, int]] = []
+    ticker = Ticker(
+        lambda state, tokens: reports.append((state, tokens)),
+        published.append,
+        every_s=1.0,
+        clock=lambda: now[0],
+    )
+    for step in range(25):
+        now[0] = step * 0.1
+        ticker("x")
+    assert len(published) == 25
+    assert reports == [("generating", 1), ("generating", 11), ("generating", 21)]

@@ -33,9 +33,13 @@ def write_tiny_model(
     context_length: int = 2048,
     sliding_window: int = 64,
     seed: int = 0,
+    endless: bool = False,
 ) -> Path:
     """A random-weight model of ``arch``: llama (GQA), qwen2 (QKV biases) or gemma3
-    (sliding-window attention on 5 of every 6 layers, tied output, Q/K norms)."""
+    (sliding-window attention on 5 of every 6 layers, tied output, Q/K norms).
+
+    ``endless`` (not gemma3): the end-of-sequence token's logit is always 0, below the
+    largest of the others, so greedy generation runs until num_predict or the context."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -80,7 +84,10 @@ def write_tiny_model(
     writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd))
     writer.add_tensor("output_norm.weight", ones(n_embd))
     if arch != "gemma3":  # gemma3 ties its output to the token embedding
-        writer.add_tensor("output.weight", weight(n_vocab, n_embd))
+        output = weight(n_vocab, n_embd)
+        if endless:
+            output[2] = 0.0  # </s>
+        writer.add_tensor("output.weight", output)
     for i in range(n_layer):
         blk = f"blk.{i}"
         writer.add_tensor(f"{blk}.attn_norm.weight", ones(n_embd))

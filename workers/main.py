@@ -37,14 +37,25 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
 
     @app.task(name=keys.TASK_RUN, bind=True, throws=(GgufqError,))
     def run(self: Any, job: dict[str, Any], placement: dict[str, Any]) -> dict[str, Any]:
+        # the decode loop reports from its own thread, where self.request is empty
+        task_id, hostname = self.request.id, self.request.hostname
+
+        def progress(state: str, **fields: Any) -> None:
+            with app.events.default_dispatcher(hostname=hostname) as dispatcher:
+                # Flower shows a task-<state> event's state as STATE
+                dispatcher.send(f"task-{state}", uuid=task_id, **fields)
+
         try:
-            return runtime.run_job(job, placement)
+            return runtime.run_job(job, placement, progress)
         except NotOwned as exc:
             log.info("dropping job %s: it was re-placed after this device was dropped", exc)
             raise Ignore() from None
         except JobCancelled as exc:
             # the job's state is REVOKED (cancelled), not FAILURE
             self.backend.mark_as_revoked(self.request.id, reason=str(exc))
+            # Ignore sends no event, and Celery's event state ranks REVOKED below custom
+            # states such as GENERATING: a custom CANCELLED is what Flower can show
+            progress("cancelled", reason=str(exc))
             raise Ignore() from None
 
     @app.task(name=keys.TASK_UNLOAD, ignore_result=True)

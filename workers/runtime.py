@@ -34,6 +34,37 @@ from workers.runner import Runner
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
+Progress = Callable[..., None]
+
+
+def _silent(state: str, **fields: Any) -> None:
+    pass
+
+
+class Ticker:
+    """Publishes each piece of text and reports GENERATING with the count so far, at most
+    once every ``every_s`` seconds (pieces are tokens, but for multi-byte characters)."""
+
+    def __init__(
+        self,
+        progress: Progress,
+        publish: Callable[[str], None],
+        every_s: float = 1.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.progress, self.publish, self.every_s, self.clock = progress, publish, every_s, clock
+        self.count = 0
+        self.next_at = clock()
+
+    def __call__(self, text: str) -> None:
+        self.publish(text)
+        self.count += 1
+        now = self.clock()
+        if now >= self.next_at:
+            self.next_at = now + self.every_s
+            self.progress("generating", tokens=self.count)
+
+
 AnyRunner = Runner | Embedder
 
 
@@ -112,8 +143,13 @@ class WorkerRuntime:
             self._wake.notify_all()
 
     # -- jobs -----------------------------------------------------------------------------
-    def run_job(self, job: dict[str, Any], placement: dict[str, Any]) -> dict[str, Any]:
-        """Run one job to its end; returns the final record, raises a GgufqError on failure."""
+    def run_job(
+        self, job: dict[str, Any], placement: dict[str, Any], progress: Progress = _silent
+    ) -> dict[str, Any]:
+        """Run one job to its end; returns the final record, raises a GgufqError on failure.
+
+        ``progress(state, **fields)`` hears of LOADING and GENERATING (with a token count,
+        at most once a second): Flower shows them as the task's state."""
         received = time.perf_counter_ns()
         req = parse_request(job)
         if not self.state.owns(placement["device_id"], req.id, placement.get("id", "")):
@@ -129,6 +165,8 @@ class WorkerRuntime:
             if cancelled():
                 raise cancelled_before_start(req.id)  # while it waited in the queue
             self.state.started(req.id, self.clock())
+            if runner_id not in self.runners:
+                progress("loading", device=placement["device_id"])
             runner, load_ns = self._runner_for(req, placement)
             keep_alive = effective_keep_alive(req.keep_alive_s, runner.keep_alive_s)
             runner.keep_alive_s = keep_alive
@@ -139,12 +177,12 @@ class WorkerRuntime:
                 final.update(_embed(req, runner))
             elif req.kind == "chat":
                 prompt = self._chat_prompt(req, warnings)
-                final.update(_generate(req, runner, publisher, cancelled, prompt))
+                final.update(_generate(req, runner, publisher, cancelled, prompt, progress))
                 final["message"] = {"role": "assistant", "content": final["response"]}
             elif req.prompt == "":
                 final.update(response="", done_reason="load" if keep_alive != 0 else "unload")
             else:
-                final.update(_generate(req, runner, publisher, cancelled, req.prompt))
+                final.update(_generate(req, runner, publisher, cancelled, req.prompt, progress))
             if warnings:
                 final["warnings"] = warnings
             final["total_duration"] = (
@@ -318,15 +356,12 @@ def _generate(
     publisher: ChunkPublisher,
     cancelled: Callable[[], bool],
     prompt: str,
+    progress: Progress,
 ) -> dict[str, Any]:
     if not isinstance(runner, Runner):
         raise JobFailed(f"runner {runner.id} is loaded for embeddings; it cannot generate")
-    stats = runner.generate(
-        prompt,
-        req.options,
-        lambda text: publisher.publish({"response": text}),
-        cancelled=cancelled,
-    )
+    ticker = Ticker(progress, lambda text: publisher.publish({"response": text}))
+    stats = runner.generate(prompt, req.options, ticker, cancelled=cancelled)
     if stats.done_reason == "cancel":
         raise JobCancelled(f"job {req.id} was cancelled after {stats.eval_count} generated tokens")
     return stats.ollama_fields()

@@ -1,0 +1,36 @@
+"""Flower, Celery's dashboard, on ggufq's Celery app.
+
+``ggufq flower`` runs it; so does the plain form ``celery -A scheduler.flower flower``
+(this module's ``app`` is built from the GGUFQ_* settings on first use). Workers are named
+for their host and devices (``ggufq-gpu0+gpu1@host``), each device has its queues, and each
+job is a ``ggufq.run`` task named by model, job id and a shortened prompt, with the custom
+states LOADING and GENERATING (with a token count) while it runs, and CANCELLED.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from celery import Celery
+
+from scheduler.celery_app import make_app
+from scheduler.localstack import resolve_redis_url
+from scheduler.settings import Settings, get_settings
+
+
+@cache
+def _default_app() -> Celery:
+    settings = get_settings()
+    return make_app(resolve_redis_url(settings), settings)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("app", "celery"):  # what `celery -A scheduler.flower` looks up
+        return _default_app()
+    raise AttributeError(name)
+
+
+def run_flower(settings: Settings, port: int, address: str, extra: list[str]) -> None:
+    app = make_app(resolve_redis_url(settings), settings)
+    app.start(["flower", f"--port={port}", f"--address={address}", *extra])

@@ -1,0 +1,146 @@
+"""Flower on the real stack: workers, queues and jobs through its REST API, and its pages
+in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api_client import Client
+from scheduler.embedded import free_port
+from scheduler.stack import LocalStack
+from tests.conftest import settings_from, stack_env, wait_for
+from tests.tinymodel import write_tiny_model
+
+WORKER = "ggufq-cpu@flowerhost"
+LONG = {"temperature": 0, "num_predict": 6000, "num_ctx": 8192}
+
+
+def get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def answers(url: str) -> bool:
+    try:
+        get(url)
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def slow_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """A stack with a model large enough that a long generation takes seconds."""
+    root = tmp_path_factory.mktemp("flower")
+    models = root / "models"
+    models.mkdir()
+    write_tiny_model(
+        models / "slow.gguf",
+        n_embd=256,
+        n_ff=768,
+        n_head=8,
+        n_head_kv=2,
+        n_layer=4,
+        context_length=8192,
+        endless=True,
+    )
+    env = stack_env(models, root / "state", host="flowerhost")
+    with LocalStack(settings_from(env, None), log_dir=root / "logs", extra_env=env) as st:
+        yield st
+
+
+@pytest.fixture(scope="module")
+def flower(slow_stack: LocalStack) -> Iterator[str]:
+    port = free_port()
+    env = {
+        **os.environ,
+        **slow_stack.extra_env,
+        "GGUFQ_REDIS_URL": slow_stack.redis_url,
+        "FLOWER_UNAUTHENTICATED_API": "true",
+    }
+    assert slow_stack.log_dir is not None
+    log = open(slow_stack.log_dir / "flower.log", "ab")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        # the plain form; `ggufq flower` runs the same
+        [sys.executable, "-m", "celery", "-A", "scheduler.flower", "flower", f"--port={port}"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: answers(base + "/api/workers"), timeout=60), "flower did not start"
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
+
+
+def test_flower_shows_workers_queues_and_jobs(flower: str, slow_stack: LocalStack) -> None:
+    assert wait_for(lambda: WORKER in get(flower + "/api/workers?refresh=1"), timeout=30)
+    with Client(slow_stack.redis_url, settings=slow_stack.settings, timeout=60) as client:
+        job = client.submit("slow", "the sky is", options=LONG)
+        info = flower + f"/api/task/info/{job.id}"
+
+        def state() -> str:
+            return str(get(info)["state"]) if answers(info) else ""
+
+        # custom states while it runs: LOADING, GENERATING, and CANCELLED at the end
+        assert wait_for(lambda: state() == "GENERATING", timeout=60)
+        job.cancel()
+        assert wait_for(lambda: state() == "CANCELLED", timeout=60)
+        done = client.submit("slow", "blue", options={**LONG, "num_predict": 4})
+        done.result()
+    task = get(flower + f"/api/task/info/{done.id}")
+    assert task["state"] == "SUCCESS" and task["name"] == "ggufq.run"
+    assert task["worker"] == WORKER
+    assert f"model='slow', job={done.id}, prompt='blue'" in task["args"]
+    queues = {q["name"]: q for q in get(flower + "/api/queues/length")["active_queues"]}
+    assert {"ggufq.cpu.flowerhost", "ggufq.cpu.flowerhost.batch"} <= set(queues)
+
+
+@pytest.mark.skipif(not shutil.which("chromium"), reason="apt-get install chromium")
+def test_dashboard_pages_in_headless_chromium(flower: str, slow_stack: LocalStack) -> None:
+    assert slow_stack.log_dir is not None
+    for page in ("workers", "tasks"):
+        shot = slow_stack.log_dir / f"flower-{page}.png"
+        dom = chromium(flower + f"/{page}", shot)
+        assert WORKER in dom, f"the {page} page does not show the worker"
+        assert shot.stat().st_size > 10_000
+
+
+def chromium(url: str, screenshot: Path) -> str:
+    """Render a page in headless Chromium (as this machine allows: no sandbox, no network
+    beyond localhost); saves a screenshot and returns the DOM after its scripts ran."""
+    flags = [
+        "chromium",
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={screenshot.parent / 'chromium-profile'}",
+        "--virtual-time-budget=5000",
+        "--window-size=1400,900",
+    ]
+    subprocess.run(
+        [*flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=120, check=True
+    )
+    out = subprocess.run(
+        [*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True
+    )
+    return out.stdout
