@@ -1,0 +1,67 @@
+"""The deployment files: docker-compose.yml validated by a compose implementation
+(Debian's docker-compose; .ci/run installs it), and the container health check."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from scheduler.health import check
+from scheduler.settings import get_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def compose_config(tmp_path: Path) -> dict[str, Any]:
+    for name in ("docker-compose.yml", "Dockerfile", "Dockerfile.cuda", ".env.example"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copy(ROOT / ".env.example", tmp_path / ".env")
+    out = subprocess.run(
+        ["docker-compose", "config"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.mark.skipif(not shutil.which("docker-compose"), reason="apt-get install docker-compose")
+def test_compose_file_is_valid_and_complete(tmp_path: Path) -> None:
+    config = compose_config(tmp_path)
+    services = config["services"]
+    assert {"redis", "placement", "worker-gpu0", "worker-gpu1", "flower"} <= set(services)
+    assert services["worker-cpu"]["profiles"] == ["cpu"]  # started with --profile cpu
+    assert services["worker-cpu"]["command"] == ["worker", "--cpu"]
+    redis_cmd = services["redis"]["command"]
+    assert "noeviction" in redis_cmd and "--appendonly" in redis_cmd
+    for name, service in services.items():
+        assert "healthcheck" in service, f"{name} has no health check"
+    for index in (0, 1):
+        worker = services[f"worker-gpu{index}"]
+        (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+        assert device["device_ids"] == [str(index)] and device["capabilities"] == ["gpu"]
+        assert worker["environment"]["GGUFQ_HOST_ID"] == f"gpuhost-{index}"
+        assert worker["build"]["dockerfile"] == "Dockerfile.cuda"
+        assert any(str(v).endswith("/models:ro") for v in worker["volumes"])
+    assert "change-me@redis:6379" in services["placement"]["environment"]["GGUFQ_REDIS_URL"]
+
+
+def test_health_check_sees_the_stack(stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GGUFQ_REDIS_URL", stack.redis_url)
+    monkeypatch.setenv("GGUFQ_HOST_ID", stack.settings.host_id)
+    get_settings.cache_clear()
+    try:
+        assert check("placement") is None
+        assert check("worker") is None
+        monkeypatch.setenv("GGUFQ_HOST_ID", "elsewhere")
+        get_settings.cache_clear()
+        assert check("worker") == "no device of host 'elsewhere' heartbeats"
+    finally:
+        get_settings.cache_clear()
