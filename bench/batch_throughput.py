@@ -1,0 +1,402 @@
+"""Throughput of continuous batching against a sequential llama-cpp-python loop, demo model.
+
+N prompts (default 64) all arrive at once, each asks for T new tokens (default 64),
+greedy. Columns:
+
+  sequential  a plain loop of llama-cpp-python ``Llama.create_completion``, one prompt
+              after the other (the baseline)
+  bare        the ceiling: static rounds of P prompts through llama.cpp's low-level API,
+              one llama_decode per step, no scheduling, no streaming
+  engine      ``workers.runner.Runner`` with num_parallel slots, one thread per prompt
+              calling ``generate`` at the same moment
+  system      the whole stack (client → placement → worker → chunks over Redis) with
+              GGUFQ_NUM_PARALLEL slots, one streaming client thread per prompt
+  server      llama.cpp's llama-server --parallel P, when LLAMA_SERVER_BIN names one
+
+Tokens/s count generated tokens over the wall time from the common start to the last
+job's end; time to first token is measured from that common start, so it includes the
+wait for a slot. Prints a table, then one JSON line.
+
+    python bench/batch_throughput.py [--prompts 64] [--tokens 64] [--parallel 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+NUM_CTX = 2048
+SUBJECTS = (
+    "cat dog robot ship tree king river cloud moon car lighthouse baker violin desert "
+    "glacier library clock dragon farmer volcano island train garden mirror pirate owl "
+    "bridge painter storm castle forest comet teacher lantern whale mountain market "
+    "knight village tower mouse fox wizard harbor bicycle orchard sailor candle rabbit "
+    "museum engine cliff tailor meadow falcon station kettle poet canyon compass beekeeper "
+    "snowman drummer"
+).split()
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Write a short story about a {SUBJECTS[i % len(SUBJECTS)]}." for i in range(n)]
+
+
+@dataclass
+class Run:
+    """One column: per-job time to first token and token counts, and the wall time."""
+
+    name: str
+    ttft_s: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    note: str = ""
+
+    @property
+    def tok_s(self) -> float:
+        return sum(self.tokens) / self.wall_s
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "tokens": sum(self.tokens),
+            "wall_s": self.wall_s,
+            "tok_s": self.tok_s,
+            "ttft_p50_s": statistics.median(self.ttft_s),
+            "ttft_p90_s": pct(self.ttft_s, 0.9),
+        }
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def sequential(path: str, texts: list[str], tokens: int) -> Run:
+    from llama_cpp import Llama, StoppingCriteriaList
+
+    llm = Llama(model_path=path, n_ctx=NUM_CTX, n_batch=512, verbose=False)
+    llm.create_completion("Hello", max_tokens=4, temperature=0)  # warm
+    run = Run("sequential", note=f"llama-cpp-python create_completion, n_ctx {NUM_CTX}")
+    started = time.perf_counter()
+    for prompt in texts:
+        first: list[float] = []
+
+        def seen(_ids: Any, _logits: Any, first: list[float] = first) -> bool:
+            if not first:
+                first.append(time.perf_counter())
+            return False
+
+        out: Any = llm.create_completion(
+            prompt,
+            max_tokens=tokens,
+            temperature=0,
+            repeat_penalty=1.0,
+            stopping_criteria=StoppingCriteriaList([seen]),
+        )
+        run.ttft_s.append((first[0] if first else time.perf_counter()) - started)
+        run.tokens.append(out["usage"]["completion_tokens"])
+        run.texts.append(out["choices"][0]["text"])
+    run.wall_s = time.perf_counter() - started
+    llm.close()
+    return run
+
+
+def all_at_once(name: str, texts: list[str], job: Callable[[int, float], tuple]) -> Run:
+    """Start one thread per prompt, release them together, collect (ttft, tokens, text)."""
+    results: list[tuple[float, int, str] | None] = [None] * len(texts)
+    gate = threading.Barrier(len(texts) + 1)
+    start: list[float] = []
+
+    def worker(i: int) -> None:
+        gate.wait()
+        results[i] = job(i, start[0])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    start.append(time.perf_counter())
+    gate.wait()
+    for t in threads:
+        t.join()
+    run = Run(name, wall_s=time.perf_counter() - start[0])
+    for r in results:
+        assert r is not None, "a job died; see the error above"
+        run.ttft_s.append(r[0])
+        run.tokens.append(r[1])
+        run.texts.append(r[2])
+    return run
+
+
+def engine(path: str, texts: list[str], tokens: int, parallel: int) -> Run:
+    from scheduler.estimate import RunnerConfig
+    from scheduler.protocol import Options
+    from workers.runner import Runner
+
+    runner = Runner(
+        "bench", "gemma3-270m", path, RunnerConfig(NUM_CTX, parallel), ["cpu"], 0, None, 0
+    )
+    options = Options(temperature=0, num_predict=tokens, repeat_penalty=1.0)
+    runner.generate("Hello", Options(temperature=0, num_predict=4), lambda _t: None)  # warm
+
+    def one(i: int, start: float) -> tuple[float, int, str]:
+        first: list[float] = []
+
+        def on_text(_text: str) -> None:
+            if not first:
+                first.append(time.perf_counter())
+
+        stats = runner.generate(texts[i], options, on_text)
+        return (first[0] if first else time.perf_counter()) - start, stats.eval_count, stats.text
+
+    run = all_at_once("engine", texts, one)
+    run.note = f"Runner, num_parallel {parallel}, num_ctx {NUM_CTX} per slot"
+    runner.close()
+    return run
+
+
+def bare(path: str, texts: list[str], tokens: int, parallel: int) -> Run:
+    """The ceiling: rounds of ``parallel`` prompts through the low-level API, prefilled in
+    one batch, then one llama_decode per step, greedy, no scheduling and no streaming."""
+    import llama_cpp as L
+
+    from scheduler.estimate import RunnerConfig
+    from workers.engine import Engine
+
+    # the engine's context, sized alike; its loop idles: no job is ever submitted to it
+    engine = Engine(path, RunnerConfig(NUM_CTX, parallel), name="bare")
+    ctx, mem = engine.ctx, L.llama_get_memory(engine.ctx)
+    batch = L.llama_batch_init(512, 0, 1)
+    greedy = L.llama_sampler_init_greedy()
+    run = Run("bare", note=f"low-level batched decode of {parallel}, static rounds")
+    started = time.perf_counter()
+    for at in range(0, len(texts), parallel):
+        group = [engine.tokenize(t) for t in texts[at : at + parallel]]
+        n, last = 0, []
+        for seq, toks in enumerate(group):
+            for i, tok in enumerate(toks):
+                batch.token[n], batch.pos[n], batch.seq_id[n][0] = tok, i, seq
+                batch.n_seq_id[n] = 1
+                batch.logits[n] = i == len(toks) - 1
+                n += 1
+            last.append(n - 1)
+        batch.n_tokens = n
+        assert L.llama_decode(ctx, batch) == 0
+        out: list[list[int]] = [[] for _ in group]
+        for step in range(tokens):
+            for seq in range(len(group)):
+                out[seq].append(L.llama_sampler_sample(greedy, ctx, last[seq]))
+                if step == 0:
+                    run.ttft_s.append(time.perf_counter() - started)
+            if step == tokens - 1:
+                break
+            for seq, toks in enumerate(group):
+                batch.token[seq], batch.pos[seq] = out[seq][-1], len(toks) + step
+                batch.seq_id[seq][0], batch.logits[seq], batch.n_seq_id[seq] = seq, 1, 1
+                last[seq] = seq
+            batch.n_tokens = len(group)
+            assert L.llama_decode(ctx, batch) == 0
+        run.tokens += [len(o) for o in out]
+        run.texts += [_text(L, engine.vocab, o) for o in out]
+        L.llama_memory_clear(mem, True)
+    run.wall_s = time.perf_counter() - started
+    L.llama_sampler_free(greedy)
+    L.llama_batch_free(batch)
+    engine.close()
+    return run
+
+
+def _text(L: Any, vocab: Any, tokens: list[int]) -> str:
+    """The text of greedy tokens up to the first end-of-generation token."""
+    out = b""
+    buf = ctypes.create_string_buffer(256)
+    for token in tokens:
+        if L.llama_vocab_is_eog(vocab, token):
+            break
+        n = L.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
+        out += buf.raw[:n]
+    return out.decode(errors="replace")
+
+
+def through_system(texts: list[str], tokens: int, parallel: int) -> Run:
+    from api_client import Client
+    from scheduler.settings import Settings
+    from scheduler.stack import LocalStack
+
+    state = Path(tempfile.mkdtemp(prefix="ggufq-bench-"))
+    env = {
+        "GGUFQ_STATE_DIR": str(state),
+        "GGUFQ_MODELS_DIR": str(state / "models"),
+        "GGUFQ_NUM_PARALLEL": str(parallel),
+        "GGUFQ_NUM_CTX": str(NUM_CTX),
+        "GGUFQ_WORKER_THREADS": str(max(parallel * 2, len(texts) + 2)),
+    }
+    settings = Settings(
+        redis_url=None,
+        state_dir=state,
+        models_dir=state / "models",
+        num_parallel=parallel,
+        num_ctx=NUM_CTX,
+    )
+    options = {"temperature": 0, "num_predict": tokens, "repeat_penalty": 1.0}
+    with LocalStack(settings, log_dir=state / "logs", extra_env=env) as stack:
+        client = Client(stack.redis_url, settings=settings, timeout=600)
+        client.generate("gemma3-270m", "Hello", options={"temperature": 0, "num_predict": 4})
+
+        def one(i: int, start: float) -> tuple[float, int, str]:
+            first = None
+            count, parts = 0, []
+            for chunk in client.generate("gemma3-270m", texts[i], stream=True, options=options):
+                if first is None:
+                    first = time.perf_counter()
+                if chunk.done:  # the final record repeats the whole text
+                    count = chunk.eval_count or 0
+                else:
+                    parts.append(chunk.response)
+            return (first or time.perf_counter()) - start, count, "".join(parts)
+
+        run = all_at_once("system", texts, one)
+        client.close()
+    run.note = f"whole stack, GGUFQ_NUM_PARALLEL={parallel}"
+    return run
+
+
+def llama_server(binary: str, path: str, texts: list[str], tokens: int, parallel: int) -> Run:
+    port = 18000 + os.getpid() % 1000
+    proc = subprocess.Popen(
+        [binary, "-m", path, "--port", str(port), "--parallel", str(parallel)]
+        + ["-c", str(NUM_CTX * parallel), "--log-disable"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}/completion"
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", 120)
+
+        def one(i: int, start: float) -> tuple[float, int, str]:
+            body = {"prompt": texts[i], "n_predict": tokens, "temperature": 0, "stream": True}
+            body |= {"repeat_penalty": 1.0, "cache_prompt": False}
+            request = urllib.request.Request(url, json.dumps(body).encode(), method="POST")
+            request.add_header("Content-Type", "application/json")
+            first, count, parts = None, 0, []
+            with urllib.request.urlopen(request, timeout=600) as resp:
+                for line in resp:
+                    if not line.startswith(b"data: "):
+                        continue
+                    if first is None:
+                        first = time.perf_counter()
+                    data = json.loads(line[6:])
+                    parts.append(data.get("content", ""))
+                    if data.get("stop"):
+                        count = data.get("tokens_predicted", 0)
+            return (first or time.perf_counter()) - start, count, "".join(parts)
+
+        run = all_at_once("server", texts, one)
+        run.note = f"llama-server --parallel {parallel}"
+        return run
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _wait_http(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
+
+
+def fresh(column: Callable[..., Run], *args: Any) -> Run:
+    """Run a column in a new process. llama.cpp's CPU backend uses OpenMP, whose worker
+    threads belong to the thread that called it: once a process holds more of them than
+    cores (a context used from the main thread, then the engine's decode thread), libgomp
+    stops spinning at barriers and every graph node waits on a futex, 15-20 % slower."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(column, args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--parallel", type=int, default=8)
+    parser.add_argument("--skip", default="", help="comma-separated columns to leave out")
+    args = parser.parse_args()
+
+    from scheduler.registry import demo_model_path
+
+    path = str(demo_model_path())
+    texts = prompts(args.prompts)
+    skip = set(filter(None, args.skip.split(",")))
+    n, p = args.tokens, args.parallel
+    runs: list[Run] = [fresh(sequential, path, texts, n)]
+    if "bare" not in skip:
+        runs.append(fresh(bare, path, texts, n, p))
+    if "engine" not in skip:
+        runs.append(fresh(engine, path, texts, n, p))
+    if "system" not in skip:
+        runs.append(fresh(through_system, texts, n, p))
+    server = os.environ.get("LLAMA_SERVER_BIN")
+    if server and "server" not in skip:
+        runs.append(llama_server(server, path, texts, n, p))
+
+    base = runs[0]
+    print(f"{'':12}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'ratio':>8}{'TTFT p50':>10}{'p90':>8}")
+    for run in runs:
+        s = run.summary()
+        print(
+            f"{run.name:12}{s['tokens']:8d}{s['wall_s']:9.1f}{s['tok_s']:9.1f}"
+            f"{run.tok_s / base.tok_s:8.2f}{s['ttft_p50_s']:10.2f}{s['ttft_p90_s']:8.2f}"
+            f"   {run.note}"
+        )
+    same = {
+        r.name: sum(a == b for a, b in zip(base.texts, r.texts, strict=True))
+        for r in runs[1:]
+        if r.texts
+    }
+    print(
+        f"{args.prompts} prompts × {args.tokens} new tokens, greedy, all submitted at once; "
+        f"{os.cpu_count()} cores; texts identical to the sequential run: "
+        + ", ".join(f"{k} {v}/{args.prompts}" for k, v in same.items())
+    )
+    target = 2.5
+    engine_ratio = next((r.tok_s / base.tok_s for r in runs if r.name == "engine"), None)
+    if engine_ratio is not None:
+        verdict = "met" if engine_ratio >= target else "NOT met"
+        print(f"target (engine ≥ {target} × sequential tokens/s): {verdict}")
+    print(
+        json.dumps(
+            {
+                "bench": "batch_throughput",
+                "prompts": args.prompts,
+                "tokens": args.tokens,
+                "parallel": args.parallel,
+                "cores": os.cpu_count(),
+                "columns": {r.name: r.summary() for r in runs},
+                "ratios": {r.name: r.tok_s / base.tok_s for r in runs[1:]},
+                "identical_texts": same,
+                "target_met": engine_ratio is not None and engine_ratio >= target,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

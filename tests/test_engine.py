@@ -1,0 +1,470 @@
+"""The runner's engine: continuous batching on one llama.cpp context.
+
+Pure parts (stop strings, UTF-8 buffering, budgets, sampler plan, admission) without
+llama.cpp; the rest on tiny generated models (fast, exact) and the demo model for what
+needs a real tokenizer and a model that can write JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scheduler.errors import InvalidRequest, JobFailed
+from scheduler.estimate import RunnerConfig
+from scheduler.protocol import Options
+from tests.conftest import needs_demo
+from tests.tinymodel import write_tiny_model
+from workers.engine import (
+    Admission,
+    StopMatcher,
+    Utf8Stream,
+    sampler_plan,
+    token_budget,
+)
+from workers.runner import GenerationStats, Runner
+
+GREEDY = {"temperature": 0, "repeat_penalty": 1.1}
+PROMPTS = [
+    "the sky is blue",
+    "a",
+    "hello world and more words to make it longer than the others",
+    "of the and",
+    "xyz",
+    "to be or not to be",
+    "blue sky",
+    "the",
+]
+
+
+# -- pure parts ---------------------------------------------------------------------------
+
+
+def ignore(_text: str) -> None:
+    pass
+
+
+def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
+    out = []
+    for piece in pieces:
+        text, stopped = matcher.feed(piece)
+        out.append(text)
+        if stopped:
+            return "".join(out), True
+    return "".join(out) + matcher.flush(), False
+
+
+def test_stop_string_split_over_pieces_is_cut_and_never_emitted() -> None:
+    m = StopMatcher(["</end>"])
+    assert m.feed("hello </") == ("hello ", False)  # "</" may begin the stop string
+    assert m.feed("en") == ("", False)
+    assert m.feed("d> more") == ("", True)
+
+
+def test_held_text_that_is_not_a_stop_string_is_released() -> None:
+    m = StopMatcher(["STOP"])
+    assert m.feed("a ST") == ("a ", False)
+    assert m.feed("ART") == ("START", False)
+    assert m.feed("x S") == ("x ", False)
+    assert m.flush() == "S"
+
+
+def test_earliest_of_several_stop_strings_wins() -> None:
+    assert feed_all(StopMatcher(["world", "lo w"]), ["hel", "lo world"]) == ("hel", True)
+    assert feed_all(StopMatcher(["\n\n", "END"]), ["a\n", "b END\n\n"]) == ("a\nb ", True)
+
+
+def test_no_stop_strings_passes_text_through() -> None:
+    m = StopMatcher(["", ""])
+    assert m.feed("abc") == ("abc", False)
+    assert m.flush() == ""
+
+
+def test_utf8_characters_split_between_tokens_are_buffered() -> None:
+    stream = Utf8Stream()
+    data = "é€😀".encode()
+    out = [stream.feed(data[i : i + 1]) for i in range(len(data))]
+    assert "".join(out) == "é€😀"
+    assert out[0] == "" and out[1] == "é"  # nothing half-decoded is ever emitted
+    assert stream.feed(b"\xf0\x9f") == "" and stream.flush() == "\ufffd"
+
+
+def test_token_budget() -> None:
+    assert token_budget(-1, 100, 10) == 90  # until the slot is full
+    assert token_budget(-2, 100, 10) == 90
+    assert token_budget(5, 100, 10) == 5
+    assert token_budget(500, 100, 10) == 90
+
+
+def test_sampler_plan_orders_and_prefilters_penalties() -> None:
+    greedy = sampler_plan(Options(temperature=0, repeat_penalty=1.1, repeat_last_n=64), 512)
+    assert greedy == [("top_k", 65), ("penalties", 64, 1.1, 0.0, 0.0), ("greedy",)]
+    plain = sampler_plan(Options(temperature=0, repeat_penalty=1.0), 512)
+    assert plain == [("greedy",)]
+    sampled = sampler_plan(Options(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=3), 512)
+    assert [s[0] for s in sampled] == [
+        "top_k", "penalties", "top_k", "top_p", "min_p", "temp", "dist",
+    ]  # fmt: skip
+    assert sampled[0] == ("top_k", 40 + 64) and sampled[-1] == ("dist", 3)
+    # a penalty that can raise logits needs the whole vocabulary
+    raising = sampler_plan(Options(temperature=0, presence_penalty=-0.5), 512)
+    assert raising[0][0] == "penalties"
+    whole_ctx = sampler_plan(Options(temperature=0, repeat_last_n=-1), 512)
+    assert ("penalties", 512, 1.1, 0.0, 0.0) in whole_ctx
+
+
+def test_admission_is_first_come_first_served_over_free_slots() -> None:
+    adm: Admission[str] = Admission(2)
+    for job in "abcd":
+        adm.push(job)
+    assert adm.admit() == [("a", 0), ("b", 1)]
+    assert adm.admit() == []
+    assert adm.take_cancelled(lambda j: j == "c") == ["c"]
+    adm.release(1)
+    assert adm.admit() == [("d", 1)]
+    adm.push("e")
+    assert adm.drain() == ["e"] and adm.admit() == []
+
+
+# -- the engine on tiny models ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine")
+
+
+def tiny(directory: Path, arch: str = "llama") -> str:
+    path = directory / f"tiny-{arch}.gguf"
+    if not path.exists():
+        write_tiny_model(path, arch, n_embd=128)
+    return str(path)
+
+
+def make_runner(path: str, parallel: int, num_ctx: int = 256) -> Runner:
+    return Runner("r", "tiny", path, RunnerConfig(num_ctx, parallel), ["cpu:t"], 0, None, 0)
+
+
+@pytest.fixture()
+def runner_factory(tiny_dir: Path) -> Iterator[Callable[..., Runner]]:
+    made: list[Runner] = []
+
+    def factory(parallel: int = 2, num_ctx: int = 256, arch: str = "llama") -> Runner:
+        made.append(make_runner(tiny(tiny_dir, arch), parallel, num_ctx))
+        return made[-1]
+
+    yield factory
+    for runner in made:
+        runner.close()
+
+
+def run_all(
+    runner: Runner, prompts: list[str], options: Options, **kw: Any
+) -> list[GenerationStats]:
+    """generate() for every prompt, each from its own thread, all at once."""
+    results: list[GenerationStats | BaseException | None] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = runner.generate(prompts[i], options, lambda _t: None, **kw)
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return [r for r in results if isinstance(r, GenerationStats)]
+
+
+@pytest.mark.parametrize("parallel", [2, 3, 4])
+def test_concurrent_jobs_all_complete_with_their_stats(
+    runner_factory: Callable[..., Runner], parallel: int
+) -> None:
+    runner = runner_factory(parallel)
+    options = Options(num_predict=12, **GREEDY)
+    results = run_all(runner, PROMPTS, options)
+    for prompt, stats in zip(PROMPTS, results, strict=True):
+        assert stats.done_reason == "length"
+        assert stats.eval_count == 12
+        assert stats.prompt_eval_count == len(runner.engine.tokenize(prompt))
+        assert stats.prompt_eval_duration_ns > 0 and stats.eval_duration_ns > 0
+        assert stats.text
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_output_is_the_same_alone_and_in_a_batch(
+    runner_factory: Callable[..., Runner], arch: str
+) -> None:
+    # Exact on these f32 models. On the quantized demo model llama.cpp's CPU kernels give
+    # a row slightly different logits depending on how many rows share the matmul, so
+    # near-ties can break differently (see bench/README.md, batch_throughput).
+    runner = runner_factory(4, arch=arch)
+    options = Options(num_predict=40, **GREEDY)
+    prompts = PROMPTS * 2  # more jobs than slots: sequences join and leave mid-batch
+    alone = [runner.generate(p, options, lambda _t: None).text for p in prompts]
+    batched = [s.text for s in run_all(runner, prompts, options)]
+    assert batched == alone
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(
+    runner_factory: Callable[..., Runner],
+) -> None:
+    runner = runner_factory(4)
+    options = Options(num_predict=30, temperature=0.9, seed=7)
+    alone = [runner.generate(p, options, lambda _t: None).text for p in PROMPTS]
+    assert [s.text for s in run_all(runner, PROMPTS, options)] == alone
+
+
+class Gate:
+    """Holds the decode loop inside a job's on_text until released (tests only)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, _text: str) -> None:
+        self.entered.set()
+        assert self.release.wait(30)
+
+
+def start(
+    runner: Runner,
+    prompt: str,
+    options: Options,
+    on_text: Callable[[str], None] = lambda _t: None,
+    **kw: Any,
+) -> tuple[threading.Thread, dict[str, Any]]:
+    """generate() in a thread of its own; the box gets its stats or its error."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["stats"] = runner.generate(prompt, options, on_text, **kw)
+        except Exception as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, box
+
+
+def wait_queued(runner: Runner, n: int) -> None:
+    for _ in range(3000):
+        if len(runner.engine._admission.waiting) >= n:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"{n} jobs never queued")
+
+
+def test_jobs_beyond_the_slots_are_served_in_arrival_order(
+    runner_factory: Callable[..., Runner],
+) -> None:
+    runner = runner_factory(1)
+    gate = Gate()
+    order: list[int] = []
+    first, _ = start(runner, "a", Options(num_predict=3, **GREEDY), gate)
+    assert gate.entered.wait(30)
+    threads = []
+    for i in range(4):
+
+        def note(_text: str, i: int = i) -> None:
+            if i not in order:
+                order.append(i)
+
+        threads.append(start(runner, PROMPTS[i], Options(num_predict=3, **GREEDY), note))
+        wait_queued(runner, i + 1)  # each arrives after the one before
+    gate.release.set()
+    for t, box in [(first, {}), *threads]:
+        t.join(30)
+        assert "error" not in box
+    assert order == [0, 1, 2, 3]
+
+
+def test_cancel_while_running_frees_the_slot_for_the_next_job(
+    runner_factory: Callable[..., Runner],
+) -> None:
+    runner = runner_factory(1, num_ctx=2048)
+    stop = threading.Event()
+    at_cancel: list[int] = []
+
+    def on_text(_text: str) -> None:
+        if not stop.is_set():  # runs in the decode loop: the job's count is settled here
+            at_cancel.append(runner.engine._active[0].generated)
+            stop.set()
+
+    running, box = start(
+        runner, "the", Options(num_predict=-1, **GREEDY), on_text, cancelled=stop.is_set
+    )
+    later, later_box = start(runner, "a", Options(num_predict=5, **GREEDY))
+    running.join(30)
+    later.join(30)
+    stats = box["stats"]
+    assert stats.done_reason == "cancel"
+    assert stats.eval_count == at_cancel[0]  # not one more token after the request
+    assert later_box["stats"].done_reason == "length" and later_box["stats"].eval_count == 5
+
+
+def test_cancel_while_waiting_never_starts(runner_factory: Callable[..., Runner]) -> None:
+    runner = runner_factory(1)
+    gate = Gate()
+    first, first_box = start(runner, "a", Options(num_predict=3, **GREEDY), gate)
+    assert gate.entered.wait(30)
+    called: list[str] = []
+    cancel = threading.Event()
+    waiting, box = start(
+        runner,
+        "b",
+        Options(num_predict=3, **GREEDY),
+        called.append,
+        cancelled=cancel.is_set,
+    )
+    wait_queued(runner, 1)
+    cancel.set()
+    gate.release.set()
+    waiting.join(30)
+    first.join(30)
+    assert box["stats"].done_reason == "cancel"
+    assert box["stats"].eval_count == 0 and box["stats"].text == "" and called == []
+    assert first_box["stats"].done_reason == "length"
+
+
+def test_stop_string_ends_the_job_before_it(runner_factory: Callable[..., Runner]) -> None:
+    runner = runner_factory(2)
+    options = Options(num_predict=60, **GREEDY)
+    full = runner.generate("the sky", options, lambda _t: None).text
+    at = next(k for k in range(4, len(full) - 3) if full[k : k + 3].replace(" ", "a").isalpha())
+    stop = full[at : at + 3]
+    streamed: list[str] = []
+    options = Options(num_predict=60, stop=[stop], **GREEDY)
+    stats = runner.generate("the sky", options, streamed.append)
+    assert stats.done_reason == "stop"
+    assert stats.text == full[: full.index(stop)] == "".join(streamed)
+
+
+def test_num_predict_bounds_the_output(runner_factory: Callable[..., Runner]) -> None:
+    runner = runner_factory(2, num_ctx=48)
+    n_prompt = len(runner.engine.tokenize("the sky"))
+    for num_predict, expected in ((7, 7), (-1, 48 - n_prompt), (-2, 48 - n_prompt)):
+        stats = runner.generate("the sky", Options(num_predict=num_predict, **GREEDY), ignore)
+        assert (stats.done_reason, stats.eval_count) == ("length", expected)
+    stats = runner.generate("the sky", Options(num_predict=0), ignore)
+    assert (stats.done_reason, stats.eval_count, stats.text) == ("length", 0, "")
+
+
+def test_prompt_longer_than_a_slot_is_refused(runner_factory: Callable[..., Runner]) -> None:
+    runner = runner_factory(2, num_ctx=32)
+    with pytest.raises(InvalidRequest, match="shorten the prompt or raise options.num_ctx"):
+        runner.generate("the sky is blue " * 20, Options(), ignore)
+    assert runner.generate("a", Options(num_predict=2, **GREEDY), ignore).eval_count == 2
+
+
+def test_failed_decode_fails_its_jobs_and_the_loop_keeps_serving(
+    runner_factory: Callable[..., Runner],
+) -> None:
+    runner = runner_factory(2)
+    engine = runner.engine
+    real = engine._L
+
+    class FailOnce:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def llama_decode(self, _ctx: Any, _batch: Any) -> int:
+            engine._L = real
+            return 1
+
+    engine._L = FailOnce()  # type: ignore[assignment]
+    with pytest.raises(JobFailed, match=r"llama_decode returned 1 \(no room in the KV cache"):
+        runner.generate("the sky", Options(num_predict=5, **GREEDY), ignore)
+    assert runner.generate("the sky", Options(num_predict=5, **GREEDY), ignore).eval_count == 5
+
+
+def test_a_failing_consumer_fails_only_its_job(runner_factory: Callable[..., Runner]) -> None:
+    runner = runner_factory(2)
+
+    def broken(_text: str) -> None:
+        raise ConnectionError("redis went away")
+
+    with pytest.raises(JobFailed, match="redis went away"):
+        runner.generate("the sky", Options(num_predict=5, **GREEDY), broken)
+    assert runner.generate("the sky", Options(num_predict=5, **GREEDY), ignore).eval_count == 5
+
+
+def test_close_ends_running_and_waiting_jobs(tiny_dir: Path) -> None:
+    runner = make_runner(tiny(tiny_dir), 1)
+    gate = Gate()
+    jobs = [start(runner, "a", Options(num_predict=5, **GREEDY), gate)]
+    assert gate.entered.wait(30)
+    jobs += [start(runner, p, Options(num_predict=5, **GREEDY)) for p in PROMPTS[:2]]
+    wait_queued(runner, 2)
+    closer = threading.Thread(target=runner.close)
+    closer.start()
+    gate.release.set()
+    closer.join(30)
+    for thread, box in jobs:
+        thread.join(30)
+        assert isinstance(box.get("error"), JobFailed)
+        assert "unloaded" in str(box["error"])
+    with pytest.raises(JobFailed, match="takes no more jobs"):
+        runner.generate("a", Options(num_predict=2), ignore)
+
+
+def test_format_with_an_invalid_value_is_refused(runner_factory: Callable[..., Runner]) -> None:
+    runner = runner_factory(1)
+    with pytest.raises(InvalidRequest, match="format"):
+        runner.generate("a", Options(), ignore, format="yaml")
+
+
+# -- the demo model ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo() -> Iterator[Runner]:
+    from scheduler.registry import demo_model_path
+
+    runner = Runner(
+        "demo", "gemma3-270m", str(demo_model_path()), RunnerConfig(1024, 2), ["cpu"], 0, None, 0
+    )
+    yield runner
+    runner.close()
+
+
+@needs_demo
+def test_format_json_yields_json(demo: Runner) -> None:
+    options = Options(temperature=0, num_predict=128)
+    prompt = "Describe a cat as a JSON object with the keys name and age."
+    stats = demo.generate(prompt, options, lambda _t: None, format="json")
+    assert stats.done_reason == "stop", stats.text
+    assert isinstance(json.loads(stats.text), dict)
+
+
+@needs_demo
+def test_format_schema_yields_an_object_of_that_schema(demo: Runner) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    options = Options(temperature=0, num_predict=128)
+    prompt = "Give the name and age of a famous scientist as JSON."
+    stats = demo.generate(prompt, options, lambda _t: None, format=schema)
+    value = json.loads(stats.text)
+    assert isinstance(value["name"], str) and isinstance(value["age"], int)
+
+
+@needs_demo
+def test_demo_model_streams_whole_characters(demo: Runner) -> None:
+    pieces: list[str] = []
+    options = Options(temperature=0, num_predict=40)
+    stats = demo.generate("Write three words in Japanese:", options, pieces.append)
+    assert "".join(pieces) == stats.text and "\ufffd" not in stats.text

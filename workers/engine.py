@@ -1,0 +1,785 @@
+"""Continuous batching: one llama.cpp model and context serving several jobs at once.
+
+One decode loop thread owns the context. Each step it admits waiting jobs into free
+sequence slots (arrival order), fills one ``llama_batch`` with the next token of every
+running sequence and as many prompt tokens of newly admitted ones as ``n_batch`` leaves
+room for, calls ``llama_decode`` once, and samples one token per sequence whose logits
+the step produced. Sequences retire as they finish and their slots go to the next job.
+
+Callers (one thread per job) prepare their job in their own thread (tokenizing, building
+the sampler chain, parsing a grammar), hand it to the loop and block until it ends.
+``on_text`` is called from the decode thread: it must be cheap and must not block.
+``cancelled`` is polled at the start of every step, so a cancelled job leaves its slot
+before the next decode; one cancelled while waiting never starts.
+
+The pure parts (stop strings, UTF-8 buffering, token budget, sampler plan, admission and
+slots) import no llama.cpp and are tested on their own.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from scheduler.errors import GgufqError, InvalidRequest, JobFailed
+from scheduler.estimate import RunnerConfig
+from scheduler.protocol import Options
+
+log = logging.getLogger(__name__)
+
+# ggml type ids of the KV cache types (ggml.h: GGML_TYPE_F32 = 0, F16 = 1, Q4_0 = 2, ...)
+GGML_KV_TYPES = {
+    "f32": 0,
+    "f16": 1,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q8_0": 8,
+    "iq4_nl": 20,
+    "bf16": 30,
+}
+
+# llama_decode's return codes (llama.h)
+DECODE_ERRORS = {
+    1: "no room in the KV cache for the batch",
+    2: "decoding was aborted",
+    -1: "the batch was invalid",
+}
+
+Format = str | dict[str, Any] | None
+
+
+@dataclass
+class GenerationStats:
+    text: str
+    done_reason: str
+    prompt_eval_count: int
+    prompt_eval_duration_ns: int
+    eval_count: int
+    eval_duration_ns: int
+
+    def ollama_fields(self) -> dict[str, Any]:
+        """The final record's fields under Ollama's names."""
+        return {
+            "response": self.text,
+            "done_reason": self.done_reason,
+            "prompt_eval_count": self.prompt_eval_count,
+            "prompt_eval_duration": self.prompt_eval_duration_ns,
+            "eval_count": self.eval_count,
+            "eval_duration": self.eval_duration_ns,
+        }
+
+
+# -- pure parts ---------------------------------------------------------------------------
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string, never emitting any part of it.
+
+    Text that could be the beginning of a stop string is held back until the next piece
+    shows whether it is one.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string was found)."""
+        if not self.stops:
+            return text, False
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[: min(hits)], True
+        keep = max(_prefix_overlap(buf, s) for s in self.stops)
+        self.held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        """The held-back text, at the end of a generation that met no stop string."""
+        held, self.held = self.held, ""
+        return held
+
+
+def _prefix_overlap(text: str, stop: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of ``stop``."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+class Utf8Stream:
+    """Decodes token pieces whose bytes may split a character between two tokens."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, data: bytes) -> str:
+        return self._decoder.decode(data)
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+def token_budget(num_predict: int, num_ctx: int, n_prompt: int) -> int:
+    """New tokens a job may generate: ``num_predict`` (-1, -2: unbounded) within its slot."""
+    room = num_ctx - n_prompt
+    return room if num_predict < 0 else min(num_predict, room)
+
+
+SamplerStep = tuple[Any, ...]
+
+
+def sampler_plan(options: Options, num_ctx: int) -> list[SamplerStep]:
+    """The llama.cpp sampler chain for ``options``, in llama.cpp's order.
+
+    Penalties look up every candidate, which on a 262k vocabulary costs as much as the
+    rest of sampling; when they can only lower logits, a wider top-k first keeps exactly
+    the candidates that can still win (at most ``last_n`` tokens are penalized).
+    """
+    last_n = num_ctx if options.repeat_last_n == -1 else options.repeat_last_n
+    greedy = options.temperature <= 0
+    steps: list[SamplerStep] = []
+    if last_n > 0 and _penalizes(options):
+        keep = last_n + 1 if greedy else (options.top_k + last_n if options.top_k > 0 else 0)
+        if keep and _only_lowers(options):
+            steps.append(("top_k", keep))
+        steps.append(
+            (
+                "penalties",
+                last_n,
+                options.repeat_penalty,
+                options.frequency_penalty,
+                options.presence_penalty,
+            )
+        )
+    if greedy:
+        return [*steps, ("greedy",)]
+    if options.top_k > 0:
+        steps.append(("top_k", options.top_k))
+    if options.top_p < 1.0:
+        steps.append(("top_p", options.top_p))
+    if options.min_p > 0.0:
+        steps.append(("min_p", options.min_p))
+    return [*steps, ("temp", options.temperature), ("dist", options.seed)]
+
+
+def _penalizes(o: Options) -> bool:
+    return o.repeat_penalty != 1.0 or o.frequency_penalty != 0.0 or o.presence_penalty != 0.0
+
+
+def _only_lowers(o: Options) -> bool:
+    return o.repeat_penalty >= 1.0 and o.frequency_penalty >= 0.0 and o.presence_penalty >= 0.0
+
+
+T = TypeVar("T")
+
+
+class Admission(Generic[T]):
+    """Jobs waiting for a slot, in arrival order, and the free sequence ids."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.waiting: deque[T] = deque()
+        self.free = list(range(n_slots))
+
+    def push(self, job: T) -> None:
+        self.waiting.append(job)
+
+    def take_cancelled(self, is_cancelled: Callable[[T], bool]) -> list[T]:
+        gone = [job for job in self.waiting if is_cancelled(job)]
+        for job in gone:
+            self.waiting.remove(job)
+        return gone
+
+    def admit(self) -> list[tuple[T, int]]:
+        """Waiting jobs paired with the free slots they take, first come first served."""
+        admitted = []
+        while self.waiting and self.free:
+            admitted.append((self.waiting.popleft(), self.free.pop(0)))
+        return admitted
+
+    def release(self, seq: int) -> None:
+        self.free.append(seq)
+        self.free.sort()
+
+    def drain(self) -> list[T]:
+        jobs = list(self.waiting)
+        self.waiting.clear()
+        return jobs
+
+
+def grammar_for(format: Format) -> str | None:
+    """GBNF for ``format``: "json" (any JSON object) or a JSON schema."""
+    if format is None:
+        return None
+    from llama_cpp import llama_grammar
+
+    if format == "json":
+        return llama_grammar.JSON_GBNF
+    if not isinstance(format, dict):
+        raise InvalidRequest(f'format must be "json" or a JSON schema object (got {format!r})')
+    try:
+        return llama_grammar.json_schema_to_gbnf(json.dumps(format))
+    except Exception as exc:
+        raise InvalidRequest(
+            f"format: this JSON schema cannot be turned into a grammar ({exc}); "
+            "simplify the schema or use format='json'"
+        ) from None
+
+
+# -- llama.cpp parts ----------------------------------------------------------------------
+
+
+class Sampler:
+    """One sequence's llama.cpp sampler chain, and its grammar when ``format`` asks.
+
+    Without a grammar, ``llama_sampler_sample`` does everything in C. A grammar checks
+    every candidate piece, 25 ms a token on a 262k vocabulary, so it first judges only
+    the token the chain picked and filters the whole vocabulary only when that token is
+    not allowed (llama.cpp's own common sampler does the same).
+    """
+
+    def __init__(
+        self,
+        vocab: Any,
+        n_vocab: int,
+        plan: list[SamplerStep],
+        grammar: str | None,
+        history: list[int],
+    ) -> None:
+        import llama_cpp as L
+
+        self._L = L
+        params = L.llama_sampler_chain_default_params()
+        params.no_perf = True
+        self.chain = L.llama_sampler_chain_init(params)
+        for step in plan:
+            L.llama_sampler_chain_add(self.chain, _make_sampler(L, n_vocab, step))
+        for token in history:  # penalties count the prompt too, as Ollama and llama.cpp do
+            L.llama_sampler_accept(self.chain, token)
+        self.grammar = None
+        if grammar is not None:
+            self.grammar = L.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+            if not self.grammar:
+                self.free()
+                raise InvalidRequest("format: llama.cpp rejected the grammar built from it")
+            self._candidates = _Candidates(L, n_vocab)
+
+    def sample(self, ctx: Any, idx: int) -> int:
+        if self.grammar is None:
+            return int(self._L.llama_sampler_sample(self.chain, ctx, idx))
+        return self._sample_with_grammar(ctx, idx)
+
+    def _sample_with_grammar(self, ctx: Any, idx: int) -> int:
+        L, cand = self._L, self._candidates
+        cand.fill(L.llama_get_logits_ith(ctx, idx))
+        L.llama_sampler_apply(self.chain, cand.ref)
+        token = cand.selected()
+        if not cand.allows(self.grammar, token):
+            cand.fill(L.llama_get_logits_ith(ctx, idx))
+            L.llama_sampler_apply(self.grammar, cand.ref)
+            L.llama_sampler_apply(self.chain, cand.ref)
+            token = cand.selected()
+        L.llama_sampler_accept(self.grammar, token)
+        L.llama_sampler_accept(self.chain, token)
+        return token
+
+    def free(self) -> None:
+        if self.chain:
+            self._L.llama_sampler_free(self.chain)
+            self.chain = None
+        if self.grammar:
+            self._L.llama_sampler_free(self.grammar)
+            self.grammar = None
+
+
+class _Candidates:
+    """A reusable llama_token_data_array over the whole vocabulary, filled from logits."""
+
+    def __init__(self, L: Any, n_vocab: int) -> None:
+        import numpy as np
+
+        self._np = np
+        self.n_vocab = n_vocab
+        dtype = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+        self.data = np.zeros(n_vocab, dtype=dtype)
+        self.data["id"] = np.arange(n_vocab, dtype=np.int32)
+        self.array = L.llama_token_data_array(
+            data=self.data.ctypes.data_as(ctypes.POINTER(L.llama_token_data)),
+            size=n_vocab,
+            selected=-1,
+            sorted=False,
+        )
+        self.ref = ctypes.byref(self.array)
+        self._one = (L.llama_token_data * 1)()
+        self._one_array = L.llama_token_data_array(
+            data=self._one, size=1, selected=-1, sorted=False
+        )
+        self._L = L
+
+    def fill(self, logits: Any) -> None:
+        np = self._np
+        self.data["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        self.data["logit"] = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+        self.data["p"] = 0.0
+        self.array.data = self.data.ctypes.data_as(ctypes.POINTER(self._L.llama_token_data))
+        self.array.size = self.n_vocab
+        self.array.selected = -1
+        self.array.sorted = False
+
+    def selected(self) -> int:
+        return int(self.array.data[self.array.selected].id)
+
+    def allows(self, grammar: Any, token: int) -> bool:
+        self._one[0].id, self._one[0].logit, self._one[0].p = token, 1.0, 0.0
+        self._one_array.size, self._one_array.selected = 1, -1
+        self._L.llama_sampler_apply(grammar, ctypes.byref(self._one_array))
+        return bool(self._one[0].logit != float("-inf"))
+
+
+def _make_sampler(L: Any, n_vocab: int, step: SamplerStep) -> Any:
+    kind, *args = step
+    if kind == "greedy":
+        return L.llama_sampler_init_greedy()
+    if kind == "top_k":
+        return L.llama_sampler_init_top_k(args[0])
+    if kind == "top_p":
+        return L.llama_sampler_init_top_p(args[0], 1)
+    if kind == "min_p":
+        return L.llama_sampler_init_min_p(args[0], 1)
+    if kind == "temp":
+        return L.llama_sampler_init_temp(args[0])
+    if kind == "dist":
+        return L.llama_sampler_init_dist(L.LLAMA_DEFAULT_SEED if args[0] < 0 else args[0])
+    if kind == "penalties":
+        return L.llama_sampler_init_penalties(n_vocab, *args)
+    raise ValueError(f"unknown sampler step {step!r}")
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation: what it asked for, where it stands, and how it ended."""
+
+    tokens: list[int]
+    budget: int
+    sampler: Sampler
+    on_text: Callable[[str], None]
+    cancelled: Callable[[], bool]
+    stops: StopMatcher
+    utf8: Utf8Stream = field(default_factory=Utf8Stream)
+    done: threading.Event = field(default_factory=threading.Event)
+    seq: int = -1
+    fed: int = 0  # prompt tokens already sent to llama_decode
+    pos: int = 0  # position of the next token in the sequence
+    next_token: int = -1  # sampled, not yet decoded
+    generated: int = 0
+    parts: list[str] = field(default_factory=list)
+    admitted_ns: int = 0
+    first_ns: int = 0
+    stats: GenerationStats | None = None
+    error: GgufqError | None = None
+
+    def emit(self, text: str) -> None:
+        if text:
+            self.parts.append(text)
+            self.on_text(text)
+
+
+@dataclass(frozen=True)
+class ContextSize:
+    """The llama.cpp context a runner's configuration asks for (as the estimator sizes it)."""
+
+    n_ctx: int
+    n_seq_max: int
+    n_batch: int
+    n_ubatch: int
+    n_outputs_max: int
+
+    @classmethod
+    def of(cls, config: RunnerConfig) -> ContextSize:
+        n_ctx = config.num_ctx * config.num_parallel
+        n_batch = min(config.n_batch, n_ctx)  # as llama-cpp-python clamps, and the estimate
+        # a step asks for at most one row of logits per sequence: fewer rows would fail it
+        outputs = max(config.n_outputs, config.num_parallel) if config.n_outputs else 0
+        return cls(n_ctx, config.num_parallel, n_batch, min(config.n_ubatch, n_batch), outputs)
+
+
+_backend_ready = threading.Lock()
+_backend_done = False
+
+
+def _init_backend(L: Any) -> None:
+    global _backend_done
+    with _backend_ready:
+        if not _backend_done:
+            # as Llama(verbose=False): llama.cpp's info lines are noise in a worker's log
+            logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+            L.llama_backend_init()
+            _backend_done = True
+
+
+class Engine:
+    """A loaded model and context, and the decode loop that serves jobs on it."""
+
+    def __init__(
+        self,
+        path: str,
+        config: RunnerConfig,
+        *,
+        n_gpu_layers: int = 0,
+        n_threads: int | None = None,
+        name: str = "",
+    ) -> None:
+        import llama_cpp as L
+
+        _init_backend(L)
+        self._L = L
+        self.name = name or os.path.basename(path)
+        self.config = config
+        self.size = ContextSize.of(config)
+        self.model, self.ctx = _load(L, path, config, self.size, n_gpu_layers, n_threads)
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self._bos = L.llama_vocab_bos(self.vocab) if L.llama_vocab_get_add_bos(self.vocab) else -1
+        self._mem = L.llama_get_memory(self.ctx)
+        self._batch = L.llama_batch_init(self.size.n_batch, 0, 1)
+        for i in range(self.size.n_batch):
+            self._batch.n_seq_id[i] = 1
+        self._tokens, self._pos = self._batch.token, self._batch.pos
+        self._seq_ids, self._logits = self._batch.seq_id, self._batch.logits
+        self._pieces: dict[int, tuple[bytes, bool]] = {}
+        self._admission: Admission[Job] = Admission(config.num_parallel)
+        self._active: list[Job] = []
+        self._cond = threading.Condition()
+        self._prep = threading.Lock()  # held while a caller uses the model outside the loop
+        self._closing = False
+        self._step_no = 0
+        self._thread = threading.Thread(target=self._run, name=f"decode-{self.name}", daemon=True)
+        self._thread.start()
+
+    # -- callers' side --------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str,
+        options: Options,
+        on_text: Callable[[str], None],
+        cancelled: Callable[[], bool] = lambda: False,
+        format: Format = None,
+    ) -> GenerationStats:
+        """Run one job to its end (blocking); raises JobFailed, InvalidRequest."""
+        grammar = grammar_for(format)
+        with self._prep:  # close() waits for this: the model stays alive while in use here
+            job = self._prepare(prompt, options, on_text, cancelled, grammar)
+            if job.budget <= 0:
+                job.sampler.free()
+                return GenerationStats("", "length", len(job.tokens), 0, 0, 0)
+            self._submit(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.stats is not None
+        return job.stats
+
+    def _prepare(
+        self,
+        prompt: str,
+        options: Options,
+        on_text: Callable[[str], None],
+        cancelled: Callable[[], bool],
+        grammar: str | None,
+    ) -> Job:
+        self._check_open()
+        tokens = self.tokenize(prompt)
+        num_ctx = self.config.num_ctx
+        if len(tokens) >= num_ctx:
+            raise InvalidRequest(
+                f"prompt is {len(tokens)} tokens but a slot of {self.name!r} holds "
+                f"{num_ctx} (options.num_ctx), leaving no room to generate; "
+                "shorten the prompt or raise options.num_ctx"
+            )
+        plan = sampler_plan(options, num_ctx)
+        sampler = Sampler(self.vocab, self.n_vocab, plan, grammar, _penalty_history(plan, tokens))
+        return Job(
+            tokens=tokens,
+            budget=token_budget(options.num_predict, num_ctx, len(tokens)),
+            sampler=sampler,
+            on_text=on_text,
+            cancelled=cancelled,
+            stops=StopMatcher(options.stop),
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        """As llama-cpp-python tokenizes a completion prompt: special tokens parsed, BOS
+        added when the model asks for it."""
+        L = self._L
+        data = text.encode()
+        buf = (L.llama_token * (len(data) + 8))()
+        n = L.llama_tokenize(self.vocab, data, len(data), buf, len(buf), False, True)
+        if n < 0:
+            buf = (L.llama_token * -n)()
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, len(buf), False, True)
+        tokens = list(buf[:n])
+        if self._bos >= 0:
+            tokens.insert(0, self._bos)
+        if not tokens:
+            raise InvalidRequest("the prompt is empty; give at least one character")
+        return tokens
+
+    def _submit(self, job: Job) -> None:
+        with self._cond:
+            self._admission.push(job)
+            self._cond.notify()
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise JobFailed(
+                f"the runner of {self.name!r} is unloading and takes no more jobs; "
+                "submit the job again"
+            )
+
+    def close(self) -> None:
+        """Stop the loop, end running and waiting jobs with JobFailed, free llama.cpp."""
+        with self._prep:
+            with self._cond:
+                if self._closing:
+                    return
+                self._closing = True
+                self._cond.notify()
+            self._thread.join()
+            L = self._L
+            L.llama_batch_free(self._batch)
+            L.llama_free(self.ctx)
+            L.llama_model_free(self.model)
+
+    # -- the decode loop ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._active or self._admission.waiting or self._closing):
+                    self._cond.wait()
+                if self._closing:
+                    break
+                gone = self._admission.take_cancelled(_is_cancelled)
+                admitted = self._admission.admit()
+            now = time.perf_counter_ns()
+            for job in gone:
+                job.admitted_ns = now
+                self._end(job, "cancel", now)
+            for job, seq in admitted:
+                job.seq, job.admitted_ns = seq, now
+                self._active.append(job)
+            try:
+                self._step()
+            except Exception as exc:  # a bug here must fail jobs, never hang them
+                log.exception("decode step failed on %s", self.name)
+                for job in list(self._active):
+                    self._fail(job, f"the decode loop failed ({exc!r})")
+        self._shutdown()
+
+    def _step(self) -> None:
+        now = time.perf_counter_ns()
+        for job in [j for j in self._active if _is_cancelled(j)]:
+            self._end(job, "cancel", now)
+        outputs, in_batch, n = self._fill_batch()
+        if n == 0:
+            return
+        self._batch.n_tokens = n
+        rc = self._L.llama_decode(self.ctx, self._batch)
+        if rc != 0:
+            self._decode_failed(rc, n, in_batch)
+            return
+        now = time.perf_counter_ns()
+        for job, idx in outputs:
+            self._advance(job, job.sampler.sample(self.ctx, idx), now)
+
+    def _fill_batch(self) -> tuple[list[tuple[Job, int]], list[Job], int]:
+        """Decode tokens of running sequences first, then prompt tokens, up to n_batch."""
+        limit = self.size.n_batch
+        tokens, pos, seq_ids, logits = self._tokens, self._pos, self._seq_ids, self._logits
+        outputs: list[tuple[Job, int]] = []
+        in_batch: list[Job] = []
+        n = 0
+        for job in self._decoding(limit):
+            tokens[n], pos[n], seq_ids[n][0], logits[n] = job.next_token, job.pos, job.seq, 1
+            outputs.append((job, n))
+            in_batch.append(job)
+            job.pos += 1
+            job.next_token = -1
+            n += 1
+        for job in self._active:
+            left = len(job.tokens) - job.fed
+            if left <= 0 or n >= limit:
+                continue
+            take = min(left, limit - n)
+            seq = job.seq
+            for i, token in enumerate(job.tokens[job.fed : job.fed + take], start=job.fed):
+                tokens[n], pos[n], seq_ids[n][0], logits[n] = token, i, seq, 0
+                n += 1
+            job.fed += take
+            job.pos = job.fed
+            in_batch.append(job)
+            if job.fed == len(job.tokens):
+                logits[n - 1] = 1
+                outputs.append((job, n - 1))
+        return outputs, in_batch, n
+
+    def _decoding(self, limit: int) -> list[Job]:
+        """Sequences with a token to decode, in slot order: llama.cpp reuses the previous
+        step's graph only for the same layout (a rotating order made steps 1.5x slower)."""
+        ready = sorted((j for j in self._active if j.next_token >= 0), key=lambda j: j.seq)
+        if len(ready) > limit:  # n_batch below num_parallel: take turns
+            self._step_no += 1
+            start = self._step_no % len(ready)
+            ready = sorted((ready[start:] + ready[:start])[:limit], key=lambda j: j.seq)
+        return ready
+
+    def _advance(self, job: Job, token: int, now: int) -> None:
+        job.generated += 1
+        if not job.first_ns:
+            job.first_ns = now
+        piece, eog = self._piece(token)
+        if eog:
+            self._end(job, "stop", now)
+            return
+        text, stopped = job.stops.feed(job.utf8.feed(piece))
+        try:
+            job.emit(text)
+        except Exception as exc:
+            self._fail(job, f"the consumer of its text failed ({exc!r})")
+            return
+        if stopped:
+            self._end(job, "stop", now, flush=False)
+        elif job.generated >= job.budget:
+            self._end(job, "length", now)
+        else:
+            job.next_token = token
+
+    def _piece(self, token: int) -> tuple[bytes, bool]:
+        cached = self._pieces.get(token)
+        if cached is None:
+            L = self._L
+            buf = ctypes.create_string_buffer(64)
+            n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            cached = (buf.raw[:n], bool(L.llama_vocab_is_eog(self.vocab, token)))
+            self._pieces[token] = cached
+        return cached
+
+    def _end(self, job: Job, reason: str, now: int, flush: bool = True) -> None:
+        if flush and reason != "cancel":
+            try:
+                tail, _ = job.stops.feed(job.utf8.flush())
+                job.emit(tail + job.stops.flush())
+            except Exception as exc:
+                self._fail(job, f"the consumer of its text failed ({exc!r})")
+                return
+        first = job.first_ns or now
+        job.stats = GenerationStats(
+            text="".join(job.parts),
+            done_reason=reason,
+            prompt_eval_count=len(job.tokens),
+            prompt_eval_duration_ns=first - job.admitted_ns if job.generated else 0,
+            eval_count=job.generated,
+            eval_duration_ns=now - first,
+        )
+        self._retire(job)
+
+    def _fail(self, job: Job, why: str) -> None:
+        job.error = JobFailed(
+            f"job on {self.name!r} failed after {job.generated} generated tokens: {why}; "
+            "submit it again"
+        )
+        self._retire(job)
+
+    def _retire(self, job: Job) -> None:
+        if job.seq >= 0:
+            self._L.llama_memory_seq_rm(self._mem, job.seq, -1, -1)
+            with self._cond:
+                self._admission.release(job.seq)
+            job.seq = -1
+        if job in self._active:
+            self._active.remove(job)
+        job.sampler.free()
+        job.done.set()
+
+    def _decode_failed(self, rc: int, n: int, jobs: list[Job]) -> None:
+        meaning = DECODE_ERRORS.get(rc, "fatal error in llama.cpp")
+        why = f"llama_decode returned {rc} ({meaning}) for a batch of {n} tokens"
+        log.error("%s on %s; failing %d jobs", why, self.name, len(jobs))
+        for job in jobs:
+            self._fail(job, why)
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            waiting = self._admission.drain()
+        for job in [*self._active, *waiting]:
+            self._fail(job, f"the runner of {self.name!r} was unloaded")
+
+
+def _is_cancelled(job: Job) -> bool:
+    try:
+        return bool(job.cancelled())
+    except Exception:
+        log.exception("cancelled() raised; cancelling the job")
+        return True
+
+
+def _penalty_history(plan: list[SamplerStep], tokens: list[int]) -> list[int]:
+    """The prompt tokens the penalties sampler should have seen (its window)."""
+    for step in plan:
+        if step[0] == "penalties":
+            return tokens[-step[1] :]
+    return []
+
+
+def _load(
+    L: Any,
+    path: str,
+    config: RunnerConfig,
+    size: ContextSize,
+    n_gpu_layers: int,
+    n_threads: int | None,
+) -> tuple[Any, Any]:
+    mparams = L.llama_model_default_params()
+    mparams.n_gpu_layers = n_gpu_layers
+    model = L.llama_model_load_from_file(path.encode(), mparams)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    cparams = L.llama_context_default_params()
+    cparams.n_ctx = size.n_ctx
+    cparams.n_seq_max = size.n_seq_max
+    cparams.n_batch = size.n_batch
+    cparams.n_ubatch = size.n_ubatch
+    cparams.n_outputs_max = size.n_outputs_max
+    cparams.kv_unified = False  # one KV stream per sequence, as the estimate assumes
+    cparams.flash_attn_type = (
+        L.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    )
+    cparams.swa_full = config.swa_full
+    cparams.type_k = cparams.type_v = GGML_KV_TYPES[config.kv_type]
+    # llama-cpp-python's defaults: half the cores for one token, all of them for batches
+    cores = os.cpu_count() or 1
+    cparams.n_threads = n_threads or max(cores // 2, 1)
+    cparams.n_threads_batch = n_threads or cores
+    ctx = L.llama_init_from_model(model, cparams)
+    if not ctx:
+        L.llama_model_free(model)
+        raise RuntimeError(
+            f"llama.cpp could not create a context of {size.n_ctx} tokens for {path}"
+        )
+    return model, ctx
