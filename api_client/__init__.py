@@ -1,5 +1,7 @@
-"""ggufq's Python client: ``from api_client import Client``."""
+"""ggufq's Python client: ``from api_client import Client`` (or ``AsyncClient``)."""
 
+from api_client.aio import AsyncClient, AsyncJob
+from api_client.batch import BatchSummary
 from api_client.client import Client, Job
 from scheduler.errors import (
     GgufqError,
@@ -20,6 +22,9 @@ from scheduler.protocol import EmbedResponse, GenerateResponse, Message, Options
 __all__ = [
     "Client",
     "Job",
+    "AsyncClient",
+    "AsyncJob",
+    "BatchSummary",
     "EmbedResponse",
     "GenerateResponse",
     "Message",

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from typing import Any, Literal, cast, overload
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import redis
 from celery.result import AsyncResult
@@ -36,6 +37,9 @@ from scheduler.settings import Settings, get_settings
 from scheduler.state import ClusterState
 from scheduler.streams import read_chunks
 
+if TYPE_CHECKING:
+    from api_client.batch import BatchInput, BatchSummary
+
 _ALIVE_CACHE_S = 1.0
 Messages = list[Message] | list[dict[str, Any]]
 
@@ -61,26 +65,27 @@ class Job:
         self.client.cancel(self.id)
 
     def stream(
-        self, timeout: float | None = None, cancel_on_close: bool = True
+        self, timeout: float | None = None, cancel_on_close: bool = True, after: int = 0
     ) -> Iterator[GenerateResponse]:
         """Chunks in order, from the first, then the final one with the stats.
 
         ``timeout`` bounds the wait for each next chunk (None = the client's default).
-        Leaving the loop before the final chunk (``break``, or closing the iterator)
+        Leaving the loop before the final chunk (``break``, closing the iterator, Ctrl-C)
         cancels the job, as a client that disconnects does, unless ``cancel_on_close`` is
-        False.
+        False. ``after`` resumes after the chunk with that ``seq``: a reader that dropped
+        its stream reopens it with the last ``seq`` it saw and misses nothing.
         """
         wait = self.client.timeout if timeout is None else timeout
         done = False
         try:
-            for chunk in read_chunks(self.client.r, self.id, wait):
+            for chunk in read_chunks(self.client.r, self.id, wait, after_seq=after):
                 if chunk.get("done"):
                     done = True
                     error = chunk.get("error")
                     if error:
                         raise error_from_code(error["code"], error["message"])
                 yield self._response(chunk)
-        except GeneratorExit:
+        except (GeneratorExit, KeyboardInterrupt):  # Ctrl-C in the loop: the reader is gone
             if cancel_on_close and not done:
                 self.cancel()
             raise
@@ -123,6 +128,7 @@ class Job:
             job_id=self.id,
             created_at=time.time(),
             response=chunk.get("response", ""),
+            seq=chunk.get("seq"),
         )
 
 
@@ -236,6 +242,39 @@ class Client:
         job = self.submit(model, extra={"kind": "chat", "messages": turns}, **kw)
         return job.stream() if stream else job.result()
 
+    def batch(
+        self,
+        model: str,
+        inputs: BatchInput,
+        *,
+        output: str | Path | None = None,
+        concurrency: int = 8,
+        priority: Literal["interactive", "batch"] = "batch",
+        options: Options | dict[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+        resume: bool = False,
+        retries: int = 2,
+        on_progress: Callable[[BatchSummary], object] | None = None,
+    ) -> BatchSummary:
+        """Run many prompts (or chats) with at most ``concurrency`` jobs in flight; rows
+        come back in input order, written to ``output`` (JSONL) as they complete. See
+        :func:`api_client.batch.run_batch`."""
+        from api_client.batch import run_batch
+
+        return run_batch(
+            self,
+            model,
+            inputs,
+            output=output,
+            concurrency=concurrency,
+            priority=priority,
+            options=options,
+            keep_alive=keep_alive,
+            resume=resume,
+            retries=retries,
+            on_progress=on_progress,
+        )
+
     def embed(
         self,
         model: str,
@@ -302,6 +341,21 @@ class Client:
         return parked + self.state.sent_jobs()
 
     # -- state ------------------------------------------------------------------------------
+    def models(self) -> list[dict[str, Any]]:
+        """The models jobs can name (GGUFQ_MODELS_DIR as this process sees it, plus the demo
+        model): name, path, GGUF metadata, or ``error`` saying why a file is unusable."""
+        from scheduler.registry import Registry
+
+        return [
+            {
+                "name": e.name,
+                "path": str(e.path),
+                "error": e.error,
+                **(e.info.__dict__ if e.info else {}),
+            }
+            for e in Registry(self.settings.models_dir).entries()
+        ]
+
     def devices(self) -> list[dict[str, str]]:
         return self.state.device_records()
 

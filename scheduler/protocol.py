@@ -186,3 +186,4 @@ class GenerateResponse(BaseModel):
     message: Message | None = None  # chat: the assistant's answer (the final record)
     warnings: list[str] = Field(default_factory=list)
     error: dict[str, str] | None = None
+    seq: int | None = None  # a streamed chunk's place in its job's stream (1, 2, ...)

@@ -12,10 +12,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, cast
 
 import redis
+import redis.asyncio
 
 from scheduler import keys
 from scheduler.errors import GgufqError, JobCancelled
@@ -200,3 +201,48 @@ def read_chunks(
                 return
     finally:
         pubsub.close()
+
+
+async def aread_chunks(
+    client: redis.asyncio.Redis, job_id: str, timeout_s: float | None, after_seq: int = 0
+) -> AsyncIterator[dict[str, Any]]:
+    """:func:`read_chunks` on redis.asyncio: subscribe, backfill with XRANGE, then follow.
+
+    Raises TimeoutError when no chunk arrives for ``timeout_s`` seconds.
+    """
+    stream = keys.job_chunks(job_id)
+    last = after_seq
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(keys.job_channel(job_id))
+    try:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        backfill = True  # subscribed first, so the stream now holds all we could have missed
+        while True:
+            if backfill:
+                entries = cast(Entries, await client.xrange(stream, min=f"0-{last + 1}"))
+                for _id, fields in entries:
+                    chunk = json.loads(fields[b"c"])
+                    last = chunk["seq"]
+                    yield chunk
+                    if chunk.get("done"):
+                        return
+                backfill = False
+            wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError(f"no chunk of job {job_id} for {timeout_s} s")
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
+            if message is None:
+                backfill = True  # quiet for a while: re-check the record in case we lost one
+                continue
+            chunk = json.loads(message["data"])
+            if chunk["seq"] != last + 1:
+                backfill = chunk["seq"] > last + 1
+                continue
+            last = chunk["seq"]
+            if deadline is not None:
+                deadline = time.monotonic() + timeout_s  # type: ignore[operator]
+            yield chunk
+            if chunk.get("done"):
+                return
+    finally:
+        await pubsub.aclose()

@@ -195,3 +195,32 @@ def test_estimate_prints_devices_and_json(cli_env: dict[str, str]) -> None:
     assert data["total"] == sum(d["total"] for d in data["devices"])
     bad = ggufq("estimate", "tiny", "--kv-type", "q8_0", env=cli_env)
     assert bad.returncode == 1 and "flash attention" in bad.stderr
+
+
+def test_run_without_prompt_chats_over_stdin(cli_env: dict[str, str]) -> None:
+    turns = "the sky is\n\nand then\n/bye\nnever sent\n"
+    out = subprocess.run(
+        [sys.executable, "-m", "scheduler.cli", "run", "tiny", "-o", "num_predict=6"]
+        + ["-o", "temperature=0", "--verbose"],
+        env={**os.environ, **cli_env},
+        input=turns,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    counts = [
+        int(line.split()[3]) for line in out.stderr.splitlines() if "prompt eval count" in line
+    ]
+    assert len(counts) == 2  # two turns; the blank line is skipped, /bye ends the chat
+    assert counts[1] > counts[0]  # the second turn carries the first question and answer
+    assert out.stdout.strip()
+    assert ggufq("run", "tiny", "--json", env=cli_env).returncode == 1
+
+
+def test_listings_have_json(cli_env: dict[str, str]) -> None:
+    devices = json.loads(ggufq("devices", "--json", env=cli_env).stdout)
+    assert "cpu:testhost" in [d["id"] for d in devices]
+    for command in ("ps", "jobs"):  # models --json: test_models_lists_metadata_...
+        out = ggufq(command, "--json", env=cli_env)
+        assert out.returncode == 0 and isinstance(json.loads(out.stdout), list), out.stderr

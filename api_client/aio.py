@@ -1,0 +1,306 @@
+"""The asyncio client: ``AsyncClient`` mirrors ``Client`` method for method.
+
+Chunks come through redis.asyncio (subscribe, backfill from the job's stream, follow), and
+a result is awaited on its Celery result channel, so a thousand waiting jobs hold no
+thread. Celery's own calls (sending a job, decoding a stored result) are short and run in
+``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Literal, overload
+
+import redis.asyncio
+
+from api_client.batch import (
+    BatchInput,
+    BatchStopped,
+    BatchSummary,
+    result_key,
+    result_ready,
+    run_batch,
+)
+from api_client.client import Client, Job, Messages
+from scheduler.errors import JobTimeout, error_from_code
+from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Message, Options
+from scheduler.settings import Settings
+from scheduler.streams import aread_chunks
+
+
+class AsyncJob:
+    """A submitted job, awaited from asyncio; the same id as everywhere else."""
+
+    def __init__(self, client: AsyncClient, job: Job) -> None:
+        self.client = client
+        self.job = job
+        self.id = job.id
+        self.request: JobRequest = job.request
+
+    def __repr__(self) -> str:
+        return f"AsyncJob(id={self.id!r}, model={self.request.model!r})"
+
+    async def status(self) -> str:
+        """Celery's state of the job's run task: PENDING, SUCCESS, FAILURE, REVOKED."""
+        return await asyncio.to_thread(self.job.status)
+
+    async def cancel(self) -> None:
+        """See :meth:`Job.cancel`."""
+        await self.client.cancel(self.id)
+
+    async def stream(
+        self, timeout: float | None = None, cancel_on_close: bool = True, after: int = 0
+    ) -> AsyncIterator[GenerateResponse]:
+        """Chunks in order, then the final one with the stats (see :meth:`Job.stream`).
+
+        Leaving the loop early (``break``, ``aclose()``, the task being cancelled) cancels
+        the job unless ``cancel_on_close`` is False; ``after`` resumes after that ``seq``.
+        """
+        wait = self.client.timeout if timeout is None else timeout
+        done = False
+        try:
+            async for chunk in aread_chunks(self.client.r, self.id, wait, after_seq=after):
+                if chunk.get("done"):
+                    done = True
+                    error = chunk.get("error")
+                    if error:
+                        raise error_from_code(error["code"], error["message"])
+                yield self.job._response(chunk)
+        except (GeneratorExit, asyncio.CancelledError):
+            if cancel_on_close and not done:
+                # the stream is being torn down: cancel without awaiting anything that
+                # could itself be cancelled half-way
+                await asyncio.shield(self.cancel())
+            raise
+        except TimeoutError:
+            raise JobTimeout(
+                f"job {self.id} sent nothing for {wait} s; it is still queued or running: "
+                f"wait longer, or check `ggufq ps` and the worker logs"
+            ) from None
+
+    async def result(self, timeout: float | None = None) -> GenerateResponse:
+        """The final record with the whole text (raises the job's typed error)."""
+        return GenerateResponse.model_validate(await self.final(timeout))
+
+    async def final(self, timeout: float | None = None) -> dict[str, Any]:
+        """The job's final record as stored, awaited on its result channel."""
+        wait = self.client.timeout if timeout is None else timeout
+        await self._stored(wait)
+        # stored: Celery's read (and rebuilding a typed error) returns at once
+        return await asyncio.to_thread(self.job.final, wait)
+
+    async def _stored(self, wait: float) -> None:
+        app, r = self.client.sync.app, self.client.r
+        key = result_key(app, self.id)
+        pubsub = r.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(key)  # first, so a result stored after the GET still wakes us
+        try:
+            deadline = time.monotonic() + wait
+            while not result_ready(app, await r.get(key)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise JobTimeout(
+                        f"job {self.id} did not finish within {wait} s; it may still be queued "
+                        "or running: await result() again, or check `ggufq ps`"
+                    )
+                await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(left, 1.0))
+        finally:
+            await pubsub.aclose()
+
+
+class AsyncClient:
+    """``Client`` for asyncio: ``async with AsyncClient() as client: ...``.
+
+    Every method of ``Client`` is a coroutine here. Streaming follows Ollama's AsyncClient:
+    ``async for chunk in await client.generate(..., stream=True)``; a submitted job streams
+    with ``async for chunk in job.stream()``.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        timeout: float = 300.0,
+        settings: Settings | None = None,
+    ) -> None:
+        self.sync = Client(redis_url, timeout=timeout, settings=settings)
+        self.redis_url = self.sync.redis_url
+        self.settings = self.sync.settings
+        self.timeout = timeout
+        self.r = redis.asyncio.Redis.from_url(self.redis_url)
+
+    async def close(self) -> None:
+        await self.r.aclose()
+        await asyncio.to_thread(self.sync.close)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    # -- jobs -------------------------------------------------------------------------------
+    async def submit(
+        self,
+        model: str,
+        prompt: str = "",
+        *,
+        options: Options | dict[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+        priority: Literal["interactive", "batch"] = "interactive",
+        device: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> AsyncJob:
+        """Submit a job; returns its handle once sent (see :meth:`Client.submit`)."""
+        job = await asyncio.to_thread(
+            self.sync.submit,
+            model,
+            prompt,
+            options=options,
+            keep_alive=keep_alive,
+            priority=priority,
+            device=device,
+            extra=extra,
+        )
+        return AsyncJob(self, job)
+
+    @overload
+    async def generate(
+        self, model: str, prompt: str, *, stream: Literal[False] = False, **kw: Any
+    ) -> GenerateResponse: ...
+
+    @overload
+    async def generate(
+        self, model: str, prompt: str, *, stream: Literal[True], **kw: Any
+    ) -> AsyncIterator[GenerateResponse]: ...
+
+    async def generate(
+        self, model: str, prompt: str, *, stream: bool = False, **kw: Any
+    ) -> GenerateResponse | AsyncIterator[GenerateResponse]:
+        """A completion; with ``stream=True``, an async iterator of chunks (the job is
+        already submitted when the await returns)."""
+        job = await self.submit(model, prompt, **kw)
+        return job.stream() if stream else await job.result()
+
+    @overload
+    async def chat(
+        self, model: str, messages: Messages, *, stream: Literal[False] = False, **kw: Any
+    ) -> GenerateResponse: ...
+
+    @overload
+    async def chat(
+        self, model: str, messages: Messages, *, stream: Literal[True], **kw: Any
+    ) -> AsyncIterator[GenerateResponse]: ...
+
+    async def chat(
+        self, model: str, messages: Messages, *, stream: bool = False, **kw: Any
+    ) -> GenerateResponse | AsyncIterator[GenerateResponse]:
+        """Answer a conversation (see :meth:`Client.chat`)."""
+        turns = [m.model_dump() if isinstance(m, Message) else m for m in messages]
+        job = await self.submit(model, extra={"kind": "chat", "messages": turns}, **kw)
+        return job.stream() if stream else await job.result()
+
+    async def embed(
+        self,
+        model: str,
+        input: str | list[str],
+        *,
+        truncate: bool = False,
+        options: Options | dict[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+        timeout: float | None = None,
+    ) -> EmbedResponse:
+        """One L2-normalized vector per input (see :meth:`Client.embed`)."""
+        job = await self.submit(
+            model,
+            options=options,
+            keep_alive=keep_alive,
+            extra={"kind": "embed", "input": input, "truncate": truncate},
+        )
+        return EmbedResponse.model_validate(await job.final(timeout))
+
+    async def load(
+        self,
+        model: str,
+        *,
+        device: str | None = None,
+        keep_alive: str | float | None = None,
+        options: Options | dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> GenerateResponse:
+        """Load a model ahead of use; returns once it is loaded."""
+        job = await self.submit(model, "", options=options, keep_alive=keep_alive, device=device)
+        return await job.result(timeout)
+
+    async def unload(self, model: str) -> list[str]:
+        """Unload every runner of ``model``; the ids of the runners asked to unload."""
+        return await asyncio.to_thread(self.sync.unload, model)
+
+    async def cancel(self, job_id: str) -> None:
+        await asyncio.to_thread(self.sync.cancel, job_id)
+
+    async def batch(
+        self,
+        model: str,
+        inputs: BatchInput,
+        *,
+        output: str | Path | None = None,
+        concurrency: int = 8,
+        priority: Literal["interactive", "batch"] = "batch",
+        options: Options | dict[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+        resume: bool = False,
+        retries: int = 2,
+        on_progress: Callable[[BatchSummary], object] | None = None,
+    ) -> BatchSummary:
+        """:meth:`Client.batch` in a thread (``on_progress`` is called from it).
+
+        Cancelling the awaiting task stops the batch as Ctrl-C does: the jobs in flight
+        are cancelled and the rows written so far stay, for ``resume=True``.
+        """
+        stop = threading.Event()
+        work = asyncio.ensure_future(
+            asyncio.to_thread(
+                run_batch,
+                self.sync,
+                model,
+                inputs,
+                output=output,
+                concurrency=concurrency,
+                priority=priority,
+                options=options,
+                keep_alive=keep_alive,
+                resume=resume,
+                retries=retries,
+                on_progress=on_progress,
+                stop=stop,
+            )
+        )
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            stop.set()
+            with contextlib.suppress(BatchStopped):
+                await work
+            raise
+
+    # -- state ------------------------------------------------------------------------------
+    async def jobs(self) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self.sync.jobs)
+
+    async def devices(self) -> list[dict[str, str]]:
+        return await asyncio.to_thread(self.sync.devices)
+
+    async def ps(self) -> list[dict[str, str]]:
+        return await asyncio.to_thread(self.sync.ps)
+
+    async def models(self) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self.sync.models)
+
+    async def health(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self.sync.health)

@@ -1,0 +1,525 @@
+"""Batches: many prompts (or chats) through one model, bounded in flight, rows in input order.
+
+The caller's thread drives everything: it submits up to ``concurrency`` jobs, notices
+finished ones through their Celery result keys (a subscription to their result channels
+wakes it, one pipelined GET tells which are done), and writes each row once every earlier
+row is written. No thread per job, so Ctrl-C lands where the in-flight jobs can be
+cancelled and the output file is left whole for ``resume``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Literal, cast
+
+from celery import states
+
+from scheduler.errors import (
+    GgufqError,
+    InvalidModelFile,
+    InvalidRequest,
+    JobFailed,
+    JobTimeout,
+    LoadFailed,
+    ModelNotFound,
+    NoWorkers,
+    ServerBusy,
+)
+from scheduler.protocol import GenerateResponse, Options, check_model_name
+from scheduler.streams import progress
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from api_client.client import Client, Job
+
+BatchInput = str | Path | Iterable[str | Mapping[str, Any]]
+RETRY_BACKOFF_S = 0.5  # first retry after this, doubling per attempt
+RETRY_BACKOFF_MAX_S = 10.0
+WINDOW_PER_SLOT = 32  # rows submitted ahead of the oldest unwritten one, per unit of concurrency
+_WAKE_S = 0.5  # the longest the loop sleeps without looking at its jobs
+_STATS = (
+    "done_reason",
+    "eval_count",
+    "prompt_eval_count",
+    "total_duration",
+    "load_duration",
+    "prompt_eval_duration",
+    "eval_duration",
+)
+
+
+@dataclass
+class BatchSummary:
+    """Where a batch stands; ``on_progress`` gets it after each row, ``batch()`` returns it.
+
+    ``rows`` holds the rows of this run in input order when there is no output file (with
+    one, the rows are in the file). ``tokens`` counts generated tokens of this run.
+    """
+
+    total: int
+    done: int = 0
+    failed: int = 0
+    skipped: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    output: str | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    @property
+    def finished(self) -> int:
+        """Rows accounted for: done, failed or skipped (already in the output)."""
+        return self.done + self.failed + self.skipped
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "total": self.total,
+            "done": self.done,
+            "failed": self.failed,
+            "skipped": self.skipped,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "output": self.output,
+        }
+
+
+@dataclass
+class Row:
+    """One input row: its id, a prompt or a conversation, and its own options."""
+
+    index: int
+    id: Any
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    problem: str | None = None  # why it cannot run; it fails in its row, the batch goes on
+
+    @property
+    def input(self) -> Any:
+        return self.messages if self.messages is not None else self.prompt
+
+
+@dataclass
+class _InFlight:
+    position: int  # in the rows left to run
+    row: Row
+    job: Job
+    attempt: int
+    deadline: float
+    chunks_seen: int = 0
+
+
+class BatchStopped(Exception):
+    """The batch was asked to stop (its awaiting task was cancelled)."""
+
+
+def is_transient(exc: GgufqError) -> bool:
+    """Errors that another attempt may not meet: no capacity or workers right now, a lost
+    worker, a load that failed, a job that made no progress for the client's timeout."""
+    if isinstance(exc, NoWorkers | ServerBusy | JobTimeout | LoadFailed):
+        return True
+    return isinstance(exc, JobFailed) and " was lost: " in exc.message
+
+
+def read_rows(inputs: BatchInput) -> list[Row]:
+    """Rows from a list of prompts, a list of dicts, or a JSONL file (a path).
+
+    An id defaults to the row's 0-based index (blank lines of a file are not rows).
+    Raises InvalidRequest for unreadable input and for duplicate ids.
+    """
+    if isinstance(inputs, str | Path):
+        items, where = _read_jsonl(Path(inputs)), f"{inputs}: row"
+    else:
+        items, where = list(inputs), "input row"
+    rows = [_row(index, item, where) for index, item in enumerate(items)]
+    seen: dict[str, int] = {}
+    duplicates: dict[str, list[int]] = {}
+    for row in rows:
+        key = str(row.id)
+        if key in seen:
+            duplicates.setdefault(key, [seen[key]]).append(row.index)
+        seen.setdefault(key, row.index)
+    if duplicates:
+        named = "; ".join(f"{k!r} at rows {v}" for k, v in list(duplicates.items())[:10])
+        more = f" (and {len(duplicates) - 10} more)" if len(duplicates) > 10 else ""
+        raise InvalidRequest(
+            f"duplicate ids in the batch: {named}{more}; every row needs its own id "
+            "(rows without one get their 0-based index)"
+        )
+    return rows
+
+
+def _read_jsonl(path: Path) -> list[Any]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise InvalidRequest(
+            f"cannot read the batch input {str(path)!r}: {exc.strerror}; give a JSONL file "
+            'with one {"prompt": ...} or {"messages": [...]} per line, or a list of prompts'
+        ) from None
+    items = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            items.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(
+                f"{path}:{number}: not JSON ({exc.msg}); each line must be one JSON object "
+                'such as {"id": "q1", "prompt": "..."}'
+            ) from None
+    return items
+
+
+def _row(index: int, item: Any, where: str) -> Row:
+    if isinstance(item, str):
+        return Row(index, str(index), prompt=item)
+    if not isinstance(item, Mapping):
+        raise InvalidRequest(
+            f"{where} {index} is {type(item).__name__}; a row is a prompt string or an object "
+            'with "prompt" or "messages" (and optional "id", "options")'
+        )
+    row = Row(index, item.get("id", str(index)))
+    if row.id is None or isinstance(row.id, dict | list):
+        raise InvalidRequest(f"{where} {index}: id must be a string or a number, got {row.id!r}")
+    prompt, messages, options = item.get("prompt"), item.get("messages"), item.get("options")
+    if (prompt is None) == (messages is None):
+        row.problem = 'a row needs exactly one of "prompt" (a string) or "messages" (a list)'
+    elif prompt is not None and not isinstance(prompt, str):
+        row.problem = f'"prompt" must be a string, got {type(prompt).__name__}'
+    elif messages is not None and not isinstance(messages, list):
+        row.problem = f'"messages" must be a list of {{"role", "content"}}, got {messages!r}'
+    elif options is not None and not isinstance(options, Mapping):
+        row.problem = f'"options" must be an object, got {options!r}'
+    row.prompt = prompt if isinstance(prompt, str) else None
+    row.messages = messages if isinstance(messages, list) else None
+    if row.prompt is None and row.messages is None:
+        row.prompt = "" if prompt is None else str(prompt)
+    row.options = dict(options) if isinstance(options, Mapping) else {}
+    return row
+
+
+def finished_ids(path: Path) -> set[str]:
+    """Ids of the complete rows of an output file; a torn last line (the writer was killed
+    mid-row) is cut off so that appending starts on a fresh line."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    ids: set[str] = set()
+    good = 0
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            ids.add(str(json.loads(line)["id"]))
+        except (ValueError, KeyError, TypeError):
+            if line.strip():
+                break
+        good += len(line)
+    if good < len(data):
+        with path.open("r+b") as f:
+            f.truncate(good)
+    return ids
+
+
+def result_key(app: Celery, job_id: str) -> str:
+    """The Redis key (and pub/sub channel) of a job's Celery result."""
+    key = app.backend.get_key_for_task(job_id)
+    return key.decode() if isinstance(key, bytes) else str(key)
+
+
+def result_ready(app: Celery, raw: bytes | str | None) -> bool:
+    """Whether a stored Celery result (as read from its key) is final."""
+    if raw is None:
+        return False
+    meta = app.backend.decode_result(raw)
+    return meta.get("status") in states.READY_STATES
+
+
+class BatchRun:
+    """One call of :meth:`Client.batch`; see :func:`run_batch`."""
+
+    def __init__(
+        self,
+        client: Client,
+        model: str,
+        rows: list[Row],
+        *,
+        output: Path | None,
+        concurrency: int,
+        priority: Literal["interactive", "batch"],
+        options: dict[str, Any],
+        keep_alive: str | float | None,
+        resume: bool,
+        retries: int,
+        on_progress: Callable[[BatchSummary], object] | None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise InvalidRequest(f"concurrency must be at least 1, got {concurrency}")
+        if retries < 0:
+            raise InvalidRequest(f"retries must be 0 or more, got {retries}")
+        if resume and output is None:
+            raise InvalidRequest("resume=True needs an output file to resume from")
+        self.client = client
+        self.model = model
+        self.output = output
+        self.concurrency = concurrency
+        self.priority = priority
+        self.options = options
+        self.keep_alive = keep_alive
+        self.retries = retries
+        self.resume = resume
+        self.on_progress = on_progress
+        self.stop = stop
+        done_ids = finished_ids(output) if resume and output is not None else set()
+        self.todo = [row for row in rows if str(row.id) not in done_ids]
+        self.summary = BatchSummary(
+            total=len(rows),
+            skipped=len(rows) - len(self.todo),
+            output=None if output is None else str(output),
+        )
+        self.window = concurrency * WINDOW_PER_SLOT
+        self.next_new = 0  # the next row of todo never submitted
+        self.next_write = 0  # the next row of todo to write
+        self.in_flight: dict[str, _InFlight] = {}
+        self.retry_at: list[tuple[float, int, int]] = []  # (when, todo position, attempt)
+        self.results: dict[int, dict[str, Any]] = {}  # finished rows waiting for earlier ones
+        self.pubsub = client.r.pubsub(ignore_subscribe_messages=True)
+        self.started = time.monotonic()
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self) -> BatchSummary:
+        file: IO[str] | None = None
+        if self.output is not None:
+            self.output.parent.mkdir(parents=True, exist_ok=True)
+            file = self.output.open("a" if self.resume else "w", encoding="utf-8")
+        try:
+            self._report()
+            while self.next_write < len(self.todo):
+                if self.stop is not None and self.stop.is_set():
+                    raise BatchStopped(f"stopped with {self.summary.finished} rows written")
+                self._submit_due()
+                self._collect()
+                self._write(file)
+                if self.next_write < len(self.todo):
+                    self._wait()
+            return self.summary
+        except BaseException:
+            self._cancel_in_flight()
+            raise
+        finally:
+            self.pubsub.close()
+            if file is not None:
+                file.close()
+
+    def _submit_due(self) -> None:
+        now = time.monotonic()
+        while self.retry_at and self.retry_at[0][0] <= now and self._room():
+            _, position, attempt = heapq.heappop(self.retry_at)
+            self._submit(position, attempt)
+        while (
+            self.next_new < len(self.todo)
+            and self._room()
+            and self.next_new - self.next_write < self.window
+        ):
+            self.next_new += 1
+            self._submit(self.next_new - 1, 0)
+
+    def _room(self) -> bool:
+        return len(self.in_flight) < self.concurrency
+
+    def _submit(self, position: int, attempt: int) -> None:
+        row = self.todo[position]
+        if row.problem:
+            self._finish(position, None, InvalidRequest(f"row {row.id!r}: {row.problem}"))
+            return
+        extra = None if row.messages is None else {"kind": "chat", "messages": row.messages}
+        try:
+            job = self.client.submit(
+                self.model,
+                row.prompt or "",
+                options={**self.options, **row.options},
+                keep_alive=self.keep_alive,
+                priority=self.priority,
+                extra=extra,
+            )
+        except GgufqError as exc:
+            self._failed(position, attempt, exc)
+            return
+        self.pubsub.subscribe(result_key(self.client.app, job.id))
+        deadline = time.monotonic() + self.client.timeout
+        self.in_flight[job.id] = _InFlight(position, row, job, attempt, deadline)
+
+    def _collect(self) -> None:
+        if not self.in_flight:
+            return
+        app = self.client.app
+        flights = list(self.in_flight.values())
+        raws = self.client.r.mget([result_key(app, f.job.id) for f in flights])
+        now = time.monotonic()
+        for flight, raw in zip(flights, cast(list[bytes | None], raws), strict=True):
+            if result_ready(app, raw):
+                self._settle(flight)
+            elif now >= flight.deadline:
+                self._check_stalled(flight, now)
+
+    def _settle(self, flight: _InFlight) -> None:
+        self._forget(flight)
+        try:
+            final = flight.job.final(timeout=self.client.timeout)
+        except GgufqError as exc:
+            self._failed(flight.position, flight.attempt, exc)
+            return
+        self._finish(flight.position, GenerateResponse.model_validate(final), None)
+
+    def _check_stalled(self, flight: _InFlight, now: float) -> None:
+        """Past its deadline: fine while chunks keep coming, else it timed out."""
+        chunks, _ = progress(self.client.r, flight.job.id)
+        if chunks > flight.chunks_seen:
+            flight.chunks_seen = chunks
+            flight.deadline = now + self.client.timeout
+            return
+        self._forget(flight)
+        flight.job.cancel()
+        error = JobTimeout(
+            f"job {flight.job.id} (row {flight.row.id!r}) made no progress for "
+            f"{self.client.timeout:.0f} s; it was cancelled"
+        )
+        self._failed(flight.position, flight.attempt, error)
+
+    def _failed(self, position: int, attempt: int, exc: GgufqError) -> None:
+        if isinstance(exc, ModelNotFound | InvalidModelFile):
+            raise exc  # about the model, not the row: every other row would fail the same way
+        if is_transient(exc) and attempt < self.retries:
+            delay = min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_S * 2**attempt)
+            heapq.heappush(self.retry_at, (time.monotonic() + delay, position, attempt + 1))
+            return
+        self._finish(position, None, exc)
+
+    def _finish(
+        self, position: int, result: GenerateResponse | None, error: GgufqError | None
+    ) -> None:
+        row = self.todo[position]
+        out: dict[str, Any] = {"id": row.id, "input": row.input}
+        if result is not None:
+            text = result.message.content if result.message is not None else result.response
+            out["response"] = text
+            out["stats"] = {name: getattr(result, name) for name in _STATS}
+            out["error"] = None
+        else:
+            assert error is not None
+            out["response"] = None
+            out["stats"] = None
+            out["error"] = {"code": error.code, "message": str(error)}
+        self.results[position] = out
+
+    def _write(self, file: IO[str] | None) -> None:
+        while self.next_write in self.results:
+            out = self.results.pop(self.next_write)
+            if file is not None:
+                file.write(json.dumps(out, ensure_ascii=False) + "\n")
+                file.flush()
+            else:
+                self.summary.rows.append(out)
+            self.next_write += 1
+            if out["error"] is None:
+                self.summary.done += 1
+                self.summary.tokens += out["stats"]["eval_count"] or 0
+            else:
+                self.summary.failed += 1
+            self._report()
+
+    def _wait(self) -> None:
+        """Sleep until a result is stored (its channel wakes us) or a retry is due."""
+        timeout = _WAKE_S
+        if self.retry_at:
+            timeout = min(timeout, max(0.0, self.retry_at[0][0] - time.monotonic()))
+        if self.in_flight and timeout > 0:
+            message = self.pubsub.get_message(timeout=timeout)
+            while message is not None:  # drain: one look at all jobs covers them
+                message = self.pubsub.get_message(timeout=0)
+        elif timeout > 0:
+            time.sleep(timeout)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _report(self) -> None:
+        self.summary.seconds = time.monotonic() - self.started
+        if self.on_progress is not None:
+            self.on_progress(self.summary)
+
+    def _forget(self, flight: _InFlight) -> None:
+        del self.in_flight[flight.job.id]
+        self.pubsub.unsubscribe(result_key(self.client.app, flight.job.id))
+
+    def _cancel_in_flight(self) -> None:
+        for flight in list(self.in_flight.values()):
+            try:
+                flight.job.cancel()
+            except Exception:  # best effort on the way out; the error being raised matters
+                pass
+        self.in_flight.clear()
+
+
+def run_batch(
+    client: Client,
+    model: str,
+    inputs: BatchInput,
+    *,
+    output: str | Path | None = None,
+    concurrency: int = 8,
+    priority: Literal["interactive", "batch"] = "batch",
+    options: Options | dict[str, Any] | None = None,
+    keep_alive: str | float | None = None,
+    resume: bool = False,
+    retries: int = 2,
+    on_progress: Callable[[BatchSummary], object] | None = None,
+    stop: threading.Event | None = None,
+) -> BatchSummary:
+    """Run every row of ``inputs`` through ``model``; returns the summary.
+
+    ``inputs``: a list of prompts, a list of rows (``{"id", "prompt"}`` or ``{"id",
+    "messages"}``, optional ``"options"`` merged over ``options``), or the path of a JSONL
+    file of such rows. At most ``concurrency`` jobs are submitted and unfinished at once.
+    Each row of ``output`` (JSONL, flushed row by row, in input order) has ``id``,
+    ``input``, ``response``, ``stats`` and ``error`` (null or ``{code, message}``).
+    ``resume=True`` keeps the rows already in ``output`` and runs only the others.
+    Transient failures (no workers, server busy, a lost worker, a failed load, no progress
+    for the client's timeout) are retried ``retries`` times with a doubling backoff; a row
+    that still fails, or fails for good (an invalid option), gets its error and the batch
+    goes on; a model that is not found or not usable stops the batch (ModelNotFound,
+    InvalidModelFile), as every row would fail. ``on_progress(summary)`` is called once
+    before the first job and after every row. Ctrl-C (KeyboardInterrupt) cancels the jobs
+    in flight and leaves the rows written so far; run again with ``resume=True`` to finish.
+    Setting ``stop`` does the same from another thread (raising BatchStopped).
+    """
+    check_model_name(model)
+    if isinstance(options, Options):
+        options = options.model_dump(exclude_unset=True)
+    run = BatchRun(
+        client,
+        model,
+        read_rows(inputs),
+        output=None if output is None else Path(os.fspath(output)),
+        concurrency=concurrency,
+        priority=priority,
+        options=dict(options or {}),
+        keep_alive=keep_alive,
+        resume=resume,
+        retries=retries,
+        on_progress=on_progress,
+        stop=stop,
+    )
+    return run.run()

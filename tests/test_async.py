@@ -1,0 +1,215 @@
+"""AsyncClient against the real stack, and streams that are read late or dropped and reopened
+(sync and async): no chunk lost, none seen twice."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from api_client import (
+    AsyncClient,
+    Client,
+    GenerateResponse,
+    InvalidRequest,
+    JobCancelled,
+    ModelNotFound,
+)
+from scheduler import keys
+from scheduler.settings import Settings
+from scheduler.stack import LocalStack
+from tests.conftest import wait_for
+
+GREEDY = {"temperature": 0, "num_predict": 16, "seed": 7}
+LONG = {"temperature": 0, "num_predict": 1500}  # the tiny model stops after ~94 tokens
+T = TypeVar("T")
+
+
+def run(stack: LocalStack, settings: Settings, body: Callable[[AsyncClient], Awaitable[T]]) -> T:
+    async def main() -> T:
+        async with AsyncClient(stack.redis_url, settings=settings, timeout=60) as client:
+            return await body(client)
+
+    return asyncio.run(main())
+
+
+async def until(predicate: Callable[[], Awaitable[object]], timeout: float = 20.0) -> bool:
+    """``wait_for`` for a condition read through the async client."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return bool(await predicate())
+
+
+def text_of(chunks: list[GenerateResponse]) -> str:
+    assert chunks[-1].done and not any(c.done for c in chunks[:-1])
+    return "".join(c.response for c in chunks[:-1])
+
+
+# -- streams: late readers and reconnects -------------------------------------------------
+def test_stream_read_after_the_job_finished_replays_everything(client: Client) -> None:
+    job = client.submit("tiny", "Once upon a time", options=GREEDY)
+    final = job.result()
+    chunks = list(job.stream())
+    assert text_of(chunks) == final.response
+    assert [c.seq for c in chunks] == list(range(1, len(chunks) + 1))
+
+
+def test_stream_dropped_and_reopened_after_last_seq(client: Client) -> None:
+    job = client.submit("tiny", "Once upon a time", options={**GREEDY, "num_predict": 64})
+    first = job.stream(cancel_on_close=False)
+    seen = [next(first) for _ in range(3)]
+    first.close()  # the reader goes away; the job goes on
+    last = seen[-1].seq
+    assert last == 3
+    rest = list(job.stream(after=last))
+    assert rest[0].seq == last + 1
+    assert "".join(c.response for c in seen) + text_of(rest) == job.result().response
+
+
+# -- AsyncClient ---------------------------------------------------------------------------
+def test_async_generate_stream_and_result(
+    stack: LocalStack, settings: Settings, client: Client
+) -> None:
+    expected = client.generate("tiny", "The sky is", options=GREEDY)
+
+    async def body(c: AsyncClient) -> None:
+        result = await c.generate("tiny", "The sky is", options=GREEDY)
+        assert result.response == expected.response and result.eval_count
+        chunks = [
+            ch async for ch in await c.generate("tiny", "The sky is", stream=True, options=GREEDY)
+        ]
+        assert text_of(chunks) == expected.response
+        job = await c.submit("tiny", "The sky is", options=GREEDY)
+        assert (await job.result()).response == expected.response
+        assert await job.status() == "SUCCESS"
+        # a late reader, then one that drops and resumes after the last seq it saw
+        late = [ch async for ch in job.stream()]
+        assert text_of(late) == expected.response
+        resumed = [ch async for ch in job.stream(after=2)]
+        assert [(c.seq, c.response) for c in resumed] == [(c.seq, c.response) for c in late[2:]]
+
+    run(stack, settings, body)
+
+
+def test_async_jobs_run_concurrently(stack: LocalStack, settings: Settings) -> None:
+    async def body(c: AsyncClient) -> list[str]:
+        jobs = await asyncio.gather(
+            *(c.submit("tiny", f"{n} + {n} =", options=GREEDY) for n in range(6))
+        )
+        assert len({j.id for j in jobs}) == 6
+        results = await asyncio.gather(*(j.result() for j in jobs))
+        return [r.response for r in results]
+
+    responses = run(stack, settings, body)
+    with Client(stack.redis_url, settings=settings) as sync:
+        assert responses == [
+            sync.generate("tiny", f"{n} + {n} =", options=GREEDY).response for n in range(6)
+        ]
+
+
+def test_async_chat_and_embed(stack: LocalStack, settings: Settings, client: Client) -> None:
+    messages = [{"role": "user", "content": "the sky is"}]
+    expected = client.chat("tiny", messages, options=GREEDY)
+
+    async def body(c: AsyncClient) -> None:
+        answer = await c.chat("tiny", messages, options=GREEDY)
+        assert answer.message is not None and answer.message.content == expected.response
+        chunks = [ch async for ch in await c.chat("tiny", messages, stream=True, options=GREEDY)]
+        assert text_of(chunks) == expected.response
+        embedded = await c.embed("tiny", ["hello there", "a different text"], keep_alive=0)
+        assert len(embedded.embeddings) == 2 and len(embedded.embeddings[0]) == 64
+        with pytest.raises(InvalidRequest, match="chat job needs messages"):
+            await c.chat("tiny", [])
+
+    run(stack, settings, body)
+
+
+def test_async_cancel_and_leaving_a_stream(stack: LocalStack, settings: Settings) -> None:
+    async def body(c: AsyncClient) -> None:
+        queued = await c.submit("tiny", "Count to a thousand:", options=LONG)
+        await queued.cancel()
+        with pytest.raises(JobCancelled):
+            await queued.result()
+        assert await queued.status() == "REVOKED"
+        # The tiny model ends this answer within milliseconds, so whether the job ends
+        # cancelled races with it; what the client owes is the cancel request.
+        left = await c.submit("tiny", "Count to a thousand:", options=LONG)
+        async for chunk in left.stream():
+            if chunk.seq == 3:
+                break  # as a client that goes away: the collected stream cancels the job
+        assert await until(lambda: c.r.exists(keys.cancel_flag(left.id)))
+        closed = await c.submit("tiny", "Count to a thousand:", options=LONG)
+        stream = closed.stream()
+        assert (await anext(stream)).seq == 1
+        await stream.aclose()
+        assert await c.r.exists(keys.cancel_flag(closed.id))
+        kept = await c.submit("tiny", "Count to a thousand:", options=LONG)
+        stream = kept.stream(cancel_on_close=False)
+        assert (await anext(stream)).seq == 1
+        await stream.aclose()
+        assert (await kept.result()).done and not await c.r.exists(keys.cancel_flag(kept.id))
+        with pytest.raises(ModelNotFound, match="'nope' not found"):
+            await c.generate("nope", "hi")
+
+    run(stack, settings, body)
+
+
+def test_async_state_load_unload_and_batch(
+    stack: LocalStack, settings: Settings, tmp_path: Path
+) -> None:
+    async def body(c: AsyncClient) -> None:
+        health = await c.health()
+        assert health["ok"] and health["devices"] >= 1
+        devices = await c.devices()
+        assert "cpu:testhost" in [d["id"] for d in devices]
+        names = {m["name"]: m for m in await c.models()}
+        assert names["tiny"]["architecture"] == "llama" and "notgguf" in names
+        loaded = await c.load("tiny", keep_alive=-1, options={"num_ctx": 512})
+        assert loaded.done_reason == "load"
+        assert "512" in [r["num_ctx"] for r in await c.ps() if r["model"] == "tiny"]
+        assert await c.jobs() == []
+        assert await c.unload("tiny")
+        out = tmp_path / "o.jsonl"
+        summary = await c.batch("tiny", ["a", "b", "c"], output=out, options=GREEDY)
+        assert (summary.done, summary.failed, summary.output) == (3, 0, str(out))
+
+    run(stack, settings, body)
+    with Client(stack.redis_url, settings=settings) as sync:
+        assert wait_for(lambda: all(r["num_ctx"] != "512" for r in sync.ps()))
+
+
+def test_cancelling_an_async_batch_cancels_its_jobs(
+    stack: LocalStack, settings: Settings, tmp_path: Path
+) -> None:
+    out = tmp_path / "o.jsonl"
+    started = asyncio.Event()
+
+    async def body(c: AsyncClient) -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(
+            c.batch(
+                "tiny",
+                [f"Count to {n}:" for n in range(40)],
+                output=out,
+                options=LONG,
+                concurrency=2,
+                on_progress=lambda s: s.done and loop.call_soon_threadsafe(started.set),
+            )
+        )
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(stack, settings, body)
+    with Client(stack.redis_url, settings=settings) as sync:
+        assert wait_for(lambda: sync.jobs() == [], 60)
+    rows = out.read_text().splitlines()
+    assert 1 <= len(rows) < 40
