@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import cast
 
 import redis
 
@@ -25,7 +26,7 @@ def check(role: str) -> str | None:
         if role == "placement":
             alive = client.zcount(keys.PLACEMENT_ALIVE, since, "+inf")
             return None if alive else "no placement service heartbeats"
-        beats = client.zrangebyscore(keys.HEARTBEATS, since, "+inf")
+        beats = cast(list[bytes], client.zrangebyscore(keys.HEARTBEATS, since, "+inf"))
         mine = [b for b in beats if b.decode().split(":")[1] == settings.host_id]
         return None if mine else f"no device of host {settings.host_id!r} heartbeats"
     except redis.RedisError as exc:
