@@ -106,6 +106,9 @@ class JobRequest(BaseModel):
     device: str | None = Field(None, max_length=256, description="pin to this device id")
     submitted_at: float = Field(default_factory=time.time)
     attempt: int = Field(0, ge=0, le=1, description="1 once re-placed after its worker died")
+    avoid: list[str] = Field(
+        default_factory=list, max_length=16, description="devices its load failed on"
+    )
 
     @field_validator("model")
     @classmethod

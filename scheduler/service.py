@@ -40,6 +40,7 @@ from scheduler.errors import (
     InvalidRequest,
     JobCancelled,
     JobFailed,
+    LoadFailed,
     error_from_code,
 )
 from scheduler.estimate import (
@@ -97,12 +98,17 @@ def behind_parked(model: str, parked: int, max_queue: int) -> Park | Refuse:
     return Park(f"earlier jobs for {model!r} are waiting")
 
 
-def restricted(snap: Snapshot, keep: Callable[[DeviceState], bool], none_left: str) -> Snapshot:
-    """The part of the snapshot on the devices ``keep`` accepts (InvalidRequest if none)."""
+def restricted(
+    snap: Snapshot,
+    keep: Callable[[DeviceState], bool],
+    none_left: str,
+    error: type[GgufqError] = InvalidRequest,
+) -> Snapshot:
+    """The part of the snapshot on the devices ``keep`` accepts (``error`` if none)."""
     devices = [d for d in snap.devices if keep(d)]
     if not devices:
         alive = ", ".join(d.id for d in snap.devices) or "none"
-        raise InvalidRequest(f"{none_left}; alive devices: {alive} (`ggufq devices`)")
+        raise error(f"{none_left}; alive devices: {alive} (`ggufq devices`)")
     ids = {d.id for d in devices}
     runners = [r for r in snap.runners if set(r.devices) <= ids]
     return Snapshot(devices, runners, snap.parked, snap.demand)
@@ -220,6 +226,14 @@ class PlacementService:
             snap = self.snapshots.snapshot(now, self.settings.device_ttl_s)
             if req.device is not None:
                 snap = pinned(snap, req.device)
+            if req.avoid:
+                snap = restricted(
+                    snap,
+                    lambda d: d.id not in req.avoid,
+                    f"model {req.model!r} could not be loaded on {', '.join(req.avoid)} and "
+                    "no other device can take it",
+                    LoadFailed,
+                )
             whole = info.block_count + 1
             snap = gpu_layers_rule(snap, req.options.num_gpu, whole)
             if 0 < req.options.num_gpu < whole:  # exactly that many layers on the GPU
@@ -369,8 +383,9 @@ class PlacementService:
             if is_cancelled(self.r, job_id):
                 self.fail(job_id, req.model, cancelled_before_start(job_id))
             elif streamed == 0 and req.attempt == 0:
-                log.warning("re-placing job %s: worker %s was dropped", job_id, where)
-                self._replace(req.model_copy(update={"attempt": 1}))
+                log.warning("re-placing job %s from %s", job_id, where)
+                avoid = req.avoid + record.get("avoid", [])
+                self._replace(req.model_copy(update={"attempt": 1, "avoid": avoid}))
             else:
                 self.fail(job_id, req.model, JobFailed(lost_job_message(job_id, where, streamed)))
         return handled
@@ -413,6 +428,8 @@ class PlacementService:
                 if message is not None and message["channel"].decode() == keys.CANCELS:
                     self.cancel_parked(message["data"].decode())
                     continue
+                if message is not None and b"handed_back" in message["data"]:
+                    self.recover_orphans()
                 due = time.monotonic() >= next_sweep
                 if (message is not None or due) and self.r.zcard(keys.PARKED):
                     self.retry_parked()

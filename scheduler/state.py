@@ -282,6 +282,13 @@ class ClusterState:
                 )
         return rows
 
+    def hand_back(self, job_id: str, record: dict[str, Any]) -> None:
+        """A worker gives a job back to placement (its device could not load the model)."""
+        pipe = self.r.pipeline()
+        pipe.hset(keys.ORPHANS, job_id, json.dumps(record))
+        pipe.publish(keys.EVENTS, json.dumps({"event": "handed_back", "job": job_id}))
+        pipe.execute()
+
     def orphans(self) -> list[str]:
         return [_s(j) for j in self.r.hkeys(keys.ORPHANS)]
 

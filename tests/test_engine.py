@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.errors import InvalidRequest, JobFailed
+from scheduler.errors import InvalidRequest, JobFailed, LoadFailed
 from scheduler.estimate import RunnerConfig
 from scheduler.protocol import Options
 from tests.conftest import needs_demo
@@ -468,3 +468,19 @@ def test_demo_model_streams_whole_characters(demo: Runner) -> None:
     options = Options(temperature=0, num_predict=40)
     stats = demo.generate("Write three words in Japanese:", options, pieces.append)
     assert "".join(pieces) == stats.text and "\ufffd" not in stats.text
+
+
+def test_a_load_without_progress_is_abandoned(tiny_dir: Path) -> None:
+    # no time at all without progress: llama.cpp's first progress report aborts the load
+    with pytest.raises(LoadFailed, match="made no progress"):
+        Runner(
+            "r",
+            "tiny",
+            tiny(tiny_dir),
+            RunnerConfig(256),
+            ["cpu:t"],
+            0,
+            None,
+            0,
+            load_timeout_s=0.0,
+        )

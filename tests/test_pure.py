@@ -219,3 +219,16 @@ def test_generation_progress_reported_at_most_once_a_second() -> None:
         ticker("x")
     assert len(published) == 25
     assert reports == [("generating", 1), ("generating", 11), ("generating", 21)]
+
+
+def test_a_load_is_abandoned_only_when_it_stops_progressing() -> None:
+    from workers.loadwatch import LoadWatch
+
+    now = [0.0]
+    watch = LoadWatch(timeout_s=10, clock=lambda: now[0])
+    for step in range(1, 30):  # slow but steady: 29 s in all, never 10 s without progress
+        now[0] = float(step)
+        assert watch.progress(step / 30)
+    now[0] += 11  # then nothing for 11 s
+    assert not watch.progress(29 / 30)
+    assert "no progress for 11 s at 97%" in watch.describe()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from api_client import Client
-from scheduler.errors import InvalidRequest
+from scheduler.errors import InvalidRequest, LoadFailed
 from scheduler.stack import LocalStack
 from tests.conftest import ggufq, needs_demo, settings_from, stack_env, wait_for
 
@@ -36,6 +36,10 @@ def test_virtual_gpus_are_advertised_and_preferred(models_dir: Path, tmp_path: P
             out = ggufq("devices", env={**env, "GGUFQ_REDIS_URL": st.redis_url})
             line = next(x for x in out.stdout.splitlines() if x.startswith("vgpu:vhost:1"))
             assert line.rstrip().endswith("yes")
+            # a failed load on a GPU is tried once more on another one, then reported
+            with pytest.raises(LoadFailed, match=r"'alien' on vgpu:vhost:\d \(nor on vgpu:vhost:"):
+                client.generate("alien", "hi")
+            assert all(r["model"] == "tiny" for r in client.ps())
             with pytest.raises(InvalidRequest, match="no CPU device is alive"):
                 client.generate("tiny", "hi", options={"num_gpu": 0})
             # num_gpu 1: exactly one layer (the output layer) on a GPU; an explicit num_gpu

@@ -30,9 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from scheduler.errors import GgufqError, InvalidRequest, JobFailed
+from scheduler.errors import GgufqError, InvalidRequest, JobFailed, LoadFailed
 from scheduler.estimate import RunnerConfig
 from scheduler.protocol import Options
+from workers.loadwatch import LoadWatch
 
 log = logging.getLogger(__name__)
 
@@ -442,6 +443,7 @@ class Engine:
         n_gpu_layers: int = 0,
         n_threads: int | None = None,
         name: str = "",
+        load_timeout_s: float = 300.0,
     ) -> None:
         import llama_cpp as L
 
@@ -450,7 +452,8 @@ class Engine:
         self.name = name or os.path.basename(path)
         self.config = config
         self.size = ContextSize.of(config)
-        self.model, self.ctx = _load(L, path, config, self.size, n_gpu_layers, n_threads)
+        watch = LoadWatch(load_timeout_s)
+        self.model, self.ctx = _load(L, path, config, self.size, n_gpu_layers, n_threads, watch)
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._bos = L.llama_vocab_bos(self.vocab) if L.llama_vocab_get_add_bos(self.vocab) else -1
@@ -754,11 +757,16 @@ def _load(
     size: ContextSize,
     n_gpu_layers: int,
     n_threads: int | None,
+    watch: LoadWatch,
 ) -> tuple[Any, Any]:
     mparams = L.llama_model_default_params()
     mparams.n_gpu_layers = n_gpu_layers
+    on_progress = L.llama_progress_callback(lambda fraction, _data: watch.progress(fraction))
+    mparams.progress_callback = on_progress  # kept referenced until the load returns
     model = L.llama_model_load_from_file(path.encode(), mparams)
     if not model:
+        if watch.stalled_s:
+            raise LoadFailed(f"gave up loading {path}: {watch.describe()}")
         raise RuntimeError(f"llama.cpp could not load {path}")
     cparams = L.llama_context_default_params()
     cparams.n_ctx = size.n_ctx

@@ -27,6 +27,7 @@ class Runner:
         n_gpu_layers: int,
         n_threads: int | None,
         keep_alive_s: float,
+        load_timeout_s: float = 300.0,
     ) -> None:
         self.id = runner_id
         self.model = model
@@ -36,7 +37,12 @@ class Runner:
         started = time.perf_counter_ns()
         # Exactly the context the estimator sized (scheduler.estimate.context_sizes).
         self.engine = Engine(
-            path, config, n_gpu_layers=n_gpu_layers, n_threads=n_threads, name=model
+            path,
+            config,
+            n_gpu_layers=n_gpu_layers,
+            n_threads=n_threads,
+            name=model,
+            load_timeout_s=load_timeout_s,
         )
         self.load_duration_ns = time.perf_counter_ns() - started
 

@@ -72,6 +72,10 @@ class NotOwned(Exception):
     """A delivered job that is no longer this device's: drop it without a result."""
 
 
+class HandBack(NotOwned):
+    """This device could not load the job's model: placement places the job again."""
+
+
 class WorkerRuntime:
     def __init__(
         self,
@@ -199,6 +203,11 @@ class WorkerRuntime:
                 prompt_tokens=final.get("prompt_eval_count") or 0,
             )
             return final
+        except HandBack as exc:
+            log.warning("handing job %s back to placement: %s", req.id, exc)
+            record = {"job": job, "placement": placement, "worker": self.worker_name}
+            self.state.hand_back(req.id, dict(record, avoid=[placement["device_id"]]))
+            raise
         except GgufqError as exc:
             publisher.publish(error_chunk(req.model, req.id, exc, device=base["device"]))
             publisher.flush()
@@ -267,34 +276,29 @@ class WorkerRuntime:
             path = self.registry.resolve(req.model)
             read_model_info(path)  # a clear error for a bad file before llama.cpp sees it
             config = RunnerConfig(**placement["config"])
+            common: dict[str, Any] = {
+                "n_gpu_layers": int(placement.get("n_gpu_layers", 0)),
+                "n_threads": self.settings.cpu_threads or None,
+                "keep_alive_s": effective_keep_alive(req.keep_alive_s, self.settings.keep_alive_s),
+            }
+            args = (runner_id, req.model, str(path), config, _device_ids(placement))
             if config.embedding:
-                return Embedder(
-                    runner_id,
-                    req.model,
-                    str(path),
-                    config,
-                    _device_ids(placement),
-                    n_gpu_layers=int(placement.get("n_gpu_layers", 0)),
-                    n_threads=self.settings.cpu_threads or None,
-                    keep_alive_s=effective_keep_alive(req.keep_alive_s, self.settings.keep_alive_s),
-                    pooling_type=read_model_info(path).pooling_type,
-                )
-            return Runner(
-                runner_id,
-                req.model,
-                str(path),
-                config,
-                _device_ids(placement),
-                n_gpu_layers=int(placement.get("n_gpu_layers", 0)),
-                n_threads=self.settings.cpu_threads or None,
-                keep_alive_s=effective_keep_alive(req.keep_alive_s, self.settings.keep_alive_s),
-            )
+                pooling = read_model_info(path).pooling_type
+                return Embedder(*args, **common, pooling_type=pooling)
+            return Runner(*args, **common, load_timeout_s=self.settings.load_timeout_s)
         except (GgufqError, ValueError, RuntimeError, OSError) as exc:
             self._release(runner_id, _device_ids(placement))
             if isinstance(exc, InvalidModelFile | LoadFailed):
                 raise
+            device = placement["device_id"]
+            if req.attempt == 0 and not device.startswith("cpu:"):
+                # perhaps out of GPU memory (drivers and other processes take some):
+                # placement tries once more, on another device
+                raise HandBack(f"loading {req.model!r} on {device} failed: {exc}") from None
             raise LoadFailed(
-                f"llama.cpp could not load model {req.model!r} ({exc}); check that the file is a "
+                f"llama.cpp could not load model {req.model!r} on {device}"
+                + (f" (nor on {', '.join(req.avoid)})" if req.avoid else "")
+                + f" ({exc}); check that the file is a "
                 "complete GGUF of an architecture this llama.cpp supports (`ggufq models`)"
             ) from None
 
