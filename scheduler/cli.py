@@ -117,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("worker", cmd_worker, "run a worker for this host's devices")
     add_worker_arguments(p)
     command("placement", cmd_placement, "run a placement service")
+    p = command("flower", cmd_flower, "run Flower, the dashboard of workers, queues and jobs")
+    p.add_argument("--port", type=int, default=5555)
+    p.add_argument("--address", default="127.0.0.1", help="listen address (0.0.0.0: all)")
+    p.add_argument(
+        "flower_args",
+        nargs=argparse.REMAINDER,
+        help="further Flower options after --, e.g. -- --basic-auth=user:pass",
+    )
     return parser
 
 
@@ -151,6 +159,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from workers.main import start_from_args
 
     start_from_args(args)
+    return 0
+
+
+def cmd_flower(args: argparse.Namespace) -> int:
+    from scheduler.flower import run_flower
+
+    extra = [a for a in args.flower_args if a != "--"]
+    run_flower(get_settings(), args.port, args.address, extra)
     return 0
 
 

@@ -71,8 +71,7 @@ def flower(slow_stack: LocalStack) -> Iterator[str]:
     assert slow_stack.log_dir is not None
     log = open(slow_stack.log_dir / "flower.log", "ab")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        # the plain form; `ggufq flower` runs the same
-        [sys.executable, "-m", "celery", "-A", "scheduler.flower", "flower", f"--port={port}"],
+        [sys.executable, "-m", "scheduler.cli", "flower", "--port", str(port)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -111,6 +110,18 @@ def test_flower_shows_workers_queues_and_jobs(flower: str, slow_stack: LocalStac
 
 
 @pytest.mark.skipif(not shutil.which("chromium"), reason="apt-get install chromium")
+def test_plain_celery_form_finds_the_app(slow_stack: LocalStack) -> None:
+    env = {**os.environ, **slow_stack.extra_env, "GGUFQ_REDIS_URL": slow_stack.redis_url}
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "scheduler.flower", "inspect", "ping"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0 and WORKER in out.stdout, out.stdout + out.stderr
+
+
 def test_dashboard_pages_in_headless_chromium(flower: str, slow_stack: LocalStack) -> None:
     assert slow_stack.log_dir is not None
     for page in ("workers", "tasks"):
