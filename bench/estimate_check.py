@@ -55,12 +55,20 @@ class Row:
     measured: Measured
 
 
-def measure_all(models: dict[str, Path], grid: list[tuple[int, int, bool, str]]) -> list[Row]:
+def measure_all(
+    models: dict[str, Path], grid: list[tuple[int, int, bool, str]], per_sequence: bool = False
+) -> list[Row]:
     rows = []
     for name, path in models.items():
         info = read_model_info(path)
         for num_ctx, par, fa, kv in grid:
-            cfg = RunnerConfig(num_ctx=num_ctx, num_parallel=par, kv_type=kv, flash_attn=fa)
+            cfg = RunnerConfig(
+                num_ctx=num_ctx,
+                num_parallel=par,
+                kv_type=kv,
+                flash_attn=fa,
+                n_outputs=par if per_sequence else 0,
+            )
             m = measure_config(str(path), cfg)
             rows.append(Row(name, info, cfg, m))
     return rows
@@ -127,11 +135,17 @@ def main() -> None:
     )
     parser.add_argument("--fit", action="store_true", help="fit and print compute constants")
     parser.add_argument("--no-demo", action="store_true", help="tiny models only")
+    parser.add_argument(
+        "--outputs-per-sequence",
+        action="store_true",
+        help="contexts with one output row per sequence (n_outputs = num_parallel), as the "
+        "runners' decode loop uses",
+    )
     args = parser.parse_args()
     models = calibration_models(Path(tempfile.mkdtemp(prefix="ggufq-est-")))
     if demo_installed() and not args.no_demo:
         models["gemma3-270m"] = demo_model_path()
-    rows = measure_all(models, GRID)
+    rows = measure_all(models, GRID, args.outputs_per_sequence)
     if args.fit:
         fitted = fit(rows)
         print("CALIBRATED = {")
