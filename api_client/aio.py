@@ -154,6 +154,7 @@ class AsyncClient:
         keep_alive: str | float | None = None,
         priority: Literal["interactive", "batch"] = "interactive",
         device: str | None = None,
+        format: Literal["json"] | dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
     ) -> AsyncJob:
         """Submit a job; returns its handle once sent (see :meth:`Client.submit`)."""
@@ -165,6 +166,7 @@ class AsyncClient:
             keep_alive=keep_alive,
             priority=priority,
             device=device,
+            format=format,
             extra=extra,
         )
         return AsyncJob(self, job)

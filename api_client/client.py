@@ -174,10 +174,12 @@ class Client:
         keep_alive: str | float | None = None,
         priority: Literal["interactive", "batch"] = "interactive",
         device: str | None = None,
+        format: Literal["json"] | dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
     ) -> Job:
-        """Submit a job and return its handle at once; ``extra`` carries further request
-        fields (``kind``, ``input``, ``truncate``, ``format``)."""
+        """Submit a job and return its handle at once. ``format`` ("json" or a JSON schema)
+        constrains the output through a grammar; ``extra`` carries further request fields
+        (``kind``, ``input``, ``truncate``)."""
         check_model_name(model)
         if isinstance(options, Options):
             options = options.model_dump(exclude_unset=True)
@@ -189,6 +191,7 @@ class Client:
                 "keep_alive_s": keep_alive,
                 "priority": priority,
                 "device": device,
+                "format": format,
                 **(extra or {}),
             }
         )
