@@ -54,6 +54,7 @@ def system_once(client) -> tuple[float, float, int, float]:  # type: ignore[no-u
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--no-events", action="store_true", help="GGUFQ_TASK_EVENTS=0")
     args = parser.parse_args()
 
     from llama_cpp import Llama
@@ -65,8 +66,15 @@ def main() -> None:
 
     path = demo_model_path()
     state = Path(tempfile.mkdtemp(prefix="ggufq-bench-"))
-    settings = Settings(redis_url=None, state_dir=state, models_dir=state / "models")
-    env = {"GGUFQ_STATE_DIR": str(state), "GGUFQ_MODELS_DIR": str(state / "models")}
+    events = not args.no_events
+    settings = Settings(
+        redis_url=None, state_dir=state, models_dir=state / "models", task_events=events
+    )
+    env = {
+        "GGUFQ_STATE_DIR": str(state),
+        "GGUFQ_MODELS_DIR": str(state / "models"),
+        "GGUFQ_TASK_EVENTS": str(int(events)),
+    }
     with LocalStack(settings, log_dir=state / "logs", extra_env=env) as stack:
         client = Client(stack.redis_url, settings=settings)
         llm = Llama(model_path=str(path), n_ctx=4096, n_batch=512, verbose=False)

@@ -28,8 +28,8 @@ def make_app(redis_url: str, settings: Settings) -> Celery:
         task_track_started=False,
         # events feed Flower: tasks appear when sent and show their states live
         # (workers add LOADING and GENERATING); a few hundred bytes of pub/sub per state
-        task_send_sent_event=True,
-        worker_send_task_events=True,
+        task_send_sent_event=settings.task_events,
+        worker_send_task_events=settings.task_events,
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
         broker_transport_options={"socket_keepalive": True},

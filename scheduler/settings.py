@@ -78,6 +78,11 @@ class Settings(BaseSettings):
         le=65535,
         description="Each placement service serves Prometheus metrics on this port; 0 = off.",
     )
+    task_events: bool = Field(
+        True,
+        description="Send Celery task events, so that Flower shows each job and its live "
+        "state; off saves a few Redis messages per job.",
+    )
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Device heartbeat period.")
     device_ttl_s: float = Field(
         10.0, gt=0, description="A device without a heartbeat for this long is dropped."

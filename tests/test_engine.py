@@ -24,6 +24,7 @@ from workers.engine import (
     Admission,
     StopMatcher,
     Utf8Stream,
+    common_prefix,
     sampler_plan,
     token_budget,
 )
@@ -484,3 +485,30 @@ def test_a_load_without_progress_is_abandoned(tiny_dir: Path) -> None:
             0,
             load_timeout_s=0.0,
         )
+
+
+def test_admission_prefers_the_slot_that_holds_the_prompts_start() -> None:
+    adm: Admission[str] = Admission(3)
+    cached = {0: 0, 1: 5, 2: 9}  # tokens each slot could reuse for any job
+    for job in "ab":
+        adm.push(job)
+    assert adm.admit(lambda _job, slot: cached[slot]) == [("a", 2), ("b", 1)]
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9]) == 2 and common_prefix([], [1]) == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_prompt_that_extends_a_cached_one_answers_as_if_evaluated_whole(
+    runner_factory: Callable[..., Runner], arch: str
+) -> None:
+    options = Options(num_predict=24, **GREEDY)
+    first = "the sky is blue and the sky"
+    longer = first + " is a blue sky of the"
+    fresh = runner_factory(1, arch=arch).generate(longer, options, lambda _t: None)
+    runner = runner_factory(1, arch=arch)
+    runner.generate(first, options, lambda _t: None)  # leaves its KV in the slot
+    reused = runner.generate(longer, options, lambda _t: None)
+    assert runner.engine.reused_tokens == len(runner.engine.tokenize(first))
+    again = runner.generate(longer, options, lambda _t: None)  # all but the last token
+    assert runner.engine.reused_tokens > 2 * len(runner.engine.tokenize(first))
+    assert reused.text == fresh.text == again.text
+    assert reused.prompt_eval_count == fresh.prompt_eval_count

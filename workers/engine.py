@@ -205,11 +205,16 @@ class Admission(Generic[T]):
             self.waiting.remove(job)
         return gone
 
-    def admit(self) -> list[tuple[T, int]]:
-        """Waiting jobs paired with the free slots they take, first come first served."""
+    def admit(self, reuse: Callable[[T, int], int] | None = None) -> list[tuple[T, int]]:
+        """Waiting jobs paired with the free slots they take, first come first served;
+        each takes the free slot where ``reuse(job, slot)`` (cached prompt tokens it can
+        reuse there) is largest, the lowest slot on a tie."""
         admitted = []
         while self.waiting and self.free:
-            admitted.append((self.waiting.popleft(), self.free.pop(0)))
+            job = self.waiting.popleft()
+            slot = max(self.free, key=lambda s: (reuse(job, s) if reuse else 0, -s))
+            self.free.remove(slot)
+            admitted.append((job, slot))
         return admitted
 
     def release(self, seq: int) -> None:
@@ -220,6 +225,14 @@ class Admission(Generic[T]):
         jobs = list(self.waiting)
         self.waiting.clear()
         return jobs
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def grammar_for(format: Format) -> str | None:
@@ -383,7 +396,8 @@ class Job:
     utf8: Utf8Stream = field(default_factory=Utf8Stream)
     done: threading.Event = field(default_factory=threading.Event)
     seq: int = -1
-    fed: int = 0  # prompt tokens already sent to llama_decode
+    fed: int = 0  # prompt tokens already sent to llama_decode (or found in the slot's cache)
+    decoded: list[int] = field(default_factory=list)  # tokens whose KV is in the slot
     pos: int = 0  # position of the next token in the sequence
     next_token: int = -1  # sampled, not yet decoded
     generated: int = 0
@@ -458,6 +472,9 @@ class Engine:
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._bos = L.llama_vocab_bos(self.vocab) if L.llama_vocab_get_add_bos(self.vocab) else -1
         self._mem = L.llama_get_memory(self.ctx)
+        self._cached: dict[int, list[int]] = {}  # slot → tokens whose KV it still holds
+        self._n_swa = L.llama_model_n_swa(self.model)
+        self.reused_tokens = 0  # prompt tokens not evaluated again, thanks to the slot caches
         self._batch = L.llama_batch_init(self.size.n_batch, 0, 1)
         for i in range(self.size.n_batch):
             self._batch.n_seq_id[i] = 1
@@ -576,13 +593,14 @@ class Engine:
                 if self._closing:
                     break
                 gone = self._admission.take_cancelled(_is_cancelled)
-                admitted = self._admission.admit()
+                admitted = self._admission.admit(self._reusable)
             now = time.perf_counter_ns()
             for job in gone:
                 job.admitted_ns = now
                 self._end(job, "cancel", now)
             for job, seq in admitted:
                 job.seq, job.admitted_ns = seq, now
+                self._reuse_prefix(job)
                 self._active.append(job)
             try:
                 self._step()
@@ -617,6 +635,7 @@ class Engine:
         n = 0
         for job in self._decoding(limit):
             tokens[n], pos[n], seq_ids[n][0], logits[n] = job.next_token, job.pos, job.seq, 1
+            job.decoded.append(job.next_token)
             outputs.append((job, n))
             in_batch.append(job)
             job.pos += 1
@@ -631,6 +650,7 @@ class Engine:
             for i, token in enumerate(job.tokens[job.fed : job.fed + take], start=job.fed):
                 tokens[n], pos[n], seq_ids[n][0], logits[n] = token, i, seq, 0
                 n += 1
+            job.decoded += job.tokens[job.fed : job.fed + take]
             job.fed += take
             job.pos = job.fed
             in_batch.append(job)
@@ -707,11 +727,34 @@ class Engine:
             f"job on {self.name!r} failed after {job.generated} generated tokens: {why}; "
             "submit it again"
         )
-        self._retire(job)
+        self._retire(job, keep=False)  # its KV may be half written
 
-    def _retire(self, job: Job) -> None:
+    def _reusable(self, job: Job, seq: int) -> int:
+        """Prompt tokens of ``job`` already in slot ``seq``'s cache (the last one is always
+        evaluated again: its logits start the answer)."""
+        return min(common_prefix(self._cached.get(seq, []), job.tokens), len(job.tokens) - 1)
+
+    def _reuse_prefix(self, job: Job) -> None:
+        """Drop the slot's cache after the part ``job`` shares with it; skip that part."""
+        L, seq = self._L, job.seq
+        keep = self._reusable(job, seq)
+        if keep > 0 and L.llama_memory_seq_rm(self._mem, seq, keep, -1):
+            # a sliding-window cache may have dropped what the next tokens attend to
+            lowest = L.llama_memory_seq_pos_min(self._mem, seq)
+            if self._n_swa == 0 or lowest <= max(0, keep - self._n_swa):
+                job.fed = job.pos = keep
+                job.decoded = job.tokens[:keep]
+                self.reused_tokens += keep
+                return
+        L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def _retire(self, job: Job, keep: bool = True) -> None:
         if job.seq >= 0:
-            self._L.llama_memory_seq_rm(self._mem, job.seq, -1, -1)
+            # the slot keeps its KV cache: a later prompt that starts the same (a system
+            # prompt, a conversation so far) skips evaluating that part again
+            self._cached[job.seq] = job.decoded if keep else []
+            if not keep:
+                self._L.llama_memory_seq_rm(self._mem, job.seq, -1, -1)
             with self._cond:
                 self._admission.release(job.seq)
             job.seq = -1
