@@ -13,7 +13,7 @@ from celery.result import AsyncResult
 
 from scheduler import keys
 from scheduler.cancel import request_cancel
-from scheduler.celery_app import make_app, send_job
+from scheduler.celery_app import ask_unload, make_app, send_job
 from scheduler.errors import (
     GgufqError,
     JobCancelled,
@@ -322,13 +322,9 @@ class Client:
         for runner in self.ps():
             if runner["model"] != model:
                 continue
-            for device_id in json.loads(runner.get("devices", "{}")):
-                if device_id in devices:
-                    self.app.send_task(
-                        keys.TASK_UNLOAD,
-                        args=[runner["id"], True],
-                        queue=keys.device_queue(device_id),
-                    )
+            held = [d for d in json.loads(runner.get("devices", "{}")) if d in devices]
+            if held:
+                ask_unload(self.app, devices[held[0]]["worker"], runner["id"], when_idle=True)
             asked.append(runner["id"])
         return asked
 

@@ -38,6 +38,17 @@ def make_app(redis_url: str, settings: Settings) -> Celery:
     return app
 
 
+def ask_unload(app: Celery, worker: str, runner_id: str, when_idle: bool = False) -> None:
+    """Ask a worker to unload a runner. A remote-control command, not a task: it runs in the
+    worker's consumer at once, never queued behind the jobs of its device."""
+    app.control.broadcast(
+        keys.CONTROL_UNLOAD,
+        arguments={"runner_id": runner_id, "when_idle": when_idle},
+        destination=[worker],
+        reply=False,
+    )
+
+
 def send_job(
     app: Celery, task: str, req: JobRequest, task_id: str, queue: str, *extra: Any
 ) -> None:

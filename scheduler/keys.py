@@ -22,7 +22,7 @@ BATCH_SUFFIX = ".batch"  # batch jobs go to a sibling queue that workers drain s
 
 TASK_PLACE = "ggufq.place"
 TASK_RUN = "ggufq.run"
-TASK_UNLOAD = "ggufq.unload"
+CONTROL_UNLOAD = "ggufq_unload"  # a remote-control command: it never waits behind jobs
 
 
 def device(device_id: str) -> str:

@@ -21,7 +21,7 @@ from celery import Celery, signals
 
 from scheduler import keys
 from scheduler.cancel import cancelled_before_start, is_cancelled
-from scheduler.celery_app import make_app, send_job
+from scheduler.celery_app import ask_unload, make_app, send_job
 from scheduler.decision import (
     DeviceState,
     Evict,
@@ -352,10 +352,10 @@ class PlacementService:
 
     def _evict(self, runner_ids: list[str], snap: Any) -> None:
         by_id = {r.id: r for r in snap.runners}
-        queues = {d.id: d.queue for d in snap.devices}
+        workers = {d.id: d.worker for d in snap.devices}
         for runner_id in runner_ids:
             device_id = next(iter(by_id[runner_id].devices))
-            self.app.send_task(keys.TASK_UNLOAD, args=[runner_id], queue=queues[device_id])
+            ask_unload(self.app, workers[device_id], runner_id)
 
     def fail(self, job_id: str, model: str, exc: GgufqError) -> None:
         """End a job that will never run: a final error chunk and a FAILURE result."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 from dataclasses import replace
 from typing import Any
 
 import redis
 from celery import signals
 from celery.exceptions import Ignore
+from celery.worker.control import control_command
 
 from scheduler import keys
 from scheduler.celery_app import make_app
@@ -58,9 +60,16 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
             progress("cancelled", reason=str(exc))
             raise Ignore() from None
 
-    @app.task(name=keys.TASK_UNLOAD, ignore_result=True)
-    def unload(runner_id: str, when_idle: bool = False) -> bool:
-        return runtime.request_unload(runner_id, when_idle)
+    @control_command(  # type: ignore[untyped-decorator]
+        args=[("runner_id", str), ("when_idle", bool)], signature="<runner_id> [when_idle]"
+    )
+    def ggufq_unload(_state: Any, runner_id: str, when_idle: bool = False) -> dict[str, str]:
+        # runs in the consumer, beside the pool: unloading never waits behind jobs, and
+        # happens in a thread of its own so that the consumer is not held up
+        threading.Thread(
+            target=runtime.request_unload, args=(runner_id, when_idle), daemon=True
+        ).start()
+        return {"ok": f"unloading {runner_id}"}
 
     @signals.worker_ready.connect(weak=False)
     def _ready(**_: Any) -> None:
