@@ -90,7 +90,10 @@ class Settings(BaseSettings):
     stream_ttl_s: int = Field(3600, gt=0, description="How long a job's chunk record is kept.")
     result_ttl_s: int = Field(86400, gt=0, description="How long a job's final result is kept.")
     worker_threads: int = Field(
-        8, ge=2, description="Celery threads per worker (jobs waiting for slots + control)."
+        8,
+        ge=2,
+        description="Celery threads per worker, at least; raised to the slots of the "
+        "runners it may hold (num_parallel × max_loaded_models per device).",
     )
     cpu_threads: int = Field(0, ge=0, description="llama.cpp threads; 0 = llama.cpp's default.")
 

@@ -232,3 +232,12 @@ def test_a_load_is_abandoned_only_when_it_stops_progressing() -> None:
     now[0] += 11  # then nothing for 11 s
     assert not watch.progress(29 / 30)
     assert "no progress for 11 s at 97%" in watch.describe()
+
+
+def test_worker_pool_has_a_thread_for_every_slot() -> None:
+    from scheduler.settings import Settings
+    from workers.main import pool_size
+
+    assert pool_size(Settings(num_parallel=1, worker_threads=8), 1) == 8
+    assert pool_size(Settings(num_parallel=4, max_loaded_models=3), 2) == 24
+    assert pool_size(Settings(model_parallel={"big": 16}, max_loaded_models=1), 1) == 16

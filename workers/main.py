@@ -88,7 +88,7 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
             "-P",
             "threads",
             "-c",
-            str(settings.worker_threads),
+            str(pool_size(settings, len(devices))),
             "-n",
             worker_name,
             "--without-mingle",
@@ -97,6 +97,13 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
             "INFO",
         ]
     )
+
+
+def pool_size(settings: Settings, n_devices: int) -> int:
+    """Celery threads: a job holds one while it runs or waits for a slot, so a worker needs
+    at least as many as the slots of the runners it may hold, or slots would sit idle."""
+    widest = max([settings.num_parallel, *settings.model_parallel.values()])
+    return max(settings.worker_threads, widest * settings.max_loaded_models * n_devices)
 
 
 def main(argv: list[str] | None = None) -> None:
