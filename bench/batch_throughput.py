@@ -376,11 +376,12 @@ def main() -> None:
         f"{os.cpu_count()} cores; texts identical to the sequential run: "
         + ", ".join(f"{k} {v}/{args.prompts}" for k, v in same.items())
     )
-    target = 2.5
-    engine_ratio = next((r.tok_s / base.tok_s for r in runs if r.name == "engine"), None)
-    if engine_ratio is not None:
-        verdict = "met" if engine_ratio >= target else "NOT met"
-        print(f"target (engine ≥ {target} × sequential tokens/s): {verdict}")
+    target = 2.5  # the issue's: through the whole system, against the sequential loop
+    judged = "system" if any(r.name == "system" for r in runs) else "engine"
+    ratio = next((r.tok_s / base.tok_s for r in runs if r.name == judged), None)
+    if ratio is not None:
+        verdict = "met" if ratio >= target else "NOT met"
+        print(f"target ({judged} ≥ {target} × sequential tokens/s): {verdict} ({ratio:.2f} ×)")
     print(
         json.dumps(
             {
@@ -392,7 +393,7 @@ def main() -> None:
                 "columns": {r.name: r.summary() for r in runs},
                 "ratios": {r.name: r.tok_s / base.tok_s for r in runs[1:]},
                 "identical_texts": same,
-                "target_met": engine_ratio is not None and engine_ratio >= target,
+                "target_met": ratio is not None and ratio >= target,
             }
         )
     )
