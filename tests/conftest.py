@@ -85,6 +85,16 @@ def client(stack: LocalStack, settings: Settings) -> Iterator[Client]:
 
 
 @pytest.fixture()
+def db(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    """Database 1 of the session's Redis (the stack uses 0), emptied around each test."""
+    client = redis.Redis(port=redis_server.port, db=1)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture()
 def r(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_server.url)
     yield client

@@ -11,7 +11,7 @@ import pytest
 from api_client import Client, JobFailed
 from scheduler.stack import LocalStack
 from tests.conftest import settings_from, stack_env, wait_for
-from tests.tinymodel import write_tiny_model
+from tests.tinymodel import write_slow_model
 
 LONG = {"temperature": 0, "num_predict": 6000, "num_ctx": 8192}
 
@@ -19,16 +19,7 @@ LONG = {"temperature": 0, "num_predict": 6000, "num_ctx": 8192}
 def test_sigkill_worker_mid_job(tmp_path: Path) -> None:
     models = tmp_path / "models"
     models.mkdir()
-    write_tiny_model(
-        models / "slow.gguf",
-        "llama",
-        n_embd=256,
-        n_ff=768,
-        n_head=8,
-        n_head_kv=2,
-        n_layer=4,
-        context_length=8192,
-    )
+    write_slow_model(models / "slow.gguf")
     env = stack_env(models, tmp_path / "state", host="h1")  # device TTL 5 s
     settings = settings_from(env, None)
     logs = tmp_path / "logs"

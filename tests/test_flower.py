@@ -19,7 +19,7 @@ from api_client import Client
 from scheduler.embedded import free_port
 from scheduler.stack import LocalStack
 from tests.conftest import settings_from, stack_env, wait_for
-from tests.tinymodel import write_tiny_model
+from tests.tinymodel import write_slow_model
 
 WORKER = "ggufq-cpu@flowerhost"
 LONG = {"temperature": 0, "num_predict": 6000, "num_ctx": 8192}
@@ -44,16 +44,7 @@ def slow_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]
     root = tmp_path_factory.mktemp("flower")
     models = root / "models"
     models.mkdir()
-    write_tiny_model(
-        models / "slow.gguf",
-        n_embd=256,
-        n_ff=768,
-        n_head=8,
-        n_head_kv=2,
-        n_layer=4,
-        context_length=8192,
-        endless=True,
-    )
+    write_slow_model(models / "slow.gguf")
     env = stack_env(models, root / "state", host="flowerhost")
     with LocalStack(settings_from(env, None), log_dir=root / "logs", extra_env=env) as st:
         yield st

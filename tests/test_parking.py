@@ -10,7 +10,7 @@ from scheduler.estimate import RunnerConfig, estimate_bytes
 from scheduler.ggufmeta import read_model_info
 from scheduler.stack import LocalStack
 from tests.conftest import settings_from, stack_env, wait_for
-from tests.tinymodel import write_tiny_model
+from tests.tinymodel import write_slow_model
 
 
 @pytest.fixture(scope="module")
@@ -19,16 +19,7 @@ def one_slot_stack(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
     root = tmp_path_factory.mktemp("parking")
     models = root / "models"
     models.mkdir()
-    path = write_tiny_model(
-        models / "slow.gguf",
-        "llama",
-        n_embd=256,
-        n_ff=768,
-        n_head=8,
-        n_head_kv=2,
-        n_layer=4,
-        context_length=8192,
-    )
+    path = write_slow_model(models / "slow.gguf")
     info = read_model_info(path)
     big = estimate_bytes(info, RunnerConfig(8192))
     small = estimate_bytes(info, RunnerConfig(4096))
@@ -44,7 +35,7 @@ def one_slot_stack(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
             yield client
 
 
-LONG = {"temperature": 0, "num_predict": 6000, "num_ctx": 8192}
+LONG = {"temperature": 0, "num_predict": 2000, "num_ctx": 8192}  # the model never stops
 
 
 def parked(client: Client) -> list[str]:

@@ -241,3 +241,11 @@ def test_worker_pool_has_a_thread_for_every_slot() -> None:
     assert pool_size(Settings(num_parallel=1, worker_threads=8), 1) == 8
     assert pool_size(Settings(num_parallel=4, max_loaded_models=3), 2) == 24
     assert pool_size(Settings(model_parallel={"big": 16}, max_loaded_models=1), 1) == 16
+
+
+def test_tensor_split_follows_placements_blocks_per_gpu() -> None:
+    from workers.devices import tensor_split
+
+    assert tensor_split(["gpu:h:0", "gpu:h:2"], [10, 7]) == [10.0, 0.0, 8.0]  # +1: output
+    assert tensor_split(["gpu:h:1"], [24]) is None  # one device: llama.cpp's own choice
+    assert tensor_split(["vgpu:h:0", "vgpu:h:1"], [3, 4]) is None  # computed on the host

@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
-import pytest
 import redis
 
 from scheduler import keys
 from scheduler.decision import Snapshot
-from scheduler.embedded import EmbeddedRedis
 from scheduler.snapcache import SnapshotCache
 from scheduler.state import ClusterState
 from tests.test_state import GIB, vgpu
-
-
-@pytest.fixture()
-def db(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
-    client = redis.Redis(port=redis_server.port, db=2)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
 
 
 def view(snap: Snapshot) -> dict[str, object]:

@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 import redis
 
 from scheduler import keys
-from scheduler.embedded import EmbeddedRedis
 from scheduler.state import ClusterState, DeviceInfo
 from scheduler.streams import ChunkPublisher, publish_final, read_chunks
 
 GIB = 1 << 30
-
-
-@pytest.fixture()
-def db(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
-    client = redis.Redis(port=redis_server.port, db=1)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
 
 
 def vgpu(index: int, total_gib: int = 8, host: str = "h") -> DeviceInfo:

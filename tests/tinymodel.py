@@ -17,6 +17,21 @@ CHAT_TEMPLATE = (
 )
 
 
+def write_slow_model(path: Path) -> Path:
+    """A llama large enough that generating takes a while (~1 ms a token here), that never
+    ends on its own: for tests that need a job still running when they act."""
+    return write_tiny_model(
+        path,
+        n_embd=256,
+        n_ff=768,
+        n_head=8,
+        n_head_kv=2,
+        n_layer=4,
+        context_length=8192,
+        endless=True,
+    )
+
+
 def write_tiny_llama(path: Path, **kw: int) -> Path:
     return write_tiny_model(path, "llama", **kw)
 

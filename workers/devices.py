@@ -123,6 +123,24 @@ def reported_free(devices: list[DeviceInfo]) -> dict[str, int]:
     return free
 
 
+def tensor_split(device_ids: list[str], blocks: list[int]) -> list[float] | None:
+    """llama.cpp's tensor_split for a runner placed over several NVIDIA GPUs: per CUDA
+    index, the share of layers placement gave that GPU (blocks in order; the output layer
+    goes with the last). None for a runner on one device, or on virtual GPUs / the CPU,
+    where llama.cpp computes on the host anyway.
+
+    CUDA indices match NVML's because workers set CUDA_DEVICE_ORDER=PCI_BUS_ID."""
+    if len(device_ids) < 2 or len(blocks) != len(device_ids):
+        return None
+    if not all(d.startswith("gpu:") for d in device_ids):
+        return None
+    indices = [int(d.rsplit(":", 1)[1]) for d in device_ids]
+    shares = [0.0] * (max(indices) + 1)
+    for i, (index, n) in enumerate(zip(indices, blocks, strict=True)):
+        shares[index] = float(n + (1 if i == len(blocks) - 1 else 0))
+    return shares
+
+
 def wait_for_release(
     read_free: Callable[[], dict[str, int]],
     before: dict[str, int],

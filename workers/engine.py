@@ -458,6 +458,7 @@ class Engine:
         n_threads: int | None = None,
         name: str = "",
         load_timeout_s: float = 300.0,
+        split: list[float] | None = None,
     ) -> None:
         import llama_cpp as L
 
@@ -467,7 +468,9 @@ class Engine:
         self.config = config
         self.size = ContextSize.of(config)
         watch = LoadWatch(load_timeout_s)
-        self.model, self.ctx = _load(L, path, config, self.size, n_gpu_layers, n_threads, watch)
+        self.model, self.ctx = _load(
+            L, path, config, self.size, n_gpu_layers, n_threads, watch, split
+        )
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._bos = L.llama_vocab_bos(self.vocab) if L.llama_vocab_get_add_bos(self.vocab) else -1
@@ -801,12 +804,19 @@ def _load(
     n_gpu_layers: int,
     n_threads: int | None,
     watch: LoadWatch,
+    split: list[float] | None = None,
 ) -> tuple[Any, Any]:
     mparams = L.llama_model_default_params()
     mparams.n_gpu_layers = n_gpu_layers
+    shares = None
+    if split:  # layers over several GPUs, as placement split them (workers.devices)
+        shares = (ctypes.c_float * L.llama_max_devices())(*split)
+        mparams.tensor_split = shares
+        mparams.main_gpu = next(i for i, share in enumerate(split) if share > 0)
     on_progress = L.llama_progress_callback(lambda fraction, _data: watch.progress(fraction))
     mparams.progress_callback = on_progress  # kept referenced until the load returns
     model = L.llama_model_load_from_file(path.encode(), mparams)
+    del shares  # llama.cpp copied the split while loading
     if not model:
         if watch.stalled_s:
             raise LoadFailed(f"gave up loading {path}: {watch.describe()}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 from dataclasses import replace
 from typing import Any
@@ -27,6 +28,9 @@ log = logging.getLogger("ggufq.worker")
 
 
 def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = True) -> None:
+    # CUDA numbers GPUs fastest first by default, NVML by PCI bus: make them agree, so that
+    # gpu:<host>:<n> is CUDA device n for llama.cpp (before CUDA starts in this process)
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     redis_url = resolve_redis_url(settings)
     app = make_app(redis_url, settings)
     host = settings.host_id

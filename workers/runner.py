@@ -28,6 +28,7 @@ class Runner:
         n_threads: int | None,
         keep_alive_s: float,
         load_timeout_s: float = 300.0,
+        split: list[float] | None = None,
     ) -> None:
         self.id = runner_id
         self.model = model
@@ -43,6 +44,7 @@ class Runner:
             n_threads=n_threads,
             name=model,
             load_timeout_s=load_timeout_s,
+            split=split,
         )
         self.load_duration_ns = time.perf_counter_ns() - started
 

@@ -28,7 +28,7 @@ from scheduler.registry import Registry
 from scheduler.settings import Settings
 from scheduler.state import ClusterState, DeviceInfo
 from scheduler.streams import ChunkPublisher, ChunkWriter, error_chunk
-from workers.devices import reported_free, wait_for_release
+from workers.devices import reported_free, tensor_split, wait_for_release
 from workers.embedder import Embedder
 from workers.runner import Runner
 
@@ -285,7 +285,8 @@ class WorkerRuntime:
             if config.embedding:
                 pooling = read_model_info(path).pooling_type
                 return Embedder(*args, **common, pooling_type=pooling)
-            return Runner(*args, **common, load_timeout_s=self.settings.load_timeout_s)
+            split = tensor_split(_device_ids(placement), placement.get("split_blocks", []))
+            return Runner(*args, **common, load_timeout_s=self.settings.load_timeout_s, split=split)
         except (GgufqError, ValueError, RuntimeError, OSError) as exc:
             self._release(runner_id, _device_ids(placement))
             if isinstance(exc, InvalidModelFile | LoadFailed):
