@@ -88,12 +88,16 @@ def test_flower_shows_workers_queues_and_jobs(flower: str, slow_stack: LocalStac
 
         # custom states while it runs: LOADING, GENERATING, and CANCELLED at the end
         assert wait_for(lambda: state() == "GENERATING", timeout=60)
+        # the worker stays online while it generates (heartbeats from their own thread)
+        assert get(flower + "/api/workers?status=true")[WORKER] is True
         job.cancel()
         assert wait_for(lambda: state() == "CANCELLED", timeout=60)
         done = client.submit("slow", "blue", options={**LONG, "num_predict": 4})
         done.result()
-    task = get(flower + f"/api/task/info/{done.id}")
-    assert task["state"] == "SUCCESS" and task["name"] == "ggufq.run"
+    finished = flower + f"/api/task/info/{done.id}"
+    assert wait_for(lambda: get(finished)["state"] == "SUCCESS")  # events arrive a bit later
+    task = get(finished)
+    assert task["name"] == "ggufq.run"
     assert task["worker"] == WORKER
     assert f"model='slow', job={done.id}, prompt='blue'" in task["args"]
     queues = {q["name"]: q for q in get(flower + "/api/queues/length")["active_queues"]}

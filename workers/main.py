@@ -22,6 +22,7 @@ from scheduler.registry import Registry
 from scheduler.settings import Settings, get_settings
 from scheduler.sizes import parse_bytes
 from workers.devices import detect_devices
+from workers.progress import ProgressEvents
 from workers.runtime import NotOwned, WorkerRuntime
 
 log = logging.getLogger("ggufq.worker")
@@ -40,16 +41,16 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
     devices = [replace(d, worker=worker_name) for d in devices]
     client = redis.Redis.from_url(redis_url)
     runtime = WorkerRuntime(settings, client, devices, Registry(settings.models_dir))
+    events = ProgressEvents(app, worker_name) if settings.task_events else None
 
     @app.task(name=keys.TASK_RUN, bind=True, throws=(GgufqError,))
     def run(self: Any, job: dict[str, Any], placement: dict[str, Any]) -> dict[str, Any]:
         # the decode loop reports from its own thread, where self.request is empty
-        task_id, hostname = self.request.id, self.request.hostname
+        task_id = self.request.id
 
         def progress(state: str, **fields: Any) -> None:
-            with app.events.default_dispatcher(hostname=hostname) as dispatcher:
-                # Flower shows a task-<state> event's state as STATE
-                dispatcher.send(f"task-{state}", uuid=task_id, **fields)
+            if events is not None:
+                events.send(task_id, state, **fields)
 
         try:
             return runtime.run_job(job, placement, progress)
@@ -82,6 +83,8 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
     @signals.worker_shutdown.connect(weak=False)
     def _shutdown(**_: Any) -> None:
         runtime.stop()
+        if events is not None:
+            events.close()
 
     queues = ",".join(keys.device_queue(d.id, p) for p in ("interactive", "batch") for d in devices)
     app.worker_main(
