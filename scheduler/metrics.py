@@ -35,13 +35,11 @@ COUNTERS = {
 }
 
 
-def count(client: redis.Redis, model: str, **amounts: float) -> None:
-    """Add to the cluster's counters (one round trip)."""
-    pipe = client.pipeline(transaction=False)
+def count(pipe: Any, model: str, **amounts: float) -> None:
+    """Queue additions to the cluster's counters on a pipeline (the caller executes it)."""
     for name, amount in amounts.items():
         if amount:
             pipe.hincrbyfloat(keys.STATS, f"{name}|{model}", amount)
-    pipe.execute()
 
 
 class ClusterCollector(Collector):

@@ -60,6 +60,7 @@ class ClusterState:
         self._update = _script(client, "update_runner")
         self._demand = _script(client, "demand")
         self._touch = _script(client, "touch")
+        self._done_with = _script(client, "done_with")
 
     # -- devices -------------------------------------------------------------------------
     def register_device(self, dev: DeviceInfo, now: float) -> None:
@@ -241,12 +242,11 @@ class ClusterState:
     def started(self, job_id: str, now: float) -> None:
         self.r.hset(keys.RUNNING, job_id, now)
 
-    def done_with(self, device_id: str, job_id: str, placement_id: str) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hdel(keys.RUNNING, job_id)
-        if self.owns(device_id, job_id, placement_id):
-            pipe.hdel(keys.inflight(device_id), job_id)
-        pipe.execute()
+    def done_with(self, device_id: str, job_id: str, placement_id: str, pipe: Any) -> None:
+        """Queue on ``pipe``: the job ended (its worker sends this with its counters)."""
+        self._done_with(
+            keys=[keys.RUNNING, keys.inflight(device_id)], args=[job_id, placement_id], client=pipe
+        )
 
     def sent_jobs(self) -> list[dict[str, Any]]:
         """Jobs sent to devices and not ended: running, or queued at their worker (with the

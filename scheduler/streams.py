@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, cast
 
 import redis
@@ -158,6 +158,69 @@ def publish_final(client: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s
     publisher.publish(dict(chunk, done=True))
 
 
+class ChunkOrder:
+    """What a reader of a job's chunks does next, without I/O (both readers below use it).
+
+    Chunks come first from the job's stream record (XRANGE, a backfill), then from pub/sub.
+    A chunk out of order, or a quiet second, means one may have been lost: backfill again.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        timeout_s: float | None,
+        after_seq: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.job_id, self.timeout_s = job_id, timeout_s
+        self.clock = clock
+        self.last = after_seq
+        self.backfill = True  # subscribed first, so the record holds all we could have missed
+        self.done = False
+        self.deadline = None if timeout_s is None else self.clock() + timeout_s
+
+    @property
+    def backfill_from(self) -> str:
+        return f"0-{self.last + 1}"
+
+    def from_record(self, entries: Entries) -> list[dict[str, Any]]:
+        """The backfilled chunks to yield, up to the final one."""
+        chunks = []
+        for _id, fields in entries:
+            chunk = json.loads(fields[b"c"])
+            self.last = chunk["seq"]
+            chunks.append(chunk)
+            if chunk.get("done"):
+                self.done = True
+                break
+        self.backfill = False
+        return chunks
+
+    def wait_s(self) -> float:
+        """How long to wait for the next message; TimeoutError when the time is up."""
+        if self.deadline is None:
+            return 1.0
+        wait = min(1.0, self.deadline - self.clock())
+        if wait <= 0:
+            raise TimeoutError(f"no chunk of job {self.job_id} for {self.timeout_s} s")
+        return wait
+
+    def from_message(self, message: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The chunk to yield, if the message carries the next one."""
+        if message is None:
+            self.backfill = True  # quiet for a while: re-check the record in case we lost one
+            return None
+        chunk = json.loads(message["data"])
+        if chunk["seq"] != self.last + 1:
+            self.backfill = chunk["seq"] > self.last + 1
+            return None
+        self.last = chunk["seq"]
+        if self.timeout_s is not None:
+            self.deadline = self.clock() + self.timeout_s
+        self.done = bool(chunk.get("done"))
+        return chunk
+
+
 def read_chunks(
     client: redis.Redis, job_id: str, timeout_s: float | None, after_seq: int = 0
 ) -> Iterator[dict[str, Any]]:
@@ -165,40 +228,18 @@ def read_chunks(
 
     Raises TimeoutError when no chunk arrives for ``timeout_s`` seconds.
     """
-    stream = keys.job_chunks(job_id)
-    last = after_seq
+    order = ChunkOrder(job_id, timeout_s, after_seq)
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(keys.job_channel(job_id))
     try:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        backfill = True  # subscribed first, so the stream now holds all we could have missed
-        while True:
-            if backfill:
-                entries = cast(Entries, client.xrange(stream, min=f"0-{last + 1}"))
-                for _id, fields in entries:
-                    chunk = json.loads(fields[b"c"])
-                    last = chunk["seq"]
-                    yield chunk
-                    if chunk.get("done"):
-                        return
-                backfill = False
-            wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-            if wait <= 0:
-                raise TimeoutError(f"no chunk of job {job_id} for {timeout_s} s")
-            message = pubsub.get_message(timeout=wait)
-            if message is None:
-                backfill = True  # quiet for a while: re-check the record in case we lost one
+        while not order.done:
+            if order.backfill:
+                entries = client.xrange(keys.job_chunks(job_id), min=order.backfill_from)
+                yield from order.from_record(cast(Entries, entries))
                 continue
-            chunk = json.loads(message["data"])
-            if chunk["seq"] != last + 1:
-                backfill = chunk["seq"] > last + 1
-                continue
-            last = chunk["seq"]
-            if deadline is not None:
-                deadline = time.monotonic() + timeout_s  # type: ignore[operator]
-            yield chunk
-            if chunk.get("done"):
-                return
+            chunk = order.from_message(pubsub.get_message(timeout=order.wait_s()))
+            if chunk is not None:
+                yield chunk
     finally:
         pubsub.close()
 
@@ -210,39 +251,21 @@ async def aread_chunks(
 
     Raises TimeoutError when no chunk arrives for ``timeout_s`` seconds.
     """
-    stream = keys.job_chunks(job_id)
-    last = after_seq
+    order = ChunkOrder(job_id, timeout_s, after_seq)
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     await pubsub.subscribe(keys.job_channel(job_id))
     try:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        backfill = True  # subscribed first, so the stream now holds all we could have missed
-        while True:
-            if backfill:
-                entries = cast(Entries, await client.xrange(stream, min=f"0-{last + 1}"))
-                for _id, fields in entries:
-                    chunk = json.loads(fields[b"c"])
-                    last = chunk["seq"]
-                    yield chunk
-                    if chunk.get("done"):
-                        return
-                backfill = False
-            wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-            if wait <= 0:
-                raise TimeoutError(f"no chunk of job {job_id} for {timeout_s} s")
-            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
-            if message is None:
-                backfill = True  # quiet for a while: re-check the record in case we lost one
+        while not order.done:
+            if order.backfill:
+                entries = await client.xrange(keys.job_chunks(job_id), min=order.backfill_from)
+                for backfilled in order.from_record(cast(Entries, entries)):
+                    yield backfilled
                 continue
-            chunk = json.loads(message["data"])
-            if chunk["seq"] != last + 1:
-                backfill = chunk["seq"] > last + 1
-                continue
-            last = chunk["seq"]
-            if deadline is not None:
-                deadline = time.monotonic() + timeout_s  # type: ignore[operator]
-            yield chunk
-            if chunk.get("done"):
-                return
+            message = await pubsub.get_message(
+                ignore_subscribe_messages=True, timeout=order.wait_s()
+            )
+            chunk = order.from_message(message)
+            if chunk is not None:
+                yield chunk
     finally:
         await pubsub.aclose()

@@ -4,11 +4,11 @@ llama.cpp embeds an input in one batch."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 from scheduler.errors import InvalidRequest
 from scheduler.estimate import RunnerConfig
+from workers.resident import Resident
 
 POOLING_MEAN = 1
 
@@ -19,7 +19,7 @@ class EmbedStats:
     prompt_eval_count: int
 
 
-class Embedder:
+class Embedder(Resident):
     def __init__(
         self,
         runner_id: str,
@@ -34,27 +34,23 @@ class Embedder:
     ) -> None:
         from llama_cpp import Llama  # heavy import: only in processes that run models
 
-        self.id = runner_id
-        self.model = model
-        self.config = config
-        self.device_ids = device_ids
-        self.keep_alive_s = keep_alive_s
+        super().__init__(runner_id, model, config, device_ids, keep_alive_s)
         self.turn = threading.Lock()
-        started = time.perf_counter_ns()
-        self.llm = Llama(
-            model_path=path,
-            embedding=True,
-            n_ctx=config.num_ctx,
-            n_batch=config.n_batch,
-            n_ubatch=config.n_ubatch,
-            # the model's own pooling; a generative model (none) is mean-pooled, so that each
-            # input gives one vector
-            pooling_type=pooling_type if pooling_type > 0 else POOLING_MEAN,
-            n_gpu_layers=n_gpu_layers,
-            n_threads=n_threads,
-            verbose=False,
+        self.llm = self.timed_load(
+            lambda: Llama(
+                model_path=path,
+                embedding=True,
+                n_ctx=config.num_ctx,
+                n_batch=config.n_batch,
+                n_ubatch=config.n_ubatch,
+                # the model's own pooling; a generative model (none) is mean-pooled, so
+                # that each input gives one vector
+                pooling_type=pooling_type if pooling_type > 0 else POOLING_MEAN,
+                n_gpu_layers=n_gpu_layers,
+                n_threads=n_threads,
+                verbose=False,
+            )
         )
-        self.load_duration_ns = time.perf_counter_ns() - started
 
     def embed(self, inputs: list[str], truncate: bool) -> EmbedStats:
         """One L2-normalized vector per input, in order; inputs longer than the context are

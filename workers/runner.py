@@ -6,17 +6,17 @@ Up to ``num_parallel`` jobs run at once on it, batched by one decode loop
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from scheduler.estimate import RunnerConfig
 from scheduler.protocol import Options
 from workers.engine import GGML_KV_TYPES, Engine, Format, GenerationStats
+from workers.resident import Resident
 
 __all__ = ["GGML_KV_TYPES", "GenerationStats", "Runner"]
 
 
-class Runner:
+class Runner(Resident):
     def __init__(
         self,
         runner_id: str,
@@ -30,23 +30,19 @@ class Runner:
         load_timeout_s: float = 300.0,
         split: list[float] | None = None,
     ) -> None:
-        self.id = runner_id
-        self.model = model
-        self.config = config
-        self.device_ids = device_ids
-        self.keep_alive_s = keep_alive_s
-        started = time.perf_counter_ns()
+        super().__init__(runner_id, model, config, device_ids, keep_alive_s)
         # Exactly the context the estimator sized (scheduler.estimate.context_sizes).
-        self.engine = Engine(
-            path,
-            config,
-            n_gpu_layers=n_gpu_layers,
-            n_threads=n_threads,
-            name=model,
-            load_timeout_s=load_timeout_s,
-            split=split,
+        self.engine = self.timed_load(
+            lambda: Engine(
+                path,
+                config,
+                n_gpu_layers=n_gpu_layers,
+                n_threads=n_threads,
+                name=model,
+                load_timeout_s=load_timeout_s,
+                split=split,
+            )
         )
-        self.load_duration_ns = time.perf_counter_ns() - started
 
     def generate(
         self,

@@ -165,6 +165,7 @@ class WorkerRuntime:
         base = {"model": req.model, "job_id": req.id, "device": placement["device_id"]}
         keep_alive = self.settings.keep_alive_s
         cancelled = self.cancels.watch(req.id)
+        tally: dict[str, float] = {}  # the job's counters (scheduler/metrics.py)
         try:
             if cancelled():
                 raise cancelled_before_start(req.id)  # while it waited in the queue
@@ -195,13 +196,11 @@ class WorkerRuntime:
             # vectors travel in the result only: the stream's final chunk has the stats
             publisher.publish({k: v for k, v in final.items() if k != "embeddings"})
             publisher.flush()  # the stream is complete before the result is stored
-            count(
-                self.r,
-                req.model,
-                finished=1,
-                tokens=final.get("eval_count") or 0,
-                prompt_tokens=final.get("prompt_eval_count") or 0,
-            )
+            tally = {
+                "finished": 1,
+                "tokens": final.get("eval_count") or 0,
+                "prompt_tokens": final.get("prompt_eval_count") or 0,
+            }
             return final
         except HandBack as exc:
             log.warning("handing job %s back to placement: %s", req.id, exc)
@@ -211,18 +210,20 @@ class WorkerRuntime:
         except GgufqError as exc:
             publisher.publish(error_chunk(req.model, req.id, exc, device=base["device"]))
             publisher.flush()
-            cancelled_job = isinstance(exc, JobCancelled)
-            count(self.r, req.model, cancelled=int(cancelled_job), failed=int(not cancelled_job))
+            tally = {"cancelled" if isinstance(exc, JobCancelled) else "failed": 1}
             raise
         except Exception as exc:
             log.exception("job %s failed", req.id)
             error = JobFailed(f"job {req.id} failed on {placement['device_id']}: {exc}")
             publisher.publish(error_chunk(req.model, req.id, error, device=base["device"]))
             publisher.flush()
-            count(self.r, req.model, failed=1)
+            tally = {"failed": 1}
             raise error from None
         finally:
-            self.state.done_with(placement["device_id"], req.id, placement.get("id", ""))
+            pipe = self.r.pipeline(transaction=False)  # one round trip for the bookkeeping
+            self.state.done_with(placement["device_id"], req.id, placement.get("id", ""), pipe)
+            count(pipe, req.model, **tally)
+            pipe.execute()
             self.cancels.forget(req.id)
             self._job_ended(runner_id, keep_alive)
 
@@ -267,14 +268,16 @@ class WorkerRuntime:
         self.state.update_runner(
             runner_id, {"state": "ready", "loaded_at": self.clock(), "worker": self.worker_name}
         )
-        count(self.r, req.model, loads=1, load_seconds=runner.load_duration_ns / 1e9)
+        pipe = self.r.pipeline(transaction=False)
+        count(pipe, req.model, loads=1, load_seconds=runner.load_duration_ns / 1e9)
+        pipe.execute()
         return runner, runner.load_duration_ns
 
     def _load(self, req: JobRequest, placement: dict[str, Any]) -> AnyRunner:
         runner_id = placement["runner_id"]
         try:
             path = self.registry.resolve(req.model)
-            read_model_info(path)  # a clear error for a bad file before llama.cpp sees it
+            info = read_model_info(path)  # a clear error for a bad file before llama.cpp
             config = RunnerConfig(**placement["config"])
             common: dict[str, Any] = {
                 "n_gpu_layers": int(placement.get("n_gpu_layers", 0)),
@@ -283,8 +286,7 @@ class WorkerRuntime:
             }
             args = (runner_id, req.model, str(path), config, _device_ids(placement))
             if config.embedding:
-                pooling = read_model_info(path).pooling_type
-                return Embedder(*args, **common, pooling_type=pooling)
+                return Embedder(*args, **common, pooling_type=info.pooling_type)
             split = tensor_split(_device_ids(placement), placement.get("split_blocks", []))
             return Runner(*args, **common, load_timeout_s=self.settings.load_timeout_s, split=split)
         except (GgufqError, ValueError, RuntimeError, OSError) as exc:
