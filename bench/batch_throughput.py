@@ -9,6 +9,8 @@ greedy. Columns:
               one llama_decode per step, no scheduling, no streaming
   engine      ``workers.runner.Runner`` with num_parallel slots, one thread per prompt
               calling ``generate`` at the same moment
+
+bare, engine and system follow GGUFQ_FLASH_ATTENTION (on by default), as runners do.
   system      the whole stack (client → placement → worker → chunks over Redis) with
               GGUFQ_NUM_PARALLEL slots, one streaming client thread per prompt
   server      llama.cpp's llama-server --parallel P, when LLAMA_SERVER_BIN names one
@@ -17,7 +19,7 @@ Tokens/s count generated tokens over the wall time from the common start to the 
 job's end; time to first token is measured from that common start, so it includes the
 wait for a slot. Prints a table, then one JSON line.
 
-    python bench/batch_throughput.py [--prompts 64] [--tokens 64] [--parallel 8]
+    python bench/batch_throughput.py [--prompts 64] [--tokens 64] [--parallel 8] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -142,11 +144,11 @@ def all_at_once(name: str, texts: list[str], job: Callable[[int, float], tuple])
 def engine(path: str, texts: list[str], tokens: int, parallel: int) -> Run:
     from scheduler.estimate import RunnerConfig
     from scheduler.protocol import Options
+    from scheduler.settings import get_settings
     from workers.runner import Runner
 
-    runner = Runner(
-        "bench", "gemma3-270m", path, RunnerConfig(NUM_CTX, parallel), ["cpu"], 0, None, 0
-    )
+    config = RunnerConfig(NUM_CTX, parallel, flash_attn=get_settings().flash_attention)
+    runner = Runner("bench", "gemma3-270m", path, config, ["cpu"], 0, None, 0)
     options = Options(temperature=0, num_predict=tokens, repeat_penalty=1.0)
     runner.generate("Hello", Options(temperature=0, num_predict=4), lambda _t: None)  # warm
 
@@ -172,10 +174,12 @@ def bare(path: str, texts: list[str], tokens: int, parallel: int) -> Run:
     import llama_cpp as L
 
     from scheduler.estimate import RunnerConfig
+    from scheduler.settings import get_settings
     from workers.engine import Engine
 
     # the engine's context, sized alike; its loop idles: no job is ever submitted to it
-    engine = Engine(path, RunnerConfig(NUM_CTX, parallel), name="bare")
+    fa = get_settings().flash_attention
+    engine = Engine(path, RunnerConfig(NUM_CTX, parallel, flash_attn=fa), name="bare")
     ctx, mem = engine.ctx, L.llama_get_memory(engine.ctx)
     batch = L.llama_batch_init(512, 0, 1)
     greedy = L.llama_sampler_init_greedy()
@@ -332,19 +336,8 @@ def fresh(column: Callable[..., Run], *args: Any) -> Run:
         return pool.apply(column, args)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--parallel", type=int, default=8)
-    parser.add_argument("--skip", default="", help="comma-separated columns to leave out")
-    args = parser.parse_args()
-
-    from scheduler.registry import demo_model_path
-
-    path = str(demo_model_path())
-    texts = prompts(args.prompts)
-    skip = set(filter(None, args.skip.split(",")))
+def one_round(path: str, texts: list[str], args: argparse.Namespace, skip: set[str]) -> list[Run]:
+    """Every column once, each in a fresh process, the baseline first."""
     n, p = args.tokens, args.parallel
     runs: list[Run] = [fresh(sequential, path, texts, n)]
     if "bare" not in skip:
@@ -356,7 +349,10 @@ def main() -> None:
     server = os.environ.get("LLAMA_SERVER_BIN")
     if server and "server" not in skip:
         runs.append(llama_server(server, path, texts, n, p))
+    return runs
 
+
+def print_round(runs: list[Run], args: argparse.Namespace) -> None:
     base = runs[0]
     print(f"{'':12}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'ratio':>8}{'TTFT p50':>10}{'p90':>8}")
     for run in runs:
@@ -374,14 +370,81 @@ def main() -> None:
     print(
         f"{args.prompts} prompts × {args.tokens} new tokens, greedy, all submitted at once; "
         f"{os.cpu_count()} cores; texts identical to the sequential run: "
-        + ", ".join(f"{k} {v}/{args.prompts}" for k, v in same.items())
+        + ", ".join(f"{k} {v}/{args.prompts}" for k, v in same.items()),
+        flush=True,
     )
-    target = 2.5  # the issue's: through the whole system, against the sequential loop
-    judged = "system" if any(r.name == "system" for r in runs) else "engine"
-    ratio = next((r.tok_s / base.tok_s for r in runs if r.name == judged), None)
-    if ratio is not None:
-        verdict = "met" if ratio >= target else "NOT met"
-        print(f"target ({judged} ≥ {target} × sequential tokens/s): {verdict} ({ratio:.2f} ×)")
+
+
+def ratios(rounds: list[list[Run]], name: str, against: str) -> list[float]:
+    """Per round, ``name``'s tokens/s over ``against``'s (only rounds that ran both)."""
+    out = []
+    for runs in rounds:
+        by = {r.name: r for r in runs}
+        if name in by and against in by:
+            out.append(by[name].tok_s / by[against].tok_s)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--parallel", type=int, default=8)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every column this many times, interleaved, and judge on median ratios "
+        "(this machine's speed drifts by 2x between minutes)",
+    )
+    parser.add_argument("--skip", default="", help="comma-separated columns to leave out")
+    args = parser.parse_args()
+
+    from scheduler.registry import demo_model_path
+
+    path = str(demo_model_path())
+    texts = prompts(args.prompts)
+    skip = set(filter(None, args.skip.split(",")))
+    rounds: list[list[Run]] = []
+    for i in range(args.rounds):
+        rounds.append(one_round(path, texts, args, skip))
+        print(f"round {i + 1} of {args.rounds}")
+        print_round(rounds[-1], args)
+
+    names = [r.name for r in rounds[0]]
+    summary: dict[str, Any] = {}
+    print(f"\nmedians over {args.rounds} round(s):")
+    print(f"{'':12}{'tok/s':>9}{'× sequential':>14}{'× server':>10}")
+    for name in names:
+        tok_s = statistics.median(r.tok_s for runs in rounds for r in runs if r.name == name)
+        vs_seq = ratios(rounds, name, "sequential")
+        vs_srv = ratios(rounds, name, "server")
+        med_seq = statistics.median(vs_seq)
+        med_srv = statistics.median(vs_srv) if vs_srv else None
+        summary[name] = {
+            "tok_s_median": tok_s,
+            "x_sequential": vs_seq,
+            "x_sequential_median": med_seq,
+            "x_server": vs_srv,
+            "x_server_median": med_srv,
+            "ttft_p50_s_median": statistics.median(
+                r.summary()["ttft_p50_s"] for runs in rounds for r in runs if r.name == name
+            ),
+        }
+        srv = f"{med_srv:10.2f}" if med_srv is not None else f"{'—':>10}"
+        print(f"{name:12}{tok_s:9.1f}{med_seq:14.2f}{srv}")
+    # the issue's targets, for the whole system: 2.5 × the sequential loop, and at least
+    # llama-server's throughput (judged on the engine when the system column is skipped)
+    judged = "system" if "system" in summary else "engine"
+    verdicts = {}
+    if judged in summary:
+        met = summary[judged]["x_sequential_median"] >= 2.5
+        verdicts["x_sequential"] = met
+        print(f"target ({judged} ≥ 2.5 × sequential): {'met' if met else 'NOT met'}")
+        if summary[judged]["x_server_median"] is not None:
+            met = summary[judged]["x_server_median"] >= 1.0
+            verdicts["x_server"] = met
+            print(f"target ({judged} ≥ llama-server): {'met' if met else 'NOT met'}")
     print(
         json.dumps(
             {
@@ -389,11 +452,11 @@ def main() -> None:
                 "prompts": args.prompts,
                 "tokens": args.tokens,
                 "parallel": args.parallel,
+                "rounds": args.rounds,
                 "cores": os.cpu_count(),
-                "columns": {r.name: r.summary() for r in runs},
-                "ratios": {r.name: r.tok_s / base.tok_s for r in runs[1:]},
-                "identical_texts": same,
-                "target_met": ratio is not None and ratio >= target,
+                "columns": summary,
+                "per_round": [{r.name: r.summary() for r in runs} for runs in rounds],
+                "targets_met": verdicts,
             }
         )
     )

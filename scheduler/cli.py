@@ -96,7 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=None, help="num_ctx per sequence (default 4096)")
     p.add_argument("--parallel", type=int, default=1, help="num_parallel sequences")
     p.add_argument("--kv-type", default="f16", help="KV cache type: f16, q8_0, q4_0, ...")
-    p.add_argument("--flash-attn", action="store_true", help="flash attention on")
+    p.add_argument(
+        "--flash-attn",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="flash attention on or off (default: GGUFQ_FLASH_ATTENTION, as runners load)",
+    )
     p.add_argument("--swa-full", action="store_true", help="full-size sliding-window cache")
     p.add_argument("--gpus", default="", help="free memory of the GPU, e.g. 24GiB (one GPU)")
     p.add_argument("--json", action="store_true", help="the same figures in bytes")
@@ -480,7 +485,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         num_ctx=num_ctx,
         num_parallel=args.parallel,
         kv_type=args.kv_type,
-        flash_attn=args.flash_attn,
+        flash_attn=settings.flash_attention if args.flash_attn is None else args.flash_attn,
         swa_full=args.swa_full,
     )
     gpus = [parse_bytes(g) for g in args.gpus.split(",") if g.strip()]

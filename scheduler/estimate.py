@@ -59,10 +59,15 @@ class RunnerConfig:
     embedding: bool = False  # an embedding runner: one slot, a batch as large as the context
 
     @classmethod
-    def for_embedding(cls, num_ctx: int) -> RunnerConfig:
+    def for_embedding(cls, num_ctx: int, flash_attn: bool = False) -> RunnerConfig:
         """llama.cpp embeds an input in one batch: the batch is as large as the context."""
         return cls(
-            num_ctx=num_ctx, num_parallel=1, n_batch=num_ctx, n_ubatch=num_ctx, embedding=True
+            num_ctx=num_ctx,
+            num_parallel=1,
+            flash_attn=flash_attn,
+            n_batch=num_ctx,
+            n_ubatch=num_ctx,
+            embedding=True,
         )
 
     def key(self) -> str:
@@ -282,7 +287,8 @@ def check_config(info: ModelInfo, cfg: RunnerConfig) -> None:
     if block > 1 and not cfg.flash_attn:
         raise InvalidRequest(
             f"a {cfg.kv_type} KV cache needs flash attention (llama.cpp refuses a quantized V "
-            "cache without it); enable flash_attn or use kv_type f16"
+            "cache without it); turn flash attention on (GGUFQ_FLASH_ATTENTION, or "
+            "--flash-attn) or use kv_type f16"
         )
     if block > 1 and (info.key_length % block or info.value_length % block):
         raise InvalidRequest(

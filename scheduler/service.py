@@ -218,9 +218,10 @@ class PlacementService:
         parallel = slots or self._slots(req.model)
         # the decode loop asks for one output row per sequence per step, so the context
         # needs no more: Gemma 3's compute buffer at 8192 × 4 drops from 514 to 30 MiB
-        config = RunnerConfig(num_ctx=num_ctx, num_parallel=parallel, n_outputs=parallel)
+        fa = self.settings.flash_attention
+        config = RunnerConfig(num_ctx, parallel, flash_attn=fa, n_outputs=parallel)
         if req.kind == "embed":
-            slots, config = None, RunnerConfig.for_embedding(num_ctx)
+            slots, config = None, RunnerConfig.for_embedding(num_ctx, fa)
         needs = JobNeeds(req.model, config.key(), estimate_bytes(info, config), num_parallel=slots)
         retry = score is not None
         order = score if score is not None else park_score(req, time.time())

@@ -96,6 +96,12 @@ class Settings(BaseSettings):
         "runners it may hold (num_parallel × max_loaded_models per device).",
     )
     cpu_threads: int = Field(0, ge=0, description="llama.cpp threads; 0 = llama.cpp's default.")
+    flash_attention: bool = Field(
+        True,
+        description="Runners use llama.cpp's flash attention (as llama-server's default, "
+        "'auto', does where the backend has it): faster batches and a smaller compute "
+        "buffer; false for a GPU whose kernels lack the model's head size.",
+    )
 
     @field_validator("keep_alive_s", mode="before")
     @classmethod

@@ -193,7 +193,7 @@ def test_estimate_prints_devices_and_json(cli_env: dict[str, str]) -> None:
     data = json.loads(ggufq("estimate", "tiny", "--gpus", "1GiB", "--json", env=cli_env).stdout)
     assert data["n_gpu_layers"] == 3 and [d["device"] for d in data["devices"]] == ["gpu", "host"]
     assert data["total"] == sum(d["total"] for d in data["devices"])
-    bad = ggufq("estimate", "tiny", "--kv-type", "q8_0", env=cli_env)
+    bad = ggufq("estimate", "tiny", "--kv-type", "q8_0", "--no-flash-attn", env=cli_env)
     assert bad.returncode == 1 and "flash attention" in bad.stderr
 
 

@@ -21,7 +21,7 @@ def test_placement_spans_hosts_and_survives_losing_one(tmp_path: Path) -> None:
     for name in ("alpha", "beta"):
         write_tiny_llama(models / f"{name}.gguf")
     info = read_model_info(models / "alpha.gguf")
-    one_runner = estimate_bytes(info, RunnerConfig(2048))
+    one_runner = estimate_bytes(info, RunnerConfig(2048, flash_attn=True))
     size = str(one_runner * 3 // 2)  # each GPU holds one runner, not two
     env = stack_env(models, tmp_path / "state", host="h1")
     settings = settings_from(env, None)

@@ -21,8 +21,8 @@ def one_slot_stack(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
     models.mkdir()
     path = write_slow_model(models / "slow.gguf")
     info = read_model_info(path)
-    big = estimate_bytes(info, RunnerConfig(8192))
-    small = estimate_bytes(info, RunnerConfig(4096))
+    big = estimate_bytes(info, RunnerConfig(8192, flash_attn=True))
+    small = estimate_bytes(info, RunnerConfig(4096, flash_attn=True))
     env = {
         **stack_env(models, root / "state", host="parkhost"),
         "GGUFQ_PARK_SWEEP_S": "600",

@@ -43,7 +43,7 @@ def invariants(r: redis.Redis) -> list[str]:
 
 def test_many_placers_and_clients(models_dir: Path, tmp_path: Path) -> None:
     info = read_model_info(models_dir / "tiny.gguf")
-    size = estimate_bytes(info, RunnerConfig(2048))
+    size = estimate_bytes(info, RunnerConfig(2048, flash_attn=True))
     env = {**stack_env(models_dir, tmp_path / "state", host="multi"), "GGUFQ_MAX_QUEUE": "512"}
     settings = settings_from(env, None)
     # two virtual GPUs that hold one runner each: with three configurations in play,

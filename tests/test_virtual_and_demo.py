@@ -56,7 +56,7 @@ def test_partial_offload_when_the_gpu_is_too_small(models_dir: Path, tmp_path: P
     from scheduler.ggufmeta import read_model_info
 
     info = read_model_info(models_dir / "tiny.gguf")
-    cfg = RunnerConfig(2048)
+    cfg = RunnerConfig(2048, flash_attn=True)  # as runners load (GGUFQ_FLASH_ATTENTION)
     table = partial_table(info, cfg)
     assert table[1] < estimate_bytes(info, cfg)
     env = stack_env(models_dir, tmp_path / "state", host="small")
@@ -77,7 +77,7 @@ def test_a_model_spans_two_gpus_of_one_worker(models_dir: Path, tmp_path: Path) 
     from scheduler.ggufmeta import read_model_info
 
     info = read_model_info(models_dir / "tiny.gguf")
-    cfg = RunnerConfig(2048)
+    cfg = RunnerConfig(2048, flash_attn=True)  # as runners load (GGUFQ_FLASH_ATTENTION)
     per_block, compute, output = group_parts(info, cfg)
     # each GPU holds a compute buffer, one block, and the output layer: not the whole model
     size = compute + max(per_block) + output + 4096

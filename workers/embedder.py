@@ -43,6 +43,7 @@ class Embedder(Resident):
                 n_ctx=config.num_ctx,
                 n_batch=config.n_batch,
                 n_ubatch=config.n_ubatch,
+                flash_attn=config.flash_attn,  # as placement estimated it
                 # the model's own pooling; a generative model (none) is mean-pooled, so
                 # that each input gives one vector
                 pooling_type=pooling_type if pooling_type > 0 else POOLING_MEAN,
