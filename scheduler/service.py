@@ -163,6 +163,10 @@ class PlacementService:
         self._groups: dict[tuple[str, RunnerConfig], GroupNeeds] = {}
         self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
         self._stop = threading.Event()
+        # placements of this process run one at a time: the Celery task and the parked-job
+        # waker both place, and the snapshot cache (its indexes are views into it) and the
+        # memo dicts above are not safe to update from two threads at once
+        self._placing = threading.RLock()
 
     def place(self, job: dict[str, Any]) -> dict[str, Any]:
         """Place a newly submitted job: send it to a device, park it, or refuse it."""
@@ -211,6 +215,10 @@ class PlacementService:
 
     def _place(self, req: JobRequest, started: int, score: float | None = None) -> dict[str, Any]:
         """Decide and carry out; ``score`` is set when a parked job is retried."""
+        with self._placing:
+            return self._place_now(req, started, score)
+
+    def _place_now(self, req: JobRequest, started: int, score: float | None) -> dict[str, Any]:
         info = self.registry.info(req.model)
         default_ctx = self.settings.embed_num_ctx if req.kind == "embed" else self.settings.num_ctx
         num_ctx, warning = choose_num_ctx(req.options.num_ctx, default_ctx, info.context_length)

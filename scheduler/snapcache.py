@@ -32,6 +32,12 @@ _DEVICE, _RESV, _RUNNER = keys.device(""), keys.reservations(""), keys.runner(""
 
 
 class SnapshotCache:
+    """Not thread-safe: one caller at a time (PlacementService holds its placing lock).
+
+    Two threads reading the change log at once see each other's entries as gaps, reload,
+    and one can find the cache cleared mid-read: a snapshot without devices.
+    """
+
     def __init__(self, client: redis.Redis) -> None:
         self.r = client
         self._n = -1  # number of the last change applied; -1 = nothing loaded yet
