@@ -9,11 +9,12 @@ greedy. Columns:
               one llama_decode per step, no scheduling, no streaming
   engine      ``workers.runner.Runner`` with num_parallel slots, one thread per prompt
               calling ``generate`` at the same moment
-
-bare, engine and system follow GGUFQ_FLASH_ATTENTION (on by default), as runners do.
   system      the whole stack (client → placement → worker → chunks over Redis) with
               GGUFQ_NUM_PARALLEL slots, one streaming client thread per prompt
   server      llama.cpp's llama-server --parallel P, when LLAMA_SERVER_BIN names one
+
+bare and engine load the context placement loads (RunnerConfig.for_generation, flash
+attention as GGUFQ_FLASH_ATTENTION says), so all three of ours measure one configuration.
 
 Tokens/s count generated tokens over the wall time from the common start to the last
 job's end; time to first token is measured from that common start, so it includes the
@@ -147,7 +148,7 @@ def engine(path: str, texts: list[str], tokens: int, parallel: int) -> Run:
     from scheduler.settings import get_settings
     from workers.runner import Runner
 
-    config = RunnerConfig(NUM_CTX, parallel, flash_attn=get_settings().flash_attention)
+    config = RunnerConfig.for_generation(NUM_CTX, parallel, get_settings().flash_attention)
     runner = Runner("bench", "gemma3-270m", path, config, ["cpu"], 0, None, 0)
     options = Options(temperature=0, num_predict=tokens, repeat_penalty=1.0)
     runner.generate("Hello", Options(temperature=0, num_predict=4), lambda _t: None)  # warm
@@ -178,8 +179,8 @@ def bare(path: str, texts: list[str], tokens: int, parallel: int) -> Run:
     from workers.engine import Engine
 
     # the engine's context, sized alike; its loop idles: no job is ever submitted to it
-    fa = get_settings().flash_attention
-    engine = Engine(path, RunnerConfig(NUM_CTX, parallel, flash_attn=fa), name="bare")
+    config = RunnerConfig.for_generation(NUM_CTX, parallel, get_settings().flash_attention)
+    engine = Engine(path, config, name="bare")
     ctx, mem = engine.ctx, L.llama_get_memory(engine.ctx)
     batch = L.llama_batch_init(512, 0, 1)
     greedy = L.llama_sampler_init_greedy()

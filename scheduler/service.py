@@ -224,10 +224,8 @@ class PlacementService:
         num_ctx, warning = choose_num_ctx(req.options.num_ctx, default_ctx, info.context_length)
         slots = req.options.num_parallel
         parallel = slots or self._slots(req.model)
-        # the decode loop asks for one output row per sequence per step, so the context
-        # needs no more: Gemma 3's compute buffer at 8192 × 4 drops from 514 to 30 MiB
         fa = self.settings.flash_attention
-        config = RunnerConfig(num_ctx, parallel, flash_attn=fa, n_outputs=parallel)
+        config = RunnerConfig.for_generation(num_ctx, parallel, fa)
         if req.kind == "embed":
             slots, config = None, RunnerConfig.for_embedding(num_ctx, fa)
         needs = JobNeeds(req.model, config.key(), estimate_bytes(info, config), num_parallel=slots)
