@@ -202,19 +202,44 @@ def test_concurrent_jobs_all_complete_with_their_stats(
         assert stats.text
 
 
+@pytest.mark.parametrize("penalty", [1.1, 1.0], ids=["sampler-chain", "argmax"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_greedy_output_is_the_same_alone_and_in_a_batch(
-    runner_factory: Callable[..., Runner], arch: str
+    runner_factory: Callable[..., Runner], arch: str, penalty: float
 ) -> None:
     # Exact on these f32 models. On the quantized demo model llama.cpp's CPU kernels give
     # a row slightly different logits depending on how many rows share the matmul, so
     # near-ties can break differently (see bench/README.md, batch_throughput).
     runner = runner_factory(4, arch=arch)
-    options = Options(num_predict=40, **GREEDY)
+    options = Options(num_predict=40, temperature=0, repeat_penalty=penalty)
     prompts = PROMPTS * 2  # more jobs than slots: sequences join and leave mid-batch
     alone = [runner.generate(p, options, lambda _t: None).text for p in prompts]
     batched = [s.text for s in run_all(runner, prompts, options)]
     assert batched == alone
+
+
+def greedy_through_llama_cpp(options: Options, num_ctx: int) -> list[tuple[Any, ...]]:
+    """Plain greedy as a plan the sampler hands to llama.cpp's chain (top-k 0 keeps all)."""
+    plan = sampler_plan(options, num_ctx)
+    assert plan == [("greedy",)]
+    return [("top_k", 0), *plan]
+
+
+@pytest.mark.parametrize("model", ["tiny", pytest.param("demo", marks=needs_demo)])
+def test_plain_greedy_picks_the_tokens_of_llama_cpps_greedy_sampler(
+    runner_factory: Callable[..., Runner],
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    model: str,
+) -> None:
+    # plain greedy takes the argmax with numpy instead of llama.cpp's sampler chain
+    runner = request.getfixturevalue("demo") if model == "demo" else runner_factory(1)
+    options = Options(num_predict=48, temperature=0, repeat_penalty=1.0)
+    prompts = ["Write a short story about a cat.", "The capital of France is", "1, 2, 3,"]
+    fast = [runner.generate(p, options, ignore).text for p in prompts]
+    monkeypatch.setattr("workers.engine.sampler_plan", greedy_through_llama_cpp)
+    chain = [runner.generate(p, options, ignore).text for p in prompts]
+    assert fast == chain and all(fast)
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+import numpy as np
+
 from scheduler.errors import GgufqError, InvalidRequest, JobFailed, LoadFailed
 from scheduler.estimate import RunnerConfig
 from scheduler.protocol import Options
@@ -264,6 +266,12 @@ class Sampler:
     every candidate piece, 25 ms a token on a 262k vocabulary, so it first judges only
     the token the chain picked and filters the whole vocabulary only when that token is
     not allowed (llama.cpp's own common sampler does the same).
+
+    Plain greedy (no penalties, no grammar) is the logits' argmax, taken by numpy on the
+    logits in place: ``llama_sampler_sample`` first copies the whole vocabulary into a
+    candidate array, 0.28 ms a token on a 262k vocabulary against 0.035 ms, and the
+    decode loop samples every sequence in turn while llama.cpp's threads wait. Both pick
+    the first of equal maxima, so the tokens are the same.
     """
 
     def __init__(
@@ -285,6 +293,8 @@ class Sampler:
         for token in history:  # penalties count the prompt too, as Ollama and llama.cpp do
             L.llama_sampler_accept(self.chain, token)
         self.grammar = None
+        self._argmax = plan == [("greedy",)] and grammar is None
+        self._n_vocab = n_vocab
         if grammar is not None:
             self.grammar = L.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
             if not self.grammar:
@@ -293,6 +303,9 @@ class Sampler:
             self._candidates = _Candidates(L, n_vocab)
 
     def sample(self, ctx: Any, idx: int) -> int:
+        if self._argmax:
+            logits = self._L.llama_get_logits_ith(ctx, idx)
+            return int(np.ctypeslib.as_array(logits, shape=(self._n_vocab,)).argmax())
         if self.grammar is None:
             return int(self._L.llama_sampler_sample(self.chain, ctx, idx))
         return self._sample_with_grammar(ctx, idx)
@@ -324,9 +337,6 @@ class _Candidates:
     """A reusable llama_token_data_array over the whole vocabulary, filled from logits."""
 
     def __init__(self, L: Any, n_vocab: int) -> None:
-        import numpy as np
-
-        self._np = np
         self.n_vocab = n_vocab
         dtype = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
         self.data = np.zeros(n_vocab, dtype=dtype)
@@ -345,7 +355,6 @@ class _Candidates:
         self._L = L
 
     def fill(self, logits: Any) -> None:
-        np = self._np
         self.data["id"] = np.arange(self.n_vocab, dtype=np.int32)
         self.data["logit"] = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
         self.data["p"] = 0.0
