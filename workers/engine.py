@@ -635,8 +635,12 @@ class Engine:
             self._decode_failed(rc, n, in_batch)
             return
         now = time.perf_counter_ns()
-        for job, idx in outputs:
-            self._advance(job, job.sampler.sample(self.ctx, idx), now)
+        # sample every sequence before publishing any text: each ctypes call and numpy's
+        # argmax lets go of the GIL, and a chunk handed over mid-loop wakes the chunk
+        # writer, which then holds the GIL while llama.cpp's threads wait for this loop
+        sampled = [job.sampler.sample(self.ctx, idx) for job, idx in outputs]
+        for (job, _idx), token in zip(outputs, sampled, strict=True):
+            self._advance(job, token, now)
 
     def _fill_batch(self) -> tuple[list[tuple[Job, int]], list[Job], int]:
         """Decode tokens of running sequences first, then prompt tokens, up to n_batch."""
