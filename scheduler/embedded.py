@@ -9,7 +9,7 @@ from pathlib import Path
 
 import redis
 
-from scheduler.procs import child_preexec
+from scheduler.procs import niced_child_preexec
 
 
 def redis_server_path() -> str:
@@ -27,10 +27,13 @@ def free_port() -> int:
 class EmbeddedRedis:
     """redis-server bound to 127.0.0.1, nothing persisted, stopped with the stack."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, password: str = "") -> None:
+    def __init__(
+        self, data_dir: Path, port: int | None = None, password: str = "", nice: int = 0
+    ) -> None:
         self.port = port or free_port()
         self.data_dir = Path(data_dir)
         self.password = password
+        self.nice = nice
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -64,7 +67,7 @@ class EmbeddedRedis:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=child_preexec,
+            preexec_fn=niced_child_preexec(self.nice),
         )
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(

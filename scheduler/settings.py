@@ -96,6 +96,14 @@ class Settings(BaseSettings):
         "runners it may hold (num_parallel × max_loaded_models per device).",
     )
     cpu_threads: int = Field(0, ge=0, description="llama.cpp threads; 0 = llama.cpp's default.")
+    helper_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="Niceness added to what serves the runners beside them: the local stack's "
+        "Redis and placement service and each worker's chunk writer, so that they do not "
+        "preempt llama.cpp's threads mid-step; 0 = no change.",
+    )
     flash_attention: bool = Field(
         True,
         description="Runners use llama.cpp's flash attention (as llama-server's default, "

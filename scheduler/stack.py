@@ -19,7 +19,7 @@ import redis
 
 from scheduler.embedded import EmbeddedRedis
 from scheduler.localstack import clear_runtime, write_runtime
-from scheduler.procs import child_preexec
+from scheduler.procs import niced_child_preexec
 from scheduler.settings import Settings
 from scheduler.state import ClusterState
 
@@ -57,10 +57,15 @@ class LocalStack:
     def start(self, timeout_s: float = 120.0) -> None:
         try:
             if not self.redis_url:
-                self.redis = EmbeddedRedis(Path(self.settings.state_dir).expanduser() / "redis")
+                self.redis = EmbeddedRedis(
+                    Path(self.settings.state_dir).expanduser() / "redis",
+                    nice=self.settings.helper_nice,
+                )
                 self.redis_url = self.redis.start()
                 write_runtime(self.settings, self.redis_url)
-            self._spawn("placement", [sys.executable, "-m", "scheduler.service"])
+            # Redis and placement give way to the workers' llama.cpp threads on this host
+            nice = self.settings.helper_nice
+            self._spawn("placement", [sys.executable, "-m", "scheduler.service"], nice=nice)
             self._spawn("worker", [sys.executable, "-m", "workers.main", *self.worker_args])
             self.wait_ready(timeout_s)
         except BaseException:
@@ -75,7 +80,11 @@ class LocalStack:
         return self._spawn(name, [sys.executable, "-m", "workers.main", *worker_args], env)
 
     def _spawn(
-        self, name: str, argv: list[str], env_overrides: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        env_overrides: dict[str, str] | None = None,
+        nice: int = 0,
     ) -> subprocess.Popen[bytes]:
         env = {**os.environ, **self.extra_env, **(env_overrides or {})}
         env["GGUFQ_REDIS_URL"] = self.redis_url
@@ -91,7 +100,7 @@ class LocalStack:
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             stdin=subprocess.DEVNULL,
-            preexec_fn=child_preexec,
+            preexec_fn=niced_child_preexec(nice),
         )
         self.procs.append((name, proc))
         return proc

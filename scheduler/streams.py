@@ -20,6 +20,7 @@ import redis.asyncio
 
 from scheduler import keys
 from scheduler.errors import GgufqError, JobCancelled
+from scheduler.procs import lower_thread_priority
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 log = logging.getLogger(__name__)
@@ -43,8 +44,9 @@ class ChunkWriter:
     in Redis.
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, nice: int = 0) -> None:
         self.r = client
+        self.nice = nice  # added to the writer thread's niceness (see procs.py)
         self._queue: queue.SimpleQueue[
             tuple[str, int, dict[str, Any], int] | threading.Event | None
         ]
@@ -65,6 +67,7 @@ class ChunkWriter:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        lower_thread_priority(self.nice)
         while True:
             batch = [self._queue.get()]
             while True:

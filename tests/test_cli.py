@@ -151,6 +151,14 @@ def test_up_runs_until_signal_and_leaves_no_orphans(
         children = _descendants(proc.pid)
         names = {Path(f"/proc/{c}/cmdline").read_text().replace("\0", " ") for c in children}
         assert any("redis-server" in n for n in names)  # the private Redis
+        # Redis and placement give way to the worker's llama.cpp threads (helper_nice 10)
+        base = os.getpriority(os.PRIO_PROCESS, proc.pid)
+        roles = {"redis-server": 10, "scheduler.service": 10, "workers.main": 0}
+        for child in children:
+            cmdline = Path(f"/proc/{child}/cmdline").read_text().replace("\0", " ")
+            for role, added in roles.items():
+                if role in cmdline:
+                    assert os.getpriority(os.PRIO_PROCESS, child) == min(19, base + added), role
         run = ggufq("run", "tiny", "hi", "-o", "num_predict=4", env={**env, "GGUFQ_REDIS_URL": ""})
         assert run.returncode == 0, run.stderr
         proc.send_signal(signum)

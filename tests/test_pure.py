@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
+
 import pytest
 
 from scheduler.durations import format_duration, parse_duration_s
 from scheduler.errors import InvalidRequest, ModelNotFound, error_from_code
 from scheduler.estimate import choose_num_ctx
 from scheduler.keepalive import ExpirySchedule, effective_keep_alive, expires_at
+from scheduler.procs import lower_thread_priority, niced_child_preexec
 from scheduler.protocol import check_model_name, parse_request
 from scheduler.sizes import parse_bytes
 
@@ -249,3 +255,26 @@ def test_tensor_split_follows_placements_blocks_per_gpu() -> None:
     assert tensor_split(["gpu:h:0", "gpu:h:2"], [10, 7]) == [10.0, 0.0, 8.0]  # +1: output
     assert tensor_split(["gpu:h:1"], [24]) is None  # one device: llama.cpp's own choice
     assert tensor_split(["vgpu:h:0", "vgpu:h:1"], [3, 4]) is None  # computed on the host
+
+
+def test_helper_threads_and_children_give_way() -> None:
+    seen: list[int] = []
+
+    def helper() -> None:
+        lower_thread_priority(3)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    thread = threading.Thread(target=helper)
+    thread.start()
+    thread.join()
+    assert seen == [min(19, base + 3)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # caller unchanged
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.nice(0))"],
+        preexec_fn=niced_child_preexec(5),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert int(child.stdout) == min(19, base + 5)
