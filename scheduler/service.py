@@ -225,9 +225,10 @@ class PlacementService:
         slots = req.options.num_parallel
         parallel = slots or self._slots(req.model)
         fa = self.settings.flash_attention
-        config = RunnerConfig.for_generation(num_ctx, parallel, fa)
         if req.kind == "embed":
             slots, config = None, RunnerConfig.for_embedding(num_ctx, fa)
+        else:
+            config = RunnerConfig.for_generation(num_ctx, parallel, fa)
         needs = JobNeeds(req.model, config.key(), estimate_bytes(info, config), num_parallel=slots)
         retry = score is not None
         order = score if score is not None else park_score(req, time.time())

@@ -56,15 +56,13 @@ class LocalStack:
 
     def start(self, timeout_s: float = 120.0) -> None:
         try:
-            if not self.redis_url:
-                self.redis = EmbeddedRedis(
-                    Path(self.settings.state_dir).expanduser() / "redis",
-                    nice=self.settings.helper_nice,
-                )
-                self.redis_url = self.redis.start()
-                write_runtime(self.settings, self.redis_url)
             # Redis and placement give way to the workers' llama.cpp threads on this host
             nice = self.settings.helper_nice
+            if not self.redis_url:
+                state = Path(self.settings.state_dir).expanduser()
+                self.redis = EmbeddedRedis(state / "redis", nice=nice)
+                self.redis_url = self.redis.start()
+                write_runtime(self.settings, self.redis_url)
             self._spawn("placement", [sys.executable, "-m", "scheduler.service"], nice=nice)
             self._spawn("worker", [sys.executable, "-m", "workers.main", *self.worker_args])
             self.wait_ready(timeout_s)

@@ -285,16 +285,18 @@ class Sampler:
         import llama_cpp as L
 
         self._L = L
-        params = L.llama_sampler_chain_default_params()
-        params.no_perf = True
-        self.chain = L.llama_sampler_chain_init(params)
-        for step in plan:
-            L.llama_sampler_chain_add(self.chain, _make_sampler(L, n_vocab, step))
-        for token in history:  # penalties count the prompt too, as Ollama and llama.cpp do
-            L.llama_sampler_accept(self.chain, token)
-        self.grammar = None
-        self._argmax = plan == [("greedy",)] and grammar is None
         self._n_vocab = n_vocab
+        self.chain = self.grammar = None
+        # plain greedy needs no chain: sample() takes the argmax itself
+        self._argmax = plan == [("greedy",)] and grammar is None
+        if not self._argmax:
+            params = L.llama_sampler_chain_default_params()
+            params.no_perf = True
+            self.chain = L.llama_sampler_chain_init(params)
+            for step in plan:
+                L.llama_sampler_chain_add(self.chain, _make_sampler(L, n_vocab, step))
+            for token in history:  # penalties count the prompt too, as Ollama and llama.cpp do
+                L.llama_sampler_accept(self.chain, token)
         if grammar is not None:
             self.grammar = L.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
             if not self.grammar:
