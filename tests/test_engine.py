@@ -22,9 +22,12 @@ from tests.conftest import needs_demo
 from tests.tinymodel import write_tiny_model
 from workers.engine import (
     Admission,
+    Feed,
     StopMatcher,
     Utf8Stream,
+    batch_rows,
     common_prefix,
+    prompt_take,
     sampler_plan,
     token_budget,
 )
@@ -510,6 +513,36 @@ def test_a_load_without_progress_is_abandoned(tiny_dir: Path) -> None:
             0,
             load_timeout_s=0.0,
         )
+
+
+def test_a_prompts_last_token_waits_for_the_next_step_while_others_decode() -> None:
+    assert prompt_take(9, 512, others_decode=True) == (8, False)
+    assert prompt_take(1, 512, others_decode=True) == (1, True)  # now it rides with them
+    assert prompt_take(9, 512, others_decode=False) == (9, True)  # alone: no reason to wait
+    assert prompt_take(9, 4, others_decode=True) == (4, False)  # a chunk of a long prompt
+    assert prompt_take(9, 4, others_decode=False) == (4, False)
+    assert prompt_take(2, 2, others_decode=False) == (2, True)
+
+
+def test_batch_rows_list_every_sequences_first_token_in_id_order_then_the_rest() -> None:
+    feeds = [
+        Feed(seq=0, tokens=[100], pos=40, output=True),  # running sequences
+        Feed(seq=3, tokens=[101], pos=12, output=True),
+        Feed(seq=2, tokens=[7, 8, 9], pos=0, output=False),  # joining: all but its last
+        Feed(seq=1, tokens=[5, 6], pos=4, output=True),  # a prompt's final chunk
+    ]
+    assert batch_rows(feeds) == [
+        (0, 100, 40, 0, True),
+        (3, 5, 4, 1, False),
+        (2, 7, 0, 2, False),
+        (1, 101, 12, 3, True),
+        (3, 6, 5, 1, True),
+        (2, 8, 1, 2, False),
+        (2, 9, 2, 2, False),
+    ]
+    # what llama.cpp then splits off first: one token of every sequence, ids 0..3 in a run
+    first = batch_rows(feeds)[: len(feeds)]
+    assert [row[3] for row in first] == [0, 1, 2, 3]
 
 
 def test_admission_prefers_the_slot_that_holds_the_prompts_start() -> None:

@@ -5,6 +5,9 @@ sequence slots (arrival order), fills one ``llama_batch`` with the next token of
 running sequence and as many prompt tokens of newly admitted ones as ``n_batch`` leaves
 room for, calls ``llama_decode`` once, and samples one token per sequence whose logits
 the step produced. Sequences retire as they finish and their slots go to the next job.
+The batch is laid out so that llama.cpp's split into micro-batches (one pass over the
+weights each) stays at one for running sequences and adds at most an output-less one for
+a joining prompt (:func:`batch_rows`, :func:`prompt_take`).
 
 Callers (one thread per job) prepare their job in their own thread (tokenizing, building
 the sampler chain, parsing a grammar), hand it to the loop and block until it ends.
@@ -235,6 +238,55 @@ def common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+@dataclass(frozen=True)
+class Feed:
+    """What one sequence puts into a decode step: ``tokens`` from position ``pos`` on, and
+    whether the last of them needs logits."""
+
+    seq: int
+    tokens: list[int]
+    pos: int
+    output: bool
+
+
+def prompt_take(left: int, room: int, others_decode: bool) -> tuple[int, bool]:
+    """How many of a prompt's ``left`` tokens go into this step (``room`` is what the
+    batch has left), and whether the last of them gets logits.
+
+    While other sequences decode, a prompt's last token waits for the next step, where it
+    rides in the one-token-per-sequence micro-batch with theirs: the rest of the prompt
+    then needs no logits, and llama.cpp evaluates its micro-batch without the output
+    layer (for a 262k vocabulary, most of a step's weights)."""
+    take = min(left, room)
+    if take < left:
+        return take, False
+    if others_decode and left >= 2:
+        return left - 1, False
+    return take, True
+
+
+def batch_rows(feeds: list[Feed]) -> list[tuple[int, int, int, int, bool]]:
+    """The rows of one ``llama_batch``, (feed index, token, pos, seq, logits): the first
+    token of every feed in sequence order, then the rest of each feed.
+
+    With one KV stream per sequence llama.cpp splits a batch into micro-batches of
+    consecutive sequence ids with equal token counts (``split_equal``), each a pass over
+    all weights. Listing each sequence's first token in id order keeps every sequence in
+    the first micro-batch; a joining sequence listed after the others would split the
+    running ones around its id into two."""
+    order = sorted(range(len(feeds)), key=lambda i: feeds[i].seq)
+    rows = []
+    for i in order:
+        f = feeds[i]
+        rows.append((i, f.tokens[0], f.pos, f.seq, f.output and len(f.tokens) == 1))
+    for i in order:
+        f = feeds[i]
+        last = len(f.tokens) - 1
+        for k in range(1, len(f.tokens)):
+            rows.append((i, f.tokens[k], f.pos + k, f.seq, f.output and k == last))
+    return rows
 
 
 def grammar_for(format: Format) -> str | None:
@@ -645,37 +697,35 @@ class Engine:
             self._advance(job, token, now)
 
     def _fill_batch(self) -> tuple[list[tuple[Job, int]], list[Job], int]:
-        """Decode tokens of running sequences first, then prompt tokens, up to n_batch."""
-        limit = self.size.n_batch
-        tokens, pos, seq_ids, logits = self._tokens, self._pos, self._seq_ids, self._logits
-        outputs: list[tuple[Job, int]] = []
-        in_batch: list[Job] = []
-        n = 0
-        for job in self._decoding(limit):
-            tokens[n], pos[n], seq_ids[n][0], logits[n] = job.next_token, job.pos, job.seq, 1
-            job.decoded.append(job.next_token)
-            outputs.append((job, n))
-            in_batch.append(job)
-            job.pos += 1
-            job.next_token = -1
-            n += 1
+        """Decode tokens of running sequences first, then prompt tokens, up to n_batch,
+        laid out by :func:`batch_rows`."""
+        decoding = self._decoding(self.size.n_batch)
+        feeds = [(job, Feed(job.seq, [job.next_token], job.pos, True)) for job in decoding]
+        room = self.size.n_batch - len(decoding)
         for job in self._active:
             left = len(job.tokens) - job.fed
-            if left <= 0 or n >= limit:
+            if left <= 0 or room <= 0:
                 continue
-            take = min(left, limit - n)
-            seq = job.seq
-            for i, token in enumerate(job.tokens[job.fed : job.fed + take], start=job.fed):
-                tokens[n], pos[n], seq_ids[n][0], logits[n] = token, i, seq, 0
-                n += 1
-            job.decoded += job.tokens[job.fed : job.fed + take]
-            job.fed += take
-            job.pos = job.fed
-            in_batch.append(job)
-            if job.fed == len(job.tokens):
-                logits[n - 1] = 1
-                outputs.append((job, n - 1))
-        return outputs, in_batch, n
+            take, output = prompt_take(left, room, bool(decoding))
+            chunk = job.tokens[job.fed : job.fed + take]
+            feeds.append((job, Feed(job.seq, chunk, job.fed, output)))
+            room -= take
+        tokens, pos, seq_ids, logits = self._tokens, self._pos, self._seq_ids, self._logits
+        outputs: list[tuple[Job, int]] = []
+        rows = batch_rows([feed for _, feed in feeds])
+        for n, (i, token, position, seq, output) in enumerate(rows):
+            tokens[n], pos[n], seq_ids[n][0], logits[n] = token, position, seq, output
+            if output:
+                outputs.append((feeds[i][0], n))
+        for job, feed in feeds:
+            job.decoded += feed.tokens
+            if job.next_token >= 0:
+                job.pos += 1
+                job.next_token = -1
+            else:
+                job.fed += len(feed.tokens)
+                job.pos = job.fed
+        return outputs, [job for job, _ in feeds], len(rows)
 
     def _decoding(self, limit: int) -> list[Job]:
         """Sequences with a token to decode, in slot order: llama.cpp reuses the previous
