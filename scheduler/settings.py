@@ -88,6 +88,14 @@ class Settings(BaseSettings):
         10.0, gt=0, description="A device without a heartbeat for this long is dropped."
     )
     stream_ttl_s: int = Field(3600, gt=0, description="How long a job's chunk record is kept.")
+    stream_interval_s: float = Field(
+        0.1,
+        ge=0,
+        le=5,
+        description="A worker writes streamed chunks to Redis at most this often: a job's "
+        "first chunk after a quiet spell and its last go out at once, the ones between "
+        "wait and go out together; 0 = at every token.",
+    )
     result_ttl_s: int = Field(86400, gt=0, description="How long a job's final result is kept.")
     worker_threads: int = Field(
         8,

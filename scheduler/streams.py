@@ -39,18 +39,23 @@ def add_chunk(pipe: Any, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: in
 class ChunkWriter:
     """Writes chunks from a background thread, so a decode loop never waits on Redis.
 
-    Chunks of all jobs go through one FIFO; whatever has queued up while a pipeline was in
-    flight goes out in the next one. ``flush`` waits until everything queued before it is
-    in Redis.
+    Chunks of all jobs go through one FIFO. The thread sends at most one pipeline every
+    ``interval_s``: the first chunk after a quiet spell goes out at once, the next ones
+    wait out the interval and go out together, so a runner streaming many sequences wakes
+    the writer and Redis a few times a second rather than at every decode step (each wake
+    takes a core from llama.cpp's threads mid-step). ``flush`` cuts the wait short and
+    returns once everything queued before it is in Redis.
     """
 
-    def __init__(self, client: redis.Redis, nice: int = 0) -> None:
+    def __init__(self, client: redis.Redis, nice: int = 0, interval_s: float = 0.0) -> None:
         self.r = client
         self.nice = nice  # added to the writer thread's niceness (see procs.py)
+        self.interval_s = interval_s
         self._queue: queue.SimpleQueue[
             tuple[str, int, dict[str, Any], int] | threading.Event | None
         ]
         self._queue = queue.SimpleQueue()
+        self._hurry = threading.Event()  # set by flush and close: write without waiting
         self._thread = threading.Thread(target=self._run, name="ggufq-chunks", daemon=True)
         self._thread.start()
 
@@ -60,16 +65,22 @@ class ChunkWriter:
     def flush(self, timeout_s: float = 30.0) -> bool:
         done = threading.Event()
         self._queue.put(done)
+        self._hurry.set()
         return done.wait(timeout_s)
 
     def close(self) -> None:
         self._queue.put(None)
+        self._hurry.set()
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
         lower_thread_priority(self.nice)
+        last = -float("inf")
         while True:
             batch = [self._queue.get()]
+            if isinstance(batch[0], tuple):  # a chunk: wait out the interval (or a flush)
+                self._hurry.wait(last + self.interval_s - time.monotonic())
+            self._hurry.clear()
             while True:
                 try:
                     batch.append(self._queue.get_nowait())
@@ -85,6 +96,7 @@ class ChunkWriter:
                 else:
                     add_chunk(pipe, *item)
             self._execute(pipe)
+            last = time.monotonic()
             for waiter in waiters:
                 waiter.set()
             if any(item is None for item in batch):

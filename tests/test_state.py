@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 
 import pytest
 import redis
 
 from scheduler import keys
 from scheduler.state import ClusterState, DeviceInfo
-from scheduler.streams import ChunkPublisher, publish_final, read_chunks
+from scheduler.streams import ChunkPublisher, ChunkWriter, publish_final, read_chunks
 
 GIB = 1 << 30
 
@@ -110,6 +112,31 @@ def test_stream_replays_for_late_and_reconnecting_readers(db: redis.Redis) -> No
     # A reader that reconnects after seq 2 gets 3, 4, 5 once each.
     assert [c["seq"] for c in read_chunks(db, "job1", 5, after_seq=2)] == [3, 4, 5]
     assert 0 < db.ttl(keys.job_chunks("job1")) <= 60
+
+
+def recorded(db: redis.Redis, job_id: str) -> list[str]:
+    return [json.loads(f[b"c"])["response"] for _id, f in db.xrange(keys.job_chunks(job_id))]
+
+
+def test_writer_sends_a_quiet_streams_first_chunk_at_once_and_batches_the_next(
+    db: redis.Redis,
+) -> None:
+    writer = ChunkWriter(db, interval_s=600.0)  # longer than this test: only flush hurries it
+    try:
+        pub = ChunkPublisher(db, "job3", ttl_s=60, writer=writer)
+        pub.publish({"response": "first"})
+        deadline = time.monotonic() + 10
+        while not recorded(db, "job3") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert recorded(db, "job3") == ["first"]  # after a quiet spell: at once
+        pub.publish({"response": "second"})
+        pub.publish({"response": "third"})
+        time.sleep(0.3)
+        assert recorded(db, "job3") == ["first"]  # these wait out the interval
+        assert writer.flush(timeout_s=10)  # a job's end does not wait
+        assert recorded(db, "job3") == ["first", "second", "third"]
+    finally:
+        writer.close()
 
 
 def test_final_from_another_process_continues_the_sequence(db: redis.Redis) -> None:

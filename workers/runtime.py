@@ -97,7 +97,7 @@ class WorkerRuntime:
         self._wake = threading.Condition()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.chunks = ChunkWriter(client, settings.helper_nice)
+        self.chunks = ChunkWriter(client, settings.helper_nice, settings.stream_interval_s)
         self.cancels = CancelWatcher(client)
 
     # -- lifecycle ------------------------------------------------------------------------
