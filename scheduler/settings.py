@@ -93,8 +93,8 @@ class Settings(BaseSettings):
         ge=0,
         le=5,
         description="A worker writes streamed chunks to Redis at most this often: a job's "
-        "first chunk after a quiet spell and its last go out at once, the ones between "
-        "wait and go out together; 0 = at every token.",
+        "first chunk and its last go out at once, the ones between wait and go out "
+        "together; 0 = at every token.",
     )
     result_ttl_s: int = Field(86400, gt=0, description="How long a job's final result is kept.")
     worker_threads: int = Field(

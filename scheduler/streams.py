@@ -40,8 +40,8 @@ class ChunkWriter:
     """Writes chunks from a background thread, so a decode loop never waits on Redis.
 
     Chunks of all jobs go through one FIFO. The thread sends at most one pipeline every
-    ``interval_s``: the first chunk after a quiet spell goes out at once, the next ones
-    wait out the interval and go out together, so a runner streaming many sequences wakes
+    ``interval_s``: a job's first chunk, and any after a quiet spell, go out at once, the
+    next ones wait out the interval and go out together, so a runner streaming many sequences wakes
     the writer and Redis a few times a second rather than at every decode step (each wake
     takes a core from llama.cpp's threads mid-step). ``flush`` cuts the wait short and
     returns once everything queued before it is in Redis.
@@ -61,6 +61,8 @@ class ChunkWriter:
 
     def put(self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int) -> None:
         self._queue.put((job_id, seq, chunk, ttl_s))
+        if seq == 1:  # a job's first chunk (its time to first token) does not wait
+            self._hurry.set()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         done = threading.Event()
@@ -86,30 +88,42 @@ class ChunkWriter:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            pipe = self.r.pipeline(transaction=False)
-            waiters = []
-            for item in batch:
-                if item is None:
-                    continue
-                if isinstance(item, threading.Event):
-                    waiters.append(item)
-                else:
-                    add_chunk(pipe, *item)
-            self._execute(pipe)
+            chunks = [item for item in batch if isinstance(item, tuple)]
+            waiters = [item for item in batch if isinstance(item, threading.Event)]
+            if chunks:
+                self._write(chunks)
             last = time.monotonic()
             for waiter in waiters:
                 waiter.set()
             if any(item is None for item in batch):
                 return
 
-    def _execute(self, pipe: Any) -> None:
+    def _write(self, chunks: list[tuple[str, int, dict[str, Any], int]]) -> None:
+        """One pipeline for ``chunks``, tried three times. redis-py empties a pipeline
+        once it has run, so each try builds it again; an entry a failed try had already
+        added is refused as a duplicate id (ignored here), and a repeated PUBLISH is
+        dropped by readers, which go by ``seq``."""
         for attempt in range(3):
+            pipe = self.r.pipeline(transaction=False)
+            for chunk in chunks:
+                add_chunk(pipe, *chunk)
             try:
-                pipe.execute()
-                return
+                results = pipe.execute(raise_on_error=False)
             except redis.RedisError as exc:
-                log.warning("writing chunks failed (attempt %d): %s", attempt + 1, exc)
-                time.sleep(0.2 * (attempt + 1))
+                problem = str(exc)
+            else:
+                failed = [r for r in results if isinstance(r, Exception) and not _dup(r)]
+                if not failed:
+                    return
+                problem = str(failed[0])
+            log.warning("writing %d chunks failed (try %d): %s", len(chunks), attempt + 1, problem)
+            time.sleep(0.2 * (attempt + 1))
+        log.error("gave up writing %d chunks; their readers will time out", len(chunks))
+
+
+def _dup(error: Exception) -> bool:
+    """XADD's answer to an entry id the stream already has (a retried write)."""
+    return "equal or smaller" in str(error)
 
 
 class ChunkPublisher:

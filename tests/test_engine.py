@@ -150,16 +150,19 @@ def tiny(directory: Path, arch: str = "llama") -> str:
     return str(path)
 
 
-def make_runner(path: str, parallel: int, num_ctx: int = 256) -> Runner:
-    return Runner("r", "tiny", path, RunnerConfig(num_ctx, parallel), ["cpu:t"], 0, None, 0)
+def make_runner(path: str, parallel: int, num_ctx: int = 256, n_batch: int = 512) -> Runner:
+    config = RunnerConfig(num_ctx, parallel, n_batch=n_batch, n_ubatch=n_batch)
+    return Runner("r", "tiny", path, config, ["cpu:t"], 0, None, 0)
 
 
 @pytest.fixture()
 def runner_factory(tiny_dir: Path) -> Iterator[Callable[..., Runner]]:
     made: list[Runner] = []
 
-    def factory(parallel: int = 2, num_ctx: int = 256, arch: str = "llama") -> Runner:
-        made.append(make_runner(tiny(tiny_dir, arch), parallel, num_ctx))
+    def factory(
+        parallel: int = 2, num_ctx: int = 256, arch: str = "llama", n_batch: int = 512
+    ) -> Runner:
+        made.append(make_runner(tiny(tiny_dir, arch), parallel, num_ctx, n_batch))
         return made[-1]
 
     yield factory
@@ -219,6 +222,18 @@ def test_greedy_output_is_the_same_alone_and_in_a_batch(
     alone = [runner.generate(p, options, lambda _t: None).text for p in prompts]
     batched = [s.text for s in run_all(runner, prompts, options)]
     assert batched == alone
+
+
+def test_prompts_fed_in_chunks_beside_running_sequences_answer_as_alone(
+    runner_factory: Callable[..., Runner],
+) -> None:
+    # n_batch 5 with 4 slots: long prompts go in over several steps, their last token a
+    # step after the rest while others decode
+    runner = runner_factory(4, n_batch=5)
+    options = Options(num_predict=16, temperature=0, repeat_penalty=1.0)
+    prompts = [PROMPTS[2], "a", PROMPTS[0], PROMPTS[2] + " again", "of the and", "xyz"]
+    alone = [runner.generate(p, options, lambda _t: None).text for p in prompts]
+    assert [s.text for s in run_all(runner, prompts, options)] == alone
 
 
 def greedy_through_llama_cpp(options: Options, num_ctx: int) -> list[tuple[Any, ...]]:

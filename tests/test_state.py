@@ -139,6 +139,25 @@ def test_writer_sends_a_quiet_streams_first_chunk_at_once_and_batches_the_next(
         writer.close()
 
 
+def test_writer_sends_every_jobs_first_chunk_at_once_while_others_stream(
+    db: redis.Redis,
+) -> None:
+    writer = ChunkWriter(db, interval_s=600.0)
+    try:
+        busy = ChunkPublisher(db, "job4", ttl_s=60, writer=writer)
+        busy.publish({"response": "a"})
+        assert writer.flush(timeout_s=10)
+        busy.publish({"response": "b"})  # waits out the interval...
+        ChunkPublisher(db, "job5", ttl_s=60, writer=writer).publish({"response": "hi"})
+        deadline = time.monotonic() + 10
+        while not recorded(db, "job5") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert recorded(db, "job5") == ["hi"]  # ...but a new job's first token does not
+        assert recorded(db, "job4") == ["a", "b"]  # and takes what waited before it along
+    finally:
+        writer.close()
+
+
 def test_final_from_another_process_continues_the_sequence(db: redis.Redis) -> None:
     pub = ChunkPublisher(db, "job2", ttl_s=60)
     pub.publish({"response": "x"})

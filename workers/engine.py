@@ -273,9 +273,10 @@ def batch_rows(feeds: list[Feed]) -> list[tuple[int, int, int, int, bool]]:
 
     With one KV stream per sequence llama.cpp splits a batch into micro-batches of
     consecutive sequence ids with equal token counts (``split_equal``), each a pass over
-    all weights. Listing each sequence's first token in id order keeps every sequence in
-    the first micro-batch; a joining sequence listed after the others would split the
-    running ones around its id into two."""
+    all weights. Listing each sequence's first token in id order keeps sequences in
+    adjacent slots in the first micro-batch; a joining sequence listed after the others
+    would split the running ones around its id into two. (A free slot between running
+    ones still splits them: ids 0, 1, 3 make {0, 1} and {3}.)"""
     order = sorted(range(len(feeds)), key=lambda i: feeds[i].seq)
     rows = []
     for i in order:
