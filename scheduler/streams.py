@@ -40,11 +40,11 @@ class ChunkWriter:
     """Writes chunks from a background thread, so a decode loop never waits on Redis.
 
     Chunks of all jobs go through one FIFO. The thread sends at most one pipeline every
-    ``interval_s``: a job's first chunk, and any after a quiet spell, go out at once, the
-    next ones wait out the interval and go out together, so a runner streaming many sequences wakes
-    the writer and Redis a few times a second rather than at every decode step (each wake
-    takes a core from llama.cpp's threads mid-step). ``flush`` cuts the wait short and
-    returns once everything queued before it is in Redis.
+    ``interval_s``: a job's first chunk, and any after a quiet spell, go out at once; the
+    next ones wait out the interval and go out together, so a runner streaming many
+    sequences wakes the writer and Redis a few times a second rather than at every decode
+    step (each wake takes a core from llama.cpp's threads mid-step). ``flush`` cuts the
+    wait short and returns once everything queued before it is in Redis.
     """
 
     def __init__(self, client: redis.Redis, nice: int = 0, interval_s: float = 0.0) -> None:

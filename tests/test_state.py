@@ -118,6 +118,14 @@ def recorded(db: redis.Redis, job_id: str) -> list[str]:
     return [json.loads(f[b"c"])["response"] for _id, f in db.xrange(keys.job_chunks(job_id))]
 
 
+def recorded_soon(db: redis.Redis, job_id: str, within_s: float = 10.0) -> list[str]:
+    """What the job's stream holds once it holds anything (or after ``within_s``)."""
+    deadline = time.monotonic() + within_s
+    while not recorded(db, job_id) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return recorded(db, job_id)
+
+
 def test_writer_sends_a_quiet_streams_first_chunk_at_once_and_batches_the_next(
     db: redis.Redis,
 ) -> None:
@@ -125,10 +133,7 @@ def test_writer_sends_a_quiet_streams_first_chunk_at_once_and_batches_the_next(
     try:
         pub = ChunkPublisher(db, "job3", ttl_s=60, writer=writer)
         pub.publish({"response": "first"})
-        deadline = time.monotonic() + 10
-        while not recorded(db, "job3") and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert recorded(db, "job3") == ["first"]  # after a quiet spell: at once
+        assert recorded_soon(db, "job3") == ["first"]  # after a quiet spell: at once
         pub.publish({"response": "second"})
         pub.publish({"response": "third"})
         time.sleep(0.3)
@@ -149,10 +154,7 @@ def test_writer_sends_every_jobs_first_chunk_at_once_while_others_stream(
         assert writer.flush(timeout_s=10)
         busy.publish({"response": "b"})  # waits out the interval...
         ChunkPublisher(db, "job5", ttl_s=60, writer=writer).publish({"response": "hi"})
-        deadline = time.monotonic() + 10
-        while not recorded(db, "job5") and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert recorded(db, "job5") == ["hi"]  # ...but a new job's first token does not
+        assert recorded_soon(db, "job5") == ["hi"]  # ...but a new job's first token does not
         assert recorded(db, "job4") == ["a", "b"]  # and takes what waited before it along
     finally:
         writer.close()

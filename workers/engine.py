@@ -698,8 +698,8 @@ class Engine:
             self._advance(job, token, now)
 
     def _fill_batch(self) -> tuple[list[tuple[Job, int]], list[Job], int]:
-        """Decode tokens of running sequences first, then prompt tokens, up to n_batch,
-        laid out by :func:`batch_rows`."""
+        """The next token of every running sequence, then prompt tokens as :func:`prompt_take`
+        allows in the room n_batch leaves, laid out by :func:`batch_rows`."""
         decoding = self._decoding(self.size.n_batch)
         feeds = [(job, Feed(job.seq, [job.next_token], job.pos, True)) for job in decoding]
         room = self.size.n_batch - len(decoding)
