@@ -36,6 +36,16 @@ def add_chunk(pipe: Any, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: in
         pipe.expire(stream, ttl_s)
 
 
+class Pending:
+    """A chunk queued in a :class:`ChunkWriter`; text may join it until the writer takes it."""
+
+    __slots__ = ("job_id", "seq", "chunk", "ttl_s", "taken")
+
+    def __init__(self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int) -> None:
+        self.job_id, self.seq, self.chunk, self.ttl_s = job_id, seq, chunk, ttl_s
+        self.taken = False
+
+
 class ChunkWriter:
     """Writes chunks from a background thread, so a decode loop never waits on Redis.
 
@@ -43,7 +53,9 @@ class ChunkWriter:
     ``interval_s``: a job's first chunk, and any after a quiet spell, go out at once; the
     next ones wait out the interval and go out together, so a runner streaming many
     sequences wakes the writer and Redis a few times a second rather than at every decode
-    step (each wake takes a core from llama.cpp's threads mid-step). ``flush`` cuts the
+    step (each wake takes a core from llama.cpp's threads mid-step). Text published while
+    the job's previous chunk still waits joins that chunk (:meth:`extend`): one entry and
+    one message instead of one per token, for Redis and for the reader. ``flush`` cuts the
     wait short and returns once everything queued before it is in Redis.
     """
 
@@ -51,18 +63,30 @@ class ChunkWriter:
         self.r = client
         self.nice = nice  # added to the writer thread's niceness (see procs.py)
         self.interval_s = interval_s
-        self._queue: queue.SimpleQueue[
-            tuple[str, int, dict[str, Any], int] | threading.Event | None
-        ]
+        self._queue: queue.SimpleQueue[Pending | threading.Event | None]
         self._queue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # between extend and the writer taking a batch
         self._hurry = threading.Event()  # set by flush and close: write without waiting
         self._thread = threading.Thread(target=self._run, name="ggufq-chunks", daemon=True)
         self._thread.start()
 
-    def put(self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int) -> None:
-        self._queue.put((job_id, seq, chunk, ttl_s))
+    def put(self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int) -> Pending:
+        pending = Pending(job_id, seq, dict(chunk), ttl_s)
+        self._queue.put(pending)
         if seq == 1:  # a job's first chunk (its time to first token) does not wait
             self._hurry.set()
+        return pending
+
+    def extend(self, pending: Pending | None, chunk: dict[str, Any]) -> bool:
+        """Add a text-only chunk's text to ``pending`` if that is text-only too and still
+        queued; False when it has to be a chunk of its own."""
+        if pending is None or chunk.keys() != {"response"}:
+            return False
+        with self._lock:
+            if pending.taken or pending.chunk.keys() != {"response"}:
+                return False
+            pending.chunk["response"] += chunk["response"]
+            return True
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         done = threading.Event()
@@ -80,7 +104,7 @@ class ChunkWriter:
         last = -float("inf")
         while True:
             batch = [self._queue.get()]
-            if isinstance(batch[0], tuple):  # a chunk: wait out the interval (or a flush)
+            if isinstance(batch[0], Pending):  # a chunk: wait out the interval (or a flush)
                 self._hurry.wait(last + self.interval_s - time.monotonic())
             self._hurry.clear()
             while True:
@@ -88,7 +112,10 @@ class ChunkWriter:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            chunks = [item for item in batch if isinstance(item, tuple)]
+            chunks = [item for item in batch if isinstance(item, Pending)]
+            with self._lock:
+                for chunk in chunks:
+                    chunk.taken = True
             waiters = [item for item in batch if isinstance(item, threading.Event)]
             if chunks:
                 self._write(chunks)
@@ -98,15 +125,15 @@ class ChunkWriter:
             if any(item is None for item in batch):
                 return
 
-    def _write(self, chunks: list[tuple[str, int, dict[str, Any], int]]) -> None:
+    def _write(self, chunks: list[Pending]) -> None:
         """One pipeline for ``chunks``, tried three times. redis-py empties a pipeline
         once it has run, so each try builds it again; an entry a failed try had already
         added is refused as a duplicate id (ignored here), and a repeated PUBLISH is
         dropped by readers, which go by ``seq``."""
         for attempt in range(3):
             pipe = self.r.pipeline(transaction=False)
-            for chunk in chunks:
-                add_chunk(pipe, *chunk)
+            for c in chunks:
+                add_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s)
             try:
                 results = pipe.execute(raise_on_error=False)
             except redis.RedisError as exc:
@@ -137,12 +164,16 @@ class ChunkPublisher:
         self.ttl_s = ttl_s
         self.writer = writer
         self.seq = 0
+        self._pending: Pending | None = None  # the last chunk put to the writer
 
     def publish(self, chunk: dict[str, Any]) -> None:
-        self.seq += 1
         if self.writer is not None:
-            self.writer.put(self.job_id, self.seq, chunk, self.ttl_s)
+            if self.writer.extend(self._pending, chunk):
+                return
+            self.seq += 1
+            self._pending = self.writer.put(self.job_id, self.seq, chunk, self.ttl_s)
             return
+        self.seq += 1
         pipe = self.r.pipeline(transaction=False)
         add_chunk(pipe, self.job_id, self.seq, chunk, self.ttl_s)
         pipe.execute()
@@ -191,8 +222,13 @@ class ChunkOrder:
     """What a reader of a job's chunks does next, without I/O (both readers below use it).
 
     Chunks come first from the job's stream record (XRANGE, a backfill), then from pub/sub.
-    A chunk out of order, or a quiet second, means one may have been lost: backfill again.
+    A chunk out of order, or a quiet spell, means one may have been lost: backfill again.
+    The quiet spell doubles from 1 s up to ``QUIET_MAX_S`` while nothing comes (a job waiting
+    for a slot would otherwise wake its reader and Redis every second) and is 1 s again
+    after each chunk.
     """
+
+    QUIET_MAX_S = 8.0
 
     def __init__(
         self,
@@ -206,6 +242,7 @@ class ChunkOrder:
         self.last = after_seq
         self.backfill = True  # subscribed first, so the record holds all we could have missed
         self.done = False
+        self.quiet_s = 1.0
         self.deadline = None if timeout_s is None else self.clock() + timeout_s
 
     @property
@@ -228,8 +265,8 @@ class ChunkOrder:
     def wait_s(self) -> float:
         """How long to wait for the next message; TimeoutError when the time is up."""
         if self.deadline is None:
-            return 1.0
-        wait = min(1.0, self.deadline - self.clock())
+            return self.quiet_s
+        wait = min(self.quiet_s, self.deadline - self.clock())
         if wait <= 0:
             raise TimeoutError(f"no chunk of job {self.job_id} for {self.timeout_s} s")
         return wait
@@ -238,7 +275,9 @@ class ChunkOrder:
         """The chunk to yield, if the message carries the next one."""
         if message is None:
             self.backfill = True  # quiet for a while: re-check the record in case we lost one
+            self.quiet_s = min(self.quiet_s * 2, self.QUIET_MAX_S)
             return None
+        self.quiet_s = 1.0
         chunk = json.loads(message["data"])
         if chunk["seq"] != self.last + 1:
             self.backfill = chunk["seq"] > self.last + 1

@@ -16,6 +16,7 @@ from scheduler.keepalive import ExpirySchedule, effective_keep_alive, expires_at
 from scheduler.procs import lower_thread_priority, niced_child_preexec
 from scheduler.protocol import check_model_name, parse_request
 from scheduler.sizes import parse_bytes
+from scheduler.streams import ChunkOrder
 
 
 @pytest.mark.parametrize(
@@ -278,3 +279,27 @@ def test_helper_threads_and_children_give_way() -> None:
         check=True,
     )
     assert int(child.stdout) == min(19, base + 5)
+
+
+def test_a_quiet_reader_backs_off_and_is_brisk_again_after_a_chunk() -> None:
+    now = [0.0]
+    order = ChunkOrder("j", timeout_s=None, clock=lambda: now[0])
+    order.from_record([])
+    waits = []
+    for _ in range(6):
+        waits.append(order.wait_s())
+        assert order.from_message(None) is None and order.backfill  # re-check the record
+        order.from_record([])
+    assert waits == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    assert order.from_message({"data": '{"seq": 1, "response": "a"}'})["response"] == "a"
+    assert order.wait_s() == 1.0
+    # a job's timeout still bounds every wait, however long the quiet spell
+    timed = ChunkOrder("j", timeout_s=3.0, clock=lambda: now[0])
+    for _ in range(3):
+        timed.from_message(None)
+    now[0] = 1.0
+    assert timed.wait_s() == 2.0
+    now[0] = 3.0
+    with pytest.raises(TimeoutError, match="no chunk of job j for 3.0 s"):
+        timed.wait_s()
+

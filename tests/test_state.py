@@ -134,12 +134,15 @@ def test_writer_sends_a_quiet_streams_first_chunk_at_once_and_batches_the_next(
         pub = ChunkPublisher(db, "job3", ttl_s=60, writer=writer)
         pub.publish({"response": "first"})
         assert recorded_soon(db, "job3") == ["first"]  # after a quiet spell: at once
-        pub.publish({"response": "second"})
+        pub.publish({"response": "second "})
         pub.publish({"response": "third"})
         time.sleep(0.3)
-        assert recorded(db, "job3") == ["first"]  # these wait out the interval
-        assert writer.flush(timeout_s=10)  # a job's end does not wait
-        assert recorded(db, "job3") == ["first", "second", "third"]
+        assert recorded(db, "job3") == ["first"]  # these wait out the interval...
+        pub.publish({"response": "", "done": True})
+        assert writer.flush(timeout_s=10)  # ...a job's end does not
+        # text that waited went out as one chunk; the final one stays a chunk of its own
+        assert recorded(db, "job3") == ["first", "second third", ""]
+        assert [c["seq"] for c in read_chunks(db, "job3", 5)] == [1, 2, 3]
     finally:
         writer.close()
 
