@@ -17,6 +17,7 @@ from scheduler.procs import lower_thread_priority, niced_child_preexec
 from scheduler.protocol import check_model_name, parse_request
 from scheduler.sizes import parse_bytes
 from scheduler.streams import ChunkOrder
+from workers.cpus import thread_counts
 
 
 @pytest.mark.parametrize(
@@ -303,3 +304,16 @@ def test_a_quiet_reader_backs_off_and_is_brisk_again_after_a_chunk() -> None:
     with pytest.raises(TimeoutError, match="no chunk of job j for 3.0 s"):
         timed.wait_s()
 
+
+@pytest.mark.parametrize(
+    ("cpus", "cores", "expected"),
+    [
+        ([0, 1], {0: "0", 1: "1"}, (2, 2)),  # two cores, no SMT: both threads for one token
+        ([0, 1, 2, 3], {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}, (2, 4)),  # SMT pairs
+        ([2], {2: "2-3"}, (1, 1)),  # a container allowed one CPU of the host's
+    ],
+)
+def test_llama_threads_follow_physical_cores_for_one_token_and_cpus_for_batches(
+    cpus: list[int], cores: dict[int, str], expected: tuple[int, int]
+) -> None:
+    assert thread_counts(cpus, cores.__getitem__) == expected

@@ -38,6 +38,7 @@ import numpy as np
 from scheduler.errors import GgufqError, InvalidRequest, JobFailed, LoadFailed
 from scheduler.estimate import RunnerConfig
 from scheduler.protocol import Options
+from workers.cpus import default_thread_counts
 from workers.loadwatch import LoadWatch
 
 log = logging.getLogger(__name__)
@@ -899,10 +900,9 @@ def _load(
     )
     cparams.swa_full = config.swa_full
     cparams.type_k = cparams.type_v = GGML_KV_TYPES[config.kv_type]
-    # llama-cpp-python's defaults: half the cores for one token, all of them for batches
-    cores = os.cpu_count() or 1
-    cparams.n_threads = n_threads or max(cores // 2, 1)
-    cparams.n_threads_batch = n_threads or cores
+    one_token, batch = default_thread_counts()  # a thread per physical core, per CPU
+    cparams.n_threads = n_threads or one_token
+    cparams.n_threads_batch = n_threads or batch
     ctx = L.llama_init_from_model(model, cparams)
     if not ctx:
         L.llama_model_free(model)
