@@ -64,10 +64,12 @@ def test_stream_read_after_the_job_finished_replays_everything(client: Client) -
 def test_stream_dropped_and_reopened_after_last_seq(client: Client) -> None:
     job = client.submit("tiny", "Once upon a time", options={**GREEDY, "num_predict": 64})
     first = job.stream(cancel_on_close=False)
-    seen = [next(first) for _ in range(3)]
+    # a chunk holds the tokens that waited for the worker's writer together, so a fast
+    # model may send only a few: one, then the rest after it, is what every job has
+    seen = [next(first)]
     first.close()  # the reader goes away; the job goes on
     last = seen[-1].seq
-    assert last == 3
+    assert last == 1 and not seen[-1].done
     rest = list(job.stream(after=last))
     assert rest[0].seq == last + 1
     assert "".join(c.response for c in seen) + text_of(rest) == job.result().response
@@ -92,8 +94,8 @@ def test_async_generate_stream_and_result(
         # a late reader, then one that drops and resumes after the last seq it saw
         late = [ch async for ch in job.stream()]
         assert text_of(late) == expected.response
-        resumed = [ch async for ch in job.stream(after=2)]
-        assert [(c.seq, c.response) for c in resumed] == [(c.seq, c.response) for c in late[2:]]
+        resumed = [ch async for ch in job.stream(after=1)]
+        assert [(c.seq, c.response) for c in resumed] == [(c.seq, c.response) for c in late[1:]]
 
     run(stack, settings, body)
 
@@ -142,7 +144,7 @@ def test_async_cancel_and_leaving_a_stream(stack: LocalStack, settings: Settings
         # cancelled races with it; what the client owes is the cancel request.
         left = await c.submit("tiny", "Count to a thousand:", options=LONG)
         async for chunk in left.stream():
-            if chunk.seq == 3:
+            if chunk.seq == 1:
                 break  # as a client that goes away: the collected stream cancels the job
         assert await until(lambda: c.r.exists(keys.cancel_flag(left.id)))
         closed = await c.submit("tiny", "Count to a thousand:", options=LONG)

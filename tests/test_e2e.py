@@ -49,7 +49,7 @@ def test_stream_yields_chunks_then_final_and_result_has_whole_text(client: Clien
     job = client.submit("tiny", "Once upon a time", options=GREEDY)
     chunks = list(job.stream())
     assert chunks[-1].done and not any(c.done for c in chunks[:-1])
-    assert len(chunks) >= 3
+    assert len(chunks) >= 2  # text (a chunk holds one token or a few), then the final one
     streamed = "".join(c.response for c in chunks[:-1])
     final = job.result()
     assert final.response == streamed
