@@ -18,7 +18,7 @@ from pathlib import Path
 def thread_counts(cpus: Iterable[int], core_of: Callable[[int], str]) -> tuple[int, int]:
     """(threads for one token, threads for a batch) given the usable ``cpus`` and a function
     naming each CPU's physical core (SMT siblings share one name)."""
-    usable = sorted(set(cpus))
+    usable = set(cpus)
     physical = {core_of(cpu) for cpu in usable}
     return max(len(physical), 1), max(len(usable), 1)
 
