@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 
 def thread_counts(cpus: Iterable[int], core_of: Callable[[int], str]) -> tuple[int, int]:
@@ -41,3 +43,47 @@ def default_thread_counts() -> tuple[int, int]:
     except (AttributeError, OSError):  # no affinity API (not Linux)
         cpus = range(os.cpu_count() or 1)
     return thread_counts(cpus, _core_of)
+
+
+def extra_buffers_safe(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether llama.cpp may repack weights into its extra CPU buffer types.
+
+    Not where the CPU has AMX: llama.cpp's AMX matrix multiply crashes the process on the
+    first token of Q4_K_M models on such CPUs (ggml-org/llama.cpp#20824, still open; seen
+    on this project's Sapphire Rapids CI machines). Without extra buffers those weights stay
+    in the plain CPU buffer, which every CPU computes correctly.
+    """
+    try:
+        flags = cpuinfo.read_text()
+    except OSError:
+        return True
+    return " amx_int8" not in flags and " amx_tile" not in flags
+
+
+def guard_extra_buffers(*modules: ModuleType) -> None:
+    """Make every model this process loads through ``modules`` (llama_cpp and its low-level
+    module: llama-cpp-python's ``Llama`` reads the defaults from the latter) skip the extra
+    CPU buffers where :func:`extra_buffers_safe` says they crash."""
+    if extra_buffers_safe():
+        return
+    for module in modules:
+        original = module.llama_model_default_params
+        if getattr(original, "guarded", False):
+            continue
+
+        def defaults(original: Callable[[], Any] = original) -> Any:
+            params = original()
+            params.use_extra_bufts = False
+            return params
+
+        defaults.guarded = True  # type: ignore[attr-defined]
+        setattr(module, "llama_model_default_params", defaults)  # noqa: B010
+
+
+def llama() -> ModuleType:
+    """llama_cpp, imported on first use (it is heavy), with :func:`guard_extra_buffers`."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as low_level
+
+    guard_extra_buffers(llama_cpp, low_level)
+    return llama_cpp

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from scheduler.errors import InvalidRequest
 from scheduler.estimate import RunnerConfig
+from workers.cpus import llama
 from workers.resident import Resident
 
 POOLING_MEAN = 1
@@ -32,8 +33,7 @@ class Embedder(Resident):
         keep_alive_s: float,
         pooling_type: int = -1,
     ) -> None:
-        from llama_cpp import Llama  # heavy import: only in processes that run models
-
+        Llama = llama().Llama  # heavy import: only in processes that run models
         super().__init__(runner_id, model, config, device_ids, keep_alive_s)
         self.turn = threading.Lock()
         self.llm = self.timed_load(

@@ -38,7 +38,7 @@ import numpy as np
 from scheduler.errors import GgufqError, InvalidRequest, JobFailed, LoadFailed
 from scheduler.estimate import RunnerConfig
 from scheduler.protocol import Options
-from workers.cpus import default_thread_counts
+from workers.cpus import default_thread_counts, llama
 from workers.loadwatch import LoadWatch
 
 log = logging.getLogger(__name__)
@@ -525,8 +525,7 @@ class Engine:
         load_timeout_s: float = 300.0,
         split: list[float] | None = None,
     ) -> None:
-        import llama_cpp as L
-
+        L = llama()
         _init_backend(L)
         self._L = L
         self.name = name or os.path.basename(path)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.estimate import RunnerConfig
+from workers.cpus import llama
 from workers.runner import GGML_KV_TYPES
 
 MIB = 1 << 20
@@ -67,8 +68,7 @@ def measure(
     kv_unified: bool = False,
     n_outputs_max: int = 0,
 ) -> Measured:
-    import llama_cpp
-
+    llama_cpp = llama()
     lines: list[str] = []
 
     @llama_cpp.llama_log_callback  # type: ignore[misc]
