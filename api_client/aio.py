@@ -30,7 +30,7 @@ from api_client.client import Client, Job, Messages
 from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Message, Options
 from scheduler.settings import Settings
-from scheduler.streams import aread_chunks
+from scheduler.store.streams import aread_chunks
 
 
 class AsyncJob:

@@ -33,7 +33,7 @@ from scheduler.errors import (
     ServerBusy,
 )
 from scheduler.protocol import GenerateResponse, Options, check_model_name
-from scheduler.streams import progress
+from scheduler.store.streams import progress
 
 if TYPE_CHECKING:
     from celery import Celery

@@ -11,9 +11,6 @@ from typing import TYPE_CHECKING, Any, Literal, cast, overload
 import redis
 from celery.result import AsyncResult
 
-from scheduler import keys
-from scheduler.cancel import request_cancel
-from scheduler.celery_app import ask_unload, make_app, send_job
 from scheduler.errors import (
     GgufqError,
     JobCancelled,
@@ -22,8 +19,7 @@ from scheduler.errors import (
     NoWorkers,
     error_from_code,
 )
-from scheduler.localstack import resolve_redis_url
-from scheduler.parking import ParkedJobs
+from scheduler.placement.parking import ParkedJobs
 from scheduler.protocol import (
     EmbedResponse,
     GenerateResponse,
@@ -34,8 +30,12 @@ from scheduler.protocol import (
 )
 from scheduler.protocol import parse_request as _parse
 from scheduler.settings import Settings, get_settings
-from scheduler.state import ClusterState
-from scheduler.streams import read_chunks
+from scheduler.store import keys
+from scheduler.store.cancel import request_cancel
+from scheduler.store.celery_app import ask_unload, make_app, send_job
+from scheduler.store.connection import resolve_redis_url
+from scheduler.store.state import ClusterState
+from scheduler.store.streams import read_chunks
 
 if TYPE_CHECKING:
     from api_client.batch import BatchInput, BatchSummary
@@ -343,7 +343,7 @@ class Client:
     def models(self) -> list[dict[str, Any]]:
         """The models jobs can name (GGUFQ_MODELS_DIR as this process sees it, plus the demo
         model): name, path, GGUF metadata, or ``error`` saying why a file is unusable."""
-        from scheduler.registry import Registry
+        from scheduler.gguf.registry import Registry
 
         return [
             {

@@ -144,7 +144,7 @@ def all_at_once(name: str, texts: list[str], job: Callable[[int, float], tuple])
 
 
 def engine(path: str, texts: list[str], tokens: int, parallel: int) -> Run:
-    from scheduler.estimate import RunnerConfig
+    from scheduler.gguf.estimate import RunnerConfig
     from scheduler.protocol import Options
     from scheduler.settings import get_settings
     from workers.runner import Runner
@@ -175,7 +175,7 @@ def bare(path: str, texts: list[str], tokens: int, parallel: int) -> Run:
     one batch, then one llama_decode per step, greedy, no scheduling and no streaming."""
     import llama_cpp as L
 
-    from scheduler.estimate import RunnerConfig
+    from scheduler.gguf.estimate import RunnerConfig
     from scheduler.settings import get_settings
     from workers.engine import Engine
 
@@ -244,8 +244,8 @@ def through_system(
     """``around(redis_url)``, when given, is entered just before the burst and left just
     after it (bench/burst_cpu.py accounts for the CPU there)."""
     from api_client import Client
+    from scheduler.local.stack import LocalStack
     from scheduler.settings import Settings
-    from scheduler.stack import LocalStack
 
     state = Path(tempfile.mkdtemp(prefix="ggufq-bench-"))
     env = {
@@ -415,7 +415,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from scheduler.registry import demo_model_path
+    from scheduler.gguf.registry import demo_model_path
 
     path = str(demo_model_path())
     texts = prompts(args.prompts)

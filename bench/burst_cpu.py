@@ -24,7 +24,7 @@ from typing import Any
 import batch_throughput as bt
 import redis
 
-from scheduler import streams
+from scheduler.store import streams
 
 HZ = os.sysconf("SC_CLK_TCK")
 

@@ -26,18 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler.decision import (  # noqa: E402
-    DeviceState,
-    Evict,
-    JobNeeds,
-    Load,
-    Route,
-    RunnerState,
-    Snapshot,
-    VictimKey,
-    decayed,
-    decide,
-)
+from scheduler.cluster import DeviceState, RunnerState, Snapshot, decayed  # noqa: E402
+from scheduler.placement.decision import Evict, JobNeeds, Load, Route, VictimKey, decide  # noqa: E402
 
 GIB = 1 << 30
 KEEP_ALIVE = 300.0

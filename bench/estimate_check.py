@@ -1,7 +1,7 @@
 """Validate the memory estimator against what llama.cpp really allocates (CPU, this machine).
 
 For each model and configuration it loads the model with llama.cpp, reads the buffer sizes
-llama.cpp logs, and compares them with ``scheduler.estimate`` per component. Models: tiny
+llama.cpp logs, and compares them with ``scheduler.gguf.estimate`` per component. Models: tiny
 generated llama (grouped-query attention, two sizes), qwen2 and gemma3 (sliding window),
 plus the demo model (gemma3 270M) when installed. Grid: num_ctx {512, 2048, 8192} ×
 num_parallel {1, 4} × flash attention {off, on} × KV type {f16, q8_0}.
@@ -25,15 +25,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler.calibration import CALIBRATED, ComputeConstants  # noqa: E402
-from scheduler.estimate import (  # noqa: E402
+from scheduler.gguf.calibration import CALIBRATED, ComputeConstants  # noqa: E402
+from scheduler.gguf.estimate import (  # noqa: E402
     MIB,
     RunnerConfig,
     compute_model_bytes,
     estimate,
 )
-from scheduler.ggufmeta import ModelInfo, read_model_info  # noqa: E402
-from scheduler.registry import demo_installed, demo_model_path  # noqa: E402
+from scheduler.gguf.metadata import ModelInfo, read_model_info  # noqa: E402
+from scheduler.gguf.registry import demo_installed, demo_model_path  # noqa: E402
 from tests.tinymodel import calibration_models  # noqa: E402
 from workers.measure import Measured, measure_config  # noqa: E402
 

@@ -60,9 +60,9 @@ def main() -> None:
     from llama_cpp import Llama
 
     from api_client import Client
-    from scheduler.registry import demo_model_path
+    from scheduler.gguf.registry import demo_model_path
+    from scheduler.local.stack import LocalStack
     from scheduler.settings import Settings
-    from scheduler.stack import LocalStack
 
     path = demo_model_path()
     state = Path(tempfile.mkdtemp(prefix="ggufq-bench-"))

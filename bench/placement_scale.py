@@ -5,7 +5,7 @@ and 5,000 runners in the snapshot.
 
 Targets: decision p50 <= 1 ms; end to end through Redis (snapshot, decision, atomic
 reservation) p50 <= 3 ms. The end-to-end path reads the snapshot through the placement
-service's change-log cache (scheduler/snapcache.py); the full re-read of every hash per
+service's change-log cache (scheduler/placement/snapcache.py); the full re-read of every hash per
 placement is measured too, as the baseline. Prints a table, then one JSON line.
 """
 
@@ -25,18 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis  # noqa: E402
 
-from scheduler.decision import (  # noqa: E402
-    DeviceState,
-    JobNeeds,
-    Load,
-    Route,
-    RunnerState,
-    Snapshot,
-    decide,
-)
-from scheduler.embedded import EmbeddedRedis  # noqa: E402
-from scheduler.snapcache import SnapshotCache  # noqa: E402
-from scheduler.state import ClusterState, DeviceInfo  # noqa: E402
+from scheduler.cluster import DeviceInfo, DeviceState, RunnerState, Snapshot  # noqa: E402
+from scheduler.local.embedded import EmbeddedRedis  # noqa: E402
+from scheduler.placement.decision import JobNeeds, Load, Route, decide  # noqa: E402
+from scheduler.placement.snapcache import SnapshotCache  # noqa: E402
+from scheduler.store import keys  # noqa: E402
+from scheduler.store.state import ClusterState  # noqa: E402
 
 GIB = 1 << 30
 
@@ -70,7 +64,9 @@ def build(n_devices: int, n_runners: int, n_models: int, rng: random.Random) -> 
             )
         )
     devices = [
-        DeviceState(d.id, d.worker, d.queue, d.kind, d.total, d.reported_free, used[i])
+        DeviceState(
+            d.id, d.worker, keys.device_queue(d.id), d.kind, d.total, d.reported_free, used[i]
+        )
         for i, d in enumerate(devices)
     ]
     return Snapshot(devices, runners, 0)

@@ -21,8 +21,8 @@ from pydantic import (
     model_validator,
 )
 
-from scheduler.durations import parse_duration_s
 from scheduler.errors import InvalidRequest
+from scheduler.units import parse_duration_s
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

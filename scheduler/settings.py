@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from scheduler.durations import parse_duration_s
+from scheduler.units import parse_duration_s
 
 _HOME = Path.home() / ".ggufq"
 

@@ -14,10 +14,10 @@ import pytest
 import redis
 
 from api_client import Client
-from scheduler.embedded import EmbeddedRedis, free_port
-from scheduler.registry import demo_installed
+from scheduler.gguf.registry import demo_installed
+from scheduler.local.embedded import EmbeddedRedis, free_port
+from scheduler.local.stack import LocalStack
 from scheduler.settings import Settings
-from scheduler.stack import LocalStack
 from tests.tinymodel import write_tiny_llama, write_unknown_arch
 
 HOST = "testhost"
@@ -106,7 +106,7 @@ def ggufq(
 ) -> subprocess.CompletedProcess[str]:
     """Run the `ggufq` command line as a user would, in a subprocess."""
     return subprocess.run(
-        [sys.executable, "-m", "scheduler.cli", *args],
+        [sys.executable, "-m", "api_client.cli", *args],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -125,6 +125,13 @@ def wait_for(predicate: Callable[[], object], timeout: float = 20.0) -> bool:
 
 
 needs_demo = pytest.mark.skipif(not demo_installed(), reason="pip install 'ggufq[demo]'")
+
+
+def needs_tool(command: str, install: str) -> pytest.MarkDecorator:
+    """Skip a test whose system package is missing, saying how to install it; under CI
+    (which installs it) the test runs and fails instead, so a missing package never hides."""
+    missing = shutil.which(command) is None and not os.environ.get("CI")
+    return pytest.mark.skipif(missing, reason=f"{command} is not installed: {install}")
 
 
 def pytest_report_header() -> str:

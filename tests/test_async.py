@@ -19,9 +19,9 @@ from api_client import (
     JobCancelled,
     ModelNotFound,
 )
-from scheduler import keys
+from scheduler.local.stack import LocalStack
 from scheduler.settings import Settings
-from scheduler.stack import LocalStack
+from scheduler.store import keys
 from tests.conftest import wait_for
 
 GREEDY = {"temperature": 0, "num_predict": 16, "seed": 7}

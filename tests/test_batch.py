@@ -27,7 +27,7 @@ from api_client import (
     ServerBusy,
 )
 from api_client.batch import is_transient, read_rows
-from scheduler.stack import LocalStack
+from scheduler.local.stack import LocalStack
 from tests.conftest import ggufq, stack_env, wait_for
 
 GREEDY = {"temperature": 0, "num_predict": 4, "seed": 3}
@@ -54,7 +54,7 @@ def test_cli_batch_interrupted_by_ctrl_c_then_resumed(
     argv = ["batch", "tiny", str(source), "-O", str(out), "-o", "num_predict=4"]
     argv += ["-o", "temperature=0", "--concurrency", "8"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scheduler.cli", *argv],
+        [sys.executable, "-m", "api_client.cli", *argv],
         env={**os.environ, **cli_env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.embedded import EmbeddedRedis
-from scheduler.stack import LocalStack
+from scheduler.local.embedded import EmbeddedRedis
+from scheduler.local.stack import LocalStack
 from tests.conftest import ggufq, stack_env
 
 
@@ -112,7 +112,7 @@ def _alive(pid: int) -> bool:
 def _up(env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
     """`ggufq up` in a subprocess, killed and reaped whatever the test does."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scheduler.cli", "up"],
+        [sys.executable, "-m", "api_client.cli", "up"],
         env={**os.environ, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -153,7 +153,7 @@ def test_up_runs_until_signal_and_leaves_no_orphans(
         assert any("redis-server" in n for n in names)  # the private Redis
         # Redis and placement give way to the worker's llama.cpp threads (helper_nice 10)
         base = os.getpriority(os.PRIO_PROCESS, proc.pid)
-        roles = {"redis-server": 10, "scheduler.service": 10, "workers.main": 0}
+        roles = {"redis-server": 10, "scheduler.placement.service": 10, "workers.main": 0}
         for child in children:
             cmdline = Path(f"/proc/{child}/cmdline").read_text().replace("\0", " ")
             for role, added in roles.items():
@@ -208,7 +208,7 @@ def test_estimate_prints_devices_and_json(cli_env: dict[str, str]) -> None:
 def test_run_without_prompt_chats_over_stdin(cli_env: dict[str, str]) -> None:
     turns = "the sky is\n\nand then\n/bye\nnever sent\n"
     out = subprocess.run(
-        [sys.executable, "-m", "scheduler.cli", "run", "tiny", "-o", "num_predict=6"]
+        [sys.executable, "-m", "api_client.cli", "run", "tiny", "-o", "num_predict=6"]
         + ["-o", "temperature=0", "--verbose"],
         env={**os.environ, **cli_env},
         input=turns,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from scheduler.decision import (
-    DeviceState,
+from scheduler.cluster import DeviceState, RunnerState, Snapshot
+from scheduler.placement.decision import (
     Evict,
     GroupNeeds,
     JobNeeds,
@@ -13,8 +13,6 @@ from scheduler.decision import (
     Park,
     Refuse,
     Route,
-    RunnerState,
-    Snapshot,
     decide,
     split_blocks,
 )
@@ -171,7 +169,7 @@ def test_5_evicts_the_least_demanded_model_first() -> None:
 
 
 def test_decayed_demand() -> None:
-    from scheduler.decision import DEMAND_TAU_S, decayed
+    from scheduler.cluster import DEMAND_TAU_S, decayed
 
     assert decayed(10.0, 100.0, 100.0) == 10.0
     assert abs(decayed(10.0, 0.0, DEMAND_TAU_S) - 10.0 / 2.718281828) < 1e-6
@@ -199,7 +197,7 @@ def test_9_refuse_when_not_even_one_layer_fits() -> None:
 
 
 def test_ps_processor_column() -> None:
-    from scheduler.cli import _processor
+    from api_client.cli import _processor
 
     assert _processor({"n_gpu_layers": "-1"}, {"gpu"}) == "100% GPU"
     assert _processor({}, {"cpu"}) == "100% CPU"

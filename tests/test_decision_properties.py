@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.decision import (
-    DeviceState,
+from scheduler.cluster import DeviceState, RunnerState, Snapshot
+from scheduler.placement.decision import (
     Evict,
     GroupNeeds,
     JobNeeds,
@@ -18,8 +18,6 @@ from scheduler.decision import (
     Park,
     Refuse,
     Route,
-    RunnerState,
-    Snapshot,
     decide,
 )
 

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from scheduler.health import check
+from scheduler.local.health import check
 from scheduler.settings import get_settings
+from tests.conftest import needs_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +33,7 @@ def compose_config(tmp_path: Path) -> dict[str, Any]:
     return yaml.safe_load(out.stdout)  # type: ignore[no-any-return]
 
 
-@pytest.mark.skipif(not shutil.which("docker-compose"), reason="apt-get install docker-compose")
+@needs_tool("docker-compose", "apt-get install docker-compose")
 def test_compose_file_is_valid_and_complete(tmp_path: Path) -> None:
     config = compose_config(tmp_path)
     services = config["services"]

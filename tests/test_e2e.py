@@ -18,9 +18,9 @@ from api_client import (
     NoWorkers,
     StackNotRunning,
 )
-from scheduler import keys
-from scheduler.embedded import EmbeddedRedis
+from scheduler.local.embedded import EmbeddedRedis
 from scheduler.settings import Settings
+from scheduler.store import keys
 from tests.conftest import wait_for
 
 GREEDY = {"temperature": 0, "num_predict": 16, "seed": 7}
@@ -181,8 +181,8 @@ def test_embed_gives_one_normalized_vector_per_input(client: Client) -> None:
 
 
 def test_chat_renders_the_models_own_template(client: Client) -> None:
-    from scheduler.chat import render
     from tests.tinymodel import CHAT_TEMPLATE
+    from workers.chat import render
 
     messages = [
         {"role": "system", "content": "be brief"},

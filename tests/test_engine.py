@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from scheduler.errors import InvalidRequest, JobFailed, LoadFailed
-from scheduler.estimate import RunnerConfig
+from scheduler.gguf.estimate import RunnerConfig
 from scheduler.protocol import Options
 from tests.conftest import needs_demo
 from tests.tinymodel import write_tiny_model
@@ -474,7 +474,7 @@ def test_format_with_an_invalid_value_is_refused(runner_factory: Callable[..., R
 
 @pytest.fixture(scope="module")
 def demo() -> Iterator[Runner]:
-    from scheduler.registry import demo_model_path
+    from scheduler.gguf.registry import demo_model_path
 
     runner = Runner(
         "demo", "gemma3-270m", str(demo_model_path()), RunnerConfig(1024, 2), ["cpu"], 0, None, 0

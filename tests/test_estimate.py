@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.errors import InvalidRequest
-from scheduler.estimate import (
-    MIB,
+from scheduler.gguf.estimate import (
     RunnerConfig,
     context_sizes,
     estimate,
@@ -18,7 +17,8 @@ from scheduler.estimate import (
     max_layers_that_fit,
     row_bytes,
 )
-from scheduler.ggufmeta import ModelInfo, read_model_info, swa_layers
+from scheduler.gguf.metadata import ModelInfo, read_model_info, swa_layers
+from scheduler.units import MIB
 from tests.tinymodel import calibration_models
 from workers.measure import measure_config
 

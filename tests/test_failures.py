@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from api_client import Client, JobFailed
-from scheduler.stack import LocalStack
+from scheduler.local.stack import LocalStack
 from tests.conftest import settings_from, stack_env, wait_for
 from tests.tinymodel import write_slow_model
 

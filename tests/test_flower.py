@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -16,9 +15,9 @@ from typing import Any
 import pytest
 
 from api_client import Client
-from scheduler.embedded import free_port
-from scheduler.stack import LocalStack
-from tests.conftest import settings_from, stack_env, wait_for
+from scheduler.local.embedded import free_port
+from scheduler.local.stack import LocalStack
+from tests.conftest import needs_tool, settings_from, stack_env, wait_for
 from tests.tinymodel import write_slow_model
 
 WORKER = "ggufq-cpu@flowerhost"
@@ -62,7 +61,7 @@ def flower(slow_stack: LocalStack) -> Iterator[str]:
     assert slow_stack.log_dir is not None
     log = open(slow_stack.log_dir / "flower.log", "ab")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scheduler.cli", "flower", "--port", str(port)],
+        [sys.executable, "-m", "api_client.cli", "flower", "--port", str(port)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -104,11 +103,10 @@ def test_flower_shows_workers_queues_and_jobs(flower: str, slow_stack: LocalStac
     assert {"ggufq.cpu.flowerhost", "ggufq.cpu.flowerhost.batch"} <= set(queues)
 
 
-@pytest.mark.skipif(not shutil.which("chromium"), reason="apt-get install chromium")
 def test_plain_celery_form_finds_the_app(slow_stack: LocalStack) -> None:
     env = {**os.environ, **slow_stack.extra_env, "GGUFQ_REDIS_URL": slow_stack.redis_url}
     out = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "scheduler.flower", "inspect", "ping"],
+        [sys.executable, "-m", "celery", "-A", "scheduler.local.flower", "inspect", "ping"],
         env=env,
         capture_output=True,
         text=True,
@@ -117,6 +115,7 @@ def test_plain_celery_form_finds_the_app(slow_stack: LocalStack) -> None:
     assert out.returncode == 0 and WORKER in out.stdout, out.stdout + out.stderr
 
 
+@needs_tool("chromium", "apt-get install chromium")
 def test_dashboard_pages_in_headless_chromium(flower: str, slow_stack: LocalStack) -> None:
     assert slow_stack.log_dir is not None
     for page in ("workers", "tasks"):

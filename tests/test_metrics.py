@@ -7,7 +7,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from api_client import Client
-from scheduler.stack import LocalStack
+from scheduler.local.stack import LocalStack
 from tests.conftest import wait_for
 
 GREEDY = {"temperature": 0, "num_predict": 4}

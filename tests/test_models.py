@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from scheduler.errors import InvalidModelFile, InvalidRequest, ModelNotFound
-from scheduler.ggufmeta import format_params, read_model_info
-from scheduler.registry import DEMO_MODEL, Registry, demo_installed
+from scheduler.gguf.metadata import format_params, read_model_info
+from scheduler.gguf.registry import DEMO_MODEL, Registry, demo_installed
 from tests.conftest import needs_demo
 
 

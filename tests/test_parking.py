@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from api_client import Client, InvalidRequest, JobCancelled, ServerBusy
-from scheduler.estimate import RunnerConfig, estimate_bytes
-from scheduler.ggufmeta import read_model_info
-from scheduler.stack import LocalStack
+from scheduler.gguf.estimate import RunnerConfig, estimate_bytes
+from scheduler.gguf.metadata import read_model_info
+from scheduler.local.stack import LocalStack
 from tests.conftest import settings_from, stack_env, wait_for
 from tests.tinymodel import write_slow_model
 

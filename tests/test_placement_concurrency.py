@@ -13,10 +13,10 @@ from pathlib import Path
 import redis
 
 from api_client import Client
-from scheduler import keys
-from scheduler.estimate import RunnerConfig, estimate_bytes
-from scheduler.ggufmeta import read_model_info
-from scheduler.stack import LocalStack
+from scheduler.gguf.estimate import RunnerConfig, estimate_bytes
+from scheduler.gguf.metadata import read_model_info
+from scheduler.local.stack import LocalStack
+from scheduler.store import keys
 from tests.conftest import settings_from, stack_env
 
 
@@ -54,7 +54,7 @@ def test_many_placers_and_clients(models_dir: Path, tmp_path: Path) -> None:
     ) as stack:
         extra = [
             subprocess.Popen(
-                [sys.executable, "-m", "scheduler.service"],
+                [sys.executable, "-m", "scheduler.placement.service"],
                 env={**os.environ, **env, "GGUFQ_REDIS_URL": stack.redis_url},
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

@@ -9,15 +9,14 @@ import threading
 
 import pytest
 
-from scheduler.durations import format_duration, parse_duration_s
 from scheduler.errors import InvalidRequest, ModelNotFound, error_from_code
-from scheduler.estimate import choose_num_ctx
-from scheduler.keepalive import ExpirySchedule, effective_keep_alive, expires_at
-from scheduler.procs import lower_thread_priority, niced_child_preexec
+from scheduler.gguf.estimate import choose_num_ctx
+from scheduler.local.procs import lower_thread_priority, niced_child_preexec
 from scheduler.protocol import check_model_name, parse_request
-from scheduler.sizes import parse_bytes
-from scheduler.streams import ChunkOrder
+from scheduler.store.streams import ChunkOrder
+from scheduler.units import format_duration, parse_bytes, parse_duration_s
 from workers.cpus import thread_counts
+from workers.keepalive import ExpirySchedule, effective_keep_alive, expires_at
 
 
 @pytest.mark.parametrize(
@@ -186,7 +185,7 @@ def test_unload_waits_for_the_driver_to_report_memory_back() -> None:
 
 
 def test_format_json_without_json_in_the_prompt_warns() -> None:
-    from scheduler.service import format_warning
+    from scheduler.placement.service import format_warning
 
     assert format_warning(parse_request({"model": "m", "prompt": "Hi", "format": "json"}))
     schema = {"type": "object"}
@@ -197,7 +196,7 @@ def test_format_json_without_json_in_the_prompt_warns() -> None:
 
 
 def test_chat_rendering_fallback_bos_and_template_errors() -> None:
-    from scheduler.chat import render
+    from workers.chat import render
 
     turns = [{"role": "user", "content": "hi"}]
     assert render("", turns) == "User: hi\nAssistant:"  # a base model without a template

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.stack import LocalStack
+from scheduler.local.stack import LocalStack
 from tests.conftest import needs_demo, stack_env
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -68,7 +68,7 @@ def test_python_example_runs(index: int, env: dict[str, str]) -> None:
 def test_cli_example_runs(command: str, env: dict[str, str]) -> None:
     argv = shlex.split(command)
     out = subprocess.run(
-        [sys.executable, "-m", "scheduler.cli", *argv[1:]],
+        [sys.executable, "-m", "api_client.cli", *argv[1:]],
         env=env,
         capture_output=True,
         text=True,

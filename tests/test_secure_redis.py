@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from api_client import Client
-from scheduler.embedded import EmbeddedRedis
-from scheduler.stack import LocalStack
+from scheduler.local.embedded import EmbeddedRedis
+from scheduler.local.stack import LocalStack
 from tests.conftest import settings_from, stack_env
 from tests.tlsproxy import TLSProxy
 

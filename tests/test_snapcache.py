@@ -6,10 +6,10 @@ import random
 
 import redis
 
-from scheduler import keys
-from scheduler.decision import Snapshot
-from scheduler.snapcache import SnapshotCache
-from scheduler.state import ClusterState
+from scheduler.cluster import Snapshot
+from scheduler.placement.snapcache import SnapshotCache
+from scheduler.store import keys
+from scheduler.store.state import ClusterState
 from tests.test_state import GIB, vgpu
 
 

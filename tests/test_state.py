@@ -9,9 +9,11 @@ import time
 import pytest
 import redis
 
-from scheduler import keys
-from scheduler.state import ClusterState, DeviceInfo
-from scheduler.streams import ChunkPublisher, ChunkWriter, publish_final, read_chunks
+from scheduler.cluster import DeviceInfo
+from scheduler.store import keys
+from scheduler.store.state import ClusterState
+from scheduler.store.streams import publish_final, read_chunks
+from workers.chunks import ChunkPublisher, ChunkWriter
 
 GIB = 1 << 30
 

@@ -12,7 +12,7 @@ import pytest
 
 from api_client import Client
 from scheduler.errors import InvalidRequest, LoadFailed
-from scheduler.stack import LocalStack
+from scheduler.local.stack import LocalStack
 from tests.conftest import ggufq, needs_demo, settings_from, stack_env, wait_for
 
 
@@ -52,8 +52,8 @@ def test_virtual_gpus_are_advertised_and_preferred(models_dir: Path, tmp_path: P
 
 
 def test_partial_offload_when_the_gpu_is_too_small(models_dir: Path, tmp_path: Path) -> None:
-    from scheduler.estimate import RunnerConfig, estimate_bytes, partial_table
-    from scheduler.ggufmeta import read_model_info
+    from scheduler.gguf.estimate import RunnerConfig, estimate_bytes, partial_table
+    from scheduler.gguf.metadata import read_model_info
 
     info = read_model_info(models_dir / "tiny.gguf")
     cfg = RunnerConfig(2048, flash_attn=True)  # as runners load (GGUFQ_FLASH_ATTENTION)
@@ -73,8 +73,8 @@ def test_partial_offload_when_the_gpu_is_too_small(models_dir: Path, tmp_path: P
 
 
 def test_a_model_spans_two_gpus_of_one_worker(models_dir: Path, tmp_path: Path) -> None:
-    from scheduler.estimate import RunnerConfig, estimate_bytes, group_parts
-    from scheduler.ggufmeta import read_model_info
+    from scheduler.gguf.estimate import RunnerConfig, estimate_bytes, group_parts
+    from scheduler.gguf.metadata import read_model_info
 
     info = read_model_info(models_dir / "tiny.gguf")
     cfg = RunnerConfig(2048, flash_attn=True)  # as runners load (GGUFQ_FLASH_ATTENTION)
@@ -111,7 +111,7 @@ def test_demo_command_runs_end_to_end(tmp_path: Path) -> None:
     }
     env.pop("GGUFQ_REDIS_URL", None)
     out = subprocess.run(
-        [sys.executable, "-m", "scheduler.cli", "demo"],
+        [sys.executable, "-m", "api_client.cli", "demo"],
         env=env,
         capture_output=True,
         text=True,

@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Callable
 
-from scheduler.state import DeviceInfo
+from scheduler.cluster import DeviceInfo
 
 log = logging.getLogger(__name__)
 

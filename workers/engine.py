@@ -36,7 +36,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from scheduler.errors import GgufqError, InvalidRequest, JobFailed, LoadFailed
-from scheduler.estimate import RunnerConfig
+from scheduler.gguf.estimate import RunnerConfig
 from scheduler.protocol import Options
 from workers.cpus import default_thread_counts, llama
 from workers.loadwatch import LoadWatch

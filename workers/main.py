@@ -14,13 +14,13 @@ from celery import signals
 from celery.exceptions import Ignore
 from celery.worker.control import control_command
 
-from scheduler import keys
-from scheduler.celery_app import make_app
 from scheduler.errors import GgufqError, JobCancelled
-from scheduler.localstack import resolve_redis_url
-from scheduler.registry import Registry
+from scheduler.gguf.registry import Registry
 from scheduler.settings import Settings, get_settings
-from scheduler.sizes import parse_bytes
+from scheduler.store import keys
+from scheduler.store.celery_app import make_app
+from scheduler.store.connection import resolve_redis_url
+from scheduler.units import parse_bytes
 from workers.devices import detect_devices
 from workers.progress import ProgressEvents
 from workers.runtime import NotOwned, WorkerRuntime

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.estimate import RunnerConfig
+from scheduler.gguf.estimate import RunnerConfig
 from workers.cpus import llama
 from workers.runner import GGML_KV_TYPES
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler.estimate import RunnerConfig
+from scheduler.gguf.estimate import RunnerConfig
 from scheduler.protocol import Options
 from workers.engine import GGML_KV_TYPES, Engine, Format, GenerationStats
 from workers.resident import Resident
@@ -31,7 +31,7 @@ class Runner(Resident):
         split: list[float] | None = None,
     ) -> None:
         super().__init__(runner_id, model, config, device_ids, keep_alive_s)
-        # Exactly the context the estimator sized (scheduler.estimate.context_sizes).
+        # Exactly the context the estimator sized (scheduler.gguf.estimate.context_sizes).
         self.engine = self.timed_load(
             lambda: Engine(
                 path,

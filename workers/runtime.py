@@ -15,21 +15,23 @@ from typing import Any
 
 import redis
 
-from scheduler import keys
-from scheduler.cancel import CancelWatcher, cancelled_before_start
-from scheduler.chat import render
+from scheduler.cluster import DeviceInfo
 from scheduler.errors import GgufqError, InvalidModelFile, JobCancelled, JobFailed, LoadFailed
-from scheduler.estimate import RunnerConfig
-from scheduler.ggufmeta import read_model_info
-from scheduler.keepalive import ExpirySchedule, effective_keep_alive, expires_at
-from scheduler.metrics import count
+from scheduler.gguf.estimate import RunnerConfig
+from scheduler.gguf.metadata import read_model_info
+from scheduler.gguf.registry import Registry
+from scheduler.placement.metrics import count
 from scheduler.protocol import JobRequest, parse_request
-from scheduler.registry import Registry
 from scheduler.settings import Settings
-from scheduler.state import ClusterState, DeviceInfo
-from scheduler.streams import ChunkPublisher, ChunkWriter, error_chunk
+from scheduler.store import keys
+from scheduler.store.cancel import CancelWatcher, cancelled_before_start
+from scheduler.store.state import ClusterState
+from scheduler.store.streams import error_chunk
+from workers.chat import render
+from workers.chunks import ChunkPublisher, ChunkWriter
 from workers.devices import reported_free, tensor_split, wait_for_release
 from workers.embedder import Embedder
+from workers.keepalive import ExpirySchedule, effective_keep_alive, expires_at
 from workers.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -165,7 +167,7 @@ class WorkerRuntime:
         base = {"model": req.model, "job_id": req.id, "device": placement["device_id"]}
         keep_alive = self.settings.keep_alive_s
         cancelled = self.cancels.watch(req.id)
-        tally: dict[str, float] = {}  # the job's counters (scheduler/metrics.py)
+        tally: dict[str, float] = {}  # the job's counters (scheduler/placement/metrics.py)
         try:
             if cancelled():
                 raise cancelled_before_start(req.id)  # while it waited in the queue

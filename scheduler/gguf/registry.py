@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from scheduler.errors import InvalidModelFile, ModelNotFound
-from scheduler.ggufmeta import ModelInfo, read_model_info
+from scheduler.gguf.metadata import ModelInfo, read_model_info
 from scheduler.protocol import check_model_name
 
 DEMO_MODEL = "gemma3-270m"

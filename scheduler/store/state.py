@@ -7,45 +7,25 @@ number of placement processes and workers never over-commit a device.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from typing import Any, cast
 
 import redis
 
-from scheduler import keys
-from scheduler.decision import DEMAND_TAU_S, DeviceState, RunnerState, Snapshot, decayed
+from scheduler.cluster import DEMAND_TAU_S, DeviceInfo, DeviceState, RunnerState, Snapshot, decayed
+from scheduler.store import keys
 
 
 @cache
 def _lua_source(name: str) -> str:
-    folder = resources.files("scheduler").joinpath("lua")
+    folder = resources.files("scheduler.store").joinpath("lua")
     # every script logs the keys it changes (snapcache.py reads that log)
     return folder.joinpath("_changes.lua").read_text() + folder.joinpath(f"{name}.lua").read_text()
 
 
 def _script(client: redis.Redis, name: str) -> Any:
     return client.register_script(_lua_source(name))
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """What a worker advertises about one of its devices."""
-
-    id: str
-    host: str
-    worker: str
-    name: str
-    kind: str  # gpu | vgpu | cpu
-    total: int
-    free: int
-    virtual: bool
-    uuid: str = ""
-
-    @property
-    def queue(self) -> str:
-        return keys.device_queue(self.id)
 
 
 class ClusterState:
@@ -74,7 +54,7 @@ class ClusterState:
             "free": dev.free,
             "virtual": int(dev.virtual),
             "uuid": dev.uuid,
-            "queue": dev.queue,
+            "queue": keys.device_queue(dev.id),
             "heartbeat": now,
         }
         pipe = self.r.pipeline()

@@ -16,7 +16,7 @@ from typing import Any
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from scheduler.errors import InvalidModelFile
-from scheduler.ggufparse import (
+from scheduler.gguf.parse import (
     GGUFFormatError,
     GGUFHeader,
     SkippedArray,

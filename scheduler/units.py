@@ -1,8 +1,12 @@
-"""Parse Ollama-style durations ("5m", "1h30m", "250ms", 300, -1). Pure."""
+"""Units people write and read: durations ("5m", "1h30m", 300, -1) and byte sizes ("8GiB",
+"512MiB", "24GB"). Pure."""
 
 from __future__ import annotations
 
 import re
+
+MIB = 1 << 20
+GIB = 1 << 30
 
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
@@ -51,3 +55,39 @@ def format_duration(seconds: float) -> str:
     if minutes:
         return f"{minutes}m{secs:02d}s"
     return f"{secs}s"
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ValueError(f"size {text!r} is not valid; write it like '8GiB', '512MiB' or '24GB'")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
+
+
+def format_bytes(count: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
+        if abs(count) >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{int(count)} B"

@@ -14,7 +14,7 @@ CHANGES = f"{PREFIX}:changes"  # stream: n, k = a changed key (lua/_changes.lua)
 CHANGES_N = f"{PREFIX}:changes:n"  # counter: number of the last change logged
 CANCELS = f"{PREFIX}:cancels"  # pub/sub channel: ids of jobs asked to cancel
 RUNNING = f"{PREFIX}:running"  # hash: job id → time its worker started it
-STATS = f"{PREFIX}:stats"  # hash: "<counter>|<model>" → total (scheduler/metrics.py)
+STATS = f"{PREFIX}:stats"  # hash: "<counter>|<model>" → total (scheduler/placement/metrics.py)
 ORPHANS = f"{PREFIX}:orphans"  # hash: job id → in-flight record of a device that was dropped
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
 PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service

@@ -16,8 +16,7 @@ from typing import Any
 
 import redis
 
-from scheduler import keys
-from scheduler.decision import (
+from scheduler.cluster import (
     DeviceState,
     RunnerState,
     Snapshot,
@@ -26,7 +25,8 @@ from scheduler.decision import (
     is_idle,
     is_live,
 )
-from scheduler.state import device_from_hash, runner_from_hash
+from scheduler.store import keys
+from scheduler.store.state import device_from_hash, runner_from_hash
 
 _DEVICE, _RESV, _RUNNER = keys.device(""), keys.reservations(""), keys.runner("")
 

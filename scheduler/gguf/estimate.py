@@ -12,7 +12,7 @@ sequence, as llama.cpp does when the cache is not unified):
 * output buffer: one row of logits per sequence;
 * compute buffer: the worst-case graph llama.cpp reserves, from a model whose per-token
   constants are calibrated per architecture against llama.cpp's measurements
-  (``scheduler/calibration.py``), with a conservative fallback for other architectures.
+  (``scheduler/gguf/calibration.py``), with a conservative fallback for other architectures.
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-from scheduler.calibration import compute_constants
 from scheduler.errors import InvalidRequest
-from scheduler.ggufmeta import ModelInfo
+from scheduler.gguf.calibration import compute_constants
+from scheduler.gguf.metadata import ModelInfo
 
-MIB = 1 << 20
-GIB = 1 << 30
 KV_PAD = 256  # llama.cpp pads the context (and so the KV cache) to 256 cells
 
 # ggml block size and bytes per block of the KV cache types llama.cpp accepts
@@ -343,10 +341,3 @@ def group_parts(info: ModelInfo, cfg: RunnerConfig) -> tuple[tuple[int, ...], in
 def partial_table(info: ModelInfo, cfg: RunnerConfig) -> tuple[int, ...]:
     """GPU bytes for n_gpu_layers = 1 .. block_count: the partial offloads (branch 6)."""
     return gpu_bytes_by_layers(info, cfg)[:-1]
-
-
-def format_bytes(count: float) -> str:
-    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
-        if abs(count) >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{int(count)} B"

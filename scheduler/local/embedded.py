@@ -9,7 +9,7 @@ from pathlib import Path
 
 import redis
 
-from scheduler.procs import niced_child_preexec
+from scheduler.local.procs import niced_child_preexec
 
 
 def redis_server_path() -> str:

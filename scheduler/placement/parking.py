@@ -12,8 +12,8 @@ from typing import Any, cast
 
 import redis
 
-from scheduler import keys
 from scheduler.protocol import JobRequest
+from scheduler.store import keys
 
 _BATCH_OFFSET = 1e12  # every batch job sorts after every interactive one
 

@@ -1,4 +1,4 @@
-"""Health checks for containers: ``python -m scheduler.health worker|placement``.
+"""Health checks for containers: ``python -m scheduler.local.health worker|placement``.
 
 Exit 0 when this host's worker devices (or some placement service) heartbeat within the
 device TTL; exit 1 with the reason otherwise. One Redis round trip.
@@ -12,9 +12,9 @@ from typing import cast
 
 import redis
 
-from scheduler import keys
-from scheduler.localstack import resolve_redis_url
 from scheduler.settings import get_settings
+from scheduler.store import keys
+from scheduler.store.connection import resolve_redis_url
 
 
 def check(role: str) -> str | None:

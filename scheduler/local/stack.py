@@ -17,11 +17,11 @@ from typing import IO
 
 import redis
 
-from scheduler.embedded import EmbeddedRedis
-from scheduler.localstack import clear_runtime, write_runtime
-from scheduler.procs import niced_child_preexec
+from scheduler.local.embedded import EmbeddedRedis
+from scheduler.local.procs import niced_child_preexec
 from scheduler.settings import Settings
-from scheduler.state import ClusterState
+from scheduler.store.connection import clear_runtime, write_runtime
+from scheduler.store.state import ClusterState
 
 
 class StackError(RuntimeError):
@@ -63,7 +63,9 @@ class LocalStack:
                 self.redis = EmbeddedRedis(state / "redis", nice=nice)
                 self.redis_url = self.redis.start()
                 write_runtime(self.settings, self.redis_url)
-            self._spawn("placement", [sys.executable, "-m", "scheduler.service"], nice=nice)
+            self._spawn(
+                "placement", [sys.executable, "-m", "scheduler.placement.service"], nice=nice
+            )
             self._spawn("worker", [sys.executable, "-m", "workers.main", *self.worker_args])
             self.wait_ready(timeout_s)
         except BaseException:

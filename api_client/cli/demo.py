@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from scheduler.errors import GgufqError, StackNotRunning
-from scheduler.localstack import resolve_redis_url
-from scheduler.registry import DEMO_MODEL, demo_installed
+from scheduler.gguf.registry import DEMO_MODEL, demo_installed
 from scheduler.settings import get_settings
+from scheduler.store.connection import resolve_redis_url
 
 STREAMED_PROMPT = "Q: Why is the sky blue?\nA: The sky is blue because"
 OPTIONS = {"temperature": 0, "num_predict": 48, "seed": 42}
@@ -53,7 +53,7 @@ def run_demo(prompts_file: Path | None = None) -> int:
         return _run(console, prompts)
     except StackNotRunning:
         pass
-    from scheduler.stack import LocalStack
+    from scheduler.local.stack import LocalStack
 
     log_dir = Path(settings.state_dir).expanduser() / "logs"
     console.print(
@@ -70,7 +70,7 @@ def run_demo(prompts_file: Path | None = None) -> int:
 
 def _run(console: Console, prompts: list[str], redis_url: str | None = None) -> int:
     from api_client import Client
-    from scheduler.cli import print_table, ps_table
+    from api_client.cli import print_table, ps_table
 
     with Client(redis_url) as client:
         jobs = [client.submit(DEMO_MODEL, p, options=OPTIONS) for p in prompts]

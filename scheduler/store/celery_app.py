@@ -6,9 +6,9 @@ from typing import Any
 
 from celery import Celery
 
-from scheduler import keys
 from scheduler.protocol import JobRequest
 from scheduler.settings import Settings
+from scheduler.store import keys
 
 
 def make_app(redis_url: str, settings: Settings) -> Celery:

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import redis
 
-from scheduler import keys
 from scheduler.errors import JobCancelled
+from scheduler.store import keys
 
 log = logging.getLogger(__name__)
 

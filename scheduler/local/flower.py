@@ -1,6 +1,6 @@
 """Flower, Celery's dashboard, on ggufq's Celery app.
 
-``ggufq flower`` runs it; so does the plain form ``celery -A scheduler.flower flower``
+``ggufq flower`` runs it; so does the plain form ``celery -A scheduler.local.flower flower``
 (this module's ``app`` is built from the GGUFQ_* settings on first use). Workers are named
 for their host and devices (``ggufq-gpu0+gpu1@host``), each device has its queues, and each
 job is a ``ggufq.run`` task named by model, job id and a shortened prompt, with the custom
@@ -14,9 +14,9 @@ from typing import Any
 
 from celery import Celery
 
-from scheduler.celery_app import make_app
-from scheduler.localstack import resolve_redis_url
 from scheduler.settings import Settings, get_settings
+from scheduler.store.celery_app import make_app
+from scheduler.store.connection import resolve_redis_url
 
 
 @cache
@@ -26,7 +26,7 @@ def _default_app() -> Celery:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("app", "celery"):  # what `celery -A scheduler.flower` looks up
+    if name in ("app", "celery"):  # what `celery -A scheduler.local.flower` looks up
         return _default_app()
     raise AttributeError(name)
 

@@ -1,6 +1,6 @@
 """The placement service: takes jobs from the placement queue and sends each to a device.
 
-Around the pure :func:`scheduler.decision.decide` it does the I/O: read the snapshot,
+Around the pure :func:`scheduler.placement.decision.decide` it does the I/O: read the snapshot,
 reserve memory atomically, send the job to the device's Celery queue, ask workers to
 unload idle runners, park, or refuse with a reason.
 """
@@ -19,22 +19,7 @@ from typing import Any, NoReturn
 import redis
 from celery import Celery, signals
 
-from scheduler import keys
-from scheduler.cancel import cancelled_before_start, is_cancelled
-from scheduler.celery_app import ask_unload, make_app, send_job
-from scheduler.decision import (
-    DeviceState,
-    Evict,
-    GroupNeeds,
-    JobNeeds,
-    Load,
-    Park,
-    Refuse,
-    Route,
-    Snapshot,
-    decide,
-    server_busy,
-)
+from scheduler.cluster import DeviceState, Snapshot
 from scheduler.errors import (
     GgufqError,
     InvalidRequest,
@@ -43,23 +28,37 @@ from scheduler.errors import (
     LoadFailed,
     error_from_code,
 )
-from scheduler.estimate import (
+from scheduler.gguf.estimate import (
     RunnerConfig,
     choose_num_ctx,
     estimate_bytes,
     group_parts,
     partial_table,
 )
-from scheduler.ggufmeta import ModelInfo
-from scheduler.localstack import resolve_redis_url
-from scheduler.metrics import serve_metrics
-from scheduler.parking import ParkedJobs, park_score
+from scheduler.gguf.metadata import ModelInfo
+from scheduler.gguf.registry import Registry
+from scheduler.placement.decision import (
+    Evict,
+    GroupNeeds,
+    JobNeeds,
+    Load,
+    Park,
+    Refuse,
+    Route,
+    decide,
+    server_busy,
+)
+from scheduler.placement.metrics import serve_metrics
+from scheduler.placement.parking import ParkedJobs, park_score
+from scheduler.placement.snapcache import SnapshotCache
 from scheduler.protocol import JobRequest, parse_request
-from scheduler.registry import Registry
 from scheduler.settings import Settings, get_settings
-from scheduler.snapcache import SnapshotCache
-from scheduler.state import ClusterState
-from scheduler.streams import error_chunk, progress, publish_final
+from scheduler.store import keys
+from scheduler.store.cancel import cancelled_before_start, is_cancelled
+from scheduler.store.celery_app import ask_unload, make_app, send_job
+from scheduler.store.connection import resolve_redis_url
+from scheduler.store.state import ClusterState
+from scheduler.store.streams import error_chunk, progress, publish_final
 
 log = logging.getLogger("ggufq.placement")
 

@@ -12,10 +12,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from scheduler.durations import format_duration
 from scheduler.errors import GgufqError
-from scheduler.estimate import format_bytes
 from scheduler.settings import describe, get_settings
+from scheduler.units import format_bytes, format_duration
 
 if TYPE_CHECKING:  # the client (Celery, Redis) is imported only by the commands that use it
     from api_client import Client
@@ -135,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- stack -------------------------------------------------------------------------------
 def cmd_up(args: argparse.Namespace) -> int:
-    from scheduler.stack import LocalStack
+    from scheduler.local.stack import LocalStack
 
     settings = get_settings()
     stack = LocalStack(settings, worker_args=_worker_argv(args))
@@ -168,7 +167,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_flower(args: argparse.Namespace) -> int:
-    from scheduler.flower import run_flower
+    from scheduler.local.flower import run_flower
 
     extra = [a for a in args.flower_args if a != "--"]
     run_flower(get_settings(), args.port, args.address, extra)
@@ -176,14 +175,14 @@ def cmd_flower(args: argparse.Namespace) -> int:
 
 
 def cmd_placement(_args: argparse.Namespace) -> int:
-    from scheduler.service import main as placement_main
+    from scheduler.placement.service import main as placement_main
 
     placement_main([])
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from scheduler.demo import run_demo
+    from api_client.cli.demo import run_demo
 
     return run_demo(args.prompts)
 
@@ -437,8 +436,8 @@ def cmd_config(_args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from scheduler.ggufmeta import format_params
-    from scheduler.registry import Registry
+    from scheduler.gguf.metadata import format_params
+    from scheduler.gguf.registry import Registry
 
     entries = Registry(get_settings().models_dir).entries()
     if args.json:
@@ -474,9 +473,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from scheduler.estimate import RunnerConfig, choose_num_ctx, estimate, max_layers_that_fit
-    from scheduler.registry import Registry
-    from scheduler.sizes import parse_bytes
+    from scheduler.gguf.estimate import RunnerConfig, choose_num_ctx, estimate, max_layers_that_fit
+    from scheduler.gguf.registry import Registry
+    from scheduler.units import parse_bytes
 
     settings = get_settings()
     info = Registry(settings.models_dir).info(args.model)

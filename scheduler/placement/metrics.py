@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler import keys
-from scheduler.parking import ParkedJobs
-from scheduler.state import ClusterState
+from scheduler.placement.parking import ParkedJobs
+from scheduler.store import keys
+from scheduler.store.state import ClusterState
 
 log = logging.getLogger(__name__)
 

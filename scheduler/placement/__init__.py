@@ -1,0 +1,3 @@
+"""Placement: the pure decision and its inputs, and the service's edge (gather, decide, commit,
+send).
+"""

@@ -1,0 +1,165 @@
+"""How a worker writes its jobs' chunks: in order per job, batched across jobs, off the decode
+thread (the records and channels are :mod:`scheduler.store.streams`)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import redis
+
+from scheduler.local.procs import lower_thread_priority
+from scheduler.store.streams import add_chunk
+
+log = logging.getLogger(__name__)
+
+
+class Pending:
+    """A chunk queued in a :class:`ChunkWriter`; text may join it until the writer takes it."""
+
+    __slots__ = ("job_id", "seq", "chunk", "ttl_s", "taken")
+
+    def __init__(self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int) -> None:
+        self.job_id, self.seq, self.chunk, self.ttl_s = job_id, seq, chunk, ttl_s
+        self.taken = False
+
+
+class ChunkWriter:
+    """Writes chunks from a background thread, so a decode loop never waits on Redis.
+
+    Chunks of all jobs go through one FIFO. The thread sends at most one pipeline every
+    ``interval_s``: a job's first chunk, and any after a quiet spell, go out at once; the
+    next ones wait out the interval and go out together, so a runner streaming many
+    sequences wakes the writer and Redis a few times a second rather than at every decode
+    step (each wake takes a core from llama.cpp's threads mid-step). Text published while
+    the job's previous chunk still waits joins that chunk (:meth:`extend`): one entry and
+    one message instead of one per token, for Redis and for the reader. ``flush`` cuts the
+    wait short and returns once everything queued before it is in Redis.
+    """
+
+    def __init__(self, client: redis.Redis, nice: int = 0, interval_s: float = 0.0) -> None:
+        self.r = client
+        self.nice = nice  # added to the writer thread's niceness (see procs.py)
+        self.interval_s = interval_s
+        self._queue: queue.SimpleQueue[Pending | threading.Event | None]
+        self._queue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # between extend and the writer taking a batch
+        self._hurry = threading.Event()  # set by flush and close: write without waiting
+        self._thread = threading.Thread(target=self._run, name="ggufq-chunks", daemon=True)
+        self._thread.start()
+
+    def put(self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int) -> Pending:
+        pending = Pending(job_id, seq, dict(chunk), ttl_s)
+        self._queue.put(pending)
+        if seq == 1:  # a job's first chunk (its time to first token) does not wait
+            self._hurry.set()
+        return pending
+
+    def extend(self, pending: Pending | None, chunk: dict[str, Any]) -> bool:
+        """Add a text-only chunk's text to ``pending`` if that is text-only too and still
+        queued; False when it has to be a chunk of its own."""
+        if pending is None or chunk.keys() != {"response"}:
+            return False
+        with self._lock:
+            if pending.taken or pending.chunk.keys() != {"response"}:
+                return False
+            pending.chunk["response"] += chunk["response"]
+            return True
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        done = threading.Event()
+        self._queue.put(done)
+        self._hurry.set()
+        return done.wait(timeout_s)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._hurry.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        lower_thread_priority(self.nice)
+        last = -float("inf")
+        while True:
+            batch = [self._queue.get()]
+            if isinstance(batch[0], Pending):  # a chunk: wait out the interval (or a flush)
+                self._hurry.wait(last + self.interval_s - time.monotonic())
+            self._hurry.clear()
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            chunks = [item for item in batch if isinstance(item, Pending)]
+            with self._lock:
+                for chunk in chunks:
+                    chunk.taken = True
+            waiters = [item for item in batch if isinstance(item, threading.Event)]
+            if chunks:
+                self._write(chunks)
+            last = time.monotonic()
+            for waiter in waiters:
+                waiter.set()
+            if any(item is None for item in batch):
+                return
+
+    def _write(self, chunks: list[Pending]) -> None:
+        """One pipeline for ``chunks``, tried three times. redis-py empties a pipeline
+        once it has run, so each try builds it again; an entry a failed try had already
+        added is refused as a duplicate id (ignored here), and a repeated PUBLISH is
+        dropped by readers, which go by ``seq``."""
+        for attempt in range(3):
+            pipe = self.r.pipeline(transaction=False)
+            for c in chunks:
+                add_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s)
+            try:
+                results = pipe.execute(raise_on_error=False)
+            except redis.RedisError as exc:
+                problem = str(exc)
+            else:
+                failed = [r for r in results if isinstance(r, Exception) and not _dup(r)]
+                if not failed:
+                    return
+                problem = str(failed[0])
+            log.warning("writing %d chunks failed (try %d): %s", len(chunks), attempt + 1, problem)
+            time.sleep(0.2 * (attempt + 1))
+        log.error("gave up writing %d chunks; their readers will time out", len(chunks))
+
+
+def _dup(error: Exception) -> bool:
+    """XADD's answer to an entry id the stream already has (a retried write)."""
+    return "equal or smaller" in str(error)
+
+
+class ChunkPublisher:
+    """Publishes the chunks of one job, in order: directly, or through a ChunkWriter."""
+
+    def __init__(
+        self, client: redis.Redis, job_id: str, ttl_s: int, writer: ChunkWriter | None = None
+    ) -> None:
+        self.r = client
+        self.job_id = job_id
+        self.ttl_s = ttl_s
+        self.writer = writer
+        self.seq = 0
+        self._pending: Pending | None = None  # the last chunk put to the writer
+
+    def publish(self, chunk: dict[str, Any]) -> None:
+        if self.writer is not None:
+            if self.writer.extend(self._pending, chunk):
+                return
+            self.seq += 1
+            self._pending = self.writer.put(self.job_id, self.seq, chunk, self.ttl_s)
+            return
+        self.seq += 1
+        pipe = self.r.pipeline(transaction=False)
+        add_chunk(pipe, self.job_id, self.seq, chunk, self.ttl_s)
+        pipe.execute()
+
+    def flush(self) -> None:
+        """Return once every chunk published so far is in Redis."""
+        if self.writer is not None:
+            self.writer.flush()
