@@ -27,6 +27,7 @@ from api_client.batch import (
     run_batch,
 )
 from api_client.client import Client, Job, Messages
+from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Message, Options
 from scheduler.settings import Settings
@@ -292,13 +293,13 @@ class AsyncClient:
             raise
 
     # -- state ------------------------------------------------------------------------------
-    async def jobs(self) -> list[dict[str, Any]]:
+    async def jobs(self) -> list[JobView]:
         return await asyncio.to_thread(self.sync.jobs)
 
-    async def devices(self) -> list[dict[str, str]]:
+    async def devices(self) -> list[DeviceView]:
         return await asyncio.to_thread(self.sync.devices)
 
-    async def ps(self) -> list[dict[str, str]]:
+    async def ps(self) -> list[RunnerView]:
         return await asyncio.to_thread(self.sync.ps)
 
     async def models(self) -> list[dict[str, Any]]:

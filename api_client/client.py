@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast, overload
 import redis
 from celery.result import AsyncResult
 
+from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import (
     GgufqError,
     JobCancelled,
@@ -34,7 +34,7 @@ from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
 from scheduler.store.celery_app import ask_unload, make_app, send_job
 from scheduler.store.connection import resolve_redis_url
-from scheduler.store.state import ClusterState
+from scheduler.store.readers import ClusterReader
 from scheduler.store.streams import read_chunks
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ class Client:
         self.timeout = timeout
         self.r = redis.Redis.from_url(self.redis_url)
         self.app = make_app(self.redis_url, self.settings)
-        self.state = ClusterState(self.r)
+        self.state = ClusterReader(self.r)
         self._alive_until = 0.0
 
     def close(self) -> None:
@@ -318,26 +318,25 @@ class Client:
         """
         check_model_name(model)
         asked = []
-        devices = {d["id"]: d for d in self.devices()}
+        devices = {d.id: d for d in self.devices()}
         for runner in self.ps():
-            if runner["model"] != model:
+            if runner.model != model:
                 continue
-            held = [d for d in json.loads(runner.get("devices", "{}")) if d in devices]
+            held = [d for d in runner.devices if d in devices]
             if held:
-                ask_unload(self.app, devices[held[0]]["worker"], runner["id"], when_idle=True)
-            asked.append(runner["id"])
+                ask_unload(self.app, devices[held[0]].worker, runner.id, when_idle=True)
+            asked.append(runner.id)
         return asked
 
     def cancel(self, job_id: str) -> None:
         """Cancel a job by id (see :meth:`Job.cancel`)."""
         request_cancel(self.r, job_id, self.settings.stream_ttl_s)
 
-    def jobs(self) -> list[dict[str, Any]]:
+    def jobs(self) -> list[JobView]:
         """Jobs not ended yet: ``parked`` (waiting for memory; ``position`` in the order
         they will be retried, ``model_position`` among their model's), then ``queued`` at a
         worker (``position`` in their device's queue) and ``running``."""
-        parked = [dict(row, state="parked", device=None) for row in ParkedJobs(self.r).listing()]
-        return parked + self.state.sent_jobs()
+        return ParkedJobs(self.r).listing() + self.state.sent_jobs()
 
     # -- state ------------------------------------------------------------------------------
     def models(self) -> list[dict[str, Any]]:
@@ -355,11 +354,14 @@ class Client:
             for e in Registry(self.settings.models_dir).entries()
         ]
 
-    def devices(self) -> list[dict[str, str]]:
-        return self.state.device_records()
+    def devices(self) -> list[DeviceView]:
+        """Every registered device, with its memory (``free`` = min(reported free, total −
+        reserved))."""
+        return self.state.devices()
 
-    def ps(self) -> list[dict[str, str]]:
-        return self.state.runner_records()
+    def ps(self) -> list[RunnerView]:
+        """Every runner (loaded model instance), Ollama's ``ps`` fields among ours."""
+        return self.state.runners()
 
     def health(self) -> dict[str, Any]:
         """Live devices and placement services (one Redis round trip)."""

@@ -26,14 +26,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scheduler.gguf.calibration import CALIBRATED, ComputeConstants  # noqa: E402
-from scheduler.gguf.estimate import (  # noqa: E402
-    MIB,
-    RunnerConfig,
-    compute_model_bytes,
-    estimate,
-)
+from scheduler.gguf.estimate import compute_model_bytes, estimate  # noqa: E402
 from scheduler.gguf.metadata import ModelInfo, read_model_info  # noqa: E402
 from scheduler.gguf.registry import demo_installed, demo_model_path  # noqa: E402
+from scheduler.protocol import RunnerConfig  # noqa: E402
+from scheduler.units import MIB  # noqa: E402
 from tests.tinymodel import calibration_models  # noqa: E402
 from workers.measure import Measured, measure_config  # noqa: E402
 

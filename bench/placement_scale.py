@@ -30,7 +30,8 @@ from scheduler.local.embedded import EmbeddedRedis  # noqa: E402
 from scheduler.placement.decision import JobNeeds, Load, Route, decide  # noqa: E402
 from scheduler.placement.snapcache import SnapshotCache  # noqa: E402
 from scheduler.store import keys  # noqa: E402
-from scheduler.store.state import ClusterState  # noqa: E402
+from scheduler.store.placement_state import PlacementState  # noqa: E402
+from scheduler.store.worker_state import WorkerState  # noqa: E402
 
 GIB = 1 << 30
 
@@ -73,7 +74,8 @@ def build(n_devices: int, n_runners: int, n_models: int, rng: random.Random) -> 
 
 
 def place_all(
-    state: ClusterState,
+    state: PlacementState,
+    workers: WorkerState,
     read: Callable[[float, float], Snapshot],
     jobs: list[JobNeeds],
     devices: list[DeviceState],
@@ -84,7 +86,7 @@ def place_all(
     e2e, snap_ms = [], []
     for i, job in enumerate(jobs):
         beats = devices[(i * 10) % len(devices) :][:10]
-        state.heartbeat({d.id: d.total for d in beats}, time.time())
+        workers.heartbeat({d.id: d.total for d in beats}, time.time())
         started = time.perf_counter()
         view = read(time.time(), 1e9)
         snap_ms.append((time.perf_counter() - started) * 1000)
@@ -130,10 +132,10 @@ def main() -> None:
     server.start()
     try:
         client = redis.Redis.from_url(server.url)
-        state = ClusterState(client)
+        state, workers = PlacementState(client), WorkerState(client)
         now = time.time()
         for d in snap.devices:
-            state.register_device(
+            workers.register_device(
                 DeviceInfo(d.id, "h", d.worker, "v", "vgpu", d.total, d.total, True), now
             )
         for r in snap.runners:
@@ -142,8 +144,8 @@ def main() -> None:
         n_e2e = max(50, args.decisions // 20)
         cache = SnapshotCache(client)
         cache.snapshot(time.time(), 1e9)  # the first read loads everything
-        e2e, snap_ms = place_all(state, cache.snapshot, jobs[:n_e2e], snap.devices, "c")
-        full, full_snap_ms = place_all(state, state.snapshot, jobs[:20], snap.devices, "f")
+        e2e, snap_ms = place_all(state, workers, cache.snapshot, jobs[:n_e2e], snap.devices, "c")
+        full, full_snap_ms = place_all(state, workers, state.snapshot, jobs[:20], snap.devices, "f")
         client.close()
     finally:
         server.stop()

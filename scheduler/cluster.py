@@ -4,12 +4,21 @@ placement decides on. Pure: no Redis, no clock."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, computed_field
+
+DeviceKind = Literal["gpu", "vgpu", "cpu"]
+RunnerPhase = Literal["loading", "ready", "unloading"]
 DEMAND_TAU_S = 600.0  # demand decays by e every 10 minutes
+
+
+def free_bytes(reported_free: int, total: int, reserved: int) -> int:
+    """A device's free memory: min(reported free, total − Σ reservations), never negative."""
+    return max(0, min(reported_free, total - reserved))
 
 
 def decayed(score: float, last: float, now: float, tau_s: float = DEMAND_TAU_S) -> float:
@@ -44,8 +53,7 @@ class DeviceState:
 
     @property
     def free(self) -> int:
-        """Free memory = min(reported free, total − Σ reservations)."""
-        return max(0, min(self.reported_free, self.total - self.reserved))
+        return free_bytes(self.reported_free, self.total, self.reserved)
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,8 @@ class Snapshot:
     runners: list[RunnerState]
     parked: int = 0
     demand: Mapping[str, float] = field(default_factory=dict)  # model → decayed request count
+    # models with parked jobs (placement passes a set read from Redis on first use)
+    parked_models: Collection[str] = frozenset()
 
     # Indexes built once per snapshot, so that a decision costs O(devices) plus the runners
     # of the job's model, not O(devices × runners). scheduler/placement/snapcache.py supplies them
@@ -114,3 +124,71 @@ class Snapshot:
         for runners in index.values():
             runners.sort(key=eviction_order(self.demand))
         return index
+
+
+class DeviceView(BaseModel):
+    """A device as listings show it (``Client.devices()``, ``ggufq devices``, metrics)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    host: str
+    worker: str
+    name: str
+    kind: DeviceKind
+    total: int
+    reported_free: int  # what the driver (or the worker, for virtual GPUs) last reported
+    reserved: int  # Σ reservations of the runners on it
+    virtual: bool
+    uuid: str = ""
+    queue: str
+    heartbeat: float
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def free(self) -> int:
+        return free_bytes(self.reported_free, self.total, self.reserved)
+
+
+class RunnerView(BaseModel):
+    """A runner as listings show it (``Client.ps()``, ``ggufq ps``, metrics); Ollama's
+    field names where its ``/api/ps`` has one (``model``, ``size``, ``context_length``,
+    ``expires_at``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    model: str
+    state: RunnerPhase
+    devices: dict[str, int]  # bytes reserved per device
+    bytes: int  # on its devices (the GPU share when partially offloaded)
+    size: int  # the whole runner, its host share included
+    context_length: int  # tokens per slot (num_ctx)
+    num_parallel: int
+    n_gpu_layers: int  # -1: every layer on its devices
+    block_count: int
+    embedding: bool
+    in_flight: int
+    keep_alive_s: float
+    expires_at: float  # seconds since the epoch; -1 while busy or when it never expires
+    last_used: float
+    loaded_at: float | None = None  # None while loading
+    worker: str = ""
+    config_key: str = ""
+
+
+class JobView(BaseModel):
+    """A job not ended yet (``Client.jobs()``, ``ggufq jobs``): parked (waiting for memory),
+    queued at its device's worker, or running."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    model: str
+    priority: Literal["interactive", "batch"]
+    state: Literal["parked", "queued", "running"]
+    position: int  # parked: in retry order; queued: in its device's queue; running: 0
+    model_position: int | None = None  # parked: among its model's parked jobs
+    device: str | None = None
+    submitted_at: float
+    started_at: float | None = None

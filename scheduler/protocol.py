@@ -7,9 +7,12 @@ service and the workers (validate again on receipt: nothing trusts the wire).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import time
 import uuid
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from pydantic import (
@@ -41,6 +44,48 @@ def check_model_name(name: str) -> str:
             "(at most 128); `ggufq models` lists the available names"
         )
     return name
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What a runner is loaded with. A job can share a runner only if these match, except
+    num_parallel: it sizes a new runner, and binds only a job that asks for it explicitly."""
+
+    num_ctx: int  # context per sequence (Ollama's num_ctx)
+    num_parallel: int = 1
+    kv_type: str = "f16"
+    flash_attn: bool = False
+    n_batch: int = 512
+    n_ubatch: int = 512
+    swa_full: bool = False
+    n_outputs: int = 0  # logits rows of the worst-case graph; 0 = llama.cpp's default (n_batch)
+    embedding: bool = False  # an embedding runner: one slot, a batch as large as the context
+
+    @classmethod
+    def for_generation(cls, num_ctx: int, num_parallel: int, flash_attn: bool) -> RunnerConfig:
+        """What placement loads for generation: the decode loop asks for one output row per
+        sequence per step, so the context needs no more (Gemma 3's compute buffer at
+        8192 × 4 drops from 514 to 30 MiB)."""
+        return cls(num_ctx, num_parallel, flash_attn=flash_attn, n_outputs=num_parallel)
+
+    @classmethod
+    def for_embedding(cls, num_ctx: int, flash_attn: bool) -> RunnerConfig:
+        """llama.cpp embeds an input in one batch: the batch is as large as the context."""
+        return cls(
+            num_ctx=num_ctx,
+            num_parallel=1,
+            flash_attn=flash_attn,
+            n_batch=num_ctx,
+            n_ubatch=num_ctx,
+            embedding=True,
+        )
+
+    def key(self) -> str:
+        """What must match for a job to share a runner (num_parallel aside)."""
+        fields = asdict(self)
+        del fields["num_parallel"]
+        blob = json.dumps(fields, sort_keys=True).encode()
+        return hashlib.sha1(blob).hexdigest()[:12]
 
 
 class Options(BaseModel):
@@ -190,3 +235,52 @@ class GenerateResponse(BaseModel):
     warnings: list[str] = Field(default_factory=list)
     error: dict[str, str] | None = None
     seq: int | None = None  # a streamed chunk's place in its job's stream (1, 2, ...)
+
+
+class Placement(BaseModel):
+    """Where placement sent a job: the record that travels with it to the worker.
+
+    ``device_ids`` lists every device the runner's memory is reserved on (several when the
+    model spans GPUs, with ``split_blocks`` blocks on each, in layer order, for llama.cpp's
+    tensor_split); ``n_gpu_layers`` is llama.cpp's (0 on the CPU).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(description="this placement of the job; a re-placement gets a new one")
+    runner_id: str
+    device_id: str
+    device_ids: list[str] = Field(default_factory=list)
+    split_blocks: list[int] = Field(default_factory=list)
+    n_gpu_layers: int = 0
+    config: RunnerConfig
+    warnings: list[str] = Field(default_factory=list)
+    placement_ns: int = 0
+
+    @property
+    def devices(self) -> list[str]:
+        """Every device the runner's memory is reserved on."""
+        return list(self.device_ids or [self.device_id])
+
+
+class SentJob(BaseModel):
+    """A job sent to a device's queue, as recorded before sending (``ggufq:inflight:<device>``):
+    if the device is dropped, placement finds the job there and re-places or fails it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job: JobRequest
+    placement: Placement
+    worker: str
+    sent_at: float = 0.0
+    avoid: list[str] = Field(default_factory=list, description="devices its load failed on")
+
+
+def parse_placement(data: dict[str, Any]) -> Placement:
+    """Validate the placement record a worker receives with a job."""
+    try:
+        return Placement.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidRequest(
+            describe_validation_error(exc).replace("request", "placement", 1)
+        ) from None

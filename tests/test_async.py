@@ -170,12 +170,12 @@ def test_async_state_load_unload_and_batch(
         health = await c.health()
         assert health["ok"] and health["devices"] >= 1
         devices = await c.devices()
-        assert "cpu:testhost" in [d["id"] for d in devices]
+        assert "cpu:testhost" in [d.id for d in devices]
         names = {m["name"]: m for m in await c.models()}
         assert names["tiny"]["architecture"] == "llama" and "notgguf" in names
         loaded = await c.load("tiny", keep_alive=-1, options={"num_ctx": 512})
         assert loaded.done_reason == "load"
-        assert "512" in [r["num_ctx"] for r in await c.ps() if r["model"] == "tiny"]
+        assert 512 in [r.context_length for r in await c.ps() if r.model == "tiny"]
         assert await c.jobs() == []
         assert await c.unload("tiny")
         out = tmp_path / "o.jsonl"
@@ -184,7 +184,7 @@ def test_async_state_load_unload_and_batch(
 
     run(stack, settings, body)
     with Client(stack.redis_url, settings=settings) as sync:
-        assert wait_for(lambda: all(r["num_ctx"] != "512" for r in sync.ps()))
+        assert wait_for(lambda: all(r.context_length != 512 for r in sync.ps()))
 
 
 def test_cancelling_an_async_batch_cancels_its_jobs(

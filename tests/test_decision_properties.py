@@ -5,11 +5,13 @@ Lua scripts do), with random arrivals, completions, expiries and worker deaths."
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.cluster import DeviceState, RunnerState, Snapshot
+from scheduler.placement.commit import Assigned, Wait, commit
 from scheduler.placement.decision import (
     Evict,
     GroupNeeds,
@@ -117,7 +119,8 @@ def test_decision_is_always_admissible(case: tuple[Snapshot, JobNeeds]) -> None:
 
 @dataclass
 class Cluster:
-    """In-memory Redis: commits re-check capacity atomically, like reserve.lua."""
+    """An in-memory :class:`Ledger`: like the Lua scripts, it re-checks capacity atomically;
+    placement's own :func:`commit` carries the decisions out against it."""
 
     total: dict[str, int]
     alive: set[str] = field(default_factory=set)
@@ -136,28 +139,47 @@ class Cluster:
         live = [r for r in self.runners.values() if set(r.devices) <= self.alive]
         return Snapshot(devices, live, parked)
 
-    def commit(self, decision: object, job: JobNeeds) -> str:
-        match decision:
-            case Route(rid, _) if rid in self.runners and self.runners[rid].state != "unloading":
-                r = self.runners[rid]
-                self.runners[rid] = replace(r, in_flight=r.in_flight + 1)
+    def assign(self, runner_id: str, now: float) -> bool:
+        runner = self.runners.get(runner_id)
+        if runner is None or runner.state == "unloading":
+            return False
+        self.runners[runner_id] = replace(runner, in_flight=runner.in_flight + 1)
+        return True
+
+    def reserve(
+        self, runner_id: str, reservations: dict[str, int], fields: dict[str, Any], now: float
+    ) -> bool:
+        if not all(
+            dev in self.alive and self.total[dev] - self.reserved(dev) >= nbytes
+            for dev, nbytes in reservations.items()
+        ):
+            return False
+        model, config = fields["model"], fields["config_key"]
+        self.runners[runner_id] = RunnerState(
+            runner_id, model, config, reservations, "ready", 1, -1, 0
+        )
+        return True
+
+    def unload(self, runner_ids: list[str], snap: Snapshot) -> None:
+        for rid in runner_ids:
+            if rid in self.runners and self.runners[rid].in_flight == 0:
+                del self.runners[rid]
+
+    def new_id(self) -> str:
+        self.counter += 1
+        return f"r{self.counter}"
+
+    def place(self, job: JobNeeds, snap: Snapshot, max_queue: int = 8) -> str:
+        """Decide on ``snap`` (perhaps stale) and commit as the placement service does."""
+        decision = decide(job, snap, "binpack", 0.0, max_queue, 3)
+
+        def fields(_load: Load) -> dict[str, Any]:
+            return {"model": job.model, "config_key": job.config_key}
+
+        match commit(decision, fields, self, snap, 0.0, new_id=self.new_id):
+            case Assigned():
                 return "served"
-            case Load() as load if all(
-                dev in self.alive and self.total[dev] - self.reserved(dev) >= nbytes
-                for dev, nbytes in load.reservations.items()
-            ):
-                self.counter += 1
-                rid = f"r{self.counter}"
-                self.runners[rid] = RunnerState(
-                    rid, job.model, job.config_key, load.reservations, "ready", 1, -1, 0
-                )
-                return "served"
-            case Evict(ids):
-                for rid in ids:
-                    if rid in self.runners and self.runners[rid].in_flight == 0:
-                        del self.runners[rid]
-                return "parked"
-            case Park(_):
+            case Wait():
                 return "parked"
             case Refuse(code, _):
                 return "refused:" + code
@@ -188,10 +210,9 @@ def test_simulated_cluster_keeps_invariants(trace: list, placers: int) -> None:
         if kind == "arrive":
             job = needs(arg)
             view = stale[placer % placers]
-            outcome = cluster.commit(decide(job, view, "binpack", step, 8, 3), job)
+            outcome = cluster.place(job, view)
             if outcome == "lost race":  # re-decide on a fresh snapshot, as the service does
-                fresh = cluster.snapshot(len(parked))
-                outcome = cluster.commit(decide(job, fresh, "binpack", step, 8, 3), job)
+                outcome = cluster.place(job, cluster.snapshot(len(parked)))
             if outcome in ("parked", "lost race"):
                 parked.append(job)
             else:
@@ -214,9 +235,7 @@ def test_simulated_cluster_keeps_invariants(trace: list, placers: int) -> None:
         # wake parked jobs on every event, in order
         still = []
         for job in parked:
-            outcome = cluster.commit(
-                decide(job, cluster.snapshot(len(still)), "binpack", step, 10**6, 3), job
-            )
+            outcome = cluster.place(job, cluster.snapshot(len(still)), max_queue=10**6)
             (still.append(job) if outcome in ("parked", "lost race") else outcomes.append(outcome))
         parked = still
         for dev, total in cluster.total.items():
@@ -229,7 +248,7 @@ def test_simulated_cluster_keeps_invariants(trace: list, placers: int) -> None:
         cluster.runners = {k: replace(r, in_flight=0) for k, r in cluster.runners.items()}
         still = []
         for job in parked:
-            outcome = cluster.commit(decide(job, cluster.snapshot(0), "binpack", 0, 10**6, 3), job)
+            outcome = cluster.place(job, cluster.snapshot(0), max_queue=10**6)
             (still.append(job) if outcome in ("parked", "lost race") else outcomes.append(outcome))
         parked = still
     assert not parked

@@ -29,5 +29,5 @@ def test_demo_model_streams_in_order(client: Client) -> None:
     )
     text = "".join(c.response for c in chunks[:-1])
     assert "red" in text.lower() and chunks[-1].done
-    (runner,) = [r for r in client.ps() if r["model"] == "gemma3-270m"]
-    assert runner["num_ctx"] == "4096" and runner["state"] == "ready"
+    (runner,) = [r for r in client.ps() if r.model == "gemma3-270m"]
+    assert runner.context_length == 4096 and runner.state == "ready"

@@ -93,10 +93,10 @@ def test_bad_files_fail_cleanly_and_the_worker_keeps_serving(client: Client) -> 
     with pytest.raises(LoadFailed, match="could not load model 'alien'"):
         client.generate("alien", "hi", options=GREEDY)
     # The failed load left no runner and no reservation behind.
-    assert not [r for r in client.ps() if r["model"] == "alien"]
-    runner_ids = {r["id"].encode() for r in client.ps()}
+    assert not [r for r in client.ps() if r.model == "alien"]
+    runner_ids = {r.id.encode() for r in client.ps()}
     for device in client.devices():
-        assert set(client.r.hkeys(keys.reservations(device["id"]))) <= runner_ids
+        assert set(client.r.hkeys(keys.reservations(device.id))) <= runner_ids
     assert client.generate("tiny", "still there?", options=GREEDY).done
 
 
@@ -105,9 +105,9 @@ def test_keep_alive_zero_unloads_and_releases_memory(client: Client) -> None:
 
     def unloaded() -> bool:
         runners = client.ps()
-        held = sum(int(r["bytes"]) for r in runners)
-        reserved = sum(int(d["reserved"]) for d in client.devices())
-        return not [r for r in runners if r["model"] == "tiny"] and reserved == held
+        held = sum(r.bytes for r in runners)
+        reserved = sum(d.reserved for d in client.devices())
+        return not [r for r in runners if r.model == "tiny"] and reserved == held
 
     assert wait_for(unloaded)
 
@@ -115,22 +115,22 @@ def test_keep_alive_zero_unloads_and_releases_memory(client: Client) -> None:
 def test_empty_prompt_preloads_and_keep_alive_zero_unloads(client: Client) -> None:
     loaded = client.generate("tiny", "", keep_alive=-1)
     assert loaded.done_reason == "load"
-    runners = [r for r in client.ps() if r["model"] == "tiny"]
-    assert len(runners) == 1 and runners[0]["expires_at"] == "-1"
+    runners = [r for r in client.ps() if r.model == "tiny"]
+    assert len(runners) == 1 and runners[0].expires_at == -1
     # A job that omits keep_alive keeps the runner's value (never expire).
     client.generate("tiny", "hi", options=GREEDY)
-    assert [r["expires_at"] for r in client.ps() if r["model"] == "tiny"] == ["-1"]
+    assert [r.expires_at for r in client.ps() if r.model == "tiny"] == [-1]
     assert client.generate("tiny", "", keep_alive=0).done_reason == "unload"
-    assert wait_for(lambda: not [r for r in client.ps() if r["model"] == "tiny"])
+    assert wait_for(lambda: not [r for r in client.ps() if r.model == "tiny"])
 
 
 def test_runner_stays_resident_between_jobs(client: Client) -> None:
     client.generate("tiny", "warm up", options=GREEDY, keep_alive="5m")
     second = client.generate("tiny", "again", options=GREEDY)
     assert second.load_duration == 0
-    (runner,) = [r for r in client.ps() if r["model"] == "tiny"]
-    assert runner["state"] == "ready" and runner["in_flight"] == "0"
-    assert 295 < float(runner["expires_at"]) - time.time() <= 300
+    (runner,) = [r for r in client.ps() if r.model == "tiny"]
+    assert runner.state == "ready" and runner.in_flight == 0
+    assert 295 < runner.expires_at - time.time() <= 300
 
 
 def test_no_worker_is_reported_quickly(session_dir: Path) -> None:
@@ -151,10 +151,10 @@ def test_no_stack_and_no_url_says_how_to_start(tmp_path: Path) -> None:
 
 
 def test_device_registered_with_heartbeat(client: Client, r: redis.Redis) -> None:
-    (device,) = [d for d in client.devices() if d["id"] == "cpu:testhost"]
-    assert device["kind"] == "cpu" and device["worker"] == "ggufq-cpu@testhost"
-    assert int(device["total"]) > int(device["reserved"]) >= 0
-    beat = float(device["heartbeat"])
+    (device,) = [d for d in client.devices() if d.id == "cpu:testhost"]
+    assert device.kind == "cpu" and device.worker == "ggufq-cpu@testhost"
+    assert device.total > device.reserved >= 0
+    beat = device.heartbeat
     assert wait_for(lambda: float(r.hget(keys.device("cpu:testhost"), "heartbeat") or 0) > beat)
     assert client.health()["ok"]
 
@@ -168,8 +168,8 @@ def test_embed_gives_one_normalized_vector_per_input(client: Client) -> None:
     assert max(abs(a - b) for a, b in zip(vectors[0], vectors[2], strict=True)) < 1e-4
     assert max(abs(a - b) for a, b in zip(vectors[0], vectors[1], strict=True)) > 1e-2
     assert result.prompt_eval_count and result.prompt_eval_count >= 6
-    embedders = [r for r in client.ps() if r["embedding"] == "1"]
-    assert [(r["model"], r["num_parallel"]) for r in embedders] == [("tiny", "1")]
+    embedders = [r for r in client.ps() if r.embedding]
+    assert [(r.model, r.num_parallel) for r in embedders] == [("tiny", 1)]
     # an input longer than the context is refused unless the job asks to truncate
     long = "word " * 200
     with pytest.raises(InvalidRequest, match="set truncate=True"):

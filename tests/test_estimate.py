@@ -10,7 +10,6 @@ import pytest
 
 from scheduler.errors import InvalidRequest
 from scheduler.gguf.estimate import (
-    RunnerConfig,
     context_sizes,
     estimate,
     kv_caches,
@@ -18,6 +17,7 @@ from scheduler.gguf.estimate import (
     row_bytes,
 )
 from scheduler.gguf.metadata import ModelInfo, read_model_info, swa_layers
+from scheduler.protocol import RunnerConfig
 from scheduler.units import MIB
 from tests.tinymodel import calibration_models
 from workers.measure import measure_config

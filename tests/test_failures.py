@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 
@@ -36,9 +35,9 @@ def test_sigkill_worker_mid_job(tmp_path: Path) -> None:
                     break
             # b shares a's runner (one slot): it waits at the worker and streams nothing
             b = client.submit("slow", "b", options={**LONG, "num_predict": 8})
-            assert wait_for(lambda: [r["in_flight"] for r in client.ps()] == ["2"])
+            assert wait_for(lambda: [r.in_flight for r in client.ps()] == [2])
             (runner,) = client.ps()
-            assert json.loads(runner["devices"]).keys() == {"vgpu:h2:0"}
+            assert runner.devices.keys() == {"vgpu:h2:0"}
 
             victim.send_signal(signal.SIGKILL)
 
@@ -49,8 +48,8 @@ def test_sigkill_worker_mid_job(tmp_path: Path) -> None:
             result = b.result(timeout=60)
             assert result.done and result.device == "vgpu:h1:0"
             # the dead device is gone with its runner and reservation
-            assert [d["id"] for d in client.devices()] == ["vgpu:h1:0"]
+            assert [d.id for d in client.devices()] == ["vgpu:h1:0"]
             (runner,) = client.ps()
-            assert json.loads(runner["devices"]).keys() == {"vgpu:h1:0"}
+            assert runner.devices.keys() == {"vgpu:h1:0"}
             (device,) = client.devices()
-            assert int(device["reserved"]) == int(runner["bytes"])
+            assert device.reserved == runner.bytes

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from api_client import Client, InvalidRequest, JobCancelled, ServerBusy
-from scheduler.gguf.estimate import RunnerConfig, estimate_bytes
+from scheduler.gguf.estimate import estimate_bytes
 from scheduler.gguf.metadata import read_model_info
 from scheduler.local.stack import LocalStack
+from scheduler.protocol import RunnerConfig
 from tests.conftest import settings_from, stack_env, wait_for
 from tests.tinymodel import write_slow_model
 
@@ -39,7 +40,7 @@ LONG = {"temperature": 0, "num_predict": 2000, "num_ctx": 8192}  # the model nev
 
 
 def parked(client: Client) -> list[str]:
-    return [j["id"] for j in client.jobs() if j["state"] == "parked"]
+    return [j.id for j in client.jobs() if j.state == "parked"]
 
 
 def test_parked_job_waits_then_runs_and_loaded_model_is_not_blocked(
@@ -47,17 +48,15 @@ def test_parked_job_waits_then_runs_and_loaded_model_is_not_blocked(
 ) -> None:
     client = one_slot_stack
     a = client.submit("slow", "a", options=LONG)
-    assert wait_for(
-        lambda: any(r["in_flight"] == "1" and r["state"] == "ready" for r in client.ps())
-    )
+    assert wait_for(lambda: any(r.in_flight == 1 and r.state == "ready" for r in client.ps()))
     b = client.submit("slow", "b", options={"num_ctx": 4096, "num_predict": 4})
     assert wait_for(lambda: parked(client) == [b.id])
-    rows = {j["id"]: j for j in client.jobs()}
-    assert rows[b.id]["model_position"] == 1 and rows[b.id]["position"] == 1
-    assert rows[a.id]["state"] == "running" and rows[a.id]["device"] == "vgpu:parkhost:0"
+    rows = {j.id: j for j in client.jobs()}
+    assert rows[b.id].model_position == 1 and rows[b.id].position == 1
+    assert rows[a.id].state == "running" and rows[a.id].device == "vgpu:parkhost:0"
     # A job for the loaded configuration is routed at once, past the parked one.
     c = client.submit("slow", "c", options={**LONG, "num_predict": 4})
-    assert wait_for(lambda: sum(int(r["in_flight"]) for r in client.ps()) == 2)
+    assert wait_for(lambda: sum(r.in_flight for r in client.ps()) == 2)
     assert parked(client) == [b.id]
     # The queue holds one job (GGUFQ_MAX_QUEUE=1): another that must wait is refused.
     with pytest.raises(ServerBusy, match="max_queue 1"):
@@ -67,16 +66,16 @@ def test_parked_job_waits_then_runs_and_loaded_model_is_not_blocked(
     result = b.result(timeout=60)
     assert result.done and result.load_duration and result.load_duration > 0
     (runner,) = client.ps()
-    assert runner["num_ctx"] == "4096"
+    assert runner.context_length == 4096
     assert client.jobs() == []
 
 
 def test_load_pin_and_unload(one_slot_stack: Client) -> None:
     client = one_slot_stack
     (device,) = client.devices()
-    loaded = client.load("slow", device=device["id"], keep_alive=-1, options={"num_ctx": 4096})
-    assert loaded.device == device["id"] and loaded.done_reason == "load"
-    assert [r["expires_at"] for r in client.ps()] == ["-1"]
+    loaded = client.load("slow", device=device.id, keep_alive=-1, options={"num_ctx": 4096})
+    assert loaded.device == device.id and loaded.done_reason == "load"
+    assert [r.expires_at for r in client.ps()] == [-1]
     with pytest.raises(InvalidRequest, match="'vgpu:nowhere:0' is not alive"):
         client.load("slow", device="vgpu:nowhere:0")
     assert client.unload("slow")
@@ -87,9 +86,7 @@ def test_load_pin_and_unload(one_slot_stack: Client) -> None:
 def test_cancel_a_parked_and_a_running_job(one_slot_stack: Client) -> None:
     client = one_slot_stack
     a = client.submit("slow", "a", options=LONG)
-    assert wait_for(
-        lambda: any(r["in_flight"] == "1" and r["state"] == "ready" for r in client.ps())
-    )
+    assert wait_for(lambda: any(r.in_flight == 1 and r.state == "ready" for r in client.ps()))
     b = client.submit("slow", "b", options={"num_ctx": 4096, "num_predict": 4})
     assert wait_for(lambda: parked(client) == [b.id])
     b.cancel()  # parked: it leaves the queue and never starts
@@ -105,6 +102,6 @@ def test_cancel_a_parked_and_a_running_job(one_slot_stack: Client) -> None:
         a.result()
     assert a.status() == "REVOKED"
     # the runner stays loaded and serves the next job
-    assert wait_for(lambda: [r["in_flight"] for r in client.ps()] == ["0"])
+    assert wait_for(lambda: [r.in_flight for r in client.ps()] == [0])
     after = client.generate("slow", "c", options={**LONG, "num_predict": 4})
     assert after.done and after.load_duration == 0

@@ -13,9 +13,10 @@ from pathlib import Path
 import redis
 
 from api_client import Client
-from scheduler.gguf.estimate import RunnerConfig, estimate_bytes
+from scheduler.gguf.estimate import estimate_bytes
 from scheduler.gguf.metadata import read_model_info
 from scheduler.local.stack import LocalStack
+from scheduler.protocol import RunnerConfig
 from scheduler.store import keys
 from tests.conftest import settings_from, stack_env
 

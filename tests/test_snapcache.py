@@ -9,8 +9,7 @@ import redis
 from scheduler.cluster import Snapshot
 from scheduler.placement.snapcache import SnapshotCache
 from scheduler.store import keys
-from scheduler.store.state import ClusterState
-from tests.test_state import GIB, vgpu
+from tests.test_state import GIB, ClusterState, vgpu
 
 
 def view(snap: Snapshot) -> dict[str, object]:

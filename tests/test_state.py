@@ -11,11 +11,20 @@ import redis
 
 from scheduler.cluster import DeviceInfo
 from scheduler.store import keys
-from scheduler.store.state import ClusterState
+from scheduler.store.placement_state import PlacementState
 from scheduler.store.streams import publish_final, read_chunks
+from scheduler.store.worker_state import WorkerState
 from workers.chunks import ChunkPublisher, ChunkWriter
 
 GIB = 1 << 30
+
+
+class ClusterState(PlacementState, WorkerState):
+    """Both roles on one connection, as these tests play placement and worker at once."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        PlacementState.__init__(self, client)
+        WorkerState.__init__(self, client)
 
 
 def vgpu(index: int, total_gib: int = 8, host: str = "h") -> DeviceInfo:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,38 +21,39 @@ def test_virtual_gpus_are_advertised_and_preferred(models_dir: Path, tmp_path: P
     worker = ["--virtual-gpu", "1GiB", "--virtual-gpu", "512MiB"]
     with LocalStack(settings, worker_args=worker, log_dir=tmp_path / "logs", extra_env=env) as st:
         with Client(st.redis_url, settings=settings, timeout=60) as client:
-            devices = {d["id"]: d for d in client.devices()}
+            devices = {d.id: d for d in client.devices()}
             assert set(devices) == {"vgpu:vhost:0", "vgpu:vhost:1"}
-            assert all(d["virtual"] == "1" and d["kind"] == "vgpu" for d in devices.values())
-            assert devices["vgpu:vhost:0"]["total"] == str(2**30)
-            assert devices["vgpu:vhost:0"]["worker"] == "ggufq-vgpu0+vgpu1@vhost"
+            assert all(d.virtual and d.kind == "vgpu" for d in devices.values())
+            assert devices["vgpu:vhost:0"].total == 2**30
+            assert devices["vgpu:vhost:0"].worker == "ggufq-vgpu0+vgpu1@vhost"
             result = client.generate("tiny", "hi", options={"num_predict": 4, "temperature": 0})
             # binpack: the smaller device that holds the model
             assert result.device == "vgpu:vhost:1"
             (runner,) = client.ps()
-            reserved = {d["id"]: int(d["reserved"]) for d in client.devices()}
-            assert reserved == {"vgpu:vhost:0": 0, "vgpu:vhost:1": int(runner["bytes"])}
+            reserved = {d.id: d.reserved for d in client.devices()}
+            assert reserved == {"vgpu:vhost:0": 0, "vgpu:vhost:1": runner.bytes}
             out = ggufq("devices", env={**env, "GGUFQ_REDIS_URL": st.redis_url})
             line = next(x for x in out.stdout.splitlines() if x.startswith("vgpu:vhost:1"))
             assert line.rstrip().endswith("yes")
             # a failed load on a GPU is tried once more on another one, then reported
             with pytest.raises(LoadFailed, match=r"'alien' on vgpu:vhost:\d \(nor on vgpu:vhost:"):
                 client.generate("alien", "hi")
-            assert all(r["model"] == "tiny" for r in client.ps())
+            assert all(r.model == "tiny" for r in client.ps())
             with pytest.raises(InvalidRequest, match="no CPU device is alive"):
                 client.generate("tiny", "hi", options={"num_gpu": 0})
             # num_gpu 1: exactly one layer (the output layer) on a GPU; an explicit num_gpu
             # reloads the idle runner, as in Ollama (-1 would have kept it)
             one = client.generate("tiny", "hi", options={"num_gpu": 1, "num_predict": 2})
             assert one.done
-            assert [r["n_gpu_layers"] for r in client.ps()] == ["1"]
+            assert [r.n_gpu_layers for r in client.ps()] == [1]
             again = client.generate("tiny", "hi", options={"num_predict": 2})
-            assert again.done and [r["n_gpu_layers"] for r in client.ps()] == ["1"]
+            assert again.done and [r.n_gpu_layers for r in client.ps()] == [1]
 
 
 def test_partial_offload_when_the_gpu_is_too_small(models_dir: Path, tmp_path: Path) -> None:
-    from scheduler.gguf.estimate import RunnerConfig, estimate_bytes, partial_table
+    from scheduler.gguf.estimate import estimate_bytes, partial_table
     from scheduler.gguf.metadata import read_model_info
+    from scheduler.protocol import RunnerConfig
 
     info = read_model_info(models_dir / "tiny.gguf")
     cfg = RunnerConfig(2048, flash_attn=True)  # as runners load (GGUFQ_FLASH_ATTENTION)
@@ -67,14 +67,15 @@ def test_partial_offload_when_the_gpu_is_too_small(models_dir: Path, tmp_path: P
             result = client.generate("tiny", "hi", options={"num_predict": 4, "num_ctx": 2048})
             assert result.done and result.device == "vgpu:small:0"
             (runner,) = client.ps()
-            assert runner["n_gpu_layers"] == "2" and int(runner["bytes"]) == table[1]
+            assert runner.n_gpu_layers == 2 and runner.bytes == table[1]
             out = ggufq("ps", env={**env, "GGUFQ_REDIS_URL": st.redis_url})
             assert "% CPU/GPU" in out.stdout
 
 
 def test_a_model_spans_two_gpus_of_one_worker(models_dir: Path, tmp_path: Path) -> None:
-    from scheduler.gguf.estimate import RunnerConfig, estimate_bytes, group_parts
+    from scheduler.gguf.estimate import estimate_bytes, group_parts
     from scheduler.gguf.metadata import read_model_info
+    from scheduler.protocol import RunnerConfig
 
     info = read_model_info(models_dir / "tiny.gguf")
     cfg = RunnerConfig(2048, flash_attn=True)  # as runners load (GGUFQ_FLASH_ATTENTION)
@@ -90,15 +91,15 @@ def test_a_model_spans_two_gpus_of_one_worker(models_dir: Path, tmp_path: Path) 
             result = client.generate("tiny", "hi", options={"num_predict": 4, "num_ctx": 2048})
             assert result.done
             (runner,) = client.ps()
-            held = json.loads(runner["devices"])
+            held = runner.devices
             assert set(held) == {"vgpu:pair:0", "vgpu:pair:1"}
-            reserved = {d["id"]: int(d["reserved"]) for d in client.devices()}
+            reserved = {d.id: d.reserved for d in client.devices()}
             assert reserved == held and all(0 < b <= size for b in held.values())
             out = ggufq("ps", env={**env, "GGUFQ_REDIS_URL": st.redis_url})
             assert "vgpu:pair:0,vgpu:pair:1" in out.stdout.replace(" ", "")
             client.unload("tiny")
             assert wait_for(lambda: not client.ps())
-            assert all(d["reserved"] == "0" for d in client.devices())
+            assert all(d.reserved == 0 for d in client.devices())
 
 
 @needs_demo

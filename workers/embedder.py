@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass
 
 from scheduler.errors import InvalidRequest
-from scheduler.gguf.estimate import RunnerConfig
+from scheduler.protocol import RunnerConfig
 from workers.cpus import llama
 from workers.resident import Resident
 

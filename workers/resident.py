@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from scheduler.gguf.estimate import RunnerConfig
+from scheduler.protocol import RunnerConfig
 
 T = TypeVar("T")
 

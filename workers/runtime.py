@@ -6,7 +6,6 @@ on the job's stream, a final result, and up-to-date runner state in Redis.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -17,16 +16,14 @@ import redis
 
 from scheduler.cluster import DeviceInfo
 from scheduler.errors import GgufqError, InvalidModelFile, JobCancelled, JobFailed, LoadFailed
-from scheduler.gguf.estimate import RunnerConfig
 from scheduler.gguf.metadata import read_model_info
 from scheduler.gguf.registry import Registry
 from scheduler.placement.metrics import count
-from scheduler.protocol import JobRequest, parse_request
+from scheduler.protocol import JobRequest, Placement, SentJob, parse_placement, parse_request
 from scheduler.settings import Settings
-from scheduler.store import keys
 from scheduler.store.cancel import CancelWatcher, cancelled_before_start
-from scheduler.store.state import ClusterState
 from scheduler.store.streams import error_chunk
+from scheduler.store.worker_state import WorkerState
 from workers.chat import render
 from workers.chunks import ChunkPublisher, ChunkWriter
 from workers.devices import reported_free, tensor_split, wait_for_release
@@ -89,7 +86,7 @@ class WorkerRuntime:
     ) -> None:
         self.settings = settings
         self.r = client
-        self.state = ClusterState(client)
+        self.state = WorkerState(client)
         self.devices = devices
         self.registry = registry
         self.clock = clock
@@ -150,7 +147,7 @@ class WorkerRuntime:
 
     # -- jobs -----------------------------------------------------------------------------
     def run_job(
-        self, job: dict[str, Any], placement: dict[str, Any], progress: Progress = _silent
+        self, job: dict[str, Any], sent: dict[str, Any], progress: Progress = _silent
     ) -> dict[str, Any]:
         """Run one job to its end; returns the final record, raises a GgufqError on failure.
 
@@ -158,13 +155,14 @@ class WorkerRuntime:
         at most once a second): Flower shows them as the task's state."""
         received = time.perf_counter_ns()
         req = parse_request(job)
-        if not self.state.owns(placement["device_id"], req.id, placement.get("id", "")):
+        placement = parse_placement(sent)
+        if not self.state.owns(placement.device_id, req.id, placement.id):
             # the device was dropped meanwhile (this worker was stopped or lost its Redis
             # connection) and placement re-placed or failed the job
             raise NotOwned(req.id)
-        runner_id = placement["runner_id"]
+        runner_id = placement.runner_id
         publisher = ChunkPublisher(self.r, req.id, self.settings.stream_ttl_s, self.chunks)
-        base = {"model": req.model, "job_id": req.id, "device": placement["device_id"]}
+        base = {"model": req.model, "job_id": req.id, "device": placement.device_id}
         keep_alive = self.settings.keep_alive_s
         cancelled = self.cancels.watch(req.id)
         tally: dict[str, float] = {}  # the job's counters (scheduler/placement/metrics.py)
@@ -173,13 +171,15 @@ class WorkerRuntime:
                 raise cancelled_before_start(req.id)  # while it waited in the queue
             self.state.started(req.id, self.clock())
             if runner_id not in self.runners:
-                progress("loading", device=placement["device_id"])
+                progress("loading", device=placement.device_id)
             runner, load_ns = self._runner_for(req, placement)
             keep_alive = effective_keep_alive(req.keep_alive_s, runner.keep_alive_s)
             runner.keep_alive_s = keep_alive
             self._schedule_expiry(runner_id, None)
-            final = dict(base, created_at=self.clock(), done=True, load_duration=load_ns)
-            warnings = list(placement.get("warnings", []))
+            final: dict[str, Any] = dict(
+                base, created_at=self.clock(), done=True, load_duration=load_ns
+            )
+            warnings = list(placement.warnings)
             if req.kind == "embed":
                 final.update(_embed(req, runner))
             elif req.kind == "chat":
@@ -192,9 +192,7 @@ class WorkerRuntime:
                 final.update(_generate(req, runner, publisher, cancelled, req.prompt, progress))
             if warnings:
                 final["warnings"] = warnings
-            final["total_duration"] = (
-                time.perf_counter_ns() - received + placement.get("placement_ns", 0)
-            )
+            final["total_duration"] = time.perf_counter_ns() - received + placement.placement_ns
             # vectors travel in the result only: the stream's final chunk has the stats
             publisher.publish({k: v for k, v in final.items() if k != "embeddings"})
             publisher.flush()  # the stream is complete before the result is stored
@@ -206,8 +204,14 @@ class WorkerRuntime:
             return final
         except HandBack as exc:
             log.warning("handing job %s back to placement: %s", req.id, exc)
-            record = {"job": job, "placement": placement, "worker": self.worker_name}
-            self.state.hand_back(req.id, dict(record, avoid=[placement["device_id"]]))
+            self.state.hand_back(
+                SentJob(
+                    job=req,
+                    placement=placement,
+                    worker=self.worker_name,
+                    avoid=[placement.device_id],
+                )
+            )
             raise
         except GgufqError as exc:
             publisher.publish(error_chunk(req.model, req.id, exc, device=base["device"]))
@@ -216,14 +220,14 @@ class WorkerRuntime:
             raise
         except Exception as exc:
             log.exception("job %s failed", req.id)
-            error = JobFailed(f"job {req.id} failed on {placement['device_id']}: {exc}")
+            error = JobFailed(f"job {req.id} failed on {placement.device_id}: {exc}")
             publisher.publish(error_chunk(req.model, req.id, error, device=base["device"]))
             publisher.flush()
             tally = {"failed": 1}
             raise error from None
         finally:
             pipe = self.r.pipeline(transaction=False)  # one round trip for the bookkeeping
-            self.state.done_with(placement["device_id"], req.id, placement.get("id", ""), pipe)
+            self.state.done_with(placement.device_id, req.id, placement.id, pipe)
             count(pipe, req.model, **tally)
             pipe.execute()
             self.cancels.forget(req.id)
@@ -253,15 +257,15 @@ class WorkerRuntime:
             else:
                 self._schedule_expiry(runner_id, expires_at(now, keep_alive_s))
 
-    def _runner_for(self, req: JobRequest, placement: dict[str, Any]) -> tuple[AnyRunner, int]:
-        runner_id = placement["runner_id"]
+    def _runner_for(self, req: JobRequest, placement: Placement) -> tuple[AnyRunner, int]:
+        runner_id = placement.runner_id
         with self._load_lock:
             runner = self.runners.get(runner_id)
             if runner is not None:
                 return runner, 0
-            if not self.r.exists(keys.runner(runner_id)):
+            if not self.state.runner_exists(runner_id):
                 raise LoadFailed(
-                    f"the runner for {req.model!r} on {placement['device_id']} was unloaded "
+                    f"the runner for {req.model!r} on {placement.device_id} was unloaded "
                     "before this job reached it (its load failed or it expired); "
                     "submit the job again"
                 )
@@ -275,27 +279,27 @@ class WorkerRuntime:
         pipe.execute()
         return runner, runner.load_duration_ns
 
-    def _load(self, req: JobRequest, placement: dict[str, Any]) -> AnyRunner:
-        runner_id = placement["runner_id"]
+    def _load(self, req: JobRequest, placement: Placement) -> AnyRunner:
+        runner_id = placement.runner_id
         try:
             path = self.registry.resolve(req.model)
             info = read_model_info(path)  # a clear error for a bad file before llama.cpp
-            config = RunnerConfig(**placement["config"])
+            config = placement.config
             common: dict[str, Any] = {
-                "n_gpu_layers": int(placement.get("n_gpu_layers", 0)),
+                "n_gpu_layers": placement.n_gpu_layers,
                 "n_threads": self.settings.cpu_threads or None,
                 "keep_alive_s": effective_keep_alive(req.keep_alive_s, self.settings.keep_alive_s),
             }
-            args = (runner_id, req.model, str(path), config, _device_ids(placement))
+            args = (runner_id, req.model, str(path), config, placement.devices)
             if config.embedding:
                 return Embedder(*args, **common, pooling_type=info.pooling_type)
-            split = tensor_split(_device_ids(placement), placement.get("split_blocks", []))
+            split = tensor_split(placement.devices, placement.split_blocks)
             return Runner(*args, **common, load_timeout_s=self.settings.load_timeout_s, split=split)
         except (GgufqError, ValueError, RuntimeError, OSError) as exc:
-            self._release(runner_id, _device_ids(placement))
+            self._release(runner_id, placement.devices)
             if isinstance(exc, InvalidModelFile | LoadFailed):
                 raise
-            device = placement["device_id"]
+            device = placement.device_id
             if req.attempt == 0 and not device.startswith("cpu:"):
                 # perhaps out of GPU memory (drivers and other processes take some):
                 # placement tries once more, on another device
@@ -322,8 +326,8 @@ class WorkerRuntime:
         return self._unload(runner_id)
 
     def _unload(self, runner_id: str, force: bool = False) -> bool:
-        if not self.state.begin_unload(runner_id, force=force) and self.r.exists(
-            keys.runner(runner_id)
+        if not self.state.begin_unload(runner_id, force=force) and self.state.runner_exists(
+            runner_id
         ):
             return False  # a job arrived meanwhile, or another unload is under way
         runner = self.runners.pop(runner_id, None)
@@ -337,8 +341,8 @@ class WorkerRuntime:
     def _close(self, runner: AnyRunner) -> None:
         """Free llama.cpp's memory; on NVIDIA GPUs wait (bounded) until the driver shows it."""
         gpus = [d for d in self.devices if d.kind == "gpu" and d.id in runner.device_ids]
-        raw = self.r.hget(keys.runner(runner.id), "devices") if gpus else None
-        held = {d: n for d, n in json.loads(raw or "{}").items() if d in {g.id for g in gpus}}
+        reserved = self.state.runner_devices(runner.id) if gpus else {}
+        held = {d: n for d, n in reserved.items() if d in {g.id for g in gpus}}
         before = reported_free(gpus) if held else {}
         runner.close()
         wait = self.settings.unload_wait_s
@@ -385,8 +389,3 @@ def _embed(req: JobRequest, runner: AnyRunner) -> dict[str, Any]:
         "prompt_eval_count": stats.prompt_eval_count,
         "done_reason": "stop",
     }
-
-
-def _device_ids(placement: dict[str, Any]) -> list[str]:
-    """Every device the runner's memory is reserved on (several when it spans GPUs)."""
-    return list(placement.get("device_ids") or [placement["device_id"]])

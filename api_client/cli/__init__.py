@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from scheduler.cluster import DeviceView, RunnerView
 from scheduler.errors import GgufqError
 from scheduler.settings import describe, get_settings
 from scheduler.units import format_bytes, format_duration
@@ -473,8 +474,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from scheduler.gguf.estimate import RunnerConfig, choose_num_ctx, estimate, max_layers_that_fit
+    from scheduler.gguf.estimate import choose_num_ctx, estimate, max_layers_that_fit
     from scheduler.gguf.registry import Registry
+    from scheduler.protocol import RunnerConfig
     from scheduler.units import parse_bytes
 
     settings = get_settings()
@@ -574,17 +576,17 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     with Client() as client:
         rows = client.jobs()
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
         return 0
     table = [
         [
-            r["id"],
-            r["model"],
-            r["state"],
-            str(r["position"] or ""),
-            r["device"] or "",
-            r["priority"],
-            format_duration(time.time() - float(r["submitted_at"])),
+            r.id,
+            r.model,
+            r.state,
+            str(r.position or ""),
+            r.device or "",
+            r.priority,
+            format_duration(time.time() - r.submitted_at),
         ]
         for r in rows
     ]
@@ -596,53 +598,50 @@ def cmd_ps(args: argparse.Namespace) -> int:
     from api_client import Client
 
     with Client() as client:
-        records = client.ps()
-        devices = {d["id"]: d for d in client.devices()}
+        runners = client.ps()
+        devices = {d.id: d for d in client.devices()}
     if args.json:
-        print(json.dumps(records, indent=2))
+        print(json.dumps([r.model_dump(mode="json") for r in runners], indent=2))
         return 0
-    print_table(*ps_table(records, devices))
+    print_table(*ps_table(runners, devices))
     return 0
 
 
 def ps_table(
-    records: list[dict[str, str]], devices: dict[str, dict[str, str]]
+    runners: list[RunnerView], devices: dict[str, DeviceView]
 ) -> tuple[list[str], list[list[str]]]:
     now = time.time()
     rows: list[list[str]] = []
-    for r in records:
-        held = json.loads(r.get("devices", "{}"))
-        processor = _processor(r, {devices.get(d, {}).get("kind", "cpu") for d in held})
-        expires = float(r.get("expires_at", -1))
-        if r.get("state") != "ready":
-            until = r.get("state", "")
-        elif int(r.get("in_flight", 0)) > 0:
+    for r in runners:
+        kinds: set[str] = {devices[d].kind if d in devices else "cpu" for d in r.devices}
+        until: str
+        if r.state != "ready":
+            until = r.state
+        elif r.in_flight > 0:
             until = "busy"
         else:
-            until = "forever" if expires < 0 else format_duration(max(0.0, expires - now))
+            until = "forever" if r.expires_at < 0 else format_duration(max(0.0, r.expires_at - now))
         rows.append(
             [
-                r["model"],
-                format_bytes(int(r.get("bytes", 0))),
-                processor,
-                ",".join(held),
-                r.get("num_ctx", ""),
-                r.get("num_parallel", ""),
+                r.model,
+                format_bytes(r.bytes),
+                processor(r, kinds),
+                ",".join(r.devices),
+                str(r.context_length),
+                str(r.num_parallel),
                 until,
             ]
         )
     return ["NAME", "SIZE", "PROCESSOR", "DEVICES", "CONTEXT", "PARALLEL", "UNTIL"], rows
 
 
-def _processor(runner: dict[str, str], kinds: set[str]) -> str:
+def processor(runner: RunnerView, kinds: set[str]) -> str:
     """Where a runner computes, as Ollama's ps says it: "100% GPU", "35%/65% CPU/GPU"."""
     if kinds <= {"cpu"}:
         return "100% CPU"
-    layers = int(runner.get("n_gpu_layers", -1))
-    total = int(runner.get("total_bytes", 0))
-    if layers < 0 or total <= 0:
+    if runner.n_gpu_layers < 0 or runner.size <= 0:
         return "100% GPU"
-    gpu = round(100 * int(runner.get("bytes", 0)) / total)
+    gpu = round(100 * runner.bytes / runner.size)
     return f"{100 - gpu}%/{gpu}% CPU/GPU"
 
 
@@ -650,26 +649,24 @@ def cmd_devices(args: argparse.Namespace) -> int:
     from api_client import Client
 
     with Client() as client:
-        records = client.devices()
+        devices = client.devices()
         runners = client.ps()
     if args.json:
-        print(json.dumps(records, indent=2))
+        print(json.dumps([d.model_dump(mode="json") for d in devices], indent=2))
         return 0
     rows = []
-    for d in records:
-        total, reserved = int(d["total"]), int(d["reserved"])
-        free = max(0, min(int(d["free"]), total - reserved))
-        count = sum(1 for r in runners if d["id"] in json.loads(r.get("devices", "{}")))
+    for d in devices:
+        count = sum(1 for r in runners if d.id in r.devices)
         rows.append(
             (
-                d["id"],
-                d["worker"],
-                d["name"],
-                format_bytes(total),
-                format_bytes(reserved),
-                format_bytes(free),
+                d.id,
+                d.worker,
+                d.name,
+                format_bytes(d.total),
+                format_bytes(d.reserved),
+                format_bytes(d.free),
                 str(count),
-                "yes" if d.get("virtual") == "1" else "no",
+                "yes" if d.virtual else "no",
             )
         )
     print_table(["ID", "WORKER", "NAME", "TOTAL", "RESERVED", "FREE", "RUNNERS", "VIRTUAL"], rows)

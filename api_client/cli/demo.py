@@ -115,7 +115,7 @@ def _run(console: Console, prompts: list[str], redis_url: str | None = None) -> 
                 f"{(final.total_duration or 0) / 1e6:.0f} ms total, done: {final.done_reason})"
             )
         console.print()
-        devices = {d["id"]: d for d in client.devices()}
+        devices = {d.id: d for d in client.devices()}
         print_table(*ps_table(client.ps(), devices))
     return 1 if failed else 0
 

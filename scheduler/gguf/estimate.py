@@ -17,13 +17,12 @@ sequence, as llama.cpp does when the cache is not unified):
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from scheduler.errors import InvalidRequest
 from scheduler.gguf.calibration import compute_constants
 from scheduler.gguf.metadata import ModelInfo
+from scheduler.protocol import RunnerConfig
 
 KV_PAD = 256  # llama.cpp pads the context (and so the KV cache) to 256 cells
 
@@ -39,48 +38,6 @@ KV_TYPES: dict[str, tuple[int, int]] = {
     "q5_1": (32, 24),
     "iq4_nl": (32, 18),
 }
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    """What a runner is loaded with. A job can share a runner only if these match, except
-    num_parallel: it sizes a new runner, and binds only a job that asks for it explicitly."""
-
-    num_ctx: int  # context per sequence (Ollama's num_ctx)
-    num_parallel: int = 1
-    kv_type: str = "f16"
-    flash_attn: bool = False
-    n_batch: int = 512
-    n_ubatch: int = 512
-    swa_full: bool = False
-    n_outputs: int = 0  # logits rows of the worst-case graph; 0 = llama.cpp's default (n_batch)
-    embedding: bool = False  # an embedding runner: one slot, a batch as large as the context
-
-    @classmethod
-    def for_generation(cls, num_ctx: int, num_parallel: int, flash_attn: bool) -> RunnerConfig:
-        """What placement loads for generation: the decode loop asks for one output row per
-        sequence per step, so the context needs no more (Gemma 3's compute buffer at
-        8192 × 4 drops from 514 to 30 MiB)."""
-        return cls(num_ctx, num_parallel, flash_attn=flash_attn, n_outputs=num_parallel)
-
-    @classmethod
-    def for_embedding(cls, num_ctx: int, flash_attn: bool) -> RunnerConfig:
-        """llama.cpp embeds an input in one batch: the batch is as large as the context."""
-        return cls(
-            num_ctx=num_ctx,
-            num_parallel=1,
-            flash_attn=flash_attn,
-            n_batch=num_ctx,
-            n_ubatch=num_ctx,
-            embedding=True,
-        )
-
-    def key(self) -> str:
-        """What must match for a job to share a runner (num_parallel aside)."""
-        fields = asdict(self)
-        del fields["num_parallel"]
-        blob = json.dumps(fields, sort_keys=True).encode()
-        return hashlib.sha1(blob).hexdigest()[:12]
 
 
 @dataclass(frozen=True)

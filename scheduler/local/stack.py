@@ -21,7 +21,7 @@ from scheduler.local.embedded import EmbeddedRedis
 from scheduler.local.procs import niced_child_preexec
 from scheduler.settings import Settings
 from scheduler.store.connection import clear_runtime, write_runtime
-from scheduler.store.state import ClusterState
+from scheduler.store.readers import ClusterReader
 
 
 class StackError(RuntimeError):
@@ -116,10 +116,10 @@ class LocalStack:
                             f"the {name} process exited with code {proc.returncode} "
                             f"while starting{self._log_hint(name)}"
                         )
-                _devices, placement = ClusterState(client).alive_counts(
+                _devices, placement = ClusterReader(client).alive_counts(
                     time.time(), self.settings.device_ttl_s
                 )
-                workers = {d.get("worker", "") for d in ClusterState(client).device_records()}
+                workers = {d.worker for d in ClusterReader(client).devices()}
                 if placement and any(w.endswith("@" + self.settings.host_id) for w in workers):
                     return
                 time.sleep(0.1)

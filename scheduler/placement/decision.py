@@ -44,6 +44,22 @@ class JobNeeds:
     # the job asks for this many layers on a GPU (``bytes`` is their GPU share); -1 = as
     # many as fit (any runner), 0 = the whole model on GPUs (no partial runner)
     n_gpu_layers: int = -1
+    where: Where = field(default_factory=lambda: Where())
+    retry: bool = False  # a parked job tried again: already counted among the parked
+
+
+@dataclass(frozen=True)
+class Where:
+    """Which devices a job may use at all."""
+
+    device: str | None = None  # pinned to this device
+    avoid: tuple[str, ...] = ()  # its model failed to load there
+    num_gpu: int = -1  # Ollama's: 0 = the CPU only; > 0 = that many layers, on GPUs only
+    layers: int = 0  # how many layers that is for this model (for the message)
+
+    @property
+    def processor(self) -> Literal["any", "cpu", "gpu"]:
+        return "cpu" if self.num_gpu == 0 else "gpu" if self.num_gpu > 0 else "any"
 
 
 @dataclass(frozen=True)
@@ -79,7 +95,7 @@ class Park:
 
 @dataclass(frozen=True)
 class Refuse:
-    code: Literal["no_capacity", "server_busy", "no_workers"]
+    code: Literal["no_capacity", "server_busy", "no_workers", "invalid_request", "load_failed"]
     reason: str
     per_device: dict[str, str] = field(default_factory=dict)
 
@@ -101,35 +117,64 @@ def decide(
 ) -> Decision:
     """Decide where ``job`` runs.
 
-    0. No device is alive → refuse: no workers.
-    1. A runner of this model with the same configuration (and as many slots and GPU
+    1. No device is alive → refuse: no workers.
+    2. The devices the job may use (the one it is pinned to; not those its model failed to
+       load on; only the CPU for num_gpu 0, only GPUs for num_gpu > 0) are none of the
+       alive ones → refuse, naming the alive devices.
+    3. A runner of this model with the same configuration (and as many slots and GPU
        layers, when the job asks for a number) is loading or ready → route to the least
        busy replica.
-    2. Loaded with another configuration and idle → evict it (the reload happens on retry);
+    4. Earlier jobs of this model are parked → park behind them, so that a model's jobs keep
+       their order (server busy past ``max_queue``). A parked job tried again is already
+       counted among the parked: 4 and 9 never refuse it.
+    5. Loaded with another configuration and idle → evict it (the reload happens on retry);
        busy → leave it and place a new runner beside it.
-    3. Fits whole on one device → load there; GPUs before the CPU; `binpack` picks the device
-       with the least free memory left over, `spread` the most.
-    4. Fits whole on several GPUs of one worker → the fewest devices, then the least free
+    6. Larger than every device (so no eviction makes it fit whole):
+       a. fits on several GPUs of one worker → load it there (as 8);
+       b. partial offload allowed → the most layers that fit on the GPU with the most free
+          memory (the rest on the host); if no layer fits now but would on an emptier GPU
+          → park;
+       c. would span the GPUs of one worker once its idle runners are gone → evict the
+          fewest of them; none idle → park;
+       d. otherwise → refuse at once with the sizes.
+    7. Fits whole on one device that holds fewer than ``max_loaded`` runners → load there;
+       GPUs before the CPU; `binpack` picks the device with the least free memory left
+       over, `spread` the most.
+    8. Fits whole on several GPUs of one worker → the fewest devices, then the least free
        memory left over; blocks are split in order, each GPU filled before the next, the
        output layer with the last blocks.
-    5. Fits on a device after unloading idle runners there → evict the fewest runners: runners
-       that never expire last, then the models with the least recent demand (a request count
-       decayed by e every DEMAND_TAU_S), then the soonest expiry, then least recently used;
-       ``victim_key`` replaces that order (bench/cache_sim.py compares rules with it).
-    6. Larger than every device (so no eviction can make it fit whole), and partial offload
-       allowed → the most layers that fit on the GPU with the most free memory (the rest
-       on the host); if no layer fits now but would on an emptier GPU → park.
-    7. Memory is held by busy runners → park.
-    8. More than ``max_queue`` parked jobs → refuse at once: server busy.
-    9. Larger than every device even when empty → refuse at once with the sizes.
+    9. More than ``max_queue`` parked jobs → refuse at once: server busy.
+    10. Fits on a device after unloading idle runners there → evict the fewest runners:
+        runners that never expire last, then the models with the least recent demand (a
+        request count decayed by e every DEMAND_TAU_S), then the soonest expiry, then least
+        recently used; ``victim_key`` replaces that order (bench/cache_sim.py compares
+        rules with it).
+    11. Memory is held by busy runners → park.
     """
-    # 0
+    # 1
     if not snap.devices:
         return Refuse(
             "no_workers", "no device is alive: start a worker with `ggufq up` or `ggufq worker`"
         )
+    # 2
+    usable = usable_part(snap, job)
+    if isinstance(usable, Refuse):
+        return usable
+    if job.retry:
+        max_queue += usable.parked + 1
+    return _where(job, usable, policy, max_queue, max_loaded, victim_key)
+
+
+def _where(
+    job: JobNeeds,
+    snap: Snapshot,
+    policy: Policy,
+    max_queue: int,
+    max_loaded: int,
+    victim_key: VictimKey | None,
+) -> Decision:
     of_model = snap.live_by_model.get(job.model, [])
-    # 1
+    # 3
     same = [
         r
         for r in of_model
@@ -140,55 +185,121 @@ def decide(
     if same:
         best = min(same, key=lambda r: (r.in_flight, r.last_used))
         return Route(best.id, next(iter(best.devices)))
-    # 2
+    # 4
+    if not job.retry and snap.parked and job.model in snap.parked_models:
+        return behind_parked(job.model, snap.parked, max_queue)
+    # 5
     stale = [r for r in of_model if r.in_flight == 0]
     if stale:
         return Evict([r.id for r in stale])
-    largest = max(d.total for d in snap.devices)
-    if job.bytes > largest:
-        # 4
-        spanning = _fewest_devices(job.group, snap, max_loaded) if job.group else None
-        if spanning is not None:
-            return spanning
-        # 6
-        partial = _partial_offload(job, snap, max_loaded)
-        if partial is not None:
-            return partial
-        if job.group and _fewest_devices(job.group, _emptied(snap), max_loaded):
-            # 5
-            victims = _group_victims(job.group, snap, max_loaded, victim_key)
-            if victims:
-                return Evict(victims)
-            # 7
-            return Park(f"{job.model!r} spans several GPUs whose memory is in use")
-        # 9
-        sizes = {d.id: f"total {format_bytes(d.total)}" for d in snap.devices}
-        return Refuse(
-            "no_capacity",
-            f"model {job.model!r} needs {format_bytes(job.bytes)} but the largest device has "
-            f"{format_bytes(largest)}; use a smaller num_ctx or num_parallel, a smaller "
-            "quantization, or add a larger device",
-            sizes,
-        )
-    # 3
+    # 6
+    if job.bytes > max(d.total for d in snap.devices):
+        return _larger_than_any_device(job, snap, max_loaded, victim_key)
+    # 7
     counts = snap.counts
     fits = [d for d in snap.devices if d.free >= job.bytes and counts.get(d.id, 0) < max_loaded]
     if fits:
         return Load(_pick(fits, job.bytes, policy).id, job.bytes, max(-1, job.n_gpu_layers or -1))
-    # 4
+    # 8
     if job.group is not None:
         spanning = _fewest_devices(job.group, snap, max_loaded)
         if spanning is not None:
             return spanning
-    # 8
+    # 9
     if snap.parked >= max_queue:
         return server_busy(snap.parked, max_queue)
-    # 5
+    # 10
     victims = _cheapest_victims(job, snap, max_loaded, victim_key)
     if victims:
         return Evict(victims)
-    # 7
+    # 11
     return Park(f"memory for {job.model!r} ({format_bytes(job.bytes)}) is held by busy runners")
+
+
+def _larger_than_any_device(
+    job: JobNeeds, snap: Snapshot, max_loaded: int, victim_key: VictimKey | None
+) -> Decision:
+    # 6a
+    spanning = _fewest_devices(job.group, snap, max_loaded) if job.group else None
+    if spanning is not None:
+        return spanning
+    # 6b
+    partial = _partial_offload(job, snap, max_loaded)
+    if partial is not None:
+        return partial
+    # 6c
+    if job.group and _fewest_devices(job.group, _emptied(snap), max_loaded):
+        victims = _group_victims(job.group, snap, max_loaded, victim_key)
+        if victims:
+            return Evict(victims)
+        return Park(f"{job.model!r} spans several GPUs whose memory is in use")
+    # 6d
+    largest = max(d.total for d in snap.devices)
+    sizes = {d.id: f"total {format_bytes(d.total)}" for d in snap.devices}
+    return Refuse(
+        "no_capacity",
+        f"model {job.model!r} needs {format_bytes(job.bytes)} but the largest device has "
+        f"{format_bytes(largest)}; use a smaller num_ctx or num_parallel, a smaller "
+        "quantization, or add a larger device",
+        sizes,
+    )
+
+
+def usable_part(snap: Snapshot, job: JobNeeds) -> Snapshot | Refuse:
+    """The part of the snapshot on the devices the job may use (branch 2)."""
+    where, alive = job.where, ", ".join(d.id for d in snap.devices)
+    if where.device is not None:
+        snap = _restricted(snap, lambda d: d.id == where.device)
+        if not snap.devices:
+            return _none_left(f"device {where.device!r} is not alive", alive, "invalid_request")
+    if where.avoid:
+        snap = _restricted(snap, lambda d: d.id not in where.avoid)
+        if not snap.devices:
+            return _none_left(
+                f"model {job.model!r} could not be loaded on {', '.join(where.avoid)} and no "
+                "other device can take it",
+                alive,
+                "load_failed",
+            )
+    if where.processor == "cpu":
+        snap = _restricted(snap, lambda d: d.kind == "cpu")
+        if not snap.devices:
+            return _none_left(
+                "num_gpu 0 asks for the CPU but no CPU device is alive: start a worker with "
+                "`ggufq worker --cpu`, or omit num_gpu",
+                alive,
+                "invalid_request",
+            )
+    if where.processor == "gpu":
+        snap = _restricted(snap, lambda d: d.kind != "cpu")
+        if not snap.devices:
+            return _none_left(
+                f"num_gpu {where.num_gpu} asks for {where.layers} layers on a GPU but no GPU is "
+                "alive: omit "
+                "num_gpu (or set -1) to run where the model fits",
+                alive,
+                "invalid_request",
+            )
+    return snap
+
+
+def _restricted(snap: Snapshot, keep: Callable[[DeviceState], bool]) -> Snapshot:
+    devices = [d for d in snap.devices if keep(d)]
+    if len(devices) == len(snap.devices):
+        return snap
+    ids = {d.id for d in devices}
+    runners = [r for r in snap.runners if set(r.devices) <= ids]
+    return Snapshot(devices, runners, snap.parked, snap.demand, snap.parked_models)
+
+
+def _none_left(why: str, alive: str, code: Literal["invalid_request", "load_failed"]) -> Refuse:
+    return Refuse(code, f"{why}; alive devices: {alive} (`ggufq devices`)")
+
+
+def behind_parked(model: str, parked: int, max_queue: int) -> Park | Refuse:
+    if parked >= max_queue:
+        return server_busy(parked, max_queue)
+    return Park(f"earlier jobs for {model!r} are waiting")
 
 
 def _partial_offload(job: JobNeeds, snap: Snapshot, max_loaded: int) -> Decision | None:

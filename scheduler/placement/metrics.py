@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from scheduler.placement.parking import ParkedJobs
 from scheduler.store import keys
-from scheduler.store.state import ClusterState
+from scheduler.store.readers import ClusterReader
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def count(pipe: Any, model: str, **amounts: float) -> None:
 class ClusterCollector(Collector):
     def __init__(self, client: redis.Redis, device_ttl_s: float) -> None:
         self.r = client
-        self.state = ClusterState(client)
+        self.state = ClusterReader(client)
         self.device_ttl_s = device_ttl_s
 
     def collect(self) -> Iterator[Metric]:
@@ -71,12 +71,10 @@ class ClusterCollector(Collector):
             ),
         }
         now = time.time()
-        for d in self.state.device_records():
-            values = [d["id"], d.get("worker", ""), d.get("kind", "")]
-            total, reserved = int(d["total"]), int(d.get("reserved", 0))
-            free = max(0, min(int(d.get("free", 0)), total - reserved))
-            up = now - float(d.get("heartbeat", 0)) <= self.device_ttl_s
-            for name, value in (("total", total), ("reserved", reserved), ("free", free)):
+        for d in self.state.devices():
+            values = [d.id, d.worker, d.kind]
+            up = now - d.heartbeat <= self.device_ttl_s
+            for name, value in (("total", d.total), ("reserved", d.reserved), ("free", d.free)):
                 families[name].add_metric(values, value)
             families["up"].add_metric(values, 1.0 if up else 0.0)
         yield from families.values()
@@ -90,9 +88,9 @@ class ClusterCollector(Collector):
         )
         counts: Counter[tuple[str, str]] = Counter()
         in_flight: Counter[str] = Counter()
-        for r in self.state.runner_records():
-            counts[(r["model"], r.get("state", ""))] += 1
-            in_flight[r["model"]] += int(r.get("in_flight", 0))
+        for r in self.state.runners():
+            counts[(r.model, r.state)] += 1
+            in_flight[r.model] += r.in_flight
         for (model, state), n in sorted(counts.items()):
             runners.add_metric([model, state], n)
         for model, n in sorted(in_flight.items()):
@@ -104,7 +102,7 @@ class ClusterCollector(Collector):
         jobs = GaugeMetricFamily(
             "ggufq_jobs", "Jobs not ended, by state (parked, queued, running).", labels=["state"]
         )
-        states = Counter(row["state"] for row in self.state.sent_jobs())
+        states = Counter[str](row.state for row in self.state.sent_jobs())
         states["parked"] = len(ParkedJobs(self.r).ids())
         for state in ("parked", "queued", "running"):
             jobs.add_metric([state], states.get(state, 0))

@@ -8,10 +8,12 @@ unloaded, a job finished, a device joined), by whichever placement process claim
 from __future__ import annotations
 
 import json
-from typing import Any, cast
+from collections import Counter
+from typing import cast
 
 import redis
 
+from scheduler.cluster import JobView
 from scheduler.protocol import JobRequest
 from scheduler.store import keys
 
@@ -66,19 +68,20 @@ class ParkedJobs:
     def models(self) -> set[str]:
         return {job.model for job in self.jobs()}
 
-    def listing(self) -> list[dict[str, Any]]:
+    def listing(self) -> list[JobView]:
         """One row per parked job: position overall and within its model."""
-        rows, per_model = [], {}  # type: ignore[var-annotated]
+        rows, per_model = [], Counter[str]()
         for position, job in enumerate(self.jobs(), 1):
-            per_model[job.model] = per_model.get(job.model, 0) + 1
+            per_model[job.model] += 1
             rows.append(
-                {
-                    "id": job.id,
-                    "model": job.model,
-                    "priority": job.priority,
-                    "position": position,
-                    "model_position": per_model[job.model],
-                    "submitted_at": job.submitted_at,
-                }
+                JobView(
+                    id=job.id,
+                    model=job.model,
+                    priority=job.priority,
+                    state="parked",
+                    position=position,
+                    model_position=per_model[job.model],
+                    submitted_at=job.submitted_at,
+                )
             )
         return rows

@@ -12,66 +12,35 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import asdict, replace
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import replace
+from functools import partial
 from typing import Any, NoReturn
 
 import redis
 from celery import Celery, signals
 
-from scheduler.cluster import DeviceState, Snapshot
-from scheduler.errors import (
-    GgufqError,
-    InvalidRequest,
-    JobCancelled,
-    JobFailed,
-    LoadFailed,
-    error_from_code,
-)
-from scheduler.gguf.estimate import (
-    RunnerConfig,
-    choose_num_ctx,
-    estimate_bytes,
-    group_parts,
-    partial_table,
-)
+from scheduler.cluster import Snapshot
+from scheduler.errors import GgufqError, JobCancelled, JobFailed, error_from_code
+from scheduler.gguf.estimate import choose_num_ctx, estimate_bytes, group_parts, partial_table
 from scheduler.gguf.metadata import ModelInfo
 from scheduler.gguf.registry import Registry
-from scheduler.placement.decision import (
-    Evict,
-    GroupNeeds,
-    JobNeeds,
-    Load,
-    Park,
-    Refuse,
-    Route,
-    decide,
-    server_busy,
-)
+from scheduler.placement.commit import Assigned, Wait, commit
+from scheduler.placement.decision import GroupNeeds, Load, Park, Refuse, decide
 from scheduler.placement.metrics import serve_metrics
+from scheduler.placement.needs import Defaults, Shape, format_warning, job_needs, runner_config
 from scheduler.placement.parking import ParkedJobs, park_score
 from scheduler.placement.snapcache import SnapshotCache
-from scheduler.protocol import JobRequest, parse_request
+from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob, parse_request
 from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
 from scheduler.store.celery_app import ask_unload, make_app, send_job
 from scheduler.store.connection import resolve_redis_url
-from scheduler.store.state import ClusterState
+from scheduler.store.placement_state import PlacementState
 from scheduler.store.streams import error_chunk, progress, publish_final
 
 log = logging.getLogger("ggufq.placement")
-
-
-def format_warning(req: JobRequest) -> str | None:
-    """Constrained to JSON by a prompt that never asks for JSON, models tend to emit endless
-    whitespace (a lesson from Ollama)."""
-    if req.format is None or "json" in req.prompt.lower():
-        return None
-    return (
-        "format asks for JSON but the prompt never mentions JSON; models then tend to emit "
-        "endless whitespace: ask for JSON in the prompt"
-    )
 
 
 def lost_job_message(job_id: str, where: str, streamed: int) -> str:
@@ -91,62 +60,48 @@ class Parked(Exception):
     """The job was parked: it waits in Redis for capacity."""
 
 
-def behind_parked(model: str, parked: int, max_queue: int) -> Park | Refuse:
-    if parked >= max_queue:
-        return server_busy(parked, max_queue)
-    return Park(f"earlier jobs for {model!r} are waiting")
+class LazySet(Collection[str]):
+    """A set read on first use: most placements never ask which models have parked jobs."""
+
+    def __init__(self, read: Callable[[], set[str]]) -> None:
+        self._read = read
+        self._items: set[str] | None = None
+
+    def _get(self) -> set[str]:
+        if self._items is None:
+            self._items = self._read()
+        return self._items
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._get()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
 
 
-def restricted(
-    snap: Snapshot,
-    keep: Callable[[DeviceState], bool],
-    none_left: str,
-    error: type[GgufqError] = InvalidRequest,
-) -> Snapshot:
-    """The part of the snapshot on the devices ``keep`` accepts (``error`` if none)."""
-    devices = [d for d in snap.devices if keep(d)]
-    if not devices:
-        alive = ", ".join(d.id for d in snap.devices) or "none"
-        raise error(f"{none_left}; alive devices: {alive} (`ggufq devices`)")
-    ids = {d.id for d in devices}
-    runners = [r for r in snap.runners if set(r.devices) <= ids]
-    return Snapshot(devices, runners, snap.parked, snap.demand)
+class RedisLedger:
+    """The :class:`Ledger` of the real cluster: Lua scripts in Redis, unloads through Celery."""
 
+    def __init__(self, state: PlacementState, app: Celery, device_ttl_s: float) -> None:
+        self.state, self.app, self.device_ttl_s = state, app, device_ttl_s
 
-def pinned(snap: Snapshot, device_id: str) -> Snapshot:
-    """The part of the snapshot a job pinned to one device may use."""
-    return restricted(snap, lambda d: d.id == device_id, f"device {device_id!r} is not alive")
+    def assign(self, runner_id: str, now: float) -> bool:
+        return self.state.assign(runner_id, now)
 
+    def reserve(
+        self, runner_id: str, reservations: dict[str, int], fields: dict[str, Any], now: float
+    ) -> bool:
+        return self.state.reserve(runner_id, reservations, fields, now, self.device_ttl_s)
 
-def gpu_layers_rule(snap: Snapshot, num_gpu: int, whole: int) -> Snapshot:
-    """Ollama's num_gpu: 0 = the CPU only; -1 = as many layers on a GPU as fit; otherwise
-    that many layers, all on GPUs (``whole`` = every block and the output layer)."""
-    if num_gpu == 0:
-        return restricted(
-            snap,
-            lambda d: d.kind == "cpu",
-            "num_gpu 0 asks for the CPU but no CPU device is alive: start a worker with "
-            "`ggufq worker --cpu`, or omit num_gpu",
-        )
-    if num_gpu > 0:
-        return restricted(
-            snap,
-            lambda d: d.kind != "cpu",
-            f"num_gpu {num_gpu} asks for {min(num_gpu, whole)} layers on a GPU but no GPU is "
-            "alive: omit num_gpu (or set -1) to run where the model fits",
-        )
-    return snap
-
-
-def _has_gpu_groups(snap: Snapshot) -> bool:
-    """Whether some worker owns several GPUs (so a model may span them: branch 4)."""
-    seen: set[str] = set()
-    for d in snap.devices:
-        if d.kind != "cpu":
-            if d.worker in seen:
-                return True
-            seen.add(d.worker)
-    return False
+    def unload(self, runner_ids: list[str], snap: Snapshot) -> None:
+        by_id = {r.id: r for r in snap.runners}
+        workers = {d.id: d.worker for d in snap.devices}
+        for runner_id in runner_ids:
+            device_id = next(iter(by_id[runner_id].devices))
+            ask_unload(self.app, workers[device_id], runner_id)
 
 
 class PlacementService:
@@ -154,12 +109,19 @@ class PlacementService:
         self.settings = settings
         self.r = client
         self.app = app
-        self.state = ClusterState(client)
+        self.state = PlacementState(client)
+        self.ledger = RedisLedger(self.state, app, settings.device_ttl_s)
+        self.defaults = Defaults(
+            settings.num_ctx,
+            settings.embed_num_ctx,
+            settings.num_parallel,
+            settings.model_parallel,
+            settings.flash_attention,
+        )
         self.registry = Registry(settings.models_dir)
         self.parked = ParkedJobs(client)
         self.snapshots = SnapshotCache(client)
-        self._partials: dict[tuple[str, RunnerConfig], tuple[int, ...]] = {}
-        self._groups: dict[tuple[str, RunnerConfig], GroupNeeds] = {}
+        self._shapes: dict[tuple[str, RunnerConfig], Shape] = {}
         self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
         self._stop = threading.Event()
         # placements of this process run one at a time: the Celery task and the parked-job
@@ -218,151 +180,89 @@ class PlacementService:
             return self._place_now(req, started, score)
 
     def _place_now(self, req: JobRequest, started: int, score: float | None) -> dict[str, Any]:
+        """Gather, decide, commit, send; park or refuse when that is the decision."""
         info = self.registry.info(req.model)
         default_ctx = self.settings.embed_num_ctx if req.kind == "embed" else self.settings.num_ctx
         num_ctx, warning = choose_num_ctx(req.options.num_ctx, default_ctx, info.context_length)
-        slots = req.options.num_parallel
-        parallel = slots or self._slots(req.model)
-        fa = self.settings.flash_attention
-        if req.kind == "embed":
-            slots, config = None, RunnerConfig.for_embedding(num_ctx, fa)
-        else:
-            config = RunnerConfig.for_generation(num_ctx, parallel, fa)
-        needs = JobNeeds(req.model, config.key(), estimate_bytes(info, config), num_parallel=slots)
-        retry = score is not None
+        config = runner_config(req, num_ctx, self.defaults)
+        shape = self._shape(info, config)
+        needs = job_needs(req, config, shape, retry=score is not None)
         order = score if score is not None else park_score(req, time.time())
+        fields = partial(self._runner_fields, req.model, needs.config_key, config, shape)
         for _attempt in range(8):  # lost races against other placers: decide again
             now = time.time()
             snap = self.snapshots.snapshot(now, self.settings.device_ttl_s)
-            if req.device is not None:
-                snap = pinned(snap, req.device)
-            if req.avoid:
-                snap = restricted(
-                    snap,
-                    lambda d: d.id not in req.avoid,
-                    f"model {req.model!r} could not be loaded on {', '.join(req.avoid)} and "
-                    "no other device can take it",
-                    LoadFailed,
-                )
-            whole = info.block_count + 1
-            snap = gpu_layers_rule(snap, req.options.num_gpu, whole)
-            if 0 < req.options.num_gpu < whole:  # exactly that many layers on the GPU
-                layers = req.options.num_gpu
-                needs = replace(needs, bytes=self._partial(info, config)[layers - 1])
-                needs = replace(needs, n_gpu_layers=layers, group=None)
-            elif req.options.num_gpu >= whole:
-                needs = replace(needs, n_gpu_layers=0)  # whole on GPUs: no partial runner
-            elif (
-                req.options.num_gpu < 0
-                and snap.devices
-                and needs.bytes > max(d.total for d in snap.devices)
-            ):
-                needs = replace(needs, partial=self._partial(info, config))
-            if needs.group is None and needs.n_gpu_layers < 0 and _has_gpu_groups(snap):
-                needs = replace(needs, group=self._group(info, config))
+            snap = replace(snap, parked_models=LazySet(self.parked.models))
             decision = decide(
                 needs,
                 snap,
                 self.settings.placement_policy,
                 now,
-                # a retried job is already in the queue: never refuse it as "busy"
-                self.settings.max_queue + (snap.parked + 1 if retry else 0),
+                self.settings.max_queue,
                 self.settings.max_loaded_models,
             )
-            if (
-                not retry
-                and isinstance(decision, Load | Evict)
-                and snap.parked
-                and req.model in self.parked.models()
-            ):
-                # A loaded runner takes a job at once; a job that needs a new runner waits
-                # behind the parked jobs of its model, so that a model's jobs keep their order.
-                decision = behind_parked(req.model, snap.parked, self.settings.max_queue)
-            placement: dict[str, Any] = {
-                "config": asdict(config),
-                "warnings": [w for w in (warning, format_warning(req)) if w],
-            }
-            match decision:
-                case Route(runner_id, device_id):
-                    if not self.state.assign(runner_id, now):
-                        continue
-                    placement.update(runner_id=runner_id, device_id=device_id)
-                case Load(device_id, nbytes, n_gpu_layers, split) as load:
-                    runner_id = uuid.uuid4().hex[:16]
-                    fields = {
-                        "model": req.model,
-                        "config_key": needs.config_key,
-                        "num_ctx": config.num_ctx,
-                        "num_parallel": config.num_parallel,
-                        "embedding": int(config.embedding),
-                        "bytes": nbytes,
-                        "total_bytes": needs.bytes,
-                        "n_gpu_layers": n_gpu_layers,
-                        "block_count": info.block_count,
-                        "keep_alive_s": self.settings.keep_alive_s,
-                    }
-                    if not self.state.reserve(
-                        runner_id, load.reservations, fields, now, self.settings.device_ttl_s
-                    ):
-                        continue
-                    kind = next(d.kind for d in snap.devices if d.id == device_id)
-                    placement.update(
-                        runner_id=runner_id,
-                        device_id=device_id,
-                        device_ids=list(load.reservations),
-                        # blocks per device in layer order, for llama.cpp's tensor_split
-                        split_blocks=[blocks for _dev, _bytes, blocks in split],
-                        n_gpu_layers=0 if kind == "cpu" else n_gpu_layers,
+            match commit(decision, fields, self.ledger, snap, now):
+                case Assigned() as assigned:
+                    placement = Placement(
+                        id=uuid.uuid4().hex[:12],
+                        runner_id=assigned.runner_id,
+                        device_id=assigned.device_id,
+                        device_ids=assigned.device_ids,
+                        split_blocks=assigned.split_blocks,
+                        n_gpu_layers=assigned.n_gpu_layers,
+                        config=config,
+                        warnings=[w for w in (warning, format_warning(req)) if w],
+                        placement_ns=time.perf_counter_ns() - started,
                     )
-                case Evict(runner_ids):
-                    self._evict(runner_ids, snap)
-                    self._park(req, order)
-                case Park(reason):
-                    log.info("job %s parked: %s", req.id, reason)
+                    return self._send(req, placement, snap)
+                case Wait(reason):
+                    if isinstance(decision, Park):
+                        log.info("job %s parked: %s", req.id, reason)
                     self._park(req, order)
                 case Refuse(code, reason):
                     raise error_from_code(code, reason)
-            placement["id"] = uuid.uuid4().hex[:12]
-            placement["placement_ns"] = time.perf_counter_ns() - started
-            worker = next(d.worker for d in snap.devices if d.id == placement["device_id"])
-            record = {
-                "job": req.model_dump(mode="json"),
-                "placement": placement,
-                "worker": worker,
-                "sent_at": time.time(),
-            }
-            self.state.sent(placement["device_id"], req.id, record)
-            queue = keys.device_queue(placement["device_id"], req.priority)
-            send_job(self.app, keys.TASK_RUN, req, req.id, queue, placement)
-            return {"device": placement["device_id"], "runner": placement["runner_id"]}
         self._park(req, order)
 
-    def _slots(self, model: str) -> int:
-        """num_parallel for a new runner of ``model``: per model, else the default."""
-        return self.settings.model_parallel.get(model, self.settings.num_parallel)
+    def _send(self, req: JobRequest, placement: Placement, snap: Snapshot) -> dict[str, Any]:
+        """Record the job as sent to its device, then send it to the device's queue."""
+        worker = next(d.worker for d in snap.devices if d.id == placement.device_id)
+        record = SentJob(job=req, placement=placement, worker=worker, sent_at=time.time())
+        self.state.sent(placement.device_id, record)
+        queue = keys.device_queue(placement.device_id, req.priority)
+        send_job(self.app, keys.TASK_RUN, req, req.id, queue, placement.model_dump(mode="json"))
+        return {"device": placement.device_id, "runner": placement.runner_id}
 
-    def _partial(self, info: ModelInfo, config: RunnerConfig) -> tuple[int, ...]:
-        key = (info.path, config)
-        if key not in self._partials:
-            self._partials[key] = partial_table(info, config)
-        return self._partials[key]
+    def _runner_fields(
+        self, model: str, config_key: str, config: RunnerConfig, shape: Shape, load: Load
+    ) -> dict[str, Any]:
+        """The record of a runner a Load creates."""
+        return {
+            "model": model,
+            "config_key": config_key,
+            "num_ctx": config.num_ctx,
+            "num_parallel": config.num_parallel,
+            "embedding": int(config.embedding),
+            "bytes": load.bytes,
+            "total_bytes": shape.bytes,
+            "n_gpu_layers": load.n_gpu_layers,
+            "block_count": shape.block_count,
+            "keep_alive_s": self.settings.keep_alive_s,
+        }
 
-    def _group(self, info: ModelInfo, config: RunnerConfig) -> GroupNeeds:
+    def _shape(self, info: ModelInfo, config: RunnerConfig) -> Shape:
         key = (info.path, config)
-        if key not in self._groups:
-            self._groups[key] = GroupNeeds(*group_parts(info, config))
-        return self._groups[key]
+        if key not in self._shapes:
+            self._shapes[key] = Shape(
+                estimate_bytes(info, config),
+                partial_table(info, config),
+                GroupNeeds(*group_parts(info, config)),
+                info.block_count,
+            )
+        return self._shapes[key]
 
     def _park(self, req: JobRequest, score: float) -> NoReturn:
         self.parked.park(req, score)
         raise Parked(req.id)
-
-    def _evict(self, runner_ids: list[str], snap: Any) -> None:
-        by_id = {r.id: r for r in snap.runners}
-        workers = {d.id: d.worker for d in snap.devices}
-        for runner_id in runner_ids:
-            device_id = next(iter(by_id[runner_id].devices))
-            ask_unload(self.app, workers[device_id], runner_id)
 
     def fail(self, job_id: str, model: str, exc: GgufqError) -> None:
         """End a job that will never run: a final error chunk and a FAILURE result."""
@@ -385,16 +285,16 @@ class PlacementService:
             if record is None:
                 continue  # another placement process handles it
             handled += 1
-            req = parse_request(record["job"])
+            req = record.job
             streamed, finished = progress(self.r, job_id)
             if finished:
                 continue  # it ended before its device was dropped
-            where = f"{record['worker']} ({record['placement']['device_id']})"
+            where = f"{record.worker} ({record.placement.device_id})"
             if is_cancelled(self.r, job_id):
                 self.fail(job_id, req.model, cancelled_before_start(job_id))
             elif streamed == 0 and req.attempt == 0:
                 log.warning("re-placing job %s from %s", job_id, where)
-                avoid = req.avoid + record.get("avoid", [])
+                avoid = req.avoid + record.avoid
                 self._replace(req.model_copy(update={"attempt": 1, "avoid": avoid}))
             else:
                 self.fail(job_id, req.model, JobFailed(lost_job_message(job_id, where, streamed)))

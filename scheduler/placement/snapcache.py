@@ -26,7 +26,7 @@ from scheduler.cluster import (
     is_live,
 )
 from scheduler.store import keys
-from scheduler.store.state import device_from_hash, runner_from_hash
+from scheduler.store.records import decoded, device_from_hash, runner_from_hash, text
 
 _DEVICE, _RESV, _RUNNER = keys.device(""), keys.reservations(""), keys.runner("")
 
@@ -111,9 +111,9 @@ class SnapshotCache:
             store.clear()
         for index in (self._by_model, self._counts, self._idle):
             index.clear()
-        wanted = {keys.device(_s(d)) for d in device_ids}
-        wanted |= {keys.reservations(_s(d)) for d in device_ids}
-        wanted |= {keys.runner(_s(r)) for r in runner_ids}
+        wanted = {keys.device(text(d)) for d in device_ids}
+        wanted |= {keys.reservations(text(d)) for d in device_ids}
+        wanted |= {keys.runner(text(r)) for r in runner_ids}
         self._fetch(wanted)
 
     def _fetch(self, changed: set[str]) -> None:
@@ -132,12 +132,12 @@ class SnapshotCache:
                 touched.add(device_id)
             elif key.startswith(_DEVICE):
                 device_id = key.removeprefix(_DEVICE)
-                self._hashes[device_id] = {_s(k): _s(v) for k, v in reply.items()}
+                self._hashes[device_id] = decoded(reply)
                 touched.add(device_id)
             elif key.startswith(_RUNNER):
                 runner_id = key.removeprefix(_RUNNER)
                 self._drop_runner(runner_id)
-                record = runner_from_hash(runner_id, {_s(k): _s(v) for k, v in reply.items()})
+                record = runner_from_hash(runner_id, decoded(reply))
                 if record is not None:
                     self._add_runner(record)
         for device_id in touched:
@@ -233,7 +233,3 @@ def _discard(index: dict[str, dict[str, RunnerState]], key: str, runner_id: str)
         bucket.pop(runner_id, None)
         if not bucket:
             del index[key]
-
-
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

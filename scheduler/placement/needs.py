@@ -1,0 +1,75 @@
+"""What a job needs of the cluster, from its request and its model's shape. Pure: the memory
+tables come in computed (the service memoizes them per model file and configuration)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from scheduler.placement.decision import GroupNeeds, JobNeeds, Where
+from scheduler.protocol import JobRequest, RunnerConfig
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's memory under one configuration, as the estimate gives it."""
+
+    bytes: int  # the whole model on one device
+    partial: tuple[int, ...]  # GPU bytes with n = 1 .. block_count layers offloaded
+    group: GroupNeeds  # split over several GPUs of one worker
+    block_count: int
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The settings a runner's configuration falls back on."""
+
+    num_ctx: int
+    embed_num_ctx: int
+    num_parallel: int
+    model_parallel: Mapping[str, int]  # per model, else num_parallel
+    flash_attention: bool
+
+    def slots(self, model: str) -> int:
+        return self.model_parallel.get(model, self.num_parallel)
+
+
+def runner_config(req: JobRequest, num_ctx: int, defaults: Defaults) -> RunnerConfig:
+    """The configuration of the runner that serves ``req`` (``num_ctx`` already chosen)."""
+    if req.kind == "embed":
+        return RunnerConfig.for_embedding(num_ctx, defaults.flash_attention)
+    parallel = req.options.num_parallel or defaults.slots(req.model)
+    return RunnerConfig.for_generation(num_ctx, parallel, defaults.flash_attention)
+
+
+def job_needs(req: JobRequest, config: RunnerConfig, shape: Shape, retry: bool) -> JobNeeds:
+    """Ollama's num_gpu decides the layers: -1 = as many on a GPU as fit (partial offload
+    and spanning GPUs allowed); 0 = the CPU only; 1 .. block_count = exactly that many on a
+    GPU; more = the whole model on GPUs, never a partial runner."""
+    num_gpu, whole = req.options.num_gpu, shape.block_count + 1
+    needs = JobNeeds(
+        req.model,
+        config.key(),
+        shape.bytes,
+        num_parallel=None if req.kind == "embed" else req.options.num_parallel,
+        where=Where(req.device, tuple(req.avoid), num_gpu, min(num_gpu, whole)),
+        retry=retry,
+    )
+    if 0 < num_gpu < whole:
+        return replace(needs, bytes=shape.partial[num_gpu - 1], n_gpu_layers=num_gpu)
+    if num_gpu >= whole:
+        return replace(needs, n_gpu_layers=0)
+    if num_gpu < 0:
+        return replace(needs, partial=shape.partial, group=shape.group)
+    return needs
+
+
+def format_warning(req: JobRequest) -> str | None:
+    """Constrained to JSON by a prompt that never asks for JSON, models tend to emit endless
+    whitespace (a lesson from Ollama)."""
+    if req.format is None or "json" in req.prompt.lower():
+        return None
+    return (
+        "format asks for JSON but the prompt never mentions JSON; models then tend to emit "
+        "endless whitespace: ask for JSON in the prompt"
+    )

@@ -1,0 +1,143 @@
+"""What placement reads and writes in Redis: the snapshot, reservations, the jobs it sends to
+devices, dead devices and their orphaned jobs, demand, its own liveness."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis
+
+from scheduler.cluster import DEMAND_TAU_S, Snapshot
+from scheduler.protocol import SentJob
+from scheduler.store import keys
+from scheduler.store.records import (
+    decayed_demand,
+    decoded,
+    device_from_hash,
+    runner_from_hash,
+    text,
+)
+from scheduler.store.scripts import flatten, script
+
+
+class PlacementState:
+    def __init__(self, client: redis.Redis) -> None:
+        self.r = client
+        self._reserve = script(client, "reserve")
+        self._assign = script(client, "assign")
+        self._reap = script(client, "reap")
+        self._demand = script(client, "demand")
+
+    def snapshot(self, now: float, device_ttl_s: float) -> Snapshot:
+        """Every live device and runner, read afresh (the snapshot cache is the fast path)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.smembers(keys.DEVICES)
+        pipe.smembers(keys.RUNNERS)
+        pipe.zcard(keys.PARKED)
+        pipe.hgetall(keys.DEMAND)
+        device_ids, runner_ids, parked, demand_raw = pipe.execute()
+        device_ids = sorted(text(d) for d in device_ids)
+        runner_ids = sorted(text(r) for r in runner_ids)
+        pipe = self.r.pipeline(transaction=False)
+        for device_id in device_ids:
+            pipe.hgetall(keys.device(device_id))
+            pipe.hvals(keys.reservations(device_id))
+        for runner_id in runner_ids:
+            pipe.hgetall(keys.runner(runner_id))
+        replies = pipe.execute()
+        devices = []
+        for i, device_id in enumerate(device_ids):
+            h = decoded(replies[2 * i])
+            if h and now - float(h.get("heartbeat", 0)) <= device_ttl_s:
+                reserved = sum(int(v) for v in replies[2 * i + 1])
+                devices.append(device_from_hash(device_id, h, reserved))
+        alive = {d.id for d in devices}
+        runners = []
+        for runner_id, raw in zip(runner_ids, replies[2 * len(device_ids) :], strict=True):
+            record = runner_from_hash(runner_id, decoded(raw))
+            if record is not None and set(record.devices) <= alive:
+                runners.append(record)
+        demand = decayed_demand(decoded(demand_raw), now)
+        return Snapshot(devices=devices, runners=runners, parked=int(parked), demand=demand)
+
+    # -- runners ---------------------------------------------------------------------------
+    def reserve(
+        self,
+        runner_id: str,
+        reservations: dict[str, int],
+        fields: dict[str, Any],
+        now: float,
+        device_ttl_s: float,
+    ) -> bool:
+        """Create the runner (one job assigned) and reserve its memory on every device it
+        spans, all or nothing.
+
+        False when a device can no longer hold its part (another placer won the race).
+        """
+        device_ids = list(reservations)
+        record = dict(fields, device_ids=",".join(device_ids), devices=json.dumps(reservations))
+        record.update(state="loading", in_flight=1, last_used=now, expires_at=-1)
+        device_keys = []
+        for device_id in device_ids:
+            device_keys += [keys.device(device_id), keys.reservations(device_id)]
+        ok, _free = self._reserve(
+            keys=[keys.RUNNERS, keys.runner(runner_id), *device_keys],
+            args=[
+                runner_id,
+                now,
+                device_ttl_s,
+                len(device_ids),
+                *reservations.values(),
+                *flatten(record),
+            ],
+        )
+        return bool(ok)
+
+    def assign(self, runner_id: str, now: float) -> bool:
+        """One more job for a loading or ready runner; False if it is unloading or gone."""
+        return bool(self._assign(keys=[keys.runner(runner_id)], args=[now]))
+
+    def count_request(self, model: str, now: float) -> None:
+        self._demand(keys=[keys.DEMAND], args=[model, now, DEMAND_TAU_S])
+
+    # -- devices ---------------------------------------------------------------------------
+    def reap(self, now: float, device_ttl_s: float) -> list[str]:
+        """Drop devices silent for ``device_ttl_s`` with their runners and reservations; their
+        jobs become orphans. Returns the dropped devices."""
+        return reap(self._reap, now, device_ttl_s)
+
+    # -- jobs sent to devices ----------------------------------------------------------------
+    def sent(self, device_id: str, record: SentJob) -> None:
+        """Record a job sent to a device's queue, before sending it: if the device is
+        dropped, placement finds the job among the orphans."""
+        self.r.hset(keys.inflight(device_id), record.job.id, record.model_dump_json())
+
+    def orphans(self) -> list[str]:
+        return [text(j) for j in self.r.hkeys(keys.ORPHANS)]
+
+    def claim_orphan(self, job_id: str) -> SentJob | None:
+        """Take an orphan to handle it; None when another placement process took it."""
+        pipe = self.r.pipeline()
+        pipe.hget(keys.ORPHANS, job_id)
+        pipe.hdel(keys.ORPHANS, job_id)
+        raw, removed = pipe.execute()
+        return SentJob.model_validate_json(raw) if raw and removed else None
+
+    # -- liveness --------------------------------------------------------------------------
+    def placement_beat(self, name: str, now: float, ttl_s: float) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zadd(keys.PLACEMENT_ALIVE, {name: now})
+        pipe.zremrangebyscore(keys.PLACEMENT_ALIVE, "-inf", now - 10 * ttl_s)
+        pipe.execute()
+
+    def placement_gone(self, name: str) -> None:
+        self.r.zrem(keys.PLACEMENT_ALIVE, name)
+
+
+def reap(reap_script: Any, now: float, device_ttl_s: float) -> list[str]:
+    dropped = reap_script(
+        keys=[keys.DEVICES, keys.RUNNERS, keys.HEARTBEATS, keys.ORPHANS],
+        args=[now, device_ttl_s],
+    )
+    return [text(d) for d in dropped]

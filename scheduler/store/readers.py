@@ -1,0 +1,80 @@
+"""Read-only views of the cluster for listings: devices, runners and jobs in flight as typed
+records (``Client.devices()``, ``ps()``, ``jobs()``, the CLI, metrics, the local stack)."""
+
+from __future__ import annotations
+
+import redis
+
+from scheduler.cluster import DeviceView, JobView, RunnerView
+from scheduler.protocol import SentJob
+from scheduler.store import keys
+from scheduler.store.records import decoded, device_view, runner_view, text
+
+
+class ClusterReader:
+    def __init__(self, client: redis.Redis) -> None:
+        self.r = client
+
+    def devices(self) -> list[DeviceView]:
+        ids = sorted(text(d) for d in self.r.smembers(keys.DEVICES))
+        pipe = self.r.pipeline(transaction=False)
+        for device_id in ids:
+            pipe.hgetall(keys.device(device_id))
+            pipe.hvals(keys.reservations(device_id))
+        replies = pipe.execute()
+        views = []
+        for i, device_id in enumerate(ids):
+            h = decoded(replies[2 * i])
+            if h:
+                views.append(device_view(device_id, h, sum(int(v) for v in replies[2 * i + 1])))
+        return views
+
+    def runners(self) -> list[RunnerView]:
+        ids = sorted(text(r) for r in self.r.smembers(keys.RUNNERS))
+        pipe = self.r.pipeline(transaction=False)
+        for runner_id in ids:
+            pipe.hgetall(keys.runner(runner_id))
+        views = (runner_view(i, decoded(h)) for i, h in zip(ids, pipe.execute(), strict=True))
+        return [v for v in views if v is not None]
+
+    def sent_jobs(self) -> list[JobView]:
+        """Jobs sent to devices and not ended: running, or queued at their worker (with the
+        position in their device's queue, in the order they were sent)."""
+        device_ids = sorted(text(d) for d in self.r.smembers(keys.DEVICES))
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(keys.RUNNING)
+        for device_id in device_ids:
+            pipe.hgetall(keys.inflight(device_id))
+        running_raw, *per_device = pipe.execute()
+        running = {text(k): float(v) for k, v in running_raw.items()}
+        rows = []
+        for device_id, records in zip(device_ids, per_device, strict=True):
+            sent = sorted(
+                (SentJob.model_validate_json(v) for v in records.values()),
+                key=lambda r: r.sent_at,
+            )
+            position = 0
+            for record in sent:
+                started = running.get(record.job.id)
+                position += started is None
+                rows.append(
+                    JobView(
+                        id=record.job.id,
+                        model=record.job.model,
+                        priority=record.job.priority,
+                        device=device_id,
+                        state="running" if started is not None else "queued",
+                        position=0 if started is not None else position,
+                        submitted_at=record.job.submitted_at,
+                        started_at=started,
+                    )
+                )
+        return rows
+
+    def alive_counts(self, now: float, ttl_s: float) -> tuple[int, int]:
+        """(devices, placement services) that beat within the last ``ttl_s`` seconds."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zcount(keys.HEARTBEATS, now - ttl_s, "+inf")
+        pipe.zcount(keys.PLACEMENT_ALIVE, now - ttl_s, "+inf")
+        devices, placement = pipe.execute()
+        return int(devices), int(placement)

@@ -1,0 +1,117 @@
+"""What a worker reads and writes in Redis: its devices and their heartbeats, the runners it
+loads and unloads, the jobs it starts and ends, and the events that wake placement."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, cast
+
+import redis
+
+from scheduler.cluster import DeviceInfo
+from scheduler.protocol import SentJob
+from scheduler.store import keys
+from scheduler.store.placement_state import reap
+from scheduler.store.scripts import flatten, script
+
+
+class WorkerState:
+    def __init__(self, client: redis.Redis) -> None:
+        self.r = client
+        self._finish = script(client, "finish")
+        self._begin_unload = script(client, "begin_unload")
+        self._release = script(client, "release")
+        self._reap = script(client, "reap")
+        self._update = script(client, "update_runner")
+        self._touch = script(client, "touch")
+        self._done_with = script(client, "done_with")
+
+    # -- devices -------------------------------------------------------------------------
+    def register_device(self, dev: DeviceInfo, now: float) -> None:
+        fields: dict[str, str | int | float] = {
+            "id": dev.id,
+            "host": dev.host,
+            "worker": dev.worker,
+            "name": dev.name,
+            "kind": dev.kind,
+            "total": dev.total,
+            "free": dev.free,
+            "virtual": int(dev.virtual),
+            "uuid": dev.uuid,
+            "queue": keys.device_queue(dev.id),
+            "heartbeat": now,
+        }
+        pipe = self.r.pipeline()
+        pipe.hset(keys.device(dev.id), mapping=cast(Any, fields))
+        pipe.sadd(keys.DEVICES, dev.id)
+        pipe.zadd(keys.HEARTBEATS, {dev.id: now})
+        self._touch(keys=[keys.device(dev.id), keys.reservations(dev.id)], client=pipe)
+        pipe.publish(keys.EVENTS, json.dumps({"event": "device_joined", "device": dev.id}))
+        pipe.execute()
+
+    def heartbeat(self, free_by_device: dict[str, int], now: float) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for device_id, free in free_by_device.items():
+            pipe.hset(keys.device(device_id), mapping={"free": free, "heartbeat": now})
+            pipe.zadd(keys.HEARTBEATS, {device_id: now})
+        self._touch(keys=[keys.device(d) for d in free_by_device], client=pipe)
+        pipe.execute()
+
+    def deregister_devices(self, device_ids: list[str]) -> None:
+        """A worker leaving cleanly: its runners and reservations go with it."""
+        for device_id in device_ids:  # expire these devices' heartbeats, then reap as usual
+            self.r.hset(keys.device(device_id), "heartbeat", -1e18)
+        reap(self._reap, 0.0, 0.0)
+
+    # -- runners ---------------------------------------------------------------------------
+    def update_runner(self, runner_id: str, fields: dict[str, Any]) -> bool:
+        return bool(self._update(keys=[keys.runner(runner_id)], args=flatten(fields)))
+
+    def finish(self, runner_id: str, now: float, keep_alive_s: float) -> int:
+        """One job fewer on the runner; returns how many it still has."""
+        return int(self._finish(keys=[keys.runner(runner_id)], args=[now, keep_alive_s]))
+
+    def begin_unload(self, runner_id: str, force: bool = False) -> bool:
+        return bool(self._begin_unload(keys=[keys.runner(runner_id)], args=[int(force)]))
+
+    def runner_exists(self, runner_id: str) -> bool:
+        return bool(self.r.exists(keys.runner(runner_id)))
+
+    def runner_devices(self, runner_id: str) -> dict[str, int]:
+        """Bytes reserved per device for a runner (empty when it has no record)."""
+        raw = self.r.hget(keys.runner(runner_id), "devices")
+        return {d: int(n) for d, n in json.loads(raw or "{}").items()}
+
+    def release(self, runner_id: str, device_ids: list[str]) -> None:
+        self._release(
+            keys=[keys.RUNNERS, keys.runner(runner_id), *map(keys.reservations, device_ids)],
+            args=[runner_id],
+        )
+        self.announce({"event": "runner_unloaded", "runner": runner_id})
+
+    # -- jobs ------------------------------------------------------------------------------
+    def owns(self, device_id: str, job_id: str, placement_id: str) -> bool:
+        """Whether this placement of the job is still the device's: not re-placed after the
+        device was dropped (a re-placement, even onto the same device, has a new id)."""
+        raw = self.r.hget(keys.inflight(device_id), job_id)
+        return raw is not None and SentJob.model_validate_json(raw).placement.id == placement_id
+
+    def started(self, job_id: str, now: float) -> None:
+        self.r.hset(keys.RUNNING, job_id, now)
+
+    def done_with(self, device_id: str, job_id: str, placement_id: str, pipe: Any) -> None:
+        """Queue on ``pipe``: the job ended (its worker sends this with its counters)."""
+        self._done_with(
+            keys=[keys.RUNNING, keys.inflight(device_id)], args=[job_id, placement_id], client=pipe
+        )
+
+    def hand_back(self, record: SentJob) -> None:
+        """Give a job back to placement (its device could not load the model)."""
+        pipe = self.r.pipeline()
+        pipe.hset(keys.ORPHANS, record.job.id, record.model_dump_json())
+        pipe.publish(keys.EVENTS, json.dumps({"event": "handed_back", "job": record.job.id}))
+        pipe.execute()
+
+    def announce(self, event: dict[str, Any]) -> None:
+        """Tell placement that capacity may have changed (wakes parked jobs)."""
+        self.r.publish(keys.EVENTS, json.dumps(event))
