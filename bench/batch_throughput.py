@@ -144,8 +144,7 @@ def all_at_once(name: str, texts: list[str], job: Callable[[int, float], tuple])
 
 
 def engine(path: str, texts: list[str], tokens: int, parallel: int) -> Run:
-    from scheduler.gguf.estimate import RunnerConfig
-    from scheduler.protocol import Options
+    from scheduler.protocol import Options, RunnerConfig
     from scheduler.settings import get_settings
     from workers.runner import Runner
 
@@ -175,9 +174,9 @@ def bare(path: str, texts: list[str], tokens: int, parallel: int) -> Run:
     one batch, then one llama_decode per step, greedy, no scheduling and no streaming."""
     import llama_cpp as L
 
-    from scheduler.gguf.estimate import RunnerConfig
+    from scheduler.protocol import RunnerConfig
     from scheduler.settings import get_settings
-    from workers.engine import Engine
+    from workers.engine.loop import Engine
 
     # the engine's context, sized alike; its loop idles: no job is ever submitted to it
     config = RunnerConfig.for_generation(NUM_CTX, parallel, get_settings().flash_attention)

@@ -16,22 +16,13 @@ from typing import Any
 import pytest
 
 from scheduler.errors import InvalidRequest, JobFailed, LoadFailed
-from scheduler.gguf.estimate import RunnerConfig
-from scheduler.protocol import Options
+from scheduler.protocol import Options, RunnerConfig
 from tests.conftest import needs_demo
 from tests.tinymodel import write_tiny_model
-from workers.engine import (
-    Admission,
-    Feed,
-    StopMatcher,
-    Utf8Stream,
-    batch_rows,
-    common_prefix,
-    prompt_take,
-    sampler_plan,
-    token_budget,
-)
-from workers.runner import GenerationStats, Runner
+from workers.engine.batching import Admission, Feed, batch_rows, common_prefix, prompt_take
+from workers.engine.sampling import sampler_plan
+from workers.engine.text import GenerationStats, StopMatcher, Utf8Stream, token_budget
+from workers.runner import Runner
 
 GREEDY = {"temperature": 0, "repeat_penalty": 1.1}
 PROMPTS = [
@@ -255,7 +246,7 @@ def test_plain_greedy_picks_the_tokens_of_llama_cpps_greedy_sampler(
     options = Options(num_predict=48, temperature=0, repeat_penalty=1.0)
     prompts = ["Write a short story about a cat.", "The capital of France is", "1, 2, 3,"]
     fast = [runner.generate(p, options, ignore).text for p in prompts]
-    monkeypatch.setattr("workers.engine.sampler_plan", greedy_through_llama_cpp)
+    monkeypatch.setattr("workers.engine.loop.sampler_plan", greedy_through_llama_cpp)
     chain = [runner.generate(p, options, ignore).text for p in prompts]
     assert fast == chain and all(fast)
 

@@ -13,9 +13,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.gguf.estimate import RunnerConfig
+from scheduler.protocol import RunnerConfig
 from workers.cpus import llama
-from workers.runner import GGML_KV_TYPES
+from workers.engine.load import GGML_KV_TYPES
 
 MIB = 1 << 20
 

@@ -1,19 +1,18 @@
 """A runner: one llama.cpp model and context, resident between jobs.
 
 Up to ``num_parallel`` jobs run at once on it, batched by one decode loop
-(``workers.engine``); more wait in arrival order.
+(``workers.engine.loop``); more wait in arrival order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler.gguf.estimate import RunnerConfig
-from scheduler.protocol import Options
-from workers.engine import GGML_KV_TYPES, Engine, Format, GenerationStats
+from scheduler.protocol import Options, RunnerConfig
+from workers.engine.loop import Engine
+from workers.engine.sampling import Format
+from workers.engine.text import GenerationStats
 from workers.resident import Resident
-
-__all__ = ["GGML_KV_TYPES", "GenerationStats", "Runner"]
 
 
 class Runner(Resident):

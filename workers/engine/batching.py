@@ -1,0 +1,112 @@
+"""Batch layout: which jobs hold the sequence slots, and what each puts into a step.
+
+Pure logic, no llama.cpp: admission into free slots in arrival order (:class:`Admission`),
+the prompt prefix a slot's cache can serve again (:func:`common_prefix`), how much of a
+prompt joins a step (:func:`prompt_take`), and the rows of a ``llama_batch``
+(:class:`Feed`, :func:`batch_rows`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Admission(Generic[T]):
+    """Jobs waiting for a slot, in arrival order, and the free sequence ids."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.waiting: deque[T] = deque()
+        self.free = list(range(n_slots))
+
+    def push(self, job: T) -> None:
+        self.waiting.append(job)
+
+    def take_cancelled(self, is_cancelled: Callable[[T], bool]) -> list[T]:
+        gone = [job for job in self.waiting if is_cancelled(job)]
+        for job in gone:
+            self.waiting.remove(job)
+        return gone
+
+    def admit(self, reuse: Callable[[T, int], int] | None = None) -> list[tuple[T, int]]:
+        """Waiting jobs paired with the free slots they take, first come first served;
+        each takes the free slot where ``reuse(job, slot)`` (cached prompt tokens it can
+        reuse there) is largest, the lowest slot on a tie."""
+        admitted = []
+        while self.waiting and self.free:
+            job = self.waiting.popleft()
+            slot = max(self.free, key=lambda s: (reuse(job, s) if reuse else 0, -s))
+            self.free.remove(slot)
+            admitted.append((job, slot))
+        return admitted
+
+    def release(self, seq: int) -> None:
+        self.free.append(seq)
+        self.free.sort()
+
+    def drain(self) -> list[T]:
+        jobs = list(self.waiting)
+        self.waiting.clear()
+        return jobs
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass(frozen=True)
+class Feed:
+    """What one sequence puts into a decode step: ``tokens`` from position ``pos`` on, and
+    whether the last of them needs logits."""
+
+    seq: int
+    tokens: list[int]
+    pos: int
+    output: bool
+
+
+def prompt_take(left: int, room: int, others_decode: bool) -> tuple[int, bool]:
+    """How many of a prompt's ``left`` tokens go into this step (``room`` is what the
+    batch has left), and whether the last of them gets logits.
+
+    While other sequences decode, a prompt's last token waits for the next step, where it
+    rides in the one-token-per-sequence micro-batch with theirs: the rest of the prompt
+    then needs no logits, and llama.cpp evaluates its micro-batch without the output
+    layer (for a 262k vocabulary, most of a step's weights)."""
+    take = min(left, room)
+    if take < left:
+        return take, False
+    if others_decode and left >= 2:
+        return left - 1, False
+    return take, True
+
+
+def batch_rows(feeds: list[Feed]) -> list[tuple[int, int, int, int, bool]]:
+    """The rows of one ``llama_batch``, (feed index, token, pos, seq, logits): the first
+    token of every feed in sequence order, then the rest of each feed.
+
+    With one KV stream per sequence llama.cpp splits a batch into micro-batches of
+    consecutive sequence ids with equal token counts (``split_equal``), each a pass over
+    all weights. Listing each sequence's first token in id order keeps sequences in
+    adjacent slots in the first micro-batch; a joining sequence listed after the others
+    would split the running ones around its id into two. (A free slot between running
+    ones still splits them: ids 0, 1, 3 make {0, 1} and {3}.)"""
+    order = sorted(range(len(feeds)), key=lambda i: feeds[i].seq)
+    rows = []
+    for i in order:
+        f = feeds[i]
+        rows.append((i, f.tokens[0], f.pos, f.seq, f.output and len(f.tokens) == 1))
+    for i in order:
+        f = feeds[i]
+        last = len(f.tokens) - 1
+        for k in range(1, len(f.tokens)):
+            rows.append((i, f.tokens[k], f.pos + k, f.seq, f.output and k == last))
+    return rows

@@ -1,0 +1,393 @@
+"""Continuous batching: one llama.cpp model and context serving several jobs at once.
+
+One decode loop thread owns the context. Each step it admits waiting jobs into free
+sequence slots (arrival order), fills one ``llama_batch`` with the next token of every
+running sequence and as many prompt tokens of newly admitted ones as ``n_batch`` leaves
+room for, calls ``llama_decode`` once, and samples one token per sequence whose logits
+the step produced. Sequences retire as they finish and their slots go to the next job.
+The batch is laid out so that llama.cpp's split into micro-batches (one pass over the
+weights each) stays at one for running sequences and adds at most an output-less one for
+a joining prompt (:func:`batch_rows`, :func:`prompt_take`).
+
+Callers (one thread per job) prepare their job in their own thread (tokenizing, building
+the sampler chain, parsing a grammar), hand it to the loop and block until it ends.
+``on_text`` is called from the decode thread: it must be cheap and must not block.
+``cancelled`` is polled at the start of every step, so a cancelled job leaves its slot
+before the next decode; one cancelled while waiting never starts.
+
+This module owns the loop (:class:`Engine`) and a job's state in it (:class:`Job`); the
+parts it drives are its sibling modules (see :mod:`workers.engine`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler.errors import GgufqError, InvalidRequest, JobFailed
+from scheduler.protocol import Options, RunnerConfig
+from workers.cpus import llama
+from workers.engine.batching import Admission, Feed, batch_rows, common_prefix, prompt_take
+from workers.engine.load import ContextSize, _init_backend, _load
+from workers.engine.sampling import Format, Sampler, _penalty_history, grammar_for, sampler_plan
+from workers.engine.text import GenerationStats, StopMatcher, Tokenizer, Utf8Stream, token_budget
+from workers.loadwatch import LoadWatch
+
+log = logging.getLogger(__name__)
+
+# llama_decode's return codes (llama.h)
+DECODE_ERRORS = {
+    1: "no room in the KV cache for the batch",
+    2: "decoding was aborted",
+    -1: "the batch was invalid",
+}
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation: what it asked for, where it stands, and how it ended."""
+
+    tokens: list[int]
+    budget: int
+    sampler: Sampler
+    on_text: Callable[[str], None]
+    cancelled: Callable[[], bool]
+    stops: StopMatcher
+    utf8: Utf8Stream = field(default_factory=Utf8Stream)
+    done: threading.Event = field(default_factory=threading.Event)
+    seq: int = -1
+    fed: int = 0  # prompt tokens already sent to llama_decode (or found in the slot's cache)
+    decoded: list[int] = field(default_factory=list)  # tokens whose KV is in the slot
+    pos: int = 0  # position of the next token in the sequence
+    next_token: int = -1  # sampled, not yet decoded
+    generated: int = 0
+    parts: list[str] = field(default_factory=list)
+    admitted_ns: int = 0
+    first_ns: int = 0
+    stats: GenerationStats | None = None
+    error: GgufqError | None = None
+
+    def emit(self, text: str) -> None:
+        if text:
+            self.parts.append(text)
+            self.on_text(text)
+
+
+class Engine:
+    """A loaded model and context, and the decode loop that serves jobs on it."""
+
+    def __init__(
+        self,
+        path: str,
+        config: RunnerConfig,
+        *,
+        n_gpu_layers: int = 0,
+        n_threads: int | None = None,
+        name: str = "",
+        load_timeout_s: float = 300.0,
+        split: list[float] | None = None,
+    ) -> None:
+        L = llama()
+        _init_backend(L)
+        self._L = L
+        self.name = name or os.path.basename(path)
+        self.config = config
+        self.size = ContextSize.of(config)
+        watch = LoadWatch(load_timeout_s)
+        self.model, self.ctx = _load(
+            L, path, config, self.size, n_gpu_layers, n_threads, watch, split
+        )
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self._mem = L.llama_get_memory(self.ctx)
+        self._cached: dict[int, list[int]] = {}  # slot → tokens whose KV it still holds
+        self._n_swa = L.llama_model_n_swa(self.model)
+        self.reused_tokens = 0  # prompt tokens not evaluated again, thanks to the slot caches
+        self._batch = L.llama_batch_init(self.size.n_batch, 0, 1)
+        for i in range(self.size.n_batch):
+            self._batch.n_seq_id[i] = 1
+        self._tokens, self._pos = self._batch.token, self._batch.pos
+        self._seq_ids, self._logits = self._batch.seq_id, self._batch.logits
+        self._tokenizer = Tokenizer(L, self.vocab)
+        self._admission: Admission[Job] = Admission(config.num_parallel)
+        self._active: list[Job] = []
+        self._cond = threading.Condition()
+        self._prep = threading.Lock()  # held while a caller uses the model outside the loop
+        self._closing = False
+        self._step_no = 0
+        self._thread = threading.Thread(target=self._run, name=f"decode-{self.name}", daemon=True)
+        self._thread.start()
+
+    # -- callers' side --------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str,
+        options: Options,
+        on_text: Callable[[str], None],
+        cancelled: Callable[[], bool] = lambda: False,
+        format: Format = None,
+    ) -> GenerationStats:
+        """Run one job to its end (blocking); raises JobFailed, InvalidRequest."""
+        grammar = grammar_for(format)
+        with self._prep:  # close() waits for this: the model stays alive while in use here
+            job = self._prepare(prompt, options, on_text, cancelled, grammar)
+            if job.budget <= 0:
+                job.sampler.free()
+                return GenerationStats("", "length", len(job.tokens), 0, 0, 0)
+            self._submit(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.stats is not None
+        return job.stats
+
+    def _prepare(
+        self,
+        prompt: str,
+        options: Options,
+        on_text: Callable[[str], None],
+        cancelled: Callable[[], bool],
+        grammar: str | None,
+    ) -> Job:
+        self._check_open()
+        tokens = self.tokenize(prompt)
+        num_ctx = self.config.num_ctx
+        if len(tokens) >= num_ctx:
+            raise InvalidRequest(
+                f"prompt is {len(tokens)} tokens but a slot of {self.name!r} holds "
+                f"{num_ctx} (options.num_ctx), leaving no room to generate; "
+                "shorten the prompt or raise options.num_ctx"
+            )
+        plan = sampler_plan(options, num_ctx)
+        sampler = Sampler(self.vocab, self.n_vocab, plan, grammar, _penalty_history(plan, tokens))
+        return Job(
+            tokens=tokens,
+            budget=token_budget(options.num_predict, num_ctx, len(tokens)),
+            sampler=sampler,
+            on_text=on_text,
+            cancelled=cancelled,
+            stops=StopMatcher(options.stop),
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        """The prompt's tokens (:meth:`workers.engine.text.Tokenizer.tokenize`)."""
+        return self._tokenizer.tokenize(text)
+
+    def _submit(self, job: Job) -> None:
+        with self._cond:
+            self._admission.push(job)
+            self._cond.notify()
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise JobFailed(
+                f"the runner of {self.name!r} is unloading and takes no more jobs; "
+                "submit the job again"
+            )
+
+    def close(self) -> None:
+        """Stop the loop, end running and waiting jobs with JobFailed, free llama.cpp."""
+        with self._prep:
+            with self._cond:
+                if self._closing:
+                    return
+                self._closing = True
+                self._cond.notify()
+            self._thread.join()
+            L = self._L
+            L.llama_batch_free(self._batch)
+            L.llama_free(self.ctx)
+            L.llama_model_free(self.model)
+
+    # -- the decode loop ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._active or self._admission.waiting or self._closing):
+                    self._cond.wait()
+                if self._closing:
+                    break
+                gone = self._admission.take_cancelled(_is_cancelled)
+                admitted = self._admission.admit(self._reusable)
+            now = time.perf_counter_ns()
+            for job in gone:
+                job.admitted_ns = now
+                self._end(job, "cancel", now)
+            for job, seq in admitted:
+                job.seq, job.admitted_ns = seq, now
+                self._reuse_prefix(job)
+                self._active.append(job)
+            try:
+                self._step()
+            except Exception as exc:  # a bug here must fail jobs, never hang them
+                log.exception("decode step failed on %s", self.name)
+                for job in list(self._active):
+                    self._fail(job, f"the decode loop failed ({exc!r})")
+        self._shutdown()
+
+    def _step(self) -> None:
+        now = time.perf_counter_ns()
+        for job in [j for j in self._active if _is_cancelled(j)]:
+            self._end(job, "cancel", now)
+        outputs, in_batch, n = self._fill_batch()
+        if n == 0:
+            return
+        self._batch.n_tokens = n
+        rc = self._L.llama_decode(self.ctx, self._batch)
+        if rc != 0:
+            self._decode_failed(rc, n, in_batch)
+            return
+        now = time.perf_counter_ns()
+        # sample every sequence before publishing any text: each ctypes call and numpy's
+        # argmax lets go of the GIL, and a chunk handed over mid-loop wakes the chunk
+        # writer, which then holds the GIL while llama.cpp's threads wait for this loop
+        sampled = [job.sampler.sample(self.ctx, idx) for job, idx in outputs]
+        for (job, _idx), token in zip(outputs, sampled, strict=True):
+            self._advance(job, token, now)
+
+    def _fill_batch(self) -> tuple[list[tuple[Job, int]], list[Job], int]:
+        """The next token of every running sequence, then prompt tokens as :func:`prompt_take`
+        allows in the room n_batch leaves, laid out by :func:`batch_rows`."""
+        decoding = self._decoding(self.size.n_batch)
+        feeds = [(job, Feed(job.seq, [job.next_token], job.pos, True)) for job in decoding]
+        room = self.size.n_batch - len(decoding)
+        for job in self._active:
+            left = len(job.tokens) - job.fed
+            if left <= 0 or room <= 0:
+                continue
+            take, output = prompt_take(left, room, bool(decoding))
+            chunk = job.tokens[job.fed : job.fed + take]
+            feeds.append((job, Feed(job.seq, chunk, job.fed, output)))
+            room -= take
+        tokens, pos, seq_ids, logits = self._tokens, self._pos, self._seq_ids, self._logits
+        outputs: list[tuple[Job, int]] = []
+        rows = batch_rows([feed for _, feed in feeds])
+        for n, (i, token, position, seq, output) in enumerate(rows):
+            tokens[n], pos[n], seq_ids[n][0], logits[n] = token, position, seq, output
+            if output:
+                outputs.append((feeds[i][0], n))
+        for job, feed in feeds:
+            job.decoded += feed.tokens
+            if job.next_token >= 0:
+                job.pos += 1
+                job.next_token = -1
+            else:
+                job.fed += len(feed.tokens)
+                job.pos = job.fed
+        return outputs, [job for job, _ in feeds], len(rows)
+
+    def _decoding(self, limit: int) -> list[Job]:
+        """Sequences with a token to decode, in slot order: llama.cpp reuses the previous
+        step's graph only for the same layout (a rotating order made steps 1.5x slower)."""
+        ready = sorted((j for j in self._active if j.next_token >= 0), key=lambda j: j.seq)
+        if len(ready) > limit:  # n_batch below num_parallel: take turns
+            self._step_no += 1
+            start = self._step_no % len(ready)
+            ready = sorted((ready[start:] + ready[:start])[:limit], key=lambda j: j.seq)
+        return ready
+
+    def _advance(self, job: Job, token: int, now: int) -> None:
+        job.generated += 1
+        if not job.first_ns:
+            job.first_ns = now
+        piece, eog = self._tokenizer.piece(token)
+        if eog:
+            self._end(job, "stop", now)
+            return
+        text, stopped = job.stops.feed(job.utf8.feed(piece))
+        try:
+            job.emit(text)
+        except Exception as exc:
+            self._fail(job, f"the consumer of its text failed ({exc!r})")
+            return
+        if stopped:
+            self._end(job, "stop", now, flush=False)
+        elif job.generated >= job.budget:
+            self._end(job, "length", now)
+        else:
+            job.next_token = token
+
+    def _end(self, job: Job, reason: str, now: int, flush: bool = True) -> None:
+        if flush and reason != "cancel":
+            try:
+                tail, _ = job.stops.feed(job.utf8.flush())
+                job.emit(tail + job.stops.flush())
+            except Exception as exc:
+                self._fail(job, f"the consumer of its text failed ({exc!r})")
+                return
+        first = job.first_ns or now
+        job.stats = GenerationStats(
+            text="".join(job.parts),
+            done_reason=reason,
+            prompt_eval_count=len(job.tokens),
+            prompt_eval_duration_ns=first - job.admitted_ns if job.generated else 0,
+            eval_count=job.generated,
+            eval_duration_ns=now - first,
+        )
+        self._retire(job)
+
+    def _fail(self, job: Job, why: str) -> None:
+        job.error = JobFailed(
+            f"job on {self.name!r} failed after {job.generated} generated tokens: {why}; "
+            "submit it again"
+        )
+        self._retire(job, keep=False)  # its KV may be half written
+
+    def _reusable(self, job: Job, seq: int) -> int:
+        """Prompt tokens of ``job`` already in slot ``seq``'s cache (the last one is always
+        evaluated again: its logits start the answer)."""
+        return min(common_prefix(self._cached.get(seq, []), job.tokens), len(job.tokens) - 1)
+
+    def _reuse_prefix(self, job: Job) -> None:
+        """Drop the slot's cache after the part ``job`` shares with it; skip that part."""
+        L, seq = self._L, job.seq
+        keep = self._reusable(job, seq)
+        if keep > 0 and L.llama_memory_seq_rm(self._mem, seq, keep, -1):
+            # a sliding-window cache may have dropped what the next tokens attend to
+            lowest = L.llama_memory_seq_pos_min(self._mem, seq)
+            if self._n_swa == 0 or lowest <= max(0, keep - self._n_swa):
+                job.fed = job.pos = keep
+                job.decoded = job.tokens[:keep]
+                self.reused_tokens += keep
+                return
+        L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def _retire(self, job: Job, keep: bool = True) -> None:
+        if job.seq >= 0:
+            # the slot keeps its KV cache: a later prompt that starts the same (a system
+            # prompt, a conversation so far) skips evaluating that part again
+            self._cached[job.seq] = job.decoded if keep else []
+            if not keep:
+                self._L.llama_memory_seq_rm(self._mem, job.seq, -1, -1)
+            with self._cond:
+                self._admission.release(job.seq)
+            job.seq = -1
+        if job in self._active:
+            self._active.remove(job)
+        job.sampler.free()
+        job.done.set()
+
+    def _decode_failed(self, rc: int, n: int, jobs: list[Job]) -> None:
+        meaning = DECODE_ERRORS.get(rc, "fatal error in llama.cpp")
+        why = f"llama_decode returned {rc} ({meaning}) for a batch of {n} tokens"
+        log.error("%s on %s; failing %d jobs", why, self.name, len(jobs))
+        for job in jobs:
+            self._fail(job, why)
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            waiting = self._admission.drain()
+        for job in [*self._active, *waiting]:
+            self._fail(job, f"the runner of {self.name!r} was unloaded")
+
+
+def _is_cancelled(job: Job) -> bool:
+    try:
+        return bool(job.cancelled())
+    except Exception:
+        log.exception("cancelled() raised; cancelling the job")
+        return True
