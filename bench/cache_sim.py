@@ -27,7 +27,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scheduler.cluster import DeviceState, RunnerState, Snapshot, decayed  # noqa: E402
-from scheduler.placement.decision import Evict, JobNeeds, Load, Route, VictimKey, decide  # noqa: E402
+from scheduler.placement.decision import decide  # noqa: E402
+from scheduler.placement.fitting import VictimKey  # noqa: E402
+from scheduler.placement.needs import JobNeeds  # noqa: E402
+from scheduler.placement.verdict import Evict, Load, Route  # noqa: E402
 
 GIB = 1 << 30
 KEEP_ALIVE = 300.0
@@ -47,110 +50,121 @@ def trace(n: int, seed: int) -> tuple[dict[str, int], list[tuple[float, str, flo
     return models, jobs
 
 
-def simulate(models: dict[str, int], jobs: list[tuple[float, str, float]], rule: str) -> dict:
-    totals = {"d0": 16 * GIB, "d1": 16 * GIB, "d2": 24 * GIB}
-    uses: dict[str, list[float]] = {}
-    for t, m, _ in jobs:
-        uses.setdefault(m, []).append(t)
-    runners: dict[str, RunnerState] = {}
-    busy_until: dict[str, float] = {}
-    loads = evictions = 0
-    waits: list[float] = []
-    waiting: list[tuple[float, str, float]] = []
-    completions: list[tuple[float, str]] = []
-    counter = 0
+class CacheSim:
+    """One replay of the trace under one eviction rule, on a simulated clock."""
 
-    def key_for(now: float) -> VictimKey | None:
-        if rule == "ggufq":
+    TOTALS = {"d0": 16 * GIB, "d1": 16 * GIB, "d2": 24 * GIB}
+
+    def __init__(self, models: dict[str, int], jobs: list[tuple[float, str, float]], rule: str):
+        self.models, self.jobs, self.rule = models, jobs, rule
+        self.uses: dict[str, list[float]] = {}
+        for t, m, _ in jobs:
+            self.uses.setdefault(m, []).append(t)
+        self.runners: dict[str, RunnerState] = {}
+        self.busy_until: dict[str, float] = {}
+        self.loads = self.evictions = self.counter = 0
+        self.waits: list[float] = []
+        self.waiting: list[tuple[float, str, float]] = []
+        self.completions: list[tuple[float, str]] = []
+        self.demand: dict[str, tuple[float, float]] = {}  # what placement records per request
+
+    def key_for(self, now: float) -> VictimKey | None:
+        if self.rule == "ggufq":
             return None
-        if rule == "lru":
+        if self.rule == "lru":
             return lambda r: r.last_used
-        if rule == "ollama":
+        if self.rule == "ollama":
             return lambda r: (KEEP_ALIVE, r.id)  # equal keep_alive: first found
 
         def next_use(r: RunnerState) -> float:  # Belady: needed again furthest away first
-            times = uses[r.model]
+            times = self.uses[r.model]
             i = bisect.bisect_right(times, now)
             return -(times[i] if i < len(times) else float("inf"))
 
         return next_use
 
-    demand: dict[str, tuple[float, float]] = {}  # what placement records per request
+    def count_request(self, model: str, now: float) -> None:
+        score, last = self.demand.get(model, (0.0, now))
+        self.demand[model] = (decayed(score, last, now) + 1, now)
 
-    def count_request(model: str, now: float) -> None:
-        score, last = demand.get(model, (0.0, now))
-        demand[model] = (decayed(score, last, now) + 1, now)
-
-    def snapshot(now: float) -> Snapshot:
-        reserved = {d: 0 for d in totals}
-        for r in runners.values():
+    def snapshot(self, now: float) -> Snapshot:
+        reserved = {d: 0 for d in self.TOTALS}
+        for r in self.runners.values():
             for d, b in r.devices.items():
                 reserved[d] += b
-        devices = [DeviceState(d, "w", d, "vgpu", t, t, reserved[d]) for d, t in totals.items()]
-        scores = {m: decayed(s, last, now) for m, (s, last) in demand.items()}
-        return Snapshot(devices, list(runners.values()), demand=scores if rule == "ggufq" else {})
+        devices = [
+            DeviceState(d, "w", d, "vgpu", t, t, reserved[d]) for d, t in self.TOTALS.items()
+        ]
+        scores = {m: decayed(s, last, now) for m, (s, last) in self.demand.items()}
+        demand = scores if self.rule == "ggufq" else {}
+        return Snapshot(devices, list(self.runners.values()), demand=demand)
 
-    def try_place(now: float, arrived: float, model: str, duration: float) -> bool:
-        nonlocal loads, evictions, counter
-        job = JobNeeds(model, "c", models[model])
+    def try_place(self, now: float, arrived: float, model: str, duration: float) -> bool:
+        job = JobNeeds(model, "c", self.models[model])
         for _ in range(10):
-            decision = decide(job, snapshot(now), "binpack", now, 10**6, 3, key_for(now))
+            decision = decide(job, self.snapshot(now), "binpack", now, 10**6, 3, self.key_for(now))
             match decision:
                 case Route(rid, _):
-                    start = max(now, busy_until[rid])
+                    start = max(now, self.busy_until[rid])
                 case Load(dev, nbytes):
-                    counter += 1
-                    rid = f"r{counter}"
-                    runners[rid] = RunnerState(rid, model, "c", {dev: nbytes}, "ready", 0, -1, now)
-                    busy_until[rid] = now + nbytes / GIB * LOAD_S_PER_GIB
-                    start = busy_until[rid]
-                    loads += 1
+                    rid, start = self.load(model, dev, nbytes, now)
                 case Evict(ids):
-                    for rid in ids:
-                        runners.pop(rid)
-                        busy_until.pop(rid)
-                        evictions += 1
+                    self.evict(ids)
                     continue
                 case _:
                     return False
-            r = runners[rid]
-            runners[rid] = replace(r, in_flight=r.in_flight + 1, expires_at=-1)
-            busy_until[rid] = start + duration
-            heapq.heappush(completions, (start + duration, rid))
-            waits.append(start - arrived)
+            r = self.runners[rid]
+            self.runners[rid] = replace(r, in_flight=r.in_flight + 1, expires_at=-1)
+            self.busy_until[rid] = start + duration
+            heapq.heappush(self.completions, (start + duration, rid))
+            self.waits.append(start - arrived)
             return True
         return False
 
-    def complete_until(t: float) -> None:
-        while completions and completions[0][0] <= t:
-            at, rid = heapq.heappop(completions)
-            r = runners[rid]
-            left = r.in_flight - 1
-            runners[rid] = replace(
-                r, in_flight=left, last_used=at, expires_at=at + KEEP_ALIVE if left == 0 else -1
-            )
-            for rid2, r2 in list(runners.items()):  # keep_alive expiries
-                if r2.in_flight == 0 and 0 <= r2.expires_at <= at:
-                    runners.pop(rid2)
-                    busy_until.pop(rid2)
-            still = []
-            for w in waiting:
-                if not try_place(at, *w):
-                    still.append(w)
-            waiting[:] = still
+    def load(self, model: str, dev: str, nbytes: int, now: float) -> tuple[str, float]:
+        self.counter += 1
+        rid = f"r{self.counter}"
+        self.runners[rid] = RunnerState(rid, model, "c", {dev: nbytes}, "ready", 0, -1, now)
+        self.busy_until[rid] = now + nbytes / GIB * LOAD_S_PER_GIB
+        self.loads += 1
+        return rid, self.busy_until[rid]
 
-    for arrived, model, duration in jobs:
-        complete_until(arrived)
-        count_request(model, arrived)
-        if waiting or not try_place(arrived, arrived, model, duration):
-            waiting.append((arrived, model, duration))
-    complete_until(float("inf"))
-    return {
-        "loads": loads,
-        "evictions": evictions,
-        "served": len(waits),
-        "mean_wait_s": sum(waits) / max(1, len(waits)),
-    }
+    def evict(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.runners.pop(rid)
+            self.busy_until.pop(rid)
+            self.evictions += 1
+
+    def complete_until(self, t: float) -> None:
+        while self.completions and self.completions[0][0] <= t:
+            at, rid = heapq.heappop(self.completions)
+            r = self.runners[rid]
+            left = r.in_flight - 1
+            expires = at + KEEP_ALIVE if left == 0 else -1
+            self.runners[rid] = replace(r, in_flight=left, last_used=at, expires_at=expires)
+            for rid2, r2 in list(self.runners.items()):  # keep_alive expiries
+                if r2.in_flight == 0 and 0 <= r2.expires_at <= at:
+                    self.runners.pop(rid2)
+                    self.busy_until.pop(rid2)
+            self.waiting[:] = [w for w in self.waiting if not self.try_place(at, *w)]
+
+    def run(self) -> dict:
+        for arrived, model, duration in self.jobs:
+            self.complete_until(arrived)
+            self.count_request(model, arrived)
+            if self.waiting or not self.try_place(arrived, arrived, model, duration):
+                self.waiting.append((arrived, model, duration))
+        self.complete_until(float("inf"))
+        return {
+            "loads": self.loads,
+            "evictions": self.evictions,
+            "served": len(self.waits),
+            "mean_wait_s": sum(self.waits) / max(1, len(self.waits)),
+        }
+
+
+def simulate(models: dict[str, int], jobs: list[tuple[float, str, float]], rule: str) -> dict:
+    return CacheSim(models, jobs, rule).run()
 
 
 def main() -> None:

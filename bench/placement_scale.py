@@ -27,8 +27,10 @@ import redis  # noqa: E402
 
 from scheduler.cluster import DeviceInfo, DeviceState, RunnerState, Snapshot  # noqa: E402
 from scheduler.local.embedded import EmbeddedRedis  # noqa: E402
-from scheduler.placement.decision import JobNeeds, Load, Route, decide  # noqa: E402
+from scheduler.placement.decision import decide  # noqa: E402
+from scheduler.placement.needs import JobNeeds  # noqa: E402
 from scheduler.placement.snapcache import SnapshotCache  # noqa: E402
+from scheduler.placement.verdict import Load, Route  # noqa: E402
 from scheduler.store import keys  # noqa: E402
 from scheduler.store.placement_state import PlacementState  # noqa: E402
 from scheduler.store.worker_state import WorkerState  # noqa: E402

@@ -63,6 +63,12 @@ class StackNotRunning(GgufqError):
     code = "stack_not_running"
 
 
+class StackFailed(GgufqError):
+    """The local stack (embedded Redis, placement, workers) could not start."""
+
+    code = "stack_failed"
+
+
 class LoadFailed(GgufqError):
     """llama.cpp could not load the model."""
 

@@ -7,21 +7,13 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from api_client.cli import processor
+from api_client.cli.tables import processor
 from scheduler.cluster import DeviceState, RunnerState, RunnerView, Snapshot
 from scheduler.placement import decision as decision_module
-from scheduler.placement.decision import (
-    Evict,
-    GroupNeeds,
-    JobNeeds,
-    Load,
-    Park,
-    Refuse,
-    Route,
-    Where,
-    decide,
-    split_blocks,
-)
+from scheduler.placement.decision import decide
+from scheduler.placement.fitting import split_blocks
+from scheduler.placement.needs import GroupNeeds, JobNeeds, Where
+from scheduler.placement.verdict import Evict, Load, Park, Refuse, Route
 
 GIB = 1 << 30
 

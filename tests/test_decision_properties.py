@@ -12,16 +12,9 @@ from hypothesis import strategies as st
 
 from scheduler.cluster import DeviceState, RunnerState, Snapshot
 from scheduler.placement.commit import Assigned, Wait, commit
-from scheduler.placement.decision import (
-    Evict,
-    GroupNeeds,
-    JobNeeds,
-    Load,
-    Park,
-    Refuse,
-    Route,
-    decide,
-)
+from scheduler.placement.decision import decide
+from scheduler.placement.needs import GroupNeeds, JobNeeds
+from scheduler.placement.verdict import Evict, Load, Park, Refuse, Route
 
 GIB = 1 << 30
 MODELS = {f"m{i}": (i % 4 + 1) * GIB for i in range(6)}  # model → bytes
@@ -165,6 +158,22 @@ class Cluster:
             if rid in self.runners and self.runners[rid].in_flight == 0:
                 del self.runners[rid]
 
+    def apply(self, kind: str, arg: int) -> None:
+        """A job ends, an idle runner expires, a worker dies (the reaper drops its device,
+        runners and reservations) or joins."""
+        if kind in ("finish", "expire") and self.runners:
+            rid = sorted(self.runners)[arg % len(self.runners)]
+            r = self.runners[rid]
+            if kind == "finish":
+                self.runners[rid] = replace(r, in_flight=max(0, r.in_flight - 1))
+            elif r.in_flight == 0:
+                del self.runners[rid]
+        elif kind == "die":
+            self.alive.discard(f"d{arg}")
+            self.runners = {k: r for k, r in self.runners.items() if f"d{arg}" not in r.devices}
+        elif kind == "join":
+            self.alive.add(f"d{arg}")
+
     def new_id(self) -> str:
         self.counter += 1
         return f"r{self.counter}"
@@ -217,20 +226,8 @@ def test_simulated_cluster_keeps_invariants(trace: list, placers: int) -> None:
                 parked.append(job)
             else:
                 outcomes.append(outcome)
-        elif kind == "finish" and cluster.runners:
-            rid = sorted(cluster.runners)[arg % len(cluster.runners)]
-            r = cluster.runners[rid]
-            cluster.runners[rid] = replace(r, in_flight=max(0, r.in_flight - 1))
-        elif kind == "expire" and cluster.runners:
-            rid = sorted(cluster.runners)[arg % len(cluster.runners)]
-            if cluster.runners[rid].in_flight == 0:
-                del cluster.runners[rid]
-        elif kind == "die":  # the reaper drops a dead worker's device, runners and reservations
-            dev = f"d{arg}"
-            cluster.alive.discard(dev)
-            cluster.runners = {k: r for k, r in cluster.runners.items() if dev not in r.devices}
-        elif kind == "join":
-            cluster.alive.add(f"d{arg}")
+        else:
+            cluster.apply(kind, arg)
         stale[step % placers] = cluster.snapshot(len(parked))
         # wake parked jobs on every event, in order
         still = []

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from scheduler.placement.decision import GroupNeeds
-from scheduler.placement.needs import Defaults, Shape, job_needs, runner_config
+from scheduler.placement.needs import Defaults, GroupNeeds, Shape, job_needs, runner_config
 from scheduler.protocol import JobRequest, RunnerConfig
 
 GIB = 1 << 30

@@ -55,7 +55,7 @@ def test_many_placers_and_clients(models_dir: Path, tmp_path: Path) -> None:
     ) as stack:
         extra = [
             subprocess.Popen(
-                [sys.executable, "-m", "scheduler.placement.service"],
+                [sys.executable, "-m", "scheduler.placement.process"],
                 env={**os.environ, **env, "GGUFQ_REDIS_URL": stack.redis_url},
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

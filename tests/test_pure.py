@@ -185,7 +185,7 @@ def test_unload_waits_for_the_driver_to_report_memory_back() -> None:
 
 
 def test_format_json_without_json_in_the_prompt_warns() -> None:
-    from scheduler.placement.service import format_warning
+    from scheduler.placement.needs import format_warning
 
     assert format_warning(parse_request({"model": "m", "prompt": "Hi", "format": "json"}))
     schema = {"type": "object"}

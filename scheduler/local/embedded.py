@@ -9,6 +9,7 @@ from pathlib import Path
 
 import redis
 
+from scheduler.errors import StackFailed
 from scheduler.local.procs import niced_child_preexec
 
 
@@ -76,7 +77,10 @@ class EmbeddedRedis:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = log_path.read_text(errors="replace") if log_path.exists() else ""
-                raise RuntimeError(f"redis-server exited at start (port {self.port}): {err}")
+                raise StackFailed(
+                    f"redis-server exited at start (port {self.port}): {err.strip()}; its log is "
+                    f"{log_path}"
+                )
             try:
                 client.ping()
                 client.close()
@@ -84,7 +88,10 @@ class EmbeddedRedis:
             except redis.ConnectionError:
                 time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"redis-server did not answer on port {self.port} in {timeout_s} s")
+        raise StackFailed(
+            f"redis-server did not answer on port {self.port} in {timeout_s} s; its log is "
+            f"{log_path}"
+        )
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

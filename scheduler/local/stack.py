@@ -17,15 +17,12 @@ from typing import IO
 
 import redis
 
+from scheduler.errors import StackFailed
 from scheduler.local.embedded import EmbeddedRedis
 from scheduler.local.procs import niced_child_preexec
 from scheduler.settings import Settings
 from scheduler.store.connection import clear_runtime, write_runtime
 from scheduler.store.readers import ClusterReader
-
-
-class StackError(RuntimeError):
-    pass
 
 
 class LocalStack:
@@ -64,7 +61,7 @@ class LocalStack:
                 self.redis_url = self.redis.start()
                 write_runtime(self.settings, self.redis_url)
             self._spawn(
-                "placement", [sys.executable, "-m", "scheduler.placement.service"], nice=nice
+                "placement", [sys.executable, "-m", "scheduler.placement.process"], nice=nice
             )
             self._spawn("worker", [sys.executable, "-m", "workers.main", *self.worker_args])
             self.wait_ready(timeout_s)
@@ -112,7 +109,7 @@ class LocalStack:
             while time.monotonic() < deadline:
                 for name, proc in self.procs:
                     if proc.poll() is not None:
-                        raise StackError(
+                        raise StackFailed(
                             f"the {name} process exited with code {proc.returncode} "
                             f"while starting{self._log_hint(name)}"
                         )
@@ -125,7 +122,7 @@ class LocalStack:
                 time.sleep(0.1)
         finally:
             client.close()
-        raise StackError(
+        raise StackFailed(
             f"the stack did not become ready within {timeout_s:.0f} s{self._log_hint('worker')}"
         )
 

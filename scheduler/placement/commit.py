@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from scheduler.cluster import Snapshot
-from scheduler.placement.decision import Decision, Evict, Load, Park, Refuse, Route
+from scheduler.placement.verdict import Decision, Evict, Load, Park, Refuse, Route
 
 
 class Ledger(Protocol):

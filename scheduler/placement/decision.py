@@ -7,103 +7,31 @@ returned decision (reserve, send, evict, park or refuse) at its edge.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Literal
 
-from scheduler.cluster import (
-    DeviceState,
-    RunnerState,
-    Snapshot,
-    eviction_order,
-    is_live,
+from scheduler.cluster import DeviceState, Snapshot
+from scheduler.placement.fitting import (
+    Policy,
+    VictimKey,
+    cheapest_victims,
+    emptied,
+    fewest_devices,
+    group_victims,
+    partial_offload,
+    pick,
+)
+from scheduler.placement.needs import JobNeeds
+from scheduler.placement.verdict import (
+    Decision,
+    Evict,
+    Load,
+    Park,
+    Refuse,
+    Route,
+    behind_parked,
+    server_busy,
 )
 from scheduler.units import format_bytes
-
-Policy = Literal["binpack", "spread"]
-
-
-@dataclass(frozen=True)
-class GroupNeeds:
-    """What a model needs when its blocks are split over several GPUs of one worker."""
-
-    per_block: tuple[int, ...]  # weights + KV cache of each block, in order
-    per_device: int  # each GPU holds a compute buffer
-    last: int  # the output layer, on the GPU that holds the last blocks
-
-
-@dataclass(frozen=True)
-class JobNeeds:
-    model: str
-    config_key: str
-    bytes: int
-    # partial[n] = GPU bytes with n layers offloaded (n = 1..block_count; llama.cpp's
-    # n_gpu_layers, output layer first); empty when no partial offload is allowed
-    partial: tuple[int, ...] = ()
-    group: GroupNeeds | None = None  # None: the model may not span devices
-    num_parallel: int | None = None  # slots the job asks for; None: any runner's
-    # the job asks for this many layers on a GPU (``bytes`` is their GPU share); -1 = as
-    # many as fit (any runner), 0 = the whole model on GPUs (no partial runner)
-    n_gpu_layers: int = -1
-    where: Where = field(default_factory=lambda: Where())
-    retry: bool = False  # a parked job tried again: already counted among the parked
-
-
-@dataclass(frozen=True)
-class Where:
-    """Which devices a job may use at all."""
-
-    device: str | None = None  # pinned to this device
-    avoid: tuple[str, ...] = ()  # its model failed to load there
-    num_gpu: int = -1  # Ollama's: 0 = the CPU only; > 0 = that many layers, on GPUs only
-    layers: int = 0  # how many layers that is for this model (for the message)
-
-    @property
-    def processor(self) -> Literal["any", "cpu", "gpu"]:
-        return "cpu" if self.num_gpu == 0 else "gpu" if self.num_gpu > 0 else "any"
-
-
-@dataclass(frozen=True)
-class Route:
-    runner_id: str
-    device_id: str
-
-
-@dataclass(frozen=True)
-class Load:
-    device_id: str
-    bytes: int
-    n_gpu_layers: int = -1  # -1 = the whole model on the device
-    # a model split over several GPUs of one worker: device → (bytes, blocks), in layer order
-    split: tuple[tuple[str, int, int], ...] = ()
-
-    @property
-    def reservations(self) -> dict[str, int]:
-        if not self.split:
-            return {self.device_id: self.bytes}
-        return {device_id: nbytes for device_id, nbytes, _blocks in self.split}
-
-
-@dataclass(frozen=True)
-class Evict:
-    runner_ids: list[str]
-
-
-@dataclass(frozen=True)
-class Park:
-    reason: str
-
-
-@dataclass(frozen=True)
-class Refuse:
-    code: Literal["no_capacity", "server_busy", "no_workers", "invalid_request", "load_failed"]
-    reason: str
-    per_device: dict[str, str] = field(default_factory=dict)
-
-
-Decision = Route | Load | Evict | Park | Refuse
-
-
-VictimKey = Callable[[RunnerState], Any]
 
 
 def decide(
@@ -199,17 +127,17 @@ def _where(
     counts = snap.counts
     fits = [d for d in snap.devices if d.free >= job.bytes and counts.get(d.id, 0) < max_loaded]
     if fits:
-        return Load(_pick(fits, job.bytes, policy).id, job.bytes, max(-1, job.n_gpu_layers or -1))
+        return Load(pick(fits, job.bytes, policy).id, job.bytes, max(-1, job.n_gpu_layers or -1))
     # 8
     if job.group is not None:
-        spanning = _fewest_devices(job.group, snap, max_loaded)
+        spanning = fewest_devices(job.group, snap, max_loaded)
         if spanning is not None:
             return spanning
     # 9
     if snap.parked >= max_queue:
         return server_busy(snap.parked, max_queue)
     # 10
-    victims = _cheapest_victims(job, snap, max_loaded, victim_key)
+    victims = cheapest_victims(job, snap, max_loaded, victim_key)
     if victims:
         return Evict(victims)
     # 11
@@ -220,16 +148,16 @@ def _larger_than_any_device(
     job: JobNeeds, snap: Snapshot, max_loaded: int, victim_key: VictimKey | None
 ) -> Decision:
     # 6a
-    spanning = _fewest_devices(job.group, snap, max_loaded) if job.group else None
+    spanning = fewest_devices(job.group, snap, max_loaded) if job.group else None
     if spanning is not None:
         return spanning
     # 6b
-    partial = _partial_offload(job, snap, max_loaded)
+    partial = partial_offload(job, snap, max_loaded)
     if partial is not None:
         return partial
     # 6c
-    if job.group and _fewest_devices(job.group, _emptied(snap), max_loaded):
-        victims = _group_victims(job.group, snap, max_loaded, victim_key)
+    if job.group and fewest_devices(job.group, emptied(snap), max_loaded):
+        victims = group_victims(job.group, snap, max_loaded, victim_key)
         if victims:
             return Evict(victims)
         return Park(f"{job.model!r} spans several GPUs whose memory is in use")
@@ -294,143 +222,3 @@ def _restricted(snap: Snapshot, keep: Callable[[DeviceState], bool]) -> Snapshot
 
 def _none_left(why: str, alive: str, code: Literal["invalid_request", "load_failed"]) -> Refuse:
     return Refuse(code, f"{why}; alive devices: {alive} (`ggufq devices`)")
-
-
-def behind_parked(model: str, parked: int, max_queue: int) -> Park | Refuse:
-    if parked >= max_queue:
-        return server_busy(parked, max_queue)
-    return Park(f"earlier jobs for {model!r} are waiting")
-
-
-def _partial_offload(job: JobNeeds, snap: Snapshot, max_loaded: int) -> Decision | None:
-    gpus = [d for d in snap.devices if d.kind != "cpu"]
-    if not job.partial or not gpus:
-        return None
-    room = [d for d in gpus if snap.counts.get(d.id, 0) < max_loaded]
-    if room:
-        best = max(room, key=lambda d: (d.free, d.id))
-        layers = sum(1 for need in job.partial if need <= best.free)  # partial is increasing
-        if layers:
-            return Load(best.id, job.partial[layers - 1], n_gpu_layers=layers)
-    if job.partial[0] <= max(d.total for d in gpus):
-        return Park(f"no GPU has room for a layer of {job.model!r} now")
-    return None
-
-
-def _fewest_devices(group: GroupNeeds, snap: Snapshot, max_loaded: int) -> Load | None:
-    by_worker: dict[str, list[DeviceState]] = {}
-    for d in snap.devices:
-        if d.kind != "cpu" and snap.counts.get(d.id, 0) < max_loaded:
-            by_worker.setdefault(d.worker, []).append(d)
-    best: tuple[int, int, str] | None = None
-    chosen: Load | None = None
-    for worker, devices in by_worker.items():
-        devices.sort(key=lambda d: (-d.free, d.id))
-        for k in range(2, len(devices) + 1):
-            split = split_blocks(group, devices[:k])
-            if split is not None:
-                leftover = sum(d.free for d in devices[:k]) - sum(b for _, b, _ in split)
-                if best is None or (k, leftover, worker) < best:
-                    best, chosen = (k, leftover, worker), Load(split[0][0], 0, -1, split)
-                break
-    if chosen is None:
-        return None
-    return Load(chosen.device_id, sum(b for _, b, _ in chosen.split), -1, chosen.split)
-
-
-def _group_victims(
-    group: GroupNeeds, snap: Snapshot, max_loaded: int, key: VictimKey | None
-) -> list[str]:
-    """The fewest idle runners to unload on one worker's GPUs so that a group fits."""
-    best: list[str] | None = None
-    workers = {d.worker for d in snap.devices if d.kind != "cpu"}
-    for worker in sorted(workers):
-        gpus = [d for d in snap.devices if d.worker == worker and d.kind != "cpu"]
-        on_worker = {d.id for d in gpus}
-        idle = {r.id: r for d in gpus for r in snap.idle_by_device.get(d.id, [])}
-        order = sorted(idle.values(), key=key or eviction_order(snap.demand))
-        held = [r for r in snap.runners if is_live(r) and on_worker & set(r.devices)]
-        chosen: list[str] = []
-        for victim in order:
-            chosen.append(victim.id)
-            freed = {
-                d: sum(r.devices.get(d, 0) for r in idle.values() if r.id in chosen)
-                for d in on_worker
-            }
-            devices = [replace(d, reserved=max(0, d.reserved - freed[d.id])) for d in gpus]
-            rest = [r for r in held if r.id not in chosen]
-            if _fewest_devices(group, Snapshot(devices, rest), max_loaded):
-                if best is None or len(chosen) < len(best):
-                    best = list(chosen)
-                break
-    return best or []
-
-
-def _emptied(snap: Snapshot) -> Snapshot:
-    """The cluster with every runner gone: what could fit at all."""
-    devices = [replace(d, reported_free=d.total, reserved=0) for d in snap.devices]
-    return Snapshot(devices, [], snap.parked)
-
-
-def split_blocks(
-    group: GroupNeeds, devices: list[DeviceState]
-) -> tuple[tuple[str, int, int], ...] | None:
-    """Blocks in order over ``devices``, each filled before the next; None if they don't fit.
-
-    Every device gets at least one block and its compute buffer; the last also gets the
-    output layer. Returns (device id, bytes, blocks) per device.
-    """
-    split, start, n = [], 0, len(group.per_block)
-    for i, device in enumerate(devices):
-        last = i == len(devices) - 1
-        room = device.free - group.per_device - (group.last if last else 0)
-        stop = n - (len(devices) - 1 - i)  # leave a block for each device after this one
-        used, end = 0, start
-        while end < stop and used + group.per_block[end] <= room:
-            used += group.per_block[end]
-            end += 1
-        if end == start or (last and end < n):
-            return None
-        fixed = group.per_device + (group.last if last else 0)
-        split.append((device.id, used + fixed, end - start))
-        start = end
-    return tuple(split)
-
-
-def server_busy(parked: int, max_queue: int) -> Refuse:
-    return Refuse(
-        "server_busy",
-        f"server busy: {parked} jobs already wait for memory (max_queue {max_queue}); "
-        "retry later or raise GGUFQ_MAX_QUEUE",
-    )
-
-
-def _device_order(device: DeviceState) -> int:
-    return 1 if device.kind == "cpu" else 0
-
-
-def _pick(devices: list[DeviceState], need: int, policy: Policy) -> DeviceState:
-    if policy == "spread":
-        return min(devices, key=lambda d: (_device_order(d), -d.free, d.id))
-    return min(devices, key=lambda d: (_device_order(d), d.free - need, d.id))
-
-
-def _cheapest_victims(
-    job: JobNeeds, snap: Snapshot, max_loaded: int, key: VictimKey | None
-) -> list[str]:
-    best: list[str] | None = None
-    for device in sorted(snap.devices, key=_device_order):
-        if device.total < job.bytes:
-            continue
-        free, count, chosen = device.free, snap.counts.get(device.id, 0), []
-        idle = snap.idle_by_device.get(device.id, [])
-        for runner in sorted(idle, key=key) if key else idle:
-            if free >= job.bytes and count < max_loaded:
-                break
-            chosen.append(runner.id)
-            free += runner.devices[device.id]
-            count -= 1
-        enough = free >= job.bytes and count < max_loaded
-        if enough and chosen and (best is None or len(chosen) < len(best)):
-            best = chosen
-    return best or []

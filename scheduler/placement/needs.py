@@ -4,10 +4,50 @@ tables come in computed (the service memoizes them per model file and configurat
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
-from scheduler.placement.decision import GroupNeeds, JobNeeds, Where
 from scheduler.protocol import JobRequest, RunnerConfig
+
+
+@dataclass(frozen=True)
+class GroupNeeds:
+    """What a model needs when its blocks are split over several GPUs of one worker."""
+
+    per_block: tuple[int, ...]  # weights + KV cache of each block, in order
+    per_device: int  # each GPU holds a compute buffer
+    last: int  # the output layer, on the GPU that holds the last blocks
+
+
+@dataclass(frozen=True)
+class JobNeeds:
+    model: str
+    config_key: str
+    bytes: int
+    # partial[n] = GPU bytes with n layers offloaded (n = 1..block_count; llama.cpp's
+    # n_gpu_layers, output layer first); empty when no partial offload is allowed
+    partial: tuple[int, ...] = ()
+    group: GroupNeeds | None = None  # None: the model may not span devices
+    num_parallel: int | None = None  # slots the job asks for; None: any runner's
+    # the job asks for this many layers on a GPU (``bytes`` is their GPU share); -1 = as
+    # many as fit (any runner), 0 = the whole model on GPUs (no partial runner)
+    n_gpu_layers: int = -1
+    where: Where = field(default_factory=lambda: Where())
+    retry: bool = False  # a parked job tried again: already counted among the parked
+
+
+@dataclass(frozen=True)
+class Where:
+    """Which devices a job may use at all."""
+
+    device: str | None = None  # pinned to this device
+    avoid: tuple[str, ...] = ()  # its model failed to load there
+    num_gpu: int = -1  # Ollama's: 0 = the CPU only; > 0 = that many layers, on GPUs only
+    layers: int = 0  # how many layers that is for this model (for the message)
+
+    @property
+    def processor(self) -> Literal["any", "cpu", "gpu"]:
+        return "cpu" if self.num_gpu == 0 else "gpu" if self.num_gpu > 0 else "any"
 
 
 @dataclass(frozen=True)

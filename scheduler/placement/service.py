@@ -7,7 +7,6 @@ unload idle runners, park, or refuse with a reason.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 import time
@@ -18,7 +17,7 @@ from functools import partial
 from typing import Any, NoReturn
 
 import redis
-from celery import Celery, signals
+from celery import Celery
 
 from scheduler.cluster import Snapshot
 from scheduler.errors import GgufqError, JobCancelled, JobFailed, error_from_code
@@ -26,17 +25,23 @@ from scheduler.gguf.estimate import choose_num_ctx, estimate_bytes, group_parts,
 from scheduler.gguf.metadata import ModelInfo
 from scheduler.gguf.registry import Registry
 from scheduler.placement.commit import Assigned, Wait, commit
-from scheduler.placement.decision import GroupNeeds, Load, Park, Refuse, decide
-from scheduler.placement.metrics import serve_metrics
-from scheduler.placement.needs import Defaults, Shape, format_warning, job_needs, runner_config
+from scheduler.placement.decision import decide
+from scheduler.placement.needs import (
+    Defaults,
+    GroupNeeds,
+    Shape,
+    format_warning,
+    job_needs,
+    runner_config,
+)
 from scheduler.placement.parking import ParkedJobs, park_score
 from scheduler.placement.snapcache import SnapshotCache
+from scheduler.placement.verdict import Load, Park, Refuse
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob, parse_request
-from scheduler.settings import Settings, get_settings
+from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
-from scheduler.store.celery_app import ask_unload, make_app, send_job
-from scheduler.store.connection import resolve_redis_url
+from scheduler.store.celery_app import ask_unload, send_job
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.streams import error_chunk, progress, publish_final
 
@@ -123,7 +128,6 @@ class PlacementService:
         self.snapshots = SnapshotCache(client)
         self._shapes: dict[tuple[str, RunnerConfig], Shape] = {}
         self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
-        self._stop = threading.Event()
         # placements of this process run one at a time: the Celery task and the parked-job
         # waker both place, and the snapshot cache (its indexes are views into it) and the
         # memo dicts above are not safe to update from two threads at once
@@ -315,99 +319,3 @@ class PlacementService:
             return False
         self.fail(job_id, claimed[0].model, cancelled_before_start(job_id))
         return True
-
-    # -- liveness --------------------------------------------------------------------------
-    def start(self) -> None:
-        if self.settings.metrics_port:
-            serve_metrics(self.r, self.settings.metrics_port, self.settings.device_ttl_s)
-        threading.Thread(target=self._alive_loop, name="ggufq-placement-alive", daemon=True).start()
-        threading.Thread(target=self._wake_loop, name="ggufq-placement-wake", daemon=True).start()
-
-    def _wake_loop(self) -> None:
-        """Retry parked jobs when an event says capacity may have freed.
-
-        Pub/sub drops messages while disconnected, so a slow sweep
-        (GGUFQ_PARK_SWEEP_S) also retries; events, not the sweep, are the normal path.
-        """
-        pubsub = self.r.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(keys.EVENTS, keys.CANCELS)
-        next_sweep = time.monotonic() + self.settings.park_sweep_s
-        while not self._stop.is_set():
-            try:
-                message = pubsub.get_message(timeout=1.0)
-                if message is not None and message["channel"].decode() == keys.CANCELS:
-                    self.cancel_parked(message["data"].decode())
-                    continue
-                if message is not None and b"handed_back" in message["data"]:
-                    self.recover_orphans()
-                due = time.monotonic() >= next_sweep
-                if (message is not None or due) and self.r.zcard(keys.PARKED):
-                    self.retry_parked()
-                if due:
-                    next_sweep = time.monotonic() + self.settings.park_sweep_s
-            except redis.RedisError as exc:
-                log.warning("parked-job waker: %s", exc)
-                self._stop.wait(1.0)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.state.placement_gone(self.name)
-
-    def _alive_loop(self) -> None:
-        while True:
-            try:
-                self.state.placement_beat(self.name, time.time(), self.settings.device_ttl_s)
-                dropped = self.state.reap(time.time(), self.settings.device_ttl_s)
-                if dropped:
-                    log.warning("dropped devices without heartbeat: %s", ", ".join(dropped))
-                self.recover_orphans()
-            except redis.RedisError as exc:
-                log.warning("placement heartbeat failed: %s", exc)
-            if self._stop.wait(self.settings.heartbeat_interval_s):
-                return
-
-
-def run_service(settings: Settings) -> None:
-    redis_url = resolve_redis_url(settings)
-    app = make_app(redis_url, settings)
-    service = PlacementService(settings, redis.Redis.from_url(redis_url), app)
-
-    @app.task(name=keys.TASK_PLACE, ignore_result=True)
-    def place(job: dict[str, Any]) -> dict[str, Any]:
-        return service.place(job)
-
-    @signals.worker_ready.connect(weak=False)
-    def _ready(**_: Any) -> None:
-        service.start()
-
-    @signals.worker_shutdown.connect(weak=False)
-    def _shutdown(**_: Any) -> None:
-        service.stop()
-
-    app.worker_main(
-        [
-            "worker",
-            "-Q",
-            f"{keys.placement_queue('interactive')},{keys.placement_queue('batch')}",
-            "-P",
-            "solo",  # placement takes ~2 ms: run it on the consumer thread, no hand-off
-            "-c",
-            "1",  # jobs for one model keep their order
-            "-n",
-            f"{service.name}@{settings.host_id}",
-            "--without-mingle",
-            "--without-gossip",
-            "-l",
-            "INFO",
-        ]
-    )
-
-
-def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(prog="ggufq placement", description=__doc__).parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    run_service(get_settings())
-
-
-if __name__ == "__main__":
-    main()

@@ -147,7 +147,7 @@ class SnapshotCache:
         h = self._hashes.get(device_id)
         if not h or "total" not in h:
             for store in (self._hashes, self._reserved, self._devices, self._beats):
-                store.pop(device_id, None)  # type: ignore[attr-defined]
+                store.pop(device_id, None)
             return
         self._devices[device_id] = device_from_hash(device_id, h, self._reserved.get(device_id, 0))
         self._beats[device_id] = float(h.get("heartbeat", 0))

@@ -53,7 +53,7 @@ def device_view(device_id: str, h: dict[str, str], reserved: int) -> DeviceView:
         host=h.get("host", ""),
         worker=h.get("worker", ""),
         name=h.get("name", ""),
-        kind=h.get("kind", "cpu"),  # type: ignore[arg-type]
+        kind=h.get("kind", "cpu"),
         total=int(h.get("total", 0)),
         reported_free=int(h.get("free", 0)),
         reserved=reserved,
@@ -71,7 +71,7 @@ def runner_view(runner_id: str, h: dict[str, str]) -> RunnerView | None:
     return RunnerView(
         id=runner_id,
         model=h["model"],
-        state=h.get("state", "loading"),  # type: ignore[arg-type]
+        state=h.get("state", "loading"),
         devices=_devices(h),
         bytes=int(h.get("bytes", 0)),
         size=int(h.get("total_bytes", h.get("bytes", 0))),

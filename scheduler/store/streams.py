@@ -128,7 +128,7 @@ class ChunkOrder:
             self.quiet_s = min(self.quiet_s * 2, self.QUIET_MAX_S)
             return None
         self.quiet_s = 1.0
-        chunk = json.loads(message["data"])
+        chunk: dict[str, Any] = json.loads(message["data"])
         if chunk["seq"] != self.last + 1:
             self.backfill = chunk["seq"] > self.last + 1
             return None
