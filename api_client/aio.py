@@ -18,15 +18,10 @@ from typing import Any, Literal, overload
 
 import redis.asyncio
 
-from api_client.batch import (
-    BatchInput,
-    BatchStopped,
-    BatchSummary,
-    result_key,
-    result_ready,
-    run_batch,
-)
+from api_client.batch import BatchStopped, run_batch
+from api_client.batch_files import BatchInput, BatchSummary
 from api_client.client import Client, Job, Messages
+from api_client.results import result_key, result_ready
 from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Message, Options

@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+from typing import Any, Literal, cast, overload
 
 import redis
 from celery.result import AsyncResult
 
+from api_client.batch import run_batch
+from api_client.batch_files import BatchInput, BatchSummary
 from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import (
     GgufqError,
@@ -19,6 +21,7 @@ from scheduler.errors import (
     NoWorkers,
     error_from_code,
 )
+from scheduler.gguf.registry import Registry
 from scheduler.placement.parking import ParkedJobs
 from scheduler.protocol import (
     EmbedResponse,
@@ -36,9 +39,6 @@ from scheduler.store.celery_app import ask_unload, make_app, send_job
 from scheduler.store.connection import resolve_redis_url
 from scheduler.store.readers import ClusterReader
 from scheduler.store.streams import read_chunks
-
-if TYPE_CHECKING:
-    from api_client.batch import BatchInput, BatchSummary
 
 _ALIVE_CACHE_S = 1.0
 Messages = list[Message] | list[dict[str, Any]]
@@ -262,8 +262,6 @@ class Client:
         """Run many prompts (or chats) with at most ``concurrency`` jobs in flight; rows
         come back in input order, written to ``output`` (JSONL) as they complete. See
         :func:`api_client.batch.run_batch`."""
-        from api_client.batch import run_batch
-
         return run_batch(
             self,
             model,
@@ -342,8 +340,6 @@ class Client:
     def models(self) -> list[dict[str, Any]]:
         """The models jobs can name (GGUFQ_MODELS_DIR as this process sees it, plus the demo
         model): name, path, GGUF metadata, or ``error`` saying why a file is unusable."""
-        from scheduler.gguf.registry import Registry
-
         return [
             {
                 "name": e.name,

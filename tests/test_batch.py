@@ -26,7 +26,8 @@ from api_client import (
     NoWorkers,
     ServerBusy,
 )
-from api_client.batch import is_transient, read_rows
+from api_client.batch import is_transient
+from api_client.batch_files import read_rows
 from scheduler.local.stack import LocalStack
 from tests.conftest import ggufq, stack_env, wait_for
 

@@ -153,7 +153,7 @@ def test_up_runs_until_signal_and_leaves_no_orphans(
         assert any("redis-server" in n for n in names)  # the private Redis
         # Redis and placement give way to the worker's llama.cpp threads (helper_nice 10)
         base = os.getpriority(os.PRIO_PROCESS, proc.pid)
-        roles = {"redis-server": 10, "scheduler.placement.service": 10, "workers.main": 0}
+        roles = {"redis-server": 10, "scheduler.placement.process": 10, "workers.main": 0}
         for child in children:
             cmdline = Path(f"/proc/{child}/cmdline").read_text().replace("\0", " ")
             for role, added in roles.items():
@@ -232,3 +232,15 @@ def test_listings_have_json(cli_env: dict[str, str]) -> None:
     for command in ("ps", "jobs"):  # models --json: test_models_lists_metadata_...
         out = ggufq(command, "--json", env=cli_env)
         assert out.returncode == 0 and isinstance(json.loads(out.stdout), list), out.stderr
+
+
+def test_commands_other_than_worker_do_not_import_it() -> None:
+    probe = (
+        "import sys; from api_client.cli import main; main(['config']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('workers', 'llama_cpp'))"
+        " and m not in ('workers', 'workers.args')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.splitlines()[-1] == "[]"

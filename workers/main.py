@@ -21,6 +21,7 @@ from scheduler.store import keys
 from scheduler.store.celery_app import make_app
 from scheduler.store.connection import resolve_redis_url
 from scheduler.units import parse_bytes
+from workers.args import add_worker_arguments
 from workers.devices import detect_devices
 from workers.progress import ProgressEvents
 from workers.runtime import NotOwned, WorkerRuntime
@@ -43,7 +44,6 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
     runtime = WorkerRuntime(settings, client, devices, Registry(settings.models_dir))
     events = ProgressEvents(app, worker_name) if settings.task_events else None
 
-    @app.task(name=keys.TASK_RUN, bind=True, throws=(GgufqError,))
     def run(self: Any, job: dict[str, Any], placement: dict[str, Any]) -> dict[str, Any]:
         # the decode loop reports from its own thread, where self.request is empty
         task_id = self.request.id
@@ -65,6 +65,8 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
             progress("cancelled", reason=str(exc))
             raise Ignore() from None
 
+    app.task(name=keys.TASK_RUN, bind=True, throws=(GgufqError,))(run)
+
     @control_command(  # type: ignore[untyped-decorator]
         args=[("runner_id", str), ("when_idle", bool)], signature="<runner_id> [when_idle]"
     )
@@ -76,15 +78,16 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
         ).start()
         return {"ok": f"unloading {runner_id}"}
 
-    @signals.worker_ready.connect(weak=False)
-    def _ready(**_: Any) -> None:
+    def ready(**_: Any) -> None:
         runtime.start()
 
-    @signals.worker_shutdown.connect(weak=False)
-    def _shutdown(**_: Any) -> None:
+    def shutdown(**_: Any) -> None:
         runtime.stop()
         if events is not None:
             events.close()
+
+    signals.worker_ready.connect(ready, weak=False)
+    signals.worker_shutdown.connect(shutdown, weak=False)
 
     queues = ",".join(keys.device_queue(d.id, p) for p in ("interactive", "batch") for d in devices)
     app.worker_main(
@@ -118,18 +121,6 @@ def main(argv: list[str] | None = None) -> None:
     add_worker_arguments(parser)
     args = parser.parse_args(argv)
     start_from_args(args)
-
-
-def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--virtual-gpu",
-        action="append",
-        default=[],
-        metavar="SIZE",
-        help="advertise a virtual GPU of this size (repeatable), e.g. 8GiB; "
-        "its compute runs on the CPU",
-    )
-    parser.add_argument("--cpu", action="store_true", help="serve from the CPU even if GPUs exist")
 
 
 def start_from_args(args: argparse.Namespace) -> None:

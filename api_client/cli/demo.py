@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -9,8 +10,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from api_client.cli.tables import print_table, ps_table
+from api_client.client import Client
 from scheduler.errors import GgufqError, StackNotRunning
 from scheduler.gguf.registry import DEMO_MODEL, demo_installed
+from scheduler.local.stack import LocalStack
 from scheduler.settings import get_settings
 from scheduler.store.connection import resolve_redis_url
 
@@ -18,9 +22,16 @@ STREAMED_PROMPT = "Q: Why is the sky blue?\nA: The sky is blue because"
 OPTIONS = {"temperature": 0, "num_predict": 48, "seed": 42}
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    return run_demo(args.prompts)
+
+
+REPOSITORY = Path(__file__).resolve().parents[2]  # api_client/cli/demo.py
+
+
 def default_prompts_file() -> Path:
     here = Path("examples/prompts.jsonl")
-    return here if here.exists() else Path(__file__).resolve().parent.parent / here
+    return here if here.exists() else REPOSITORY / here
 
 
 def load_prompts(path: Path) -> list[str]:
@@ -53,8 +64,6 @@ def run_demo(prompts_file: Path | None = None) -> int:
         return _run(console, prompts)
     except StackNotRunning:
         pass
-    from scheduler.local.stack import LocalStack
-
     log_dir = Path(settings.state_dir).expanduser() / "logs"
     console.print(
         "Starting the local stack: private Redis, placement service, one worker "
@@ -69,9 +78,6 @@ def run_demo(prompts_file: Path | None = None) -> int:
 
 
 def _run(console: Console, prompts: list[str], redis_url: str | None = None) -> int:
-    from api_client import Client
-    from api_client.cli import print_table, ps_table
-
     with Client(redis_url) as client:
         jobs = [client.submit(DEMO_MODEL, p, options=OPTIONS) for p in prompts]
         answers, failed = [], 0

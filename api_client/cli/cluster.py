@@ -1,0 +1,97 @@
+"""The commands that look at and steer a running cluster: ps, devices, jobs, load, unload,
+cancel."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from api_client.cli.tables import print_table, ps_table
+from api_client.client import Client
+from scheduler.units import format_bytes, format_duration
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    with Client() as client:
+        result = client.load(args.model, device=args.device, keep_alive=args.keep_alive)
+    ms = (result.load_duration or 0) / 1e6
+    print(f"loaded {args.model} on {result.device} in {ms:.0f} ms")
+    return 0
+
+
+def cmd_unload(args: argparse.Namespace) -> int:
+    with Client() as client:
+        asked = client.unload(args.model)
+    if not asked:
+        print(f"{args.model} is not loaded")
+    else:
+        print(f"unloading {args.model}: {len(asked)} runner(s)")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with Client() as client:
+        for job_id in args.job_ids:
+            client.cancel(job_id)
+            print(f"asked job {job_id} to cancel")
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    with Client() as client:
+        rows = client.jobs()
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
+        return 0
+    table = [
+        [
+            r.id,
+            r.model,
+            r.state,
+            str(r.position or ""),
+            r.device or "",
+            r.priority,
+            format_duration(time.time() - r.submitted_at),
+        ]
+        for r in rows
+    ]
+    print_table(["JOB", "MODEL", "STATE", "POS", "DEVICE", "PRIORITY", "AGE"], table)
+    return 0
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    with Client() as client:
+        runners = client.ps()
+        devices = {d.id: d for d in client.devices()}
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json") for r in runners], indent=2))
+        return 0
+    print_table(*ps_table(runners, devices))
+    return 0
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    with Client() as client:
+        devices = client.devices()
+        runners = client.ps()
+    if args.json:
+        print(json.dumps([d.model_dump(mode="json") for d in devices], indent=2))
+        return 0
+    rows = []
+    for d in devices:
+        count = sum(1 for r in runners if d.id in r.devices)
+        rows.append(
+            (
+                d.id,
+                d.worker,
+                d.name,
+                format_bytes(d.total),
+                format_bytes(d.reserved),
+                format_bytes(d.free),
+                str(count),
+                "yes" if d.virtual else "no",
+            )
+        )
+    print_table(["ID", "WORKER", "NAME", "TOTAL", "RESERVED", "FREE", "RUNNERS", "VIRTUAL"], rows)
+    return 0
