@@ -59,4 +59,4 @@ def render(
         ) from None
     if bos_text and prompt.startswith(bos_text):
         prompt = prompt[len(bos_text) :]
-    return prompt
+    return str(prompt)

@@ -69,7 +69,7 @@ class Embedder(Resident):
                 )
             vectors = self.llm.embed(inputs, normalize=True, truncate=True)
         return EmbedStats(
-            embeddings=[list(map(float, v)) for v in vectors],  # type: ignore[arg-type]
+            embeddings=[list(map(float, v)) for v in vectors],
             prompt_eval_count=sum(min(n, n_ctx) for n in counts),
         )
 

@@ -71,7 +71,7 @@ def measure(
     llama_cpp = llama()
     lines: list[str] = []
 
-    @llama_cpp.llama_log_callback  # type: ignore[misc]
+    @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
     def capture(_level: int, text: bytes, _user: ctypes.c_void_p) -> None:
         lines.append(text.decode("utf-8", errors="replace"))
 

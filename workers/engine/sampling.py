@@ -70,11 +70,11 @@ def grammar_for(format: Format) -> str | None:
     from llama_cpp import llama_grammar
 
     if format == "json":
-        return llama_grammar.JSON_GBNF
+        return str(llama_grammar.JSON_GBNF)
     if not isinstance(format, dict):
         raise InvalidRequest(f'format must be "json" or a JSON schema object (got {format!r})')
     try:
-        return llama_grammar.json_schema_to_gbnf(json.dumps(format))
+        return str(llama_grammar.json_schema_to_gbnf(json.dumps(format)))
     except Exception as exc:
         raise InvalidRequest(
             f"format: this JSON schema cannot be turned into a grammar ({exc}); "
