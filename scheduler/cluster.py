@@ -100,9 +100,12 @@ class Snapshot:
     # ready-made, kept current between snapshots.
     @cached_property
     def live_by_model(self) -> Mapping[str, list[RunnerState]]:
+        """Live runners per model, on alive devices only (never route to a dead one)."""
+        alive = {d.id for d in self.devices}
         index: dict[str, list[RunnerState]] = {}
         for runner in filter(is_live, self.runners):
-            index.setdefault(runner.model, []).append(runner)
+            if alive.issuperset(runner.devices):
+                index.setdefault(runner.model, []).append(runner)
         return index
 
     @cached_property

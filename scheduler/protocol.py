@@ -245,7 +245,8 @@ class Placement(BaseModel):
     tensor_split); ``n_gpu_layers`` is llama.cpp's (0 on the CPU).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # fields added by a newer version are ignored, so that a rolling upgrade never strands a job
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
     id: str = Field(description="this placement of the job; a re-placement gets a new one")
     runner_id: str
@@ -267,7 +268,7 @@ class SentJob(BaseModel):
     """A job sent to a device's queue, as recorded before sending (``ggufq:inflight:<device>``):
     if the device is dropped, placement finds the job there and re-places or fails it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
     job: JobRequest
     placement: Placement

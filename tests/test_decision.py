@@ -88,6 +88,12 @@ def test_3_routes_to_least_busy_compatible_replica() -> None:
     assert run(job(), devices, runners) == Route("r2", "b")
 
 
+def test_3_never_routes_to_a_runner_on_a_dead_device() -> None:
+    # the snapshot lists only alive devices; a runner of a device not yet reaped is no target
+    runners = [runner("r1", "m", "dead", 2, in_flight=0)]
+    assert run(job(), [dev("a", 8)], runners) == Load("a", 2 * GIB)
+
+
 def test_3_never_routes_to_unloading_runner() -> None:
     devices = [dev("a", 8, reserved=2)]
     runners = [runner("r1", "m", "a", 2, state="unloading")]

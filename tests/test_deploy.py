@@ -63,6 +63,6 @@ def test_health_check_sees_the_stack(stack: Any, monkeypatch: pytest.MonkeyPatch
         assert check("worker") is None
         monkeypatch.setenv("GGUFQ_HOST_ID", "elsewhere")
         get_settings.cache_clear()
-        assert check("worker") == "no device of host 'elsewhere' heartbeats"
+        assert check("worker") == "no device of host 'elsewhere' is registered and heartbeating"
     finally:
         get_settings.cache_clear()

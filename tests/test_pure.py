@@ -210,7 +210,7 @@ def test_chat_rendering_fallback_bos_and_template_errors() -> None:
 
 
 def test_generation_progress_reported_at_most_once_a_second() -> None:
-    from workers.runtime import Ticker
+    from workers.generation import Ticker
 
     now = [0.0]
     published: list[str] = []

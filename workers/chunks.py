@@ -20,10 +20,13 @@ log = logging.getLogger(__name__)
 class Pending:
     """A chunk queued in a :class:`ChunkWriter`; text may join it until the writer takes it."""
 
-    __slots__ = ("job_id", "seq", "chunk", "ttl_s", "taken")
+    __slots__ = ("job_id", "seq", "chunk", "ttl_s", "fence", "taken")
 
-    def __init__(self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int) -> None:
+    def __init__(
+        self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
+    ) -> None:
         self.job_id, self.seq, self.chunk, self.ttl_s = job_id, seq, chunk, ttl_s
+        self.fence = fence  # written only while the job's owner is this placement id
         self.taken = False
 
 
@@ -51,8 +54,10 @@ class ChunkWriter:
         self._thread = threading.Thread(target=self._run, name="ggufq-chunks", daemon=True)
         self._thread.start()
 
-    def put(self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int) -> Pending:
-        pending = Pending(job_id, seq, dict(chunk), ttl_s)
+    def put(
+        self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
+    ) -> Pending:
+        pending = Pending(job_id, seq, dict(chunk), ttl_s, fence)
         self._queue.put(pending)
         if seq == 1:  # a job's first chunk (its time to first token) does not wait
             self._hurry.set()
@@ -109,18 +114,18 @@ class ChunkWriter:
     def _write(self, chunks: list[Pending]) -> None:
         """One pipeline for ``chunks``, tried three times. redis-py empties a pipeline
         once it has run, so each try builds it again; an entry a failed try had already
-        added is refused as a duplicate id (ignored here), and a repeated PUBLISH is
-        dropped by readers, which go by ``seq``."""
+        added is refused as a duplicate id (the script skips it), and readers go by
+        ``seq``."""
         for attempt in range(3):
             pipe = self.r.pipeline(transaction=False)
             for c in chunks:
-                add_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s)
+                add_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
             try:
                 results = pipe.execute(raise_on_error=False)
             except redis.RedisError as exc:
                 problem = str(exc)
             else:
-                failed = [r for r in results if isinstance(r, Exception) and not _dup(r)]
+                failed = [r for r in results if isinstance(r, Exception)]
                 if not failed:
                     return
                 problem = str(failed[0])
@@ -129,21 +134,22 @@ class ChunkWriter:
         log.error("gave up writing %d chunks; their readers will time out", len(chunks))
 
 
-def _dup(error: Exception) -> bool:
-    """XADD's answer to an entry id the stream already has (a retried write)."""
-    return "equal or smaller" in str(error)
-
-
 class ChunkPublisher:
     """Publishes the chunks of one job, in order: directly, or through a ChunkWriter."""
 
     def __init__(
-        self, client: redis.Redis, job_id: str, ttl_s: int, writer: ChunkWriter | None = None
+        self,
+        client: redis.Redis,
+        job_id: str,
+        ttl_s: int,
+        writer: ChunkWriter | None = None,
+        fence: str = "",
     ) -> None:
         self.r = client
         self.job_id = job_id
         self.ttl_s = ttl_s
         self.writer = writer
+        self.fence = fence  # the placement id this run writes as (lua/append.lua)
         self.seq = 0
         self._pending: Pending | None = None  # the last chunk put to the writer
 
@@ -152,11 +158,11 @@ class ChunkPublisher:
             if self.writer.extend(self._pending, chunk):
                 return
             self.seq += 1
-            self._pending = self.writer.put(self.job_id, self.seq, chunk, self.ttl_s)
+            self._pending = self.writer.put(self.job_id, self.seq, chunk, self.ttl_s, self.fence)
             return
         self.seq += 1
         pipe = self.r.pipeline(transaction=False)
-        add_chunk(pipe, self.job_id, self.seq, chunk, self.ttl_s)
+        add_chunk(pipe, self.job_id, self.seq, chunk, self.ttl_s, self.fence)
         pipe.execute()
 
     def flush(self) -> None:

@@ -18,53 +18,24 @@ from scheduler.cluster import DeviceInfo
 from scheduler.errors import GgufqError, InvalidModelFile, JobCancelled, JobFailed, LoadFailed
 from scheduler.gguf.metadata import read_model_info
 from scheduler.gguf.registry import Registry
-from scheduler.placement.metrics import count
 from scheduler.protocol import JobRequest, Placement, SentJob, parse_placement, parse_request
 from scheduler.settings import Settings
 from scheduler.store.cancel import CancelWatcher, cancelled_before_start
+from scheduler.store.stats import count
 from scheduler.store.streams import error_chunk
 from scheduler.store.worker_state import WorkerState
 from workers.chat import render
 from workers.chunks import ChunkPublisher, ChunkWriter
-from workers.devices import reported_free, tensor_split, wait_for_release
-from workers.embedder import Embedder
+from workers.devices import reported_free, wait_for_release
+from workers.generation import AnyRunner, Progress, embed, generate, open_runner
 from workers.keepalive import ExpirySchedule, effective_keep_alive, expires_at
-from workers.runner import Runner
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
-Progress = Callable[..., None]
 
 
 def _silent(state: str, **fields: Any) -> None:
     pass
-
-
-class Ticker:
-    """Publishes each piece of text and reports GENERATING with the count so far, at most
-    once every ``every_s`` seconds (pieces are tokens, but for multi-byte characters)."""
-
-    def __init__(
-        self,
-        progress: Progress,
-        publish: Callable[[str], None],
-        every_s: float = 1.0,
-        clock: Clock = time.monotonic,
-    ) -> None:
-        self.progress, self.publish, self.every_s, self.clock = progress, publish, every_s, clock
-        self.count = 0
-        self.next_at = clock()
-
-    def __call__(self, text: str) -> None:
-        self.publish(text)
-        self.count += 1
-        now = self.clock()
-        if now >= self.next_at:
-            self.next_at = now + self.every_s
-            self.progress("generating", tokens=self.count)
-
-
-AnyRunner = Runner | Embedder
 
 
 class NotOwned(Exception):
@@ -91,6 +62,9 @@ class WorkerRuntime:
         self.registry = registry
         self.clock = clock
         self.runners: dict[str, AnyRunner] = {}
+        self._running: dict[str, Placement] = {}  # job id → its placement, while it runs here
+        self._disowned: set[str] = set()  # running jobs placement took back: stop, write nothing
+        self._jobs_lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._expiry = ExpirySchedule()
         self._wake = threading.Condition()
@@ -101,6 +75,10 @@ class WorkerRuntime:
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
+        # a predecessor under these device ids (restarted within the TTL) left runners,
+        # reservations and jobs behind: drop them first, so that placement re-places or fails
+        # its jobs and no phantom runner holds memory
+        self.state.deregister_devices([d.id for d in self.devices])
         now = self.clock()
         for dev in self.devices:
             self.state.register_device(dev, now)
@@ -124,9 +102,35 @@ class WorkerRuntime:
     def _heartbeat_loop(self) -> None:
         while not self._stopping.wait(self.settings.heartbeat_interval_s):
             try:
-                self.state.heartbeat(reported_free(self.devices), self.clock())
+                missing = self.state.heartbeat(reported_free(self.devices), self.clock())
+                if missing:
+                    self._rejoin(set(missing))
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
+
+    def _rejoin(self, gone: set[str]) -> None:
+        """Register devices again after they were dropped, and let go of what placement took
+        back meanwhile: running jobs it re-placed or failed stop without writing, and idle
+        runners whose records it removed unload (busy ones as their last job ends)."""
+        log.warning(
+            "devices %s are no longer registered (this worker stalled past GGUFQ_DEVICE_TTL_S, "
+            "or Redis lost its data): registering them again",
+            ", ".join(sorted(gone)),
+        )
+        with self._jobs_lock:
+            running = {j: p for j, p in self._running.items() if gone & set(p.devices)}
+        for job_id, placement in running.items():
+            owner = self.state.job_owner(job_id)
+            if owner is not None and owner != placement.id:
+                log.warning("job %s was taken back by placement; stopping it here", job_id)
+                self._disowned.add(job_id)
+        for runner_id, runner in list(self.runners.items()):
+            if gone & set(runner.device_ids) and not self._busy(runner_id):
+                self._drop_local(runner_id)
+        now = self.clock()
+        for dev in self.devices:
+            if dev.id in gone:
+                self.state.register_device(dev, now)
 
     def _expiry_loop(self) -> None:
         while not self._stopping.is_set():
@@ -160,11 +164,18 @@ class WorkerRuntime:
             # the device was dropped meanwhile (this worker was stopped or lost its Redis
             # connection) and placement re-placed or failed the job
             raise NotOwned(req.id)
+        with self._jobs_lock:
+            self._running[req.id] = placement
         runner_id = placement.runner_id
-        publisher = ChunkPublisher(self.r, req.id, self.settings.stream_ttl_s, self.chunks)
+        ttl_s = self.settings.stream_ttl_s
+        publisher = ChunkPublisher(self.r, req.id, ttl_s, self.chunks, fence=placement.id)
         base = {"model": req.model, "job_id": req.id, "device": placement.device_id}
         keep_alive = self.settings.keep_alive_s
-        cancelled = self.cancels.watch(req.id)
+        watched = self.cancels.watch(req.id)
+
+        def cancelled() -> bool:
+            return watched() or req.id in self._disowned
+
         tally: dict[str, float] = {}  # the job's counters (scheduler/placement/metrics.py)
         try:
             if cancelled():
@@ -179,19 +190,7 @@ class WorkerRuntime:
             final: dict[str, Any] = dict(
                 base, created_at=self.clock(), done=True, load_duration=load_ns
             )
-            warnings = list(placement.warnings)
-            if req.kind == "embed":
-                final.update(_embed(req, runner))
-            elif req.kind == "chat":
-                prompt = self._chat_prompt(req, warnings)
-                final.update(_generate(req, runner, publisher, cancelled, prompt, progress))
-                final["message"] = {"role": "assistant", "content": final["response"]}
-            elif req.prompt == "":
-                final.update(response="", done_reason="load" if keep_alive != 0 else "unload")
-            else:
-                final.update(_generate(req, runner, publisher, cancelled, req.prompt, progress))
-            if warnings:
-                final["warnings"] = warnings
+            final.update(self._produce(req, runner, placement, publisher, cancelled, progress))
             final["total_duration"] = time.perf_counter_ns() - received + placement.placement_ns
             # vectors travel in the result only: the stream's final chunk has the stats
             publisher.publish({k: v for k, v in final.items() if k != "embeddings"})
@@ -213,7 +212,11 @@ class WorkerRuntime:
                 )
             )
             raise
+        except NotOwned:
+            raise
         except GgufqError as exc:
+            if req.id in self._disowned:
+                raise NotOwned(req.id) from None  # its new run, or placement, writes the end
             publisher.publish(error_chunk(req.model, req.id, exc, device=base["device"]))
             publisher.flush()
             tally = {"cancelled" if isinstance(exc, JobCancelled) else "failed": 1}
@@ -231,7 +234,35 @@ class WorkerRuntime:
             count(pipe, req.model, **tally)
             pipe.execute()
             self.cancels.forget(req.id)
+            with self._jobs_lock:
+                self._running.pop(req.id, None)
+            self._disowned.discard(req.id)
             self._job_ended(runner_id, keep_alive)
+
+    def _produce(
+        self,
+        req: JobRequest,
+        runner: AnyRunner,
+        placement: Placement,
+        publisher: ChunkPublisher,
+        cancelled: Callable[[], bool],
+        progress: Progress,
+    ) -> dict[str, Any]:
+        """What the job is for: vectors, generated text (streamed), or just a loaded runner."""
+        out: dict[str, Any]
+        warnings = list(placement.warnings)
+        if req.kind == "embed":
+            out = embed(req, runner)
+        elif req.kind == "chat" or req.prompt:
+            prompt = self._chat_prompt(req, warnings) if req.kind == "chat" else req.prompt
+            out = generate(req, runner, publisher, cancelled, prompt, progress)
+        else:
+            out = {"response": "", "done_reason": "load" if runner.keep_alive_s else "unload"}
+        if req.kind == "chat":
+            out["message"] = {"role": "assistant", "content": out["response"]}
+        if warnings:
+            out["warnings"] = warnings
+        return out
 
     def _chat_prompt(self, req: JobRequest, warnings: list[str]) -> str:
         info = read_model_info(self.registry.resolve(req.model))
@@ -246,6 +277,10 @@ class WorkerRuntime:
     def _job_ended(self, runner_id: str, keep_alive_s: float) -> None:
         now = self.clock()
         left = self.state.finish(runner_id, now, keep_alive_s)
+        if left < 0:  # its record is gone (its device was dropped): nothing will expire it
+            if not self._busy(runner_id):
+                self._drop_local(runner_id)
+            return
         self.state.announce({"event": "job_finished", "runner": runner_id, "in_flight": left})
         if left == 0 and runner_id not in self.runners:
             # never loaded (its only job was cancelled in the queue, or the load failed):
@@ -280,23 +315,10 @@ class WorkerRuntime:
         return runner, runner.load_duration_ns
 
     def _load(self, req: JobRequest, placement: Placement) -> AnyRunner:
-        runner_id = placement.runner_id
         try:
-            path = self.registry.resolve(req.model)
-            info = read_model_info(path)  # a clear error for a bad file before llama.cpp
-            config = placement.config
-            common: dict[str, Any] = {
-                "n_gpu_layers": placement.n_gpu_layers,
-                "n_threads": self.settings.cpu_threads or None,
-                "keep_alive_s": effective_keep_alive(req.keep_alive_s, self.settings.keep_alive_s),
-            }
-            args = (runner_id, req.model, str(path), config, placement.devices)
-            if config.embedding:
-                return Embedder(*args, **common, pooling_type=info.pooling_type)
-            split = tensor_split(placement.devices, placement.split_blocks)
-            return Runner(*args, **common, load_timeout_s=self.settings.load_timeout_s, split=split)
+            return open_runner(req, placement, self.registry, self.settings)
         except (GgufqError, ValueError, RuntimeError, OSError) as exc:
-            self._release(runner_id, placement.devices)
+            self._release(placement.runner_id, placement.devices)
             if isinstance(exc, InvalidModelFile | LoadFailed):
                 raise
             device = placement.device_id
@@ -338,6 +360,18 @@ class WorkerRuntime:
         log.info("unloaded runner %s", runner_id)
         return True
 
+    def _busy(self, runner_id: str) -> bool:
+        with self._jobs_lock:
+            return any(p.runner_id == runner_id for p in self._running.values())
+
+    def _drop_local(self, runner_id: str) -> None:
+        """Unload a runner whose record placement already removed (nothing to release)."""
+        self._schedule_expiry(runner_id, None)
+        runner = self.runners.pop(runner_id, None)
+        if runner is not None:
+            runner.close()
+            log.info("unloaded runner %s: its device had been dropped", runner_id)
+
     def _close(self, runner: AnyRunner) -> None:
         """Free llama.cpp's memory; on NVIDIA GPUs wait (bounded) until the driver shows it."""
         gpus = [d for d in self.devices if d.kind == "gpu" and d.id in runner.device_ids]
@@ -361,31 +395,3 @@ class WorkerRuntime:
     @property
     def worker_name(self) -> str:
         return self.devices[0].worker if self.devices else ""
-
-
-def _generate(
-    req: JobRequest,
-    runner: AnyRunner,
-    publisher: ChunkPublisher,
-    cancelled: Callable[[], bool],
-    prompt: str,
-    progress: Progress,
-) -> dict[str, Any]:
-    if not isinstance(runner, Runner):
-        raise JobFailed(f"runner {runner.id} is loaded for embeddings; it cannot generate")
-    ticker = Ticker(progress, lambda text: publisher.publish({"response": text}))
-    stats = runner.generate(prompt, req.options, ticker, cancelled=cancelled, format=req.format)
-    if stats.done_reason == "cancel":
-        raise JobCancelled(f"job {req.id} was cancelled after {stats.eval_count} generated tokens")
-    return stats.ollama_fields()
-
-
-def _embed(req: JobRequest, runner: AnyRunner) -> dict[str, Any]:
-    if not isinstance(runner, Embedder):
-        raise JobFailed(f"runner {runner.id} is loaded for generation; it cannot embed")
-    stats = runner.embed(req.input, req.truncate)
-    return {
-        "embeddings": stats.embeddings,
-        "prompt_eval_count": stats.prompt_eval_count,
-        "done_reason": "stop",
-    }

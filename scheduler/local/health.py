@@ -1,7 +1,8 @@
 """Health checks for containers: ``python -m scheduler.local.health worker|placement``.
 
-Exit 0 when this host's worker devices (or some placement service) heartbeat within the
-device TTL; exit 1 with the reason otherwise. One Redis round trip.
+Exit 0 when one of this host's devices is registered as placement reads it (in the device set,
+its record heartbeating within the device TTL), or when some placement service heartbeats;
+exit 1 with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ def check(role: str) -> str | None:
         if role == "placement":
             alive = client.zcount(keys.PLACEMENT_ALIVE, since, "+inf")
             return None if alive else "no placement service heartbeats"
-        beats = cast(list[bytes], client.zrangebyscore(keys.HEARTBEATS, since, "+inf"))
-        mine = [b for b in beats if b.decode().split(":")[1] == settings.host_id]
-        return None if mine else f"no device of host {settings.host_id!r} heartbeats"
+        ids = [d.decode() for d in cast(set[bytes], client.smembers(keys.DEVICES))]
+        mine = [d for d in ids if d.split(":")[1] == settings.host_id]
+        beats = [client.hget(keys.device(d), "heartbeat") for d in mine]
+        if any(b is not None and float(b) >= since for b in beats):
+            return None
+        return f"no device of host {settings.host_id!r} is registered and heartbeating"
     except redis.RedisError as exc:
         return f"Redis: {exc}"
     finally:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 from typing import cast
 
 import redis
 
 from scheduler.cluster import JobView
-from scheduler.protocol import JobRequest
+from scheduler.errors import InvalidRequest
+from scheduler.protocol import JobRequest, parse_request
 from scheduler.store import keys
 
 _BATCH_OFFSET = 1e12  # every batch job sorts after every interactive one
@@ -24,27 +26,51 @@ def park_score(req: JobRequest, now: float) -> float:
     return now + (_BATCH_OFFSET if req.priority == "batch" else 0.0)
 
 
+@dataclass(frozen=True)
+class Claimed:
+    job: JobRequest
+    score: float
+    errors: int  # unexpected failures of its earlier placements
+
+
+def _readable(raw: bytes | None) -> JobRequest | None:
+    """A parked record as a job; None when it is gone or does not parse (its claim fails
+    it: one bad record must not stop the queue)."""
+    if raw is None:
+        return None
+    try:
+        return JobRequest.model_validate(json.loads(raw)["job"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class ParkedJobs:
     def __init__(self, client: redis.Redis) -> None:
         self.r = client
 
-    def park(self, req: JobRequest, score: float) -> None:
-        """Add (or put back, at its old place) a job that cannot run yet."""
-        record = json.dumps({"job": req.model_dump(mode="json"), "score": score})
+    def park(self, req: JobRequest, score: float, errors: int = 0) -> None:
+        """Add (or put back, at its old place) a job that cannot run yet; ``errors`` counts
+        the placements of it that failed unexpectedly (a broker error, a bug)."""
+        record = json.dumps({"job": req.model_dump(mode="json"), "score": score, "errors": errors})
         pipe = self.r.pipeline(transaction=False)
         pipe.set(keys.parked_job(req.id), record)
         pipe.zadd(keys.PARKED, {req.id: score})
         pipe.execute()
 
-    def claim(self, job_id: str) -> tuple[JobRequest, float] | None:
-        """Take a parked job out for a retry; None when another placer took it first."""
+    def claim(self, job_id: str) -> Claimed | None:
+        """Take a parked job out for a retry; None when another placer took it first.
+        Raises InvalidRequest when its record does not parse (the job is out of the queue)."""
         if not self.r.zrem(keys.PARKED, job_id):
             return None
         raw = cast(bytes | None, self.r.getdel(keys.parked_job(job_id)))
         if raw is None:
             return None
-        record = json.loads(raw)
-        return JobRequest.model_validate(record["job"]), float(record["score"])
+        try:
+            record = json.loads(raw)
+            req = parse_request(record["job"])
+            return Claimed(req, float(record["score"]), int(record.get("errors", 0)))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidRequest(f"parked job {job_id}'s record cannot be read: {exc}") from None
 
     def drop(self, job_id: str) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -55,15 +81,18 @@ class ParkedJobs:
     def ids(self) -> list[str]:
         return [i.decode() for i in cast(list[bytes], self.r.zrange(keys.PARKED, 0, -1))]
 
-    def jobs(self) -> list[JobRequest]:
-        """Parked jobs in retry order."""
+    def entries(self) -> list[tuple[str, JobRequest | None]]:
+        """Parked job ids in retry order, each with its job (None: its record does not
+        parse, or it was just claimed)."""
         ids = self.ids()
         if not ids:
             return []
         raws = cast(list[bytes | None], self.r.mget([keys.parked_job(i) for i in ids]))
-        return [
-            JobRequest.model_validate(json.loads(raw)["job"]) for raw in raws if raw is not None
-        ]
+        return list(zip(ids, map(_readable, raws), strict=True))
+
+    def jobs(self) -> list[JobRequest]:
+        """Parked jobs in retry order."""
+        return [job for _id, job in self.entries() if job is not None]
 
     def models(self) -> set[str]:
         return {job.model for job in self.jobs()}

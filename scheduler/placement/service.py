@@ -12,12 +12,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import replace
 from functools import partial
 from typing import Any, NoReturn
 
 import redis
 from celery import Celery
+from pydantic import ValidationError
 
 from scheduler.cluster import Snapshot
 from scheduler.errors import GgufqError, JobCancelled, JobFailed, error_from_code
@@ -59,6 +59,9 @@ def lost_job_message(job_id: str, where: str, streamed: int) -> str:
         f"job {job_id} was lost: worker {where} stopped heartbeating while it held the job, "
         f"{what}; submit it again"
     )
+
+
+MAX_PLACEMENT_ERRORS = 3  # unexpected failures of one job's placement before it fails
 
 
 class Parked(Exception):
@@ -133,24 +136,20 @@ class PlacementService:
         # memo dicts above are not safe to update from two threads at once
         self._placing = threading.RLock()
 
-    def place(self, job: dict[str, Any]) -> dict[str, Any]:
+    def place(self, job: Any) -> dict[str, Any]:
         """Place a newly submitted job: send it to a device, park it, or refuse it."""
         started = time.perf_counter_ns()
         try:
-            req = parse_request(job)
-            if is_cancelled(self.r, req.id):
-                raise cancelled_before_start(req.id)
-            try:
-                outcome = self._place(req, started)
-            except Parked as parked:
-                outcome = {"parked": str(parked)}
-            # counted after sending, off the job's path to its first token; the eviction
-            # order uses it (decision branch 5)
-            self.state.count_request(req.model, time.time())
-            return outcome
+            req = parse_request(job if isinstance(job, dict) else {"malformed": job})
         except GgufqError as exc:
-            self.fail(str(job.get("id", "")), str(job.get("model", "")), exc)
+            fields = job if isinstance(job, dict) else {}
+            self.fail(str(fields.get("id", "")), str(fields.get("model", "")), exc)
             return {"refused": exc.code, "reason": str(exc)}
+        outcome = self._attempt(req, started, park_score(req, time.time()), errors=0, new=True)
+        # counted after sending, off the job's path to its first token; the eviction order
+        # uses it (decision branch 10)
+        self.state.count_request(req.model, time.time())
+        return outcome
 
     def retry_parked(self) -> int:
         """Retry parked jobs in order; returns how many left the queue.
@@ -159,24 +158,61 @@ class PlacementService:
         could not run either, and must not overtake it.
         """
         moved, blocked = 0, set()
-        for req in self.parked.jobs():
-            if req.model in blocked:
+        for job_id, req in self.parked.entries():
+            if req is not None and req.model in blocked:
                 continue
-            claimed = self.parked.claim(req.id)
+            try:
+                claimed = self.parked.claim(job_id)
+            except GgufqError as exc:  # its record does not parse: fail it alone
+                self.fail(job_id, "", exc)
+                moved += 1
+                continue
             if claimed is None:
                 continue  # another placement process took it
-            job, score = claimed
-            try:
-                if is_cancelled(self.r, job.id):
-                    raise cancelled_before_start(job.id)
-                self._place(job, time.perf_counter_ns(), score=score)
-                moved += 1
-            except Parked:
-                blocked.add(job.model)
-            except GgufqError as exc:
-                self.fail(job.id, job.model, exc)
+            outcome = self._attempt(
+                claimed.job, time.perf_counter_ns(), claimed.score, claimed.errors
+            )
+            if "parked" in outcome:
+                blocked.add(claimed.job.model)
+            else:
                 moved += 1
         return moved
+
+    def _attempt(
+        self, req: JobRequest, started: int, score: float, errors: int, new: bool = False
+    ) -> dict[str, Any]:
+        """Place a job that nobody else holds now (new, claimed from the parked queue, or an
+        orphan): every way out ends with the job sent, parked or failed, never dropped."""
+        try:
+            if is_cancelled(self.r, req.id):
+                raise cancelled_before_start(req.id)
+            return self._place(req, started, None if new else score)
+        except Parked as parked:
+            return {"parked": str(parked)}
+        except GgufqError as exc:
+            self.fail(req.id, req.model, exc)
+            return {"refused": exc.code, "reason": str(exc)}
+        except Exception as exc:  # a broker or Redis error mid-step, or a bug
+            return self._not_placed(req, exc, score, errors + 1)
+
+    def _not_placed(
+        self, req: JobRequest, exc: Exception, score: float, errors: int
+    ) -> dict[str, Any]:
+        """Park a job whose placement failed unexpectedly, to try again; fail it after
+        MAX_PLACEMENT_ERRORS such failures, or when even that fails (Redis is down)."""
+        log.exception("placing job %s failed (%d times): %s", req.id, errors, exc)
+        try:
+            if errors < MAX_PLACEMENT_ERRORS:
+                self.parked.park(req, score, errors)
+                return {"parked": f"placement failed, will retry: {exc}"}
+            error = JobFailed(
+                f"job {req.id} could not be placed: {exc} ({errors} tries); submit it again"
+            )
+            self.fail(req.id, req.model, error)
+            return {"refused": error.code, "reason": str(error)}
+        except Exception:
+            log.exception("job %s is lost: it could be neither parked nor failed", req.id)
+            return {"lost": str(exc)}
 
     def _place(self, req: JobRequest, started: int, score: float | None = None) -> dict[str, Any]:
         """Decide and carry out; ``score`` is set when a parked job is retried."""
@@ -195,8 +231,8 @@ class PlacementService:
         fields = partial(self._runner_fields, req.model, needs.config_key, config, shape)
         for _attempt in range(8):  # lost races against other placers: decide again
             now = time.time()
-            snap = self.snapshots.snapshot(now, self.settings.device_ttl_s)
-            snap = replace(snap, parked_models=LazySet(self.parked.models))
+            parked_models = LazySet(self.parked.models)
+            snap = self.snapshots.snapshot(now, self.settings.device_ttl_s, parked_models)
             decision = decide(
                 needs,
                 snap,
@@ -231,9 +267,13 @@ class PlacementService:
         """Record the job as sent to its device, then send it to the device's queue."""
         worker = next(d.worker for d in snap.devices if d.id == placement.device_id)
         record = SentJob(job=req, placement=placement, worker=worker, sent_at=time.time())
-        self.state.sent(placement.device_id, record)
+        self.state.sent(placement.device_id, record, self.settings.stream_ttl_s)
         queue = keys.device_queue(placement.device_id, req.priority)
-        send_job(self.app, keys.TASK_RUN, req, req.id, queue, placement.model_dump(mode="json"))
+        try:
+            send_job(self.app, keys.TASK_RUN, req, req.id, queue, placement.model_dump(mode="json"))
+        except Exception:
+            self.state.unsend(record)  # the job parks, its runner forgets it
+            raise
         return {"device": placement.device_id, "runner": placement.runner_id}
 
     def _runner_fields(
@@ -285,10 +325,16 @@ class PlacementService:
         with an error that says what happened. Returns how many were handled."""
         handled = 0
         for job_id in self.state.orphans():
-            record = self.state.claim_orphan(job_id)
-            if record is None:
+            raw = self.state.claim_orphan(job_id)
+            if raw is None:
                 continue  # another placement process handles it
             handled += 1
+            try:
+                record = SentJob.model_validate_json(raw)
+            except ValidationError as exc:
+                unreadable = JobFailed(f"job {job_id} was lost: its record cannot be read ({exc})")
+                self.fail(job_id, "", unreadable)
+                continue
             req = record.job
             streamed, finished = progress(self.r, job_id)
             if finished:
@@ -305,17 +351,16 @@ class PlacementService:
         return handled
 
     def _replace(self, req: JobRequest) -> None:
-        try:
-            self._place(req, time.perf_counter_ns())
-        except Parked:
-            pass
-        except GgufqError as exc:
-            self.fail(req.id, req.model, exc)
+        score = park_score(req, time.time())
+        self._attempt(req, time.perf_counter_ns(), score, errors=0, new=True)
 
     def cancel_parked(self, job_id: str) -> bool:
         """End a parked job that was asked to cancel; False if it is not parked here."""
-        claimed = self.parked.claim(job_id)
+        try:
+            claimed = self.parked.claim(job_id)
+        except GgufqError:
+            claimed = None
         if claimed is None:
             return False
-        self.fail(job_id, claimed[0].model, cancelled_before_start(job_id))
+        self.fail(job_id, claimed.job.model, cancelled_before_start(job_id))
         return True

@@ -11,7 +11,7 @@ the reservation scripts re-check memory atomically, and a lost race means decidi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import redis
@@ -52,7 +52,9 @@ class SnapshotCache:
         self._idle: dict[str, dict[str, RunnerState]] = {}
         self.reloads = 0
 
-    def snapshot(self, now: float, device_ttl_s: float) -> Snapshot:
+    def snapshot(
+        self, now: float, device_ttl_s: float, parked_models: Collection[str] = frozenset()
+    ) -> Snapshot:
         """The current state; its indexes are views valid until the next call."""
         pipe = self.r.pipeline(transaction=False)
         pipe.get(keys.CHANGES_N)
@@ -68,7 +70,8 @@ class SnapshotCache:
         alive = [d for d in self._devices.values() if now - self._beats[d.id] <= device_ttl_s]
         alive_ids = {d.id for d in alive}
         demand = DecayedDemand(demand_raw, now)
-        snap = Snapshot(alive, list(self._runners.values()), int(parked), demand)
+        runners = list(self._runners.values())
+        snap = Snapshot(alive, runners, int(parked), demand, parked_models)
         # cached_property stores in the instance dict: supply the indexes ready-made
         snap.__dict__["live_by_model"] = _LiveByModel(self._by_model, alive_ids)
         snap.__dict__["counts"] = dict(self._counts)

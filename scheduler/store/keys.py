@@ -49,6 +49,11 @@ def inflight(device_id: str) -> str:
     return f"{PREFIX}:inflight:{device_id}"  # hash: job id → {job, placement} sent there
 
 
+def job_owner(job_id: str) -> str:
+    # string: the placement id that runs the job now; "orphaned" once its device was dropped
+    return f"{PREFIX}:job:{job_id}:owner"
+
+
 def cancel_flag(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:cancel"  # string: set when the job is asked to cancel
 

@@ -4,7 +4,7 @@ devices, dead devices and their orphaned jobs, demand, its own liveness."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -28,6 +28,7 @@ class PlacementState:
         self._assign = script(client, "assign")
         self._reap = script(client, "reap")
         self._demand = script(client, "demand")
+        self._unsend = script(client, "unsend")
 
     def snapshot(self, now: float, device_ttl_s: float) -> Snapshot:
         """Every live device and runner, read afresh (the snapshot cache is the fast path)."""
@@ -108,21 +109,41 @@ class PlacementState:
         return reap(self._reap, now, device_ttl_s)
 
     # -- jobs sent to devices ----------------------------------------------------------------
-    def sent(self, device_id: str, record: SentJob) -> None:
+    def sent(self, device_id: str, record: SentJob, ttl_s: int) -> None:
         """Record a job sent to a device's queue, before sending it: if the device is
-        dropped, placement finds the job among the orphans."""
-        self.r.hset(keys.inflight(device_id), record.job.id, record.model_dump_json())
+        dropped, placement finds the job among the orphans. The job's owner key names this
+        placement, so that a worker that stalled and came back knows it was re-placed."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(keys.inflight(device_id), record.job.id, record.model_dump_json())
+        pipe.set(keys.job_owner(record.job.id), record.placement.id, ex=ttl_s)
+        pipe.execute()
+
+    def unsend(self, record: SentJob) -> None:
+        """Undo :meth:`sent` and the commit before it, for a job that could not be sent."""
+        placement, created = record.placement, bool(record.placement.device_ids)
+        held = [keys.reservations(d) for d in placement.device_ids] if created else []
+        self._unsend(
+            keys=[
+                keys.inflight(placement.device_id),
+                keys.job_owner(record.job.id),
+                keys.RUNNERS,
+                keys.runner(placement.runner_id),
+                *held,
+            ],
+            args=[record.job.id, placement.runner_id, int(created)],
+        )
 
     def orphans(self) -> list[str]:
         return [text(j) for j in self.r.hkeys(keys.ORPHANS)]
 
-    def claim_orphan(self, job_id: str) -> SentJob | None:
-        """Take an orphan to handle it; None when another placement process took it."""
+    def claim_orphan(self, job_id: str) -> bytes | None:
+        """Take an orphan's record (JSON of a SentJob) to handle it; None when another
+        placement process took it."""
         pipe = self.r.pipeline()
         pipe.hget(keys.ORPHANS, job_id)
         pipe.hdel(keys.ORPHANS, job_id)
         raw, removed = pipe.execute()
-        return SentJob.model_validate_json(raw) if raw and removed else None
+        return cast(bytes, raw) if raw and removed else None
 
     # -- liveness --------------------------------------------------------------------------
     def placement_beat(self, name: str, now: float, ttl_s: float) -> None:

@@ -3,12 +3,18 @@ records (``Client.devices()``, ``ps()``, ``jobs()``, the CLI, metrics, the local
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable, Iterator
+
 import redis
+from pydantic import ValidationError
 
 from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.protocol import SentJob
 from scheduler.store import keys
 from scheduler.store.records import decoded, device_view, runner_view, text
+
+log = logging.getLogger(__name__)
 
 
 class ClusterReader:
@@ -49,10 +55,7 @@ class ClusterReader:
         running = {text(k): float(v) for k, v in running_raw.items()}
         rows = []
         for device_id, records in zip(device_ids, per_device, strict=True):
-            sent = sorted(
-                (SentJob.model_validate_json(v) for v in records.values()),
-                key=lambda r: r.sent_at,
-            )
+            sent = sorted(_readable(records.values()), key=lambda r: r.sent_at)
             position = 0
             for record in sent:
                 started = running.get(record.job.id)
@@ -78,3 +81,13 @@ class ClusterReader:
         pipe.zcount(keys.PLACEMENT_ALIVE, now - ttl_s, "+inf")
         devices, placement = pipe.execute()
         return int(devices), int(placement)
+
+
+def _readable(raws: Iterable[bytes]) -> Iterator[SentJob]:
+    """The records that parse; one that does not (written by hand, or by another version)
+    is left out of listings rather than breaking them."""
+    for raw in raws:
+        try:
+            yield SentJob.model_validate_json(raw)
+        except ValidationError as exc:
+            log.warning("skipping an in-flight record that does not parse: %s", exc)

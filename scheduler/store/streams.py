@@ -18,19 +18,29 @@ import redis.asyncio
 
 from scheduler.errors import GgufqError, JobCancelled
 from scheduler.store import keys
+from scheduler.store.scripts import script
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 log = logging.getLogger(__name__)
 
 
-def add_chunk(pipe: Any, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int) -> None:
-    """Queue the commands that publish and record one chunk on a pipeline."""
+def add_chunk(
+    pipe: Any, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
+) -> None:
+    """Queue on a pipeline the script that records and publishes one chunk (lua/append.lua):
+    written only while the job's owner is ``fence`` (a placement id; "" always writes)."""
     payload = json.dumps(dict(chunk, seq=seq))
-    stream = keys.job_chunks(job_id)
-    pipe.xadd(stream, {"c": payload}, id=f"0-{seq}")
-    pipe.publish(keys.job_channel(job_id), payload)
-    if seq == 1 or chunk.get("done"):
-        pipe.expire(stream, ttl_s)
+    job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
+    _appender(pipe)(keys=job_keys, args=[fence, seq, payload, ttl_s], client=pipe)
+
+
+_APPEND: list[Any] = []  # the registered script, made on first use
+
+
+def _appender(client: Any) -> Any:
+    if not _APPEND:
+        _APPEND.append(script(client, "append"))
+    return _APPEND[0]
 
 
 def error_chunk(model: str, job_id: str, exc: GgufqError, **fields: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from scheduler.cluster import DeviceInfo
 from scheduler.protocol import SentJob
 from scheduler.store import keys
 from scheduler.store.placement_state import reap
+from scheduler.store.records import text
 from scheduler.store.scripts import flatten, script
 
 
@@ -24,6 +25,7 @@ class WorkerState:
         self._reap = script(client, "reap")
         self._update = script(client, "update_runner")
         self._touch = script(client, "touch")
+        self._heartbeat = script(client, "heartbeat")
         self._done_with = script(client, "done_with")
 
     # -- devices -------------------------------------------------------------------------
@@ -49,13 +51,13 @@ class WorkerState:
         pipe.publish(keys.EVENTS, json.dumps({"event": "device_joined", "device": dev.id}))
         pipe.execute()
 
-    def heartbeat(self, free_by_device: dict[str, int], now: float) -> None:
-        pipe = self.r.pipeline(transaction=False)
+    def heartbeat(self, free_by_device: dict[str, int], now: float) -> list[str]:
+        """Beat for each device still registered; returns those that are not (dropped)."""
+        flat: list[Any] = [now]
         for device_id, free in free_by_device.items():
-            pipe.hset(keys.device(device_id), mapping={"free": free, "heartbeat": now})
-            pipe.zadd(keys.HEARTBEATS, {device_id: now})
-        self._touch(keys=[keys.device(d) for d in free_by_device], client=pipe)
-        pipe.execute()
+            flat += [device_id, free]
+        missing = self._heartbeat(keys=[keys.DEVICES, keys.HEARTBEATS], args=flat)
+        return [text(d) for d in missing]
 
     def deregister_devices(self, device_ids: list[str]) -> None:
         """A worker leaving cleanly: its runners and reservations go with it."""
@@ -94,7 +96,16 @@ class WorkerState:
         """Whether this placement of the job is still the device's: not re-placed after the
         device was dropped (a re-placement, even onto the same device, has a new id)."""
         raw = self.r.hget(keys.inflight(device_id), job_id)
-        return raw is not None and SentJob.model_validate_json(raw).placement.id == placement_id
+        try:  # only the id matters here (as in lua/done_with.lua): no need to parse a prompt
+            return raw is not None and json.loads(raw)["placement"]["id"] == placement_id
+        except (ValueError, KeyError, TypeError):
+            return False
+
+    def job_owner(self, job_id: str) -> str | None:
+        """The placement id that runs the job now, "orphaned", or None (the key is gone:
+        Redis lost its data, or the job ended long ago)."""
+        raw = self.r.get(keys.job_owner(job_id))
+        return None if raw is None else text(raw)
 
     def started(self, job_id: str, now: float) -> None:
         self.r.hset(keys.RUNNING, job_id, now)

@@ -5,7 +5,7 @@
 -- KEYS[3] ggufq:heartbeats (sorted set) device id -> last heartbeat
 -- KEYS[4] ggufq:orphans   (hash) job id -> in-flight record
 -- Also touches, by name: ggufq:device:<dev>, ggufq:resv:<dev>, ggufq:runner:<id>,
--- ggufq:inflight:<dev> (hash) job id -> in-flight record
+-- ggufq:inflight:<dev> (hash) job id -> in-flight record, ggufq:job:<id>:owner (string)
 -- ARGV: now, device_ttl_s
 -- Returns the ids of the dropped devices.
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -24,7 +24,16 @@ for _, dev in ipairs(redis.call('SMEMBERS', KEYS[1])) do
       redis.call('SREM', KEYS[2], rid)
     end
     local sent = redis.call('HGETALL', 'ggufq:inflight:' .. dev)
-    for i = 1, #sent, 2 do redis.call('HSET', KEYS[4], sent[i], sent[i + 1]) end
+    for i = 1, #sent, 2 do
+      redis.call('HSET', KEYS[4], sent[i], sent[i + 1])
+      -- a worker that comes back must not go on running it (placement re-places or fails it)
+      local owner = 'ggufq:job:' .. sent[i] .. ':owner'
+      if redis.call('EXISTS', owner) == 1 then
+        redis.call('SET', owner, 'orphaned', 'KEEPTTL')
+      else
+        redis.call('SET', owner, 'orphaned', 'EX', 86400)
+      end
+    end
     redis.call('DEL', 'ggufq:resv:' .. dev, 'ggufq:device:' .. dev, 'ggufq:inflight:' .. dev)
     changed('ggufq:resv:' .. dev)
     changed('ggufq:device:' .. dev)

@@ -1,0 +1,24 @@
+-- Take back a job that placement recorded as sent but could not send (a broker error): its
+-- in-flight record and owner go, and the runner it was given forgets it (a runner created
+-- for it is removed with its reservations).
+-- KEYS[1] ggufq:inflight:<dev>   (hash)
+-- KEYS[2] ggufq:job:<id>:owner   (string)
+-- KEYS[3] ggufq:runners          (set)
+-- KEYS[4] ggufq:runner:<id>      (hash)
+-- KEYS[5..] ggufq:resv:<dev>     (hash) each device a created runner holds memory on
+-- ARGV: job id, runner id, created (1: the runner was created for this job)
+-- Returns 1.
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[2])
+if ARGV[3] == '1' then
+  for i = 5, #KEYS do
+    redis.call('HDEL', KEYS[i], ARGV[2])
+    changed(KEYS[i])
+  end
+  redis.call('DEL', KEYS[4])
+  redis.call('SREM', KEYS[3], ARGV[2])
+elseif redis.call('HINCRBY', KEYS[4], 'in_flight', -1) < 0 then
+  redis.call('HSET', KEYS[4], 'in_flight', 0)
+end
+changed(KEYS[4])
+return 1

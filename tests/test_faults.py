@@ -1,0 +1,133 @@
+"""Faults on a real stack (real Redis, placement, Celery workers, llama.cpp on tiny models):
+Redis losing its data, a worker stalled past the device TTL, a worker restarted within it.
+Every job in flight gets an outcome, none runs twice or writes twice, and the cluster serves
+again by itself."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from api_client import Client, JobFailed
+from scheduler.local.stack import LocalStack
+from scheduler.settings import Settings
+from scheduler.store import keys
+from tests.conftest import settings_from, stack_env, wait_for
+from tests.tinymodel import write_slow_model
+
+LONG = {"temperature": 0, "num_predict": 6000, "num_ctx": 8192}
+SHORT = {"temperature": 0, "num_predict": 4, "num_ctx": 8192}
+
+
+Hosts = tuple[LocalStack, subprocess.Popen[bytes], Settings]
+
+
+@pytest.fixture()
+def two_hosts(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Hosts]:
+    """A stack on host h1 (a 2 GiB virtual GPU) and a second worker, h2, with the smaller
+    GPU: binpack sends the first job of the slow model there. Device TTL 5 s (or the test's
+    ``ttl`` parameter), heartbeats every 0.5 s."""
+    models = tmp_path / "models"
+    models.mkdir()
+    write_slow_model(models / "slow.gguf")
+    env = stack_env(models, tmp_path / "state", host="h1")
+    env["GGUFQ_DEVICE_TTL_S"] = str(getattr(request, "param", 5))
+    settings = settings_from(env, None)
+    with LocalStack(
+        settings, worker_args=["--virtual-gpu", "2GiB"], log_dir=tmp_path / "logs", extra_env=env
+    ) as st:
+        h2 = st.add_worker("worker-h2", ["--virtual-gpu", "1GiB"], {"GGUFQ_HOST_ID": "h2"})
+        yield st, h2, settings
+
+
+def stream_seqs(client: Client, job_id: str) -> list[int]:
+    entries = client.r.xrange(keys.job_chunks(job_id))
+    return [json.loads(fields[b"c"])["seq"] for _id, fields in entries]
+
+
+def finals(client: Client, job_id: str) -> int:
+    entries = client.r.xrange(keys.job_chunks(job_id))
+    return sum(bool(json.loads(fields[b"c"]).get("done")) for _id, fields in entries)
+
+
+def busy_on_h2(client: Client) -> tuple[object, object]:
+    """a streams on h2's runner; b waits behind it for the one slot (nothing streamed)."""
+    assert wait_for(lambda: len(client.devices()) == 2, timeout=60)
+    a = client.submit("slow", "a", options=LONG)
+    for seen, _chunk in enumerate(a.stream(cancel_on_close=False), 1):
+        if seen == 3:
+            break
+    b = client.submit("slow", "b", options={**LONG, "num_predict": 8})
+    assert wait_for(lambda: [r.in_flight for r in client.ps()] == [2])
+    (runner,) = client.ps()
+    assert runner.devices.keys() == {"vgpu:h2:0"}
+    return a, b
+
+
+def test_a_worker_stalled_past_the_ttl_lets_go_of_what_was_re_placed(two_hosts: Hosts) -> None:
+    st, h2, settings = two_hosts
+    with Client(st.redis_url, settings=settings, timeout=60) as client:
+        a, b = busy_on_h2(client)
+        h2.send_signal(signal.SIGSTOP)  # as a long GIL-holding call or a paused VM does
+        try:
+            with pytest.raises(JobFailed, match=r"worker ggufq-vgpu0@h2 \(vgpu:h2:0\) stopped"):
+                a.result(timeout=60)  # type: ignore[attr-defined]
+            result = b.result(timeout=60)  # type: ignore[attr-defined]
+            assert result.done and result.device == "vgpu:h1:0"
+        finally:
+            h2.send_signal(signal.SIGCONT)
+        # it comes back: registers again by itself and serves
+        assert wait_for(lambda: len(client.devices()) == 2, timeout=30)
+        again = client.generate("slow", "c", options=SHORT, device="vgpu:h2:0")
+        assert again.done and again.device == "vgpu:h2:0"
+        # and it wrote nothing more into the jobs placement took back from it
+        time.sleep(1.0)
+        for job in (a, b):
+            seqs = stream_seqs(client, job.id)  # type: ignore[attr-defined]
+            assert seqs == list(range(1, len(seqs) + 1)), f"gap or duplicate: {seqs}"
+            assert finals(client, job.id) == 1  # type: ignore[attr-defined]
+        assert seqs[-1] == len(seqs)
+    log = (st.log_dir or Path()) / "worker-h2.log"
+    assert "registering them again" in log.read_text()
+
+
+@pytest.mark.parametrize("two_hosts", [120], indirect=True)  # a TTL no result waits out
+def test_a_worker_restarted_within_the_ttl_reaps_its_predecessor(two_hosts: Hosts) -> None:
+    st, h2, settings = two_hosts
+    with Client(st.redis_url, settings=settings, timeout=60) as client:
+        a, b = busy_on_h2(client)
+        h2.send_signal(signal.SIGKILL)
+        h2.wait(10)
+        # as compose's restart policy does after an OOM kill: the same host, at once
+        st.add_worker("worker-h2-again", ["--virtual-gpu", "1GiB"], {"GGUFQ_HOST_ID": "h2"})
+        # the outcomes come from the new worker's start: waiting out the TTL (120 s) would
+        # end these waits with JobTimeout instead
+        with pytest.raises(JobFailed, match="stopped heartbeating"):
+            a.result(timeout=45)  # type: ignore[attr-defined]
+        assert b.result(timeout=45).done  # type: ignore[attr-defined]
+        # no phantom runner of the dead process holds memory or is asked to unload forever
+        assert wait_for(lambda: len(client.devices()) == 2, timeout=30)
+        assert wait_for(lambda: all(r.worker != "" for r in client.ps()), timeout=30)
+        phantoms = [r for r in client.ps() if r.state == "loading" and r.in_flight == 0]
+        assert not phantoms
+
+
+@pytest.mark.parametrize("two_hosts", [120], indirect=True)  # no reaping to hide behind
+def test_redis_losing_its_data_heals_by_itself(two_hosts: Hosts) -> None:
+    st, _h2, settings = two_hosts
+    with Client(st.redis_url, settings=settings, timeout=60) as client:
+        assert wait_for(lambda: len(client.devices()) == 2, timeout=60)
+        assert client.generate("slow", "x", options=SHORT).done
+        raw = redis.Redis.from_url(st.redis_url)
+        raw.flushall()  # as a restart of a Redis that keeps nothing on disk
+        raw.close()
+        # every device registers again (bench/chaos.py measures how soon)
+        assert wait_for(lambda: len(client.devices()) == 2, timeout=30)
+        assert client.generate("slow", "y", options=SHORT).done

@@ -1,0 +1,91 @@
+"""The placement edge under faults, against a real Redis (database 1) and a real Celery app:
+a broker error between reserving and sending, and a parked record that no longer parses.
+A claimed job always ends sent, parked or failed, and leaves no reservation behind."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from kombu.exceptions import OperationalError
+
+from scheduler.cluster import DeviceInfo
+from scheduler.local.embedded import EmbeddedRedis
+from scheduler.placement import service as service_module
+from scheduler.placement.service import MAX_PLACEMENT_ERRORS, PlacementService
+from scheduler.protocol import JobRequest
+from scheduler.store import keys
+from scheduler.store.celery_app import make_app
+from scheduler.store.worker_state import WorkerState
+from tests.conftest import settings_from, stack_env
+
+GIB = 1 << 30
+# Celery's Redis result backend still calls redis-py's deprecated setex
+pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
+
+
+@pytest.fixture()
+def service(
+    redis_server: EmbeddedRedis, db: redis.Redis, models_dir: Path, tmp_path: Path
+) -> Iterator[PlacementService]:
+    url = redis_server.url.rsplit("/", 1)[0] + "/1"
+    settings = settings_from(stack_env(models_dir, tmp_path / "state"), url)
+    app = make_app(url, settings)
+    device = DeviceInfo("vgpu:fh:0", "fh", "w@fh", "v", "vgpu", 4 * GIB, 4 * GIB, True)
+    WorkerState(db).register_device(device, now=1e12)  # beats "forever" for these tests
+    yield PlacementService(settings, db, app)
+    app.close()
+
+
+def final_error(db: redis.Redis, job_id: str) -> dict[str, str]:
+    entries = db.xrange(keys.job_chunks(job_id))
+    last = json.loads(entries[-1][1][b"c"])
+    assert last["done"]
+    return last["error"]  # type: ignore[no-any-return]
+
+
+def test_a_broker_error_after_reserving_parks_the_job_and_releases_what_it_held(
+    service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broker_down(*_args: object, **_kwargs: object) -> None:
+        raise OperationalError("Error 111 connecting to broker: Connection refused")
+
+    monkeypatch.setattr(service_module, "send_job", broker_down)
+    job = JobRequest(model="tiny", prompt="hello", submitted_at=1.0)
+    outcome = service.place(job.model_dump(mode="json"))
+    assert "parked" in outcome
+    assert [j.id for j in service.parked.jobs()] == [job.id]
+    # the runner created for it, its reservation and its in-flight record are gone
+    assert db.scard(keys.RUNNERS) == 0 and db.hlen(keys.reservations("vgpu:fh:0")) == 0
+    assert db.hlen(keys.inflight("vgpu:fh:0")) == 0
+    # each retry fails the same way; after MAX_PLACEMENT_ERRORS the job fails, saying why
+    for _ in range(MAX_PLACEMENT_ERRORS):
+        service.retry_parked()
+    assert service.parked.jobs() == []
+    error = final_error(db, job.id)
+    assert error["code"] == "job_failed" and "Connection refused" in error["message"]
+    assert db.scard(keys.RUNNERS) == 0 and db.hlen(keys.reservations("vgpu:fh:0")) == 0
+
+
+def test_a_parked_record_that_does_not_parse_fails_alone(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    db.set(keys.parked_job("garbled"), b"\xff not json")
+    db.zadd(keys.PARKED, {"garbled": 0.5})
+    good = JobRequest(model="tiny", prompt="hi", submitted_at=1.0)
+    service.parked.park(good, score=1.0)
+    assert service.retry_parked() == 2
+    assert service.parked.ids() == []
+    assert final_error(db, "garbled")["code"] == "invalid_request"
+    assert db.hexists(keys.inflight("vgpu:fh:0"), good.id)  # the good one was sent
+
+
+def test_a_message_that_is_not_a_job_is_refused_not_fatal(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    assert service.place(["not", "a", "job"])["refused"] == "invalid_request"  # type: ignore[arg-type]
+    assert service.place({"id": "x1", "model": 7})["refused"] == "invalid_request"
+    assert final_error(db, "x1")["code"] == "invalid_request"

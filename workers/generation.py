@@ -1,0 +1,94 @@
+"""Runners and what a job produces on one: the runner a placement asks for, text streamed
+with progress reports, or vectors."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from scheduler.errors import JobCancelled, JobFailed
+from scheduler.gguf.metadata import read_model_info
+from scheduler.gguf.registry import Registry
+from scheduler.protocol import JobRequest, Placement
+from scheduler.settings import Settings
+from workers.chunks import ChunkPublisher
+from workers.devices import tensor_split
+from workers.embedder import Embedder
+from workers.keepalive import effective_keep_alive
+from workers.runner import Runner
+
+Clock = Callable[[], float]
+Progress = Callable[..., None]
+AnyRunner = Runner | Embedder
+
+
+class Ticker:
+    """Publishes each piece of text and reports GENERATING with the count so far, at most
+    once every ``every_s`` seconds (pieces are tokens, but for multi-byte characters)."""
+
+    def __init__(
+        self,
+        progress: Progress,
+        publish: Callable[[str], None],
+        every_s: float = 1.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.progress, self.publish, self.every_s, self.clock = progress, publish, every_s, clock
+        self.count = 0
+        self.next_at = clock()
+
+    def __call__(self, text: str) -> None:
+        self.publish(text)
+        self.count += 1
+        now = self.clock()
+        if now >= self.next_at:
+            self.next_at = now + self.every_s
+            self.progress("generating", tokens=self.count)
+
+
+def generate(
+    req: JobRequest,
+    runner: AnyRunner,
+    publisher: ChunkPublisher,
+    cancelled: Callable[[], bool],
+    prompt: str,
+    progress: Progress,
+) -> dict[str, Any]:
+    if not isinstance(runner, Runner):
+        raise JobFailed(f"runner {runner.id} is loaded for embeddings; it cannot generate")
+    ticker = Ticker(progress, lambda text: publisher.publish({"response": text}))
+    stats = runner.generate(prompt, req.options, ticker, cancelled=cancelled, format=req.format)
+    if stats.done_reason == "cancel":
+        raise JobCancelled(f"job {req.id} was cancelled after {stats.eval_count} generated tokens")
+    return stats.ollama_fields()
+
+
+def embed(req: JobRequest, runner: AnyRunner) -> dict[str, Any]:
+    if not isinstance(runner, Embedder):
+        raise JobFailed(f"runner {runner.id} is loaded for generation; it cannot embed")
+    stats = runner.embed(req.input, req.truncate)
+    return {
+        "embeddings": stats.embeddings,
+        "prompt_eval_count": stats.prompt_eval_count,
+        "done_reason": "stop",
+    }
+
+
+def open_runner(
+    req: JobRequest, placement: Placement, registry: Registry, settings: Settings
+) -> AnyRunner:
+    """Load the runner a placement asks for: llama.cpp's layers and devices as placed."""
+    path = registry.resolve(req.model)
+    info = read_model_info(path)  # a clear error for a bad file before llama.cpp
+    config = placement.config
+    common: dict[str, Any] = {
+        "n_gpu_layers": placement.n_gpu_layers,
+        "n_threads": settings.cpu_threads or None,
+        "keep_alive_s": effective_keep_alive(req.keep_alive_s, settings.keep_alive_s),
+    }
+    args = (placement.runner_id, req.model, str(path), config, placement.devices)
+    if config.embedding:
+        return Embedder(*args, **common, pooling_type=info.pooling_type)
+    split = tensor_split(placement.devices, placement.split_blocks)
+    return Runner(*args, **common, load_timeout_s=settings.load_timeout_s, split=split)
