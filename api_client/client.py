@@ -15,6 +15,7 @@ from api_client.batch_files import BatchInput, BatchSummary
 from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import (
     GgufqError,
+    InvalidRequest,
     JobCancelled,
     JobFailed,
     JobTimeout,
@@ -196,6 +197,7 @@ class Client:
             }
         )
         self._check_alive()
+        self._claim_id(request)
         send_job(
             self.app,
             keys.TASK_PLACE,
@@ -368,6 +370,21 @@ class Client:
             "placement": placement,
             "ok": devices > 0 and placement > 0,
         }
+
+    def _claim_id(self, request: JobRequest) -> None:
+        """A job id belongs to the job first submitted with it: reusing one would read
+        (or cancel) another job's stream and result."""
+        claimed = self.r.set(
+            keys.job_submitted(request.id),
+            request.submitted_at,
+            nx=True,
+            ex=max(self.settings.result_ttl_s, self.settings.stream_ttl_s),
+        )
+        if not claimed:
+            raise InvalidRequest(
+                f"job id {request.id!r} is already taken by a job submitted earlier; "
+                "choose another id, or leave it out and one is made for you"
+            )
 
     def _check_alive(self) -> None:
         now = time.monotonic()

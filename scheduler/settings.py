@@ -88,6 +88,19 @@ class Settings(BaseSettings):
         10.0, gt=0, description="A device without a heartbeat for this long is dropped."
     )
     stream_ttl_s: int = Field(3600, gt=0, description="How long a job's chunk record is kept.")
+    broker_visibility_timeout_s: int = Field(
+        3600,
+        gt=0,
+        description="How long the Redis broker waits before handing an unacknowledged "
+        "message to another worker (workers take only what they start, and a job starts "
+        "once however often it is delivered).",
+    )
+    broker_restore_interval_s: int = Field(
+        100,
+        gt=0,
+        description="How often the broker looks for unacknowledged messages older than the "
+        "visibility timeout (kombu's sweep; 100 s is its default).",
+    )
     stream_interval_s: float = Field(
         0.1,
         ge=0,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 MIB = 1 << 20
@@ -12,12 +13,26 @@ _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 
 
+MAX_DURATION_S = 366 * 24 * 3600.0  # longer is a mistake: "forever" is any negative value
+
+
 def parse_duration_s(value: str | int | float) -> float:
     """Seconds for a duration; negative means "forever" to callers that allow it.
 
     Accepts numbers (seconds) and Go-style strings as Ollama does ("5m", "1h30m", "-1").
-    Raises ValueError naming the value and the accepted forms.
+    Raises ValueError naming the value and the accepted forms, also for an infinite or
+    NaN value and for one longer than a year.
     """
+    seconds = _duration_s(value)
+    if not math.isfinite(seconds) or seconds > MAX_DURATION_S:
+        raise ValueError(
+            f"duration {value!r} is not usable; give at most a year (e.g. '24h'), "
+            "or a negative value (-1) for forever"
+        )
+    return seconds
+
+
+def _duration_s(value: str | int | float) -> float:
     if isinstance(value, bool):
         raise ValueError(f"duration {value!r} is a boolean; give seconds or a string like '5m'")
     if isinstance(value, int | float):

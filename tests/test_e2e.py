@@ -200,3 +200,10 @@ def test_chat_renders_the_models_own_template(client: Client) -> None:
     assert "".join(c.response for c in chunks[:-1]) == result.response
     with pytest.raises(InvalidRequest, match="chat job needs messages"):
         client.chat("tiny", [])
+
+
+def test_a_job_id_belongs_to_the_first_job_submitted_with_it(client: Client) -> None:
+    first = client.submit("tiny", "Once", options={"num_predict": 2}, extra={"id": "mine-1"})
+    assert first.result().done
+    with pytest.raises(InvalidRequest, match="'mine-1' is already taken"):
+        client.submit("tiny", "Twice", options={"num_predict": 2}, extra={"id": "mine-1"})

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from api_client import Client, JobFailed
+from api_client import Client, GgufqError, JobFailed
 from scheduler.local.stack import LocalStack
 from scheduler.settings import Settings
 from scheduler.store import keys
@@ -131,3 +131,58 @@ def test_redis_losing_its_data_heals_by_itself(two_hosts: Hosts) -> None:
         # every device registers again (bench/chaos.py measures how soon)
         assert wait_for(lambda: len(client.devices()) == 2, timeout=30)
         assert client.generate("slow", "y", options=SHORT).done
+
+
+def test_malformed_messages_on_every_queue_and_channel_stop_nothing(two_hosts: Hosts) -> None:
+    st, h2, settings = two_hosts
+    with Client(st.redis_url, settings=settings, timeout=60) as client:
+        assert wait_for(lambda: len(client.devices()) == 2, timeout=60)
+        raw = redis.Redis.from_url(st.redis_url)
+        for channel in (keys.CANCELS, keys.EVENTS):
+            raw.publish(channel, b"\xff\xfe not utf-8 \x80")
+        for queue in (keys.PLACEMENT_QUEUE, keys.device_queue("vgpu:h2:0")):
+            raw.lpush(queue, b"\xff not a celery envelope")
+            raw.lpush(queue, b'{"body": "not base64", "headers": {}}')
+        raw.close()
+        # every process is alive, cancellation still reaches a running job, jobs still run
+        time.sleep(1.0)
+        assert st.alive() and h2.poll() is None
+        long = client.submit("slow", "long", options=LONG)
+        next(iter(long.stream(cancel_on_close=False)))
+        long.cancel()
+        with pytest.raises(GgufqError, match="cancelled"):
+            long.result(timeout=60)
+        for device in ("vgpu:h1:0", "vgpu:h2:0"):
+            assert client.generate("slow", "z", options=SHORT, device=device).done
+
+
+def test_no_job_runs_twice_when_the_broker_redelivers_quickly(tmp_path: Path) -> None:
+    """A visibility timeout of 1 s: the Redis broker hands a message that a worker took but
+    did not acknowledge within a second to a worker again (kombu looks every second here).
+    Two threads and one slot: a holds the slot, b waits for it in the second thread,
+    and c would wait in the worker's buffer, unacknowledged, long enough to come back."""
+    models = tmp_path / "models"
+    models.mkdir()
+    write_slow_model(models / "slow.gguf")
+    env = stack_env(models, tmp_path / "state", host="vt")
+    env |= {
+        "GGUFQ_BROKER_VISIBILITY_TIMEOUT_S": "1",
+        "GGUFQ_BROKER_RESTORE_INTERVAL_S": "1",
+        "GGUFQ_WORKER_THREADS": "2",
+        "GGUFQ_MAX_LOADED_MODELS": "1",
+    }
+    settings = settings_from(env, None)
+    with LocalStack(settings, log_dir=tmp_path / "logs", extra_env=env) as st:
+        with Client(st.redis_url, settings=settings, timeout=120) as client:
+            a = client.submit("slow", "a", options=LONG)
+            next(iter(a.stream(cancel_on_close=False)))
+            b, c = (client.submit("slow", n, options=SHORT) for n in ("b", "c"))
+            time.sleep(5)  # several of kombu's sweeps for unacknowledged messages
+            a.cancel()
+            for job in (b, c):
+                assert job.result(timeout=60).eval_count == SHORT["num_predict"]
+                seqs = stream_seqs(client, job.id)
+                assert seqs == list(range(1, len(seqs) + 1)) and finals(client, job.id) == 1
+    log = (tmp_path / "logs" / "worker.log").read_text(errors="replace")
+    for job in (b, c):
+        assert log.count(f"ggufq.run[{job.id}] succeeded") == 1

@@ -12,6 +12,7 @@ import pytest
 from scheduler.errors import InvalidRequest, ModelNotFound, error_from_code
 from scheduler.gguf.estimate import choose_num_ctx
 from scheduler.local.procs import lower_thread_priority, niced_child_preexec
+from scheduler.loops import LoopHealth, run_loop
 from scheduler.protocol import check_model_name, parse_request
 from scheduler.store.streams import ChunkOrder
 from scheduler.units import format_duration, parse_bytes, parse_duration_s
@@ -36,9 +37,11 @@ def test_durations(text: str | int, seconds: float) -> None:
     assert parse_duration_s(text) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("bad", ["", "5x", "m5", "1h 30m", "five"])
-def test_bad_durations_name_the_value(bad: str) -> None:
-    with pytest.raises(ValueError, match="not valid"):
+@pytest.mark.parametrize(
+    "bad", ["", "5x", "m5", "1h 30m", "five", "inf", "nan", float("inf"), float("nan"), "9999h"]
+)
+def test_bad_durations_name_the_value(bad: str | float) -> None:
+    with pytest.raises(ValueError, match=r"duration .* is not (valid|usable)"):
         parse_duration_s(bad)
 
 
@@ -316,3 +319,33 @@ def test_llama_threads_follow_physical_cores_for_one_token_and_cpus_for_batches(
     cpus: list[int], cores: dict[int, str], expected: tuple[int, int]
 ) -> None:
     assert thread_counts(cpus, cores.__getitem__) == expected
+
+
+def test_a_loop_survives_what_its_step_raises_and_reports_it_while_it_fails() -> None:
+    stop, health, now = threading.Event(), LoopHealth(), [0.0]
+    outcomes: list[Exception | None] = [ValueError("bad message"), KeyError("x"), None, None]
+
+    def step() -> None:
+        now[0] += 10.0
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+        if not outcomes:
+            assert health.failing(now[0], 5.0) == {}  # the success before this cleared it
+            stop.set()
+
+    def clock() -> float:
+        return now[0]
+
+    seen: list[dict[str, str]] = []
+    original = health.failed
+
+    def failed(name: str, error: str, at: float) -> None:
+        original(name, error, at)
+        seen.append(health.failing(at + 6.0, 5.0))
+
+    health.failed = failed  # type: ignore[method-assign]
+    run_loop("demo", step, stop, health, clock=clock, backoff_s=(0.0,))
+    assert not outcomes  # every step ran: the exceptions did not end the loop
+    assert seen == [{"demo": "ValueError: bad message"}, {"demo": "KeyError: 'x'"}]
+    assert health.describe(now[0] + 100, 5.0) == ""

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
 
 from scheduler.cluster import DeviceInfo
+from scheduler.local.embedded import EmbeddedRedis
 from scheduler.store import keys
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.streams import publish_final, read_chunks
@@ -194,3 +196,19 @@ def test_request_demand_decays_in_redis(db: redis.Redis) -> None:
         state.count_request("m", t)
     snap = state.snapshot(now=600.0, device_ttl_s=1e9)
     assert abs(snap.demand["m"] - (2 / 2.718281828 + 1)) < 1e-3
+
+
+def test_the_embedded_redis_keeps_its_data_across_a_restart(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        client.lpush("ggufq.placement", b"a queued job")
+        client.close()
+        server.stop()  # as `ggufq up` stopping: the append-only file has it
+        server.start()
+        client = redis.Redis.from_url(server.url)
+        assert client.lrange("ggufq.placement", 0, -1) == [b"a queued job"]
+        client.close()
+    finally:
+        server.stop()

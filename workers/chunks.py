@@ -103,8 +103,11 @@ class ChunkWriter:
                 for chunk in chunks:
                     chunk.taken = True
             waiters = [item for item in batch if isinstance(item, threading.Event)]
-            if chunks:
-                self._write(chunks)
+            try:
+                if chunks:
+                    self._write(chunks)
+            except Exception:  # a chunk that does not serialize: lose these, keep the thread
+                log.exception("writing %d chunks failed; later chunks still go out", len(chunks))
             last = time.monotonic()
             for waiter in waiters:
                 waiter.set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 from celery import Celery
@@ -51,3 +52,4 @@ class ProgressEvents:
                     return
             except Exception as exc:  # Redis away: keep the worker, lose a state report
                 log.warning("task event not sent: %s", exc)
+                time.sleep(1.0)  # and do not spin while it is away

@@ -18,6 +18,7 @@ from scheduler.cluster import DeviceInfo
 from scheduler.errors import GgufqError, InvalidModelFile, JobCancelled, JobFailed, LoadFailed
 from scheduler.gguf.metadata import read_model_info
 from scheduler.gguf.registry import Registry
+from scheduler.loops import LoopHealth, start_loop
 from scheduler.protocol import JobRequest, Placement, SentJob, parse_placement, parse_request
 from scheduler.settings import Settings
 from scheduler.store.cancel import CancelWatcher, cancelled_before_start
@@ -29,6 +30,7 @@ from workers.chunks import ChunkPublisher, ChunkWriter
 from workers.devices import reported_free, wait_for_release
 from workers.generation import AnyRunner, Progress, embed, generate, open_runner
 from workers.keepalive import ExpirySchedule, effective_keep_alive, expires_at
+from workers.membership import Membership
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
@@ -70,23 +72,25 @@ class WorkerRuntime:
         self._wake = threading.Condition()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.health = LoopHealth()
         self.chunks = ChunkWriter(client, settings.helper_nice, settings.stream_interval_s)
-        self.cancels = CancelWatcher(client)
+        self.cancels = CancelWatcher(client, self.health)
+        self.membership = Membership(
+            self.state, devices, self.health, settings.heartbeat_interval_s, self._let_go, clock
+        )
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        # a predecessor under these device ids (restarted within the TTL) left runners,
-        # reservations and jobs behind: drop them first, so that placement re-places or fails
-        # its jobs and no phantom runner holds memory
-        self.state.deregister_devices([d.id for d in self.devices])
-        now = self.clock()
-        for dev in self.devices:
-            self.state.register_device(dev, now)
+        self.membership.join()
         self.cancels.start()
-        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._expiry_loop, "expiry")):
-            thread = threading.Thread(target=target, name=f"ggufq-{name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        every = self.settings.heartbeat_interval_s
+        redis_away = (redis.RedisError,)
+        for name, step, every_s in (
+            ("heartbeat", self.membership.beat, every),
+            ("expiry", self._expire_due, 0.0),
+        ):
+            loop = start_loop(name, step, self._stopping, self.health, every_s, redis_away)
+            self._threads.append(loop)
         log.info("serving devices %s", ", ".join(d.id for d in self.devices))
 
     def stop(self) -> None:
@@ -96,27 +100,13 @@ class WorkerRuntime:
             self._wake.notify_all()
         for runner_id in list(self.runners):
             self._unload(runner_id, force=True)
-        self.state.deregister_devices([d.id for d in self.devices])
+        self.membership.leave()
         self.chunks.close()
 
-    def _heartbeat_loop(self) -> None:
-        while not self._stopping.wait(self.settings.heartbeat_interval_s):
-            try:
-                missing = self.state.heartbeat(reported_free(self.devices), self.clock())
-                if missing:
-                    self._rejoin(set(missing))
-            except redis.RedisError as exc:
-                log.warning("heartbeat failed: %s", exc)
-
-    def _rejoin(self, gone: set[str]) -> None:
-        """Register devices again after they were dropped, and let go of what placement took
-        back meanwhile: running jobs it re-placed or failed stop without writing, and idle
-        runners whose records it removed unload (busy ones as their last job ends)."""
-        log.warning(
-            "devices %s are no longer registered (this worker stalled past GGUFQ_DEVICE_TTL_S, "
-            "or Redis lost its data): registering them again",
-            ", ".join(sorted(gone)),
-        )
+    def _let_go(self, gone: set[str]) -> None:
+        """After placement dropped ``gone`` (and its jobs and runner records): running jobs
+        it took back stop without writing, idle runners there unload (busy ones as their
+        last job ends)."""
         with self._jobs_lock:
             running = {j: p for j, p in self._running.items() if gone & set(p.devices)}
         for job_id, placement in running.items():
@@ -127,22 +117,18 @@ class WorkerRuntime:
         for runner_id, runner in list(self.runners.items()):
             if gone & set(runner.device_ids) and not self._busy(runner_id):
                 self._drop_local(runner_id)
-        now = self.clock()
-        for dev in self.devices:
-            if dev.id in gone:
-                self.state.register_device(dev, now)
 
-    def _expiry_loop(self) -> None:
-        while not self._stopping.is_set():
-            with self._wake:
-                due = self._expiry.pop_due(self.clock())
-                if not due:
-                    next_at = self._expiry.next_at()
-                    timeout = 1.0 if next_at is None else max(0.0, next_at - self.clock())
-                    self._wake.wait(min(timeout, 1.0))
-                    continue
-            for runner_id in due:
-                self._unload(runner_id)
+    def _expire_due(self) -> None:
+        """Unload the runners whose keep_alive ran out; waits up to a second for one."""
+        with self._wake:
+            due = self._expiry.pop_due(self.clock())
+            if not due:
+                next_at = self._expiry.next_at()
+                timeout = 1.0 if next_at is None else max(0.0, next_at - self.clock())
+                self._wake.wait(min(timeout, 1.0))
+                return
+        for runner_id in due:
+            self._unload(runner_id)
 
     def _schedule_expiry(self, runner_id: str, at: float | None) -> None:
         with self._wake:
@@ -164,13 +150,15 @@ class WorkerRuntime:
             # the device was dropped meanwhile (this worker was stopped or lost its Redis
             # connection) and placement re-placed or failed the job
             raise NotOwned(req.id)
+        if not self.state.start_once(req.id, placement.id, self.settings.stream_ttl_s):
+            log.warning("job %s was delivered again; it runs once, elsewhere in this pool", req.id)
+            raise NotOwned(req.id)
         with self._jobs_lock:
             self._running[req.id] = placement
         runner_id = placement.runner_id
         ttl_s = self.settings.stream_ttl_s
         publisher = ChunkPublisher(self.r, req.id, ttl_s, self.chunks, fence=placement.id)
         base = {"model": req.model, "job_id": req.id, "device": placement.device_id}
-        keep_alive = self.settings.keep_alive_s
         watched = self.cancels.watch(req.id)
 
         def cancelled() -> bool:
@@ -184,8 +172,7 @@ class WorkerRuntime:
             if runner_id not in self.runners:
                 progress("loading", device=placement.device_id)
             runner, load_ns = self._runner_for(req, placement)
-            keep_alive = effective_keep_alive(req.keep_alive_s, runner.keep_alive_s)
-            runner.keep_alive_s = keep_alive
+            runner.keep_alive_s = effective_keep_alive(req.keep_alive_s, runner.keep_alive_s)
             self._schedule_expiry(runner_id, None)
             final: dict[str, Any] = dict(
                 base, created_at=self.clock(), done=True, load_duration=load_ns
@@ -237,7 +224,7 @@ class WorkerRuntime:
             with self._jobs_lock:
                 self._running.pop(req.id, None)
             self._disowned.discard(req.id)
-            self._job_ended(runner_id, keep_alive)
+            self._job_ended(runner_id)
 
     def _produce(
         self,
@@ -274,23 +261,26 @@ class WorkerRuntime:
         messages = [m.model_dump() for m in req.messages]
         return render(info.chat_template, messages, info.bos_text, info.eos_text, req.model)
 
-    def _job_ended(self, runner_id: str, keep_alive_s: float) -> None:
+    def _job_ended(self, runner_id: str) -> None:
+        """Count the job off its runner; the runner's keep_alive as it is now (a later job's
+        explicit value, or an unload asked while it was busy) decides what happens next."""
         now = self.clock()
+        runner = self.runners.get(runner_id)
+        keep_alive_s = None if runner is None else runner.keep_alive_s
         left = self.state.finish(runner_id, now, keep_alive_s)
         if left < 0:  # its record is gone (its device was dropped): nothing will expire it
             if not self._busy(runner_id):
                 self._drop_local(runner_id)
             return
         self.state.announce({"event": "job_finished", "runner": runner_id, "in_flight": left})
-        if left == 0 and runner_id not in self.runners:
-            # never loaded (its only job was cancelled in the queue, or the load failed):
-            # nothing will expire it, so release its reservation now
+        if left > 0:
+            return
+        if keep_alive_s is None or keep_alive_s == 0:
+            # never loaded here (its only job was cancelled in the queue, or the load failed)
+            # and so nothing would expire it, or asked to go when idle: release it now
             self._unload(runner_id)
-        elif left == 0:
-            if keep_alive_s == 0:
-                self._unload(runner_id)
-            else:
-                self._schedule_expiry(runner_id, expires_at(now, keep_alive_s))
+        else:
+            self._schedule_expiry(runner_id, expires_at(now, keep_alive_s))
 
     def _runner_for(self, req: JobRequest, placement: Placement) -> tuple[AnyRunner, int]:
         runner_id = placement.runner_id

@@ -26,7 +26,9 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    """redis-server bound to 127.0.0.1, nothing persisted, stopped with the stack."""
+    """redis-server bound to 127.0.0.1, stopped with the stack. It keeps its data in an
+    append-only file in ``data_dir`` (fsync every second), so restarting ``ggufq up`` keeps
+    the queued and parked jobs, the streams and the results."""
 
     def __init__(
         self, data_dir: Path, port: int | None = None, password: str = "", nice: int = 0
@@ -55,7 +57,9 @@ class EmbeddedRedis:
                 "--save",
                 "",
                 "--appendonly",
-                "no",
+                "yes",
+                "--appendfsync",
+                "everysec",
                 "--dir",
                 str(self.data_dir),
                 "--maxmemory-policy",

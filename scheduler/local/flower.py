@@ -19,10 +19,17 @@ from scheduler.store.celery_app import make_app
 from scheduler.store.connection import resolve_redis_url
 
 
+def flower_app(settings: Settings) -> Celery:
+    """The app Flower runs on: kombu's plain Redis transport, whose URL scheme Flower's
+    broker page knows (Flower only reads the queues, never consumes them)."""
+    app = make_app(resolve_redis_url(settings), settings)
+    app.conf.broker_transport = None
+    return app
+
+
 @cache
 def _default_app() -> Celery:
-    settings = get_settings()
-    return make_app(resolve_redis_url(settings), settings)
+    return flower_app(get_settings())
 
 
 def __getattr__(name: str) -> Any:
@@ -32,5 +39,5 @@ def __getattr__(name: str) -> Any:
 
 
 def run_flower(settings: Settings, port: int, address: str, extra: list[str]) -> None:
-    app = make_app(resolve_redis_url(settings), settings)
+    app = flower_app(settings)
     app.start(["flower", f"--port={port}", f"--address={address}", *extra])

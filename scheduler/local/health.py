@@ -25,18 +25,39 @@ def check(role: str) -> str | None:
     since = time.time() - settings.device_ttl_s
     try:
         if role == "placement":
-            alive = client.zcount(keys.PLACEMENT_ALIVE, since, "+inf")
-            return None if alive else "no placement service heartbeats"
-        ids = [d.decode() for d in cast(set[bytes], client.smembers(keys.DEVICES))]
-        mine = [d for d in ids if d.split(":")[1] == settings.host_id]
-        beats = [client.hget(keys.device(d), "heartbeat") for d in mine]
-        if any(b is not None and float(b) >= since for b in beats):
-            return None
-        return f"no device of host {settings.host_id!r} is registered and heartbeating"
+            return _placement_problem(client, since)
+        return _worker_problem(client, since, settings.host_id)
     except redis.RedisError as exc:
         return f"Redis: {exc}"
     finally:
         client.close()
+
+
+def _placement_problem(client: redis.Redis, since: float) -> str | None:
+    beats = cast(list[bytes], client.zrangebyscore(keys.PLACEMENT_ALIVE, since, "+inf"))
+    alive = [n.decode() for n in beats]
+    if not alive:
+        return "no placement service heartbeats"
+    raw = cast(dict[bytes, bytes], client.hgetall(keys.PLACEMENT_FAILING))
+    failing = {k.decode(): v.decode() for k, v in raw.items()}
+    if all(name in failing for name in alive):
+        return "every placement service has a failing loop: " + "; ".join(failing.values())
+    return None
+
+
+def _worker_problem(client: redis.Redis, since: float, host_id: str) -> str | None:
+    ids = [d.decode() for d in cast(set[bytes], client.smembers(keys.DEVICES))]
+    mine = [d for d in ids if d.split(":")[1] == host_id]
+    records = [
+        cast(list[bytes | None], client.hmget(keys.device(d), ["heartbeat", "failing"]))
+        for d in mine
+    ]
+    fresh = [failing or b"" for beat, failing in records if beat and float(beat) >= since]
+    if not fresh:
+        return f"no device of host {host_id!r} is registered and heartbeating"
+    if all(fresh):
+        return f"the worker of host {host_id!r} has a failing loop: {fresh[0].decode()}"
+    return None
 
 
 def main() -> None:

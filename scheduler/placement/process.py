@@ -16,10 +16,12 @@ from typing import Any
 import redis
 from celery import signals
 
+from scheduler.loops import LoopHealth, start_loop
 from scheduler.placement.metrics import serve_metrics
 from scheduler.placement.service import PlacementService
 from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
+from scheduler.store.cancel import message_text
 from scheduler.store.celery_app import make_app
 from scheduler.store.connection import resolve_redis_url
 
@@ -32,61 +34,64 @@ class Liveness:
     def __init__(self, service: PlacementService) -> None:
         self.service = service
         self.stopping = threading.Event()
+        self.health = LoopHealth()
 
     def start(self) -> None:
-        if self.service.settings.metrics_port:
-            serve_metrics(
-                self.service.r,
-                self.service.settings.metrics_port,
-                self.service.settings.device_ttl_s,
-            )
-        threading.Thread(target=self._alive_loop, name="ggufq-placement-alive", daemon=True).start()
-        threading.Thread(target=self._wake_loop, name="ggufq-placement-wake", daemon=True).start()
-
-    def _wake_loop(self) -> None:
-        """Retry parked jobs when an event says capacity may have freed.
-
-        Pub/sub drops messages while disconnected, so a slow sweep
-        (GGUFQ_PARK_SWEEP_S) also retries; events, not the sweep, are the normal path.
-        """
-        pubsub = self.service.r.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(keys.EVENTS, keys.CANCELS)
-        next_sweep = time.monotonic() + self.service.settings.park_sweep_s
-        while not self.stopping.is_set():
-            try:
-                message = pubsub.get_message(timeout=1.0)
-                if message is not None and message["channel"].decode() == keys.CANCELS:
-                    self.service.cancel_parked(message["data"].decode())
-                    continue
-                if message is not None and b"handed_back" in message["data"]:
-                    self.service.recover_orphans()
-                due = time.monotonic() >= next_sweep
-                if (message is not None or due) and self.service.r.zcard(keys.PARKED):
-                    self.service.retry_parked()
-                if due:
-                    next_sweep = time.monotonic() + self.service.settings.park_sweep_s
-            except redis.RedisError as exc:
-                log.warning("parked-job waker: %s", exc)
-                self.stopping.wait(1.0)
+        settings = self.service.settings
+        if settings.metrics_port:
+            serve_metrics(self.service.r, settings.metrics_port, settings.device_ttl_s)
+        away = (redis.RedisError,)
+        every = settings.heartbeat_interval_s
+        start_loop("placement-alive", self._beat, self.stopping, self.health, every, away)
+        start_loop("placement-wake", self._listen, self.stopping, self.health, 0.0, away)
 
     def stop(self) -> None:
         self.stopping.set()
         self.service.state.placement_gone(self.service.name)
 
-    def _alive_loop(self) -> None:
-        while True:
-            try:
-                self.service.state.placement_beat(
-                    self.service.name, time.time(), self.service.settings.device_ttl_s
-                )
-                dropped = self.service.state.reap(time.time(), self.service.settings.device_ttl_s)
-                if dropped:
-                    log.warning("dropped devices without heartbeat: %s", ", ".join(dropped))
-                self.service.recover_orphans()
-            except redis.RedisError as exc:
-                log.warning("placement heartbeat failed: %s", exc)
-            if self.stopping.wait(self.service.settings.heartbeat_interval_s):
-                return
+    def _beat(self) -> None:
+        """Say this service is alive (and which of its loops keep failing), drop devices
+        without a heartbeat, and re-place or fail their jobs."""
+        service, settings = self.service, self.service.settings
+        failing = self.health.describe(time.monotonic(), 3 * settings.heartbeat_interval_s)
+        service.state.placement_beat(service.name, time.time(), settings.device_ttl_s, failing)
+        dropped = service.state.reap(time.time(), settings.device_ttl_s)
+        if dropped:
+            log.warning("dropped devices without heartbeat: %s", ", ".join(dropped))
+        service.recover_orphans()
+
+    def _listen(self) -> None:
+        """Retry parked jobs when an event says capacity may have freed; end parked jobs
+        asked to cancel.
+
+        Pub/sub drops messages while disconnected, so a slow sweep
+        (GGUFQ_PARK_SWEEP_S) also retries; events, not the sweep, are the normal path.
+        """
+        sweep_s = self.service.settings.park_sweep_s
+        pubsub = self.service.r.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(keys.EVENTS, keys.CANCELS)
+        try:
+            next_sweep = time.monotonic() + sweep_s
+            while not self.stopping.is_set():
+                message = pubsub.get_message(timeout=1.0)
+                if message is not None and self._on_message(message):
+                    continue
+                due = time.monotonic() >= next_sweep
+                if (message is not None or due) and self.service.r.zcard(keys.PARKED):
+                    self.service.retry_parked()
+                if due:
+                    next_sweep = time.monotonic() + sweep_s
+        finally:
+            pubsub.close()
+
+    def _on_message(self, message: dict[str, Any]) -> bool:
+        """Handle a cancel (True: nothing else to do) or a job handed back by a worker."""
+        if message_text({"data": message.get("channel", b"")}) == keys.CANCELS:
+            self.service.cancel_parked(message_text(message))
+            return True
+        if "handed_back" in message_text(message):
+            self.service.recover_orphans()
+        return False
 
 
 def run_service(settings: Settings) -> None:

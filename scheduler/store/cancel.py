@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
 from scheduler.errors import JobCancelled
+from scheduler.loops import LoopHealth, start_loop
 from scheduler.store import keys
 
 log = logging.getLogger(__name__)
@@ -42,17 +44,19 @@ class CancelWatcher:
     re-read every ``recheck_s`` seconds.
     """
 
-    def __init__(self, client: redis.Redis, recheck_s: float = 1.0) -> None:
+    def __init__(
+        self, client: redis.Redis, health: LoopHealth | None = None, recheck_s: float = 1.0
+    ) -> None:
         self.r = client
+        self.health = health or LoopHealth()
         self.recheck_s = recheck_s
         self._watched: set[str] = set()
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ggufq-cancels", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        start_loop("cancels", self._listen, self._stop, self.health, 0.0, (redis.RedisError,))
 
     def stop(self) -> None:
         self._stop.set()
@@ -71,27 +75,19 @@ class CancelWatcher:
             self._watched.discard(job_id)
             self._cancelled.discard(job_id)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._listen()
-            except redis.RedisError as exc:
-                log.warning("cancel watcher: %s", exc)
-                self._stop.wait(1.0)
-
     def _listen(self) -> None:
         pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(keys.CANCELS)
         try:
             while not self._stop.is_set():
                 message = pubsub.get_message(timeout=self.recheck_s)
-                if message is not None:
-                    job_id = message["data"].decode()
-                    with self._lock:
-                        if job_id in self._watched:
-                            self._cancelled.add(job_id)
-                else:
+                if message is None:
                     self._recheck()
+                    continue
+                job_id = message_text(message)
+                with self._lock:
+                    if job_id in self._watched:
+                        self._cancelled.add(job_id)
         finally:
             pubsub.close()
 
@@ -103,3 +99,10 @@ class CancelWatcher:
         flags = self.r.mget([keys.cancel_flag(j) for j in watched])
         with self._lock:
             self._cancelled.update(j for j, f in zip(watched, flags, strict=True) if f)
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """A pub/sub message's data as text; bytes that are not UTF-8 (nobody of ggufq sends
+    them) become replacement characters, which match no job, rather than an exception."""
+    data = message.get("data", b"")
+    return data.decode(errors="replace") if isinstance(data, bytes) else str(data)

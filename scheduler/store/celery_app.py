@@ -9,6 +9,7 @@ from celery import Celery
 from scheduler.protocol import JobRequest
 from scheduler.settings import Settings
 from scheduler.store import keys
+from scheduler.store.transport import Transport
 
 
 def make_app(redis_url: str, settings: Settings) -> Celery:
@@ -24,6 +25,10 @@ def make_app(redis_url: str, settings: Settings) -> Celery:
         # Jobs are long and each worker owns its device: take one message at a time, so a
         # job is never stuck behind another in a busy worker's prefetch buffer.
         worker_prefetch_multiplier=1,
+        # and no more than the pool can start at once: a message waiting in a worker's
+        # buffer is not yet acknowledged, and the broker would hand it to another worker
+        # after the visibility timeout, so that the job ran twice
+        worker_disable_prefetch=True,
         task_acks_late=False,
         task_track_started=False,
         # events feed Flower: tasks appear when sent and show their states live
@@ -32,7 +37,13 @@ def make_app(redis_url: str, settings: Settings) -> Celery:
         worker_send_task_events=settings.task_events,
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
-        broker_transport_options={"socket_keepalive": True},
+        broker_transport=Transport,  # kombu's Redis transport, robust to bad queue items
+        broker_transport_options={
+            "socket_keepalive": True,
+            "visibility_timeout": settings.broker_visibility_timeout_s,
+            "unacked_restore_interval": settings.broker_restore_interval_s,
+            "unacked_restore_throttle": 1,
+        },
         enable_utc=True,
     )
     return app

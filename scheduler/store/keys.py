@@ -7,6 +7,7 @@ PREFIX = "ggufq"
 DEVICES = f"{PREFIX}:devices"  # set of device ids
 HEARTBEATS = f"{PREFIX}:heartbeats"  # sorted set: device id → time of its last heartbeat
 PLACEMENT_ALIVE = f"{PREFIX}:placement:alive"  # sorted set: placement service → last beat
+PLACEMENT_FAILING = f"{PREFIX}:placement:failing"  # hash: placement service → failing loops
 RUNNERS = f"{PREFIX}:runners"  # set of runner ids
 PARKED = f"{PREFIX}:parked"  # sorted set: job id → order (interactive first, then FIFO)
 DEMAND = f"{PREFIX}:demand"  # hash: model → "decayed request count:time" (eviction order)
@@ -47,6 +48,16 @@ def job_channel(job_id: str) -> str:
 
 def inflight(device_id: str) -> str:
     return f"{PREFIX}:inflight:{device_id}"  # hash: job id → {job, placement} sent there
+
+
+def job_submitted(job_id: str) -> str:
+    # string: set once, when the job is submitted (a second submission of the id is refused)
+    return f"{PREFIX}:job:{job_id}:submitted"
+
+
+def job_start(job_id: str, placement_id: str) -> str:
+    # string: set by the one worker thread that runs this placement of the job
+    return f"{PREFIX}:job:{job_id}:start:{placement_id}"
 
 
 def job_owner(job_id: str) -> str:

@@ -146,14 +146,22 @@ class PlacementState:
         return cast(bytes, raw) if raw and removed else None
 
     # -- liveness --------------------------------------------------------------------------
-    def placement_beat(self, name: str, now: float, ttl_s: float) -> None:
+    def placement_beat(self, name: str, now: float, ttl_s: float, failing: str = "") -> None:
+        """This placement service is alive; ``failing`` names its loops that keep failing."""
         pipe = self.r.pipeline(transaction=False)
         pipe.zadd(keys.PLACEMENT_ALIVE, {name: now})
+        if failing:
+            pipe.hset(keys.PLACEMENT_FAILING, name, failing)
+        else:
+            pipe.hdel(keys.PLACEMENT_FAILING, name)
         pipe.zremrangebyscore(keys.PLACEMENT_ALIVE, "-inf", now - 10 * ttl_s)
         pipe.execute()
 
     def placement_gone(self, name: str) -> None:
-        self.r.zrem(keys.PLACEMENT_ALIVE, name)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zrem(keys.PLACEMENT_ALIVE, name)
+        pipe.hdel(keys.PLACEMENT_FAILING, name)
+        pipe.execute()
 
 
 def reap(reap_script: Any, now: float, device_ttl_s: float) -> list[str]:

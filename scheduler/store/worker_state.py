@@ -51,9 +51,10 @@ class WorkerState:
         pipe.publish(keys.EVENTS, json.dumps({"event": "device_joined", "device": dev.id}))
         pipe.execute()
 
-    def heartbeat(self, free_by_device: dict[str, int], now: float) -> list[str]:
-        """Beat for each device still registered; returns those that are not (dropped)."""
-        flat: list[Any] = [now]
+    def heartbeat(self, free_by_device: dict[str, int], now: float, failing: str = "") -> list[str]:
+        """Beat for each device still registered, with the worker's failing loops (""
+        when healthy); returns the devices that are not registered (dropped)."""
+        flat: list[Any] = [now, failing]
         for device_id, free in free_by_device.items():
             flat += [device_id, free]
         missing = self._heartbeat(keys=[keys.DEVICES, keys.HEARTBEATS], args=flat)
@@ -69,9 +70,11 @@ class WorkerState:
     def update_runner(self, runner_id: str, fields: dict[str, Any]) -> bool:
         return bool(self._update(keys=[keys.runner(runner_id)], args=flatten(fields)))
 
-    def finish(self, runner_id: str, now: float, keep_alive_s: float) -> int:
-        """One job fewer on the runner; returns how many it still has."""
-        return int(self._finish(keys=[keys.runner(runner_id)], args=[now, keep_alive_s]))
+    def finish(self, runner_id: str, now: float, keep_alive_s: float | None) -> int:
+        """One job fewer on the runner; returns how many it still has (-1: it is gone).
+        ``keep_alive_s`` None keeps the value its record has."""
+        keep = "" if keep_alive_s is None else keep_alive_s
+        return int(self._finish(keys=[keys.runner(runner_id)], args=[now, keep]))
 
     def begin_unload(self, runner_id: str, force: bool = False) -> bool:
         return bool(self._begin_unload(keys=[keys.runner(runner_id)], args=[int(force)]))
@@ -106,6 +109,11 @@ class WorkerState:
         Redis lost its data, or the job ended long ago)."""
         raw = self.r.get(keys.job_owner(job_id))
         return None if raw is None else text(raw)
+
+    def start_once(self, job_id: str, placement_id: str, ttl_s: int) -> bool:
+        """Claim the one run of this placement of the job; False when a delivery of it was
+        already taken (the broker redelivered a message, or a message was duplicated)."""
+        return bool(self.r.set(keys.job_start(job_id, placement_id), 1, nx=True, ex=ttl_s))
 
     def started(self, job_id: str, now: float) -> None:
         self.r.hset(keys.RUNNING, job_id, now)

@@ -1,6 +1,6 @@
 -- One job on a runner ended: count it off and set when the runner expires if now idle.
 -- KEYS[1] ggufq:runner:<id>  (hash)
--- ARGV: now, keep_alive_s (negative: never expires)
+-- ARGV: now, keep_alive_s (negative: never expires; "": the value the record has)
 -- Returns the in-flight count left, or -1 when the runner is gone.
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local left = redis.call('HINCRBY', KEYS[1], 'in_flight', -1)
@@ -8,7 +8,9 @@ if left < 0 then
   redis.call('HSET', KEYS[1], 'in_flight', 0)
   left = 0
 end
-local now, keep = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now = tonumber(ARGV[1])
+local keep = tonumber(ARGV[2])
+if ARGV[2] == '' then keep = tonumber(redis.call('HGET', KEYS[1], 'keep_alive_s') or '-1') end
 local expires = -1
 if left == 0 and keep >= 0 then expires = now + keep end
 redis.call('HSET', KEYS[1], 'last_used', now, 'keep_alive_s', keep, 'expires_at', expires)

@@ -5,14 +5,15 @@
 -- KEYS[1] ggufq:devices    (set)
 -- KEYS[2] ggufq:heartbeats (sorted set) device id -> last heartbeat
 -- Also touches, by name: ggufq:device:<dev> (hash)
--- ARGV: now, then device id, free bytes, device id, free bytes, ...
+-- ARGV: now, failing (the worker's loops that keep failing; "" when healthy), then
+--       device id, free bytes, device id, free bytes, ...
 -- Returns the ids of the devices that are not registered.
 local missing = {}
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   local dev = ARGV[i]
   local key = 'ggufq:device:' .. dev
   if redis.call('SISMEMBER', KEYS[1], dev) == 1 and redis.call('HEXISTS', key, 'worker') == 1 then
-    redis.call('HSET', key, 'free', ARGV[i + 1], 'heartbeat', ARGV[1])
+    redis.call('HSET', key, 'free', ARGV[i + 1], 'heartbeat', ARGV[1], 'failing', ARGV[2])
     redis.call('ZADD', KEYS[2], ARGV[1], dev)
     changed(key)
   else
