@@ -4,6 +4,7 @@ from api_client.aio import AsyncClient, AsyncJob
 from api_client.batch_files import BatchSummary
 from api_client.client import Client, Job
 from scheduler.errors import (
+    ChunksLost,
     GgufqError,
     InvalidModelFile,
     InvalidRequest,
@@ -15,6 +16,7 @@ from scheduler.errors import (
     NoCapacity,
     NoWorkers,
     ServerBusy,
+    StackFailed,
     StackNotRunning,
 )
 from scheduler.protocol import EmbedResponse, GenerateResponse, Message, Options
@@ -29,6 +31,7 @@ __all__ = [
     "GenerateResponse",
     "Message",
     "Options",
+    "ChunksLost",
     "GgufqError",
     "InvalidModelFile",
     "InvalidRequest",
@@ -40,5 +43,6 @@ __all__ = [
     "NoCapacity",
     "NoWorkers",
     "ServerBusy",
+    "StackFailed",
     "StackNotRunning",
 ]

@@ -26,6 +26,7 @@ from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Message, Options
 from scheduler.settings import Settings
+from scheduler.store.connection import CLIENT_OPTIONS
 from scheduler.store.streams import aread_chunks
 
 
@@ -128,7 +129,7 @@ class AsyncClient:
         self.redis_url = self.sync.redis_url
         self.settings = self.sync.settings
         self.timeout = timeout
-        self.r = redis.asyncio.Redis.from_url(self.redis_url)
+        self.r = redis.asyncio.Redis.from_url(self.redis_url, **CLIENT_OPTIONS)
 
     async def close(self) -> None:
         await self.r.aclose()

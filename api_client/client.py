@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, cast, overload
 
-import redis
 from celery.result import AsyncResult
 
 from api_client.batch import run_batch
@@ -37,7 +36,7 @@ from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
 from scheduler.store.celery_app import ask_unload, make_app, send_job
-from scheduler.store.connection import resolve_redis_url
+from scheduler.store.connection import connect, resolve_redis_url
 from scheduler.store.readers import ClusterReader
 from scheduler.store.streams import read_chunks
 
@@ -150,7 +149,7 @@ class Client:
         self.settings = settings or get_settings()
         self.redis_url = redis_url or resolve_redis_url(self.settings)
         self.timeout = timeout
-        self.r = redis.Redis.from_url(self.redis_url)
+        self.r = connect(self.redis_url)
         self.app = make_app(self.redis_url, self.settings)
         self.state = ClusterReader(self.r)
         self._alive_until = 0.0

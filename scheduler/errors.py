@@ -81,6 +81,12 @@ class JobFailed(GgufqError):
     code = "job_failed"
 
 
+class ChunksLost(GgufqError):
+    """Part of a job's stream is gone: the reader cannot give the text without a hole."""
+
+    code = "chunks_lost"
+
+
 class JobCancelled(GgufqError):
     """The job was cancelled before it finished."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,40 @@ def test_absurd_values_are_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(InvalidModelFile, match="absurd llama.context_length"):
         read_model_info(path)
+
+
+def hostile_gguf(path: Path, *kvs: bytes) -> Path:
+    """A GGUF header written by hand: version 3, no tensors, the given key-value pairs."""
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(kvs) + b"\0" * 64)
+    return path
+
+
+def gguf_string(text: str) -> bytes:
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+ARRAY, STRING, UINT32 = 9, 8, 4  # GGUF value types
+
+
+def test_hostile_headers_are_typed_errors_naming_the_file(tmp_path: Path, models_dir: Path) -> None:
+    nesting = struct.pack("<IQ", ARRAY, 1) * 64 + struct.pack("<IQ", UINT32, 0)
+    deep = hostile_gguf(
+        tmp_path / "deep.gguf", gguf_string("general.nested") + struct.pack("<I", ARRAY) + nesting
+    )
+    typed = hostile_gguf(
+        tmp_path / "typed.gguf",
+        gguf_string("general.architecture") + struct.pack("<I", STRING) + gguf_string("llama"),
+        gguf_string("llama.block_count") + struct.pack("<I", STRING) + gguf_string("four"),
+    )
+    with pytest.raises(InvalidModelFile, match=r"deep.gguf .*nested deeper"):
+        read_model_info(deep)
+    with pytest.raises(InvalidModelFile, match=r"typed.gguf"):
+        read_model_info(typed)
+    # one bad file leaves the others usable in the listing
+    (tmp_path / "good.gguf").write_bytes((models_dir / "tiny.gguf").read_bytes())
+    entries = {e.name: e for e in Registry(tmp_path).entries()}
+    assert entries["deep"].error and entries["typed"].error
+    assert entries["good"].error is None and entries["good"].info is not None
 
 
 def test_registry_lists_and_resolves(models_dir: Path) -> None:

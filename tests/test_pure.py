@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import threading
 
 import pytest
 
-from scheduler.errors import InvalidRequest, ModelNotFound, error_from_code
+from scheduler.errors import ChunksLost, InvalidRequest, ModelNotFound, error_from_code
 from scheduler.gguf.estimate import choose_num_ctx
 from scheduler.local.procs import lower_thread_priority, niced_child_preexec
 from scheduler.loops import LoopHealth, run_loop
@@ -349,3 +350,16 @@ def test_a_loop_survives_what_its_step_raises_and_reports_it_while_it_fails() ->
     assert not outcomes  # every step ran: the exceptions did not end the loop
     assert seen == [{"demo": "ValueError: bad message"}, {"demo": "KeyError: 'x'"}]
     assert health.describe(now[0] + 100, 5.0) == ""
+
+
+def test_a_hole_the_stream_record_cannot_fill_is_an_error_and_garbage_is_ignored() -> None:
+    order = ChunkOrder("j", timeout_s=None)
+
+    def entry(seq: int) -> tuple[bytes, dict[bytes, bytes]]:
+        return f"0-{seq}".encode(), {b"c": json.dumps({"seq": seq, "response": "x"}).encode()}
+
+    assert [c["seq"] for c in order.from_record([entry(1), entry(2)])] == [1, 2]
+    assert order.from_message({"data": b"\xff not json"}) is None and order.backfill
+    assert order.from_message({"data": b'{"no": "seq"}'}) is None
+    with pytest.raises(ChunksLost, match="chunks 3 to 4 of job j are lost"):
+        order.from_record([entry(5)])

@@ -12,6 +12,7 @@ import redis
 
 from scheduler.cluster import DeviceInfo
 from scheduler.local.embedded import EmbeddedRedis
+from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.streams import publish_final, read_chunks
@@ -86,7 +87,17 @@ def test_stale_device_refuses_reservations_and_is_reaped(db: redis.Redis) -> Non
     assert state.reserve("r1", {"vgpu:h:1": GIB}, {"model": "m"}, 100.0, 10)
     state.heartbeat({"vgpu:h:1": 8 * GIB}, now=120.0)
     assert not state.reserve("late", {"vgpu:h:0": GIB}, {"model": "m"}, 120.0, 10)
+    job = JobRequest(model="m", prompt="p")
+    placed = Placement(id="p1", runner_id="r0", device_id="vgpu:h:0", config=RunnerConfig(512))
+    state.sent("vgpu:h:0", SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
+    state.started(job.id, now=110.0)
+    db.lpush(keys.device_queue("vgpu:h:0"), b"its message")
     assert state.reap(now=120.0, device_ttl_s=10) == ["vgpu:h:0"]
+    # the job is an orphan for placement, no longer "running" nor owned by its placement,
+    # and the dead device's queue is gone
+    assert db.hexists(keys.ORPHANS, job.id) and not db.hexists(keys.RUNNING, job.id)
+    assert db.get(keys.job_owner(job.id)) == b"orphaned"
+    assert not db.exists(keys.device_queue("vgpu:h:0"))
     assert not db.exists(keys.runner("r0")) and not db.exists(keys.reservations("vgpu:h:0"))
     assert db.smembers(keys.RUNNERS) == {b"r1"}
     snap = state.snapshot(now=120.0, device_ttl_s=10)

@@ -9,7 +9,6 @@ import threading
 from dataclasses import replace
 from typing import Any
 
-import redis
 from celery import signals
 from celery.exceptions import Ignore
 from celery.worker.control import control_command
@@ -19,7 +18,7 @@ from scheduler.gguf.registry import Registry
 from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
 from scheduler.store.celery_app import make_app
-from scheduler.store.connection import resolve_redis_url
+from scheduler.store.connection import connect, resolve_redis_url
 from scheduler.units import parse_bytes
 from workers.args import add_worker_arguments
 from workers.devices import detect_devices
@@ -40,7 +39,7 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
     label = "+".join(d.id.split(":", 1)[0] + d.id.rsplit(":", 1)[-1] for d in devices)
     worker_name = f"ggufq-{label}@{host}" if devices[0].kind != "cpu" else f"ggufq-cpu@{host}"
     devices = [replace(d, worker=worker_name) for d in devices]
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_url)
     runtime = WorkerRuntime(settings, client, devices, Registry(settings.models_dir))
     events = ProgressEvents(app, worker_name) if settings.task_events else None
 

@@ -73,7 +73,17 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         cached = _cache.get(key)
     if cached is not None:
         return cached
-    info = _parse(path, stat.st_size)
+    try:
+        info = _parse(path, stat.st_size)
+    except InvalidModelFile:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, OSError) as exc:
+        # a header that parses but holds what no model holds (a string where a number
+        # belongs, say): a typed error naming the file, never an exception out of placement
+        raise InvalidModelFile(
+            f"{path} has GGUF metadata this version cannot use ({type(exc).__name__}: {exc}); "
+            "export the model again, or remove the file from the models directory"
+        ) from None
     with _cache_lock:
         _cache[key] = info
     return info

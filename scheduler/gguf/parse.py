@@ -131,13 +131,18 @@ def string_item(buf: bytes | mmap.mmap, array: Any, index: int) -> str:
     return cur.string()
 
 
-def _value(cur: _Cursor, vtype: int) -> Any:
+MAX_NESTING = 4  # arrays of arrays deeper than this are not a model's metadata
+
+
+def _value(cur: _Cursor, vtype: int, depth: int = 0) -> Any:
     if vtype == GGUFValueType.STRING:
         return cur.string()
     if vtype == GGUFValueType.ARRAY:
+        if depth >= MAX_NESTING:
+            raise GGUFFormatError(f"arrays nested deeper than {MAX_NESTING} at offset {cur.pos}")
         item_type, length = cur.unpack("<I"), cur.unpack("<Q")
         if length <= MAX_ARRAY_DECODE:
-            return [_value(cur, item_type) for _ in range(length)]
+            return [_value(cur, item_type, depth + 1) for _ in range(length)]
         start = cur.pos
         if item_type == GGUFValueType.STRING:
             for _ in range(length):

@@ -23,7 +23,7 @@ from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
 from scheduler.store.cancel import message_text
 from scheduler.store.celery_app import make_app
-from scheduler.store.connection import resolve_redis_url
+from scheduler.store.connection import connect, resolve_redis_url
 
 log = logging.getLogger("ggufq.placement")
 
@@ -97,7 +97,7 @@ class Liveness:
 def run_service(settings: Settings) -> None:
     redis_url = resolve_redis_url(settings)
     app = make_app(redis_url, settings)
-    service = PlacementService(settings, redis.Redis.from_url(redis_url), app)
+    service = PlacementService(settings, connect(redis_url), app)
     loops = Liveness(service)
 
     def ready(**_: Any) -> None:

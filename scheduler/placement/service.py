@@ -62,6 +62,7 @@ def lost_job_message(job_id: str, where: str, streamed: int) -> str:
 
 
 MAX_PLACEMENT_ERRORS = 3  # unexpected failures of one job's placement before it fails
+MAX_SHAPES = 512  # memory tables kept per (model file, configuration), oldest dropped first
 
 
 class Parked(Exception):
@@ -296,6 +297,8 @@ class PlacementService:
     def _shape(self, info: ModelInfo, config: RunnerConfig) -> Shape:
         key = (info.path, config)
         if key not in self._shapes:
+            if len(self._shapes) >= MAX_SHAPES:  # bounded: jobs may ask for any num_ctx
+                self._shapes.pop(next(iter(self._shapes)))
             self._shapes[key] = Shape(
                 estimate_bytes(info, config),
                 partial_table(info, config),

@@ -1,10 +1,14 @@
-"""Where this host's local stack keeps its Redis URL, so that every command finds it."""
+"""Connecting to Redis: where this host's local stack keeps its URL (so that every command
+finds it), and clients that fail fast on a half-open connection."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Any
+
+import redis
 
 from scheduler.errors import StackNotRunning
 from scheduler.settings import Settings
@@ -43,3 +47,19 @@ def resolve_redis_url(settings: Settings) -> str:
             "no ggufq stack is running on this host and GGUFQ_REDIS_URL is not set; start one "
             "with `ggufq up` (or point GGUFQ_REDIS_URL at the Redis of a running stack)"
         ) from None
+
+
+# Fail fast on a half-open connection (a Redis host that vanished without closing it):
+# without timeouts a read waits for the kernel's TCP timeout, minutes, and a heartbeat or
+# placement stalls that long. Pub/sub reads wait with their own timeouts, under these.
+CLIENT_OPTIONS: dict[str, Any] = {
+    "socket_connect_timeout": 5,
+    "socket_timeout": 30,
+    "socket_keepalive": True,
+    "health_check_interval": 15,
+}
+
+
+def connect(redis_url: str) -> redis.Redis:
+    """A Redis client for ggufq's processes, with the timeouts above."""
+    return redis.Redis.from_url(redis_url, **CLIENT_OPTIONS)

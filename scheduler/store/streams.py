@@ -16,7 +16,7 @@ from typing import Any, cast
 import redis
 import redis.asyncio
 
-from scheduler.errors import GgufqError, JobCancelled
+from scheduler.errors import ChunksLost, GgufqError, JobCancelled
 from scheduler.store import keys
 from scheduler.store.scripts import script
 
@@ -114,6 +114,12 @@ class ChunkOrder:
         chunks = []
         for _id, fields in entries:
             chunk = json.loads(fields[b"c"])
+            if chunk["seq"] != self.last + 1:  # the record lost them too: say so
+                raise ChunksLost(
+                    f"chunks {self.last + 1} to {chunk['seq'] - 1} of job {self.job_id} are "
+                    "lost (Redis lost them, or its record expired); the text so far has a "
+                    "hole: submit the job again"
+                )
             self.last = chunk["seq"]
             chunks.append(chunk)
             if chunk.get("done"):
@@ -138,11 +144,17 @@ class ChunkOrder:
             self.quiet_s = min(self.quiet_s * 2, self.QUIET_MAX_S)
             return None
         self.quiet_s = 1.0
-        chunk: dict[str, Any] = json.loads(message["data"])
-        if chunk["seq"] != self.last + 1:
-            self.backfill = chunk["seq"] > self.last + 1
+        try:
+            chunk: dict[str, Any] = json.loads(message["data"])
+            seq = int(chunk["seq"])
+        except (ValueError, TypeError, KeyError):  # not a chunk: the record decides
+            log.warning("ignored a message on job %s's channel that is not a chunk", self.job_id)
+            self.backfill = True
             return None
-        self.last = chunk["seq"]
+        if seq != self.last + 1:
+            self.backfill = seq > self.last + 1
+            return None
+        self.last = seq
         if self.timeout_s is not None:
             self.deadline = self.clock() + self.timeout_s
         self.done = bool(chunk.get("done"))

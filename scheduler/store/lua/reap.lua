@@ -5,7 +5,9 @@
 -- KEYS[3] ggufq:heartbeats (sorted set) device id -> last heartbeat
 -- KEYS[4] ggufq:orphans   (hash) job id -> in-flight record
 -- Also touches, by name: ggufq:device:<dev>, ggufq:resv:<dev>, ggufq:runner:<id>,
--- ggufq:inflight:<dev> (hash) job id -> in-flight record, ggufq:job:<id>:owner (string)
+-- ggufq:inflight:<dev> (hash) job id -> in-flight record, ggufq:job:<id>:owner (string),
+-- ggufq:running (hash) job id -> start time, and the device's Celery queues (lists)
+-- ggufq.<dev with '.' for ':'> and ggufq.<...>.batch
 -- ARGV: now, device_ttl_s
 -- Returns the ids of the dropped devices.
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -33,8 +35,12 @@ for _, dev in ipairs(redis.call('SMEMBERS', KEYS[1])) do
       else
         redis.call('SET', owner, 'orphaned', 'EX', 86400)
       end
+      redis.call('HDEL', 'ggufq:running', sent[i])
     end
     redis.call('DEL', 'ggufq:resv:' .. dev, 'ggufq:device:' .. dev, 'ggufq:inflight:' .. dev)
+    -- its queues hold only messages of the jobs just orphaned: nothing will read them
+    local queue = 'ggufq.' .. string.gsub(dev, ':', '.')
+    redis.call('DEL', queue, queue .. '.batch')
     changed('ggufq:resv:' .. dev)
     changed('ggufq:device:' .. dev)
     redis.call('SREM', KEYS[1], dev)
