@@ -26,6 +26,7 @@ from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Message, Options
 from scheduler.settings import Settings
+from scheduler.store.cancel import ReaderLease
 from scheduler.store.connection import CLIENT_OPTIONS
 from scheduler.store.streams import aread_chunks
 
@@ -60,8 +61,14 @@ class AsyncJob:
         """
         wait = self.client.timeout if timeout is None else timeout
         done = False
+        settings = self.client.settings
+        lease = (
+            ReaderLease(self.id, settings.stream_ttl_s, settings.reader_lease_s)
+            if cancel_on_close
+            else None
+        )
         try:
-            async for chunk in aread_chunks(self.client.r, self.id, wait, after_seq=after):
+            async for chunk in aread_chunks(self.client.r, self.id, wait, after, lease):
                 if chunk.get("done"):
                     done = True
                     error = chunk.get("error")
@@ -79,6 +86,9 @@ class AsyncJob:
                 f"job {self.id} sent nothing for {wait} s; it is still queued or running: "
                 f"wait longer, or check `ggufq ps` and the worker logs"
             ) from None
+        finally:
+            if lease is not None and lease.renewed_at is not None:
+                await asyncio.to_thread(self.client.sync.release_lease, lease)
 
     async def result(self, timeout: float | None = None) -> GenerateResponse:
         """The final record with the whole text (raises the job's typed error)."""

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, cast, overload
 
+import redis
 from celery.result import AsyncResult
 
 from api_client.batch import run_batch
@@ -34,7 +35,7 @@ from scheduler.protocol import (
 from scheduler.protocol import parse_request as _parse
 from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
-from scheduler.store.cancel import request_cancel
+from scheduler.store.cancel import ReaderLease, request_cancel
 from scheduler.store.celery_app import ask_unload, make_app, send_job
 from scheduler.store.connection import connect, resolve_redis_url
 from scheduler.store.readers import ClusterReader
@@ -77,8 +78,15 @@ class Job:
         """
         wait = self.client.timeout if timeout is None else timeout
         done = False
+        # a reader that cancels on close also cancels if its process dies: its lease lapses
+        settings = self.client.settings
+        lease = (
+            ReaderLease(self.id, settings.stream_ttl_s, settings.reader_lease_s)
+            if cancel_on_close
+            else None
+        )
         try:
-            for chunk in read_chunks(self.client.r, self.id, wait, after_seq=after):
+            for chunk in read_chunks(self.client.r, self.id, wait, after, lease):
                 if chunk.get("done"):
                     done = True
                     error = chunk.get("error")
@@ -94,6 +102,9 @@ class Job:
                 f"job {self.id} sent nothing for {wait} s; it is still queued or running: "
                 f"wait longer, or check `ggufq ps` and the worker logs"
             ) from None
+        finally:
+            if lease is not None and lease.renewed_at is not None:
+                self.client.release_lease(lease)
 
     def result(self, timeout: float | None = None) -> GenerateResponse:
         """The final record with the whole text, from the Celery result backend."""
@@ -369,6 +380,15 @@ class Client:
             "placement": placement,
             "ok": devices > 0 and placement > 0,
         }
+
+    def release_lease(self, lease: ReaderLease) -> None:
+        """The reader leaves on its own: the job no longer ends with it (best effort)."""
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            lease.release(pipe)
+            pipe.execute()
+        except redis.RedisError:
+            pass  # the lease lapses: the job is cancelled, as the reader already asked
 
     def _claim_id(self, request: JobRequest) -> None:
         """A job id belongs to the job first submitted with it: reusing one would read

@@ -88,6 +88,12 @@ class Settings(BaseSettings):
         10.0, gt=0, description="A device without a heartbeat for this long is dropped."
     )
     stream_ttl_s: int = Field(3600, gt=0, description="How long a job's chunk record is kept.")
+    reader_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="A streaming reader that cancels its job when it leaves renews a lease "
+        "this long; a reader killed without a word has its job cancelled once it lapses.",
+    )
     broker_visibility_timeout_s: int = Field(
         3600,
         gt=0,

@@ -6,8 +6,10 @@ again by itself."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +17,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from api_client import Client, GgufqError, JobFailed
+from api_client import Client, GgufqError, Job, JobFailed
 from scheduler.local.stack import LocalStack
+from scheduler.protocol import JobRequest
 from scheduler.settings import Settings
 from scheduler.store import keys
 from tests.conftest import settings_from, stack_env, wait_for
@@ -186,3 +189,36 @@ def test_no_job_runs_twice_when_the_broker_redelivers_quickly(tmp_path: Path) ->
     log = (tmp_path / "logs" / "worker.log").read_text(errors="replace")
     for job in (b, c):
         assert log.count(f"ggufq.run[{job.id}] succeeded") == 1
+
+
+READER = """
+import sys
+from api_client import Client
+with Client() as client:
+    job = client.submit("slow", "a reader that dies", options={LONG!r})
+    for chunk in job.stream():
+        print(job.id, flush=True)
+"""
+
+
+def test_a_client_killed_mid_stream_has_its_job_cancelled(two_hosts: Hosts) -> None:
+    st, _h2, settings = two_hosts
+    env = {**os.environ, **st.extra_env, "GGUFQ_REDIS_URL": st.redis_url}
+    env["GGUFQ_READER_LEASE_S"] = "2"
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER.replace("{LONG!r}", repr(LONG))],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert reader.stdout is not None
+    job_id = reader.stdout.readline().split()[0]  # it streams
+    reader.kill()  # no goodbye: no cancel sent, its lease lapses
+    reader.wait(10)
+    reader.stdout.close()
+    with Client(st.redis_url, settings=settings, timeout=60) as client:
+        job = Job(client, JobRequest(id=job_id, model="slow"))
+        with pytest.raises(GgufqError, match="cancel"):
+            job.result(timeout=60)
+        # the runner keeps serving
+        assert client.generate("slow", "next", options=SHORT).done

@@ -34,7 +34,44 @@ def request_cancel(client: redis.Redis, job_id: str, ttl_s: int) -> None:
 
 
 def is_cancelled(client: redis.Redis, job_id: str) -> bool:
-    return bool(client.exists(keys.cancel_flag(job_id)))
+    """Asked to cancel, or its reader (one that cancels when it goes away) died."""
+    flag, wanted, reader = client.mget(_watch_keys(job_id))
+    return _cancelled(flag, wanted, reader)
+
+
+READER_LEASE_S = 30.0  # a reader renews its lease at least every third of this
+
+
+class ReaderLease:
+    """A streaming reader's sign of life, for a job that is to end if its reader goes away
+    without a word (its process killed): while the lease is renewed the job runs; once it
+    has lapsed, the job's worker (or placement, for a parked job) cancels it. Pure timing;
+    the reader writes :meth:`commands` when :meth:`due` says so."""
+
+    def __init__(self, job_id: str, ttl_s: int, lease_s: float = READER_LEASE_S) -> None:
+        self.job_id, self.ttl_s, self.lease_s = job_id, ttl_s, lease_s
+        self.renewed_at: float | None = None
+
+    def due(self, now: float) -> bool:
+        return self.renewed_at is None or now - self.renewed_at >= self.lease_s / 3
+
+    def renew(self, pipe: Any, now: float) -> None:
+        """Queue the renewal on a pipeline (sync or asyncio) and note the time."""
+        pipe.set(keys.job_reader(self.job_id), 1, ex=int(self.lease_s))
+        pipe.set(keys.job_reader_wanted(self.job_id), 1, ex=self.ttl_s)
+        self.renewed_at = now
+
+    def release(self, pipe: Any) -> None:
+        """The reader is done with the job (it ended, or the reader cancelled it)."""
+        pipe.delete(keys.job_reader(self.job_id), keys.job_reader_wanted(self.job_id))
+
+
+def _watch_keys(job_id: str) -> list[str]:
+    return [keys.cancel_flag(job_id), keys.job_reader_wanted(job_id), keys.job_reader(job_id)]
+
+
+def _cancelled(flag: object, wanted: object, reader: object) -> bool:
+    return bool(flag) or (bool(wanted) and not reader)
 
 
 class CancelWatcher:
@@ -96,9 +133,16 @@ class CancelWatcher:
             watched = sorted(self._watched - self._cancelled)
         if not watched:
             return
-        flags = self.r.mget([keys.cancel_flag(j) for j in watched])
+        values = self.r.mget([key for job_id in watched for key in _watch_keys(job_id)])
+        gone = {
+            job_id
+            for i, job_id in enumerate(watched)
+            if _cancelled(values[3 * i], values[3 * i + 1], values[3 * i + 2])
+        }
+        for job_id in gone:
+            log.info("job %s is cancelled (asked, or its reader went away)", job_id)
         with self._lock:
-            self._cancelled.update(j for j, f in zip(watched, flags, strict=True) if f)
+            self._cancelled.update(gone)
 
 
 def message_text(message: dict[str, Any]) -> str:

@@ -65,6 +65,17 @@ def job_owner(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:owner"
 
 
+def job_reader(job_id: str) -> str:
+    # string with a short expiry, renewed by a reader that cancels the job if it goes away;
+    # "gone" once renewed and then expired (the reader process died)
+    return f"{PREFIX}:job:{job_id}:reader"
+
+
+def job_reader_wanted(job_id: str) -> str:
+    # string: some reader asked for the job to end with it (set with the first lease)
+    return f"{PREFIX}:job:{job_id}:reader:wanted"
+
+
 def cancel_flag(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:cancel"  # string: set when the job is asked to cancel
 

@@ -18,6 +18,7 @@ import redis.asyncio
 
 from scheduler.errors import ChunksLost, GgufqError, JobCancelled
 from scheduler.store import keys
+from scheduler.store.cancel import ReaderLease
 from scheduler.store.scripts import script
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
@@ -162,9 +163,14 @@ class ChunkOrder:
 
 
 def read_chunks(
-    client: redis.Redis, job_id: str, timeout_s: float | None, after_seq: int = 0
+    client: redis.Redis,
+    job_id: str,
+    timeout_s: float | None,
+    after_seq: int = 0,
+    lease: ReaderLease | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Yield the chunks of a job from ``after_seq + 1`` on, until the final one.
+    """Yield the chunks of a job from ``after_seq + 1`` on, until the final one, renewing
+    ``lease`` (if given) while it reads.
 
     Raises TimeoutError when no chunk arrives for ``timeout_s`` seconds.
     """
@@ -173,6 +179,10 @@ def read_chunks(
     pubsub.subscribe(keys.job_channel(job_id))
     try:
         while not order.done:
+            if lease is not None and lease.due(time.monotonic()):
+                pipe = client.pipeline(transaction=False)
+                lease.renew(pipe, time.monotonic())
+                pipe.execute()
             if order.backfill:
                 entries = client.xrange(keys.job_chunks(job_id), min=order.backfill_from)
                 yield from order.from_record(cast(Entries, entries))
@@ -185,7 +195,11 @@ def read_chunks(
 
 
 async def aread_chunks(
-    client: redis.asyncio.Redis, job_id: str, timeout_s: float | None, after_seq: int = 0
+    client: redis.asyncio.Redis,
+    job_id: str,
+    timeout_s: float | None,
+    after_seq: int = 0,
+    lease: ReaderLease | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """:func:`read_chunks` on redis.asyncio: subscribe, backfill with XRANGE, then follow.
 
@@ -196,6 +210,10 @@ async def aread_chunks(
     await pubsub.subscribe(keys.job_channel(job_id))
     try:
         while not order.done:
+            if lease is not None and lease.due(time.monotonic()):
+                apipe = client.pipeline(transaction=False)
+                lease.renew(apipe, time.monotonic())
+                await apipe.execute()
             if order.backfill:
                 entries = await client.xrange(keys.job_chunks(job_id), min=order.backfill_from)
                 for backfilled in order.from_record(cast(Entries, entries)):
