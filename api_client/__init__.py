@@ -2,7 +2,8 @@
 
 from api_client.aio import AsyncClient, AsyncJob
 from api_client.batch_files import BatchSummary
-from api_client.client import Client, Job
+from api_client.client import Client
+from api_client.job import Job
 from scheduler.errors import (
     ChunksLost,
     GgufqError,

@@ -20,7 +20,8 @@ import redis.asyncio
 
 from api_client.batch import BatchStopped, run_batch
 from api_client.batch_files import BatchInput, BatchSummary
-from api_client.client import Client, Job, Messages
+from api_client.client import Client, Messages
+from api_client.job import Job, release
 from api_client.results import result_key, result_ready
 from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import JobTimeout, error_from_code
@@ -88,7 +89,7 @@ class AsyncJob:
             ) from None
         finally:
             if lease is not None and lease.renewed_at is not None:
-                await asyncio.to_thread(self.client.sync.release_lease, lease)
+                await asyncio.to_thread(release, self.client.sync.r, lease)
 
     async def result(self, timeout: float | None = None) -> GenerateResponse:
         """The final record with the whole text (raises the job's typed error)."""

@@ -5,22 +5,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal, cast, overload
-
-import redis
-from celery.result import AsyncResult
+from typing import Any, Literal, overload
 
 from api_client.batch import run_batch
 from api_client.batch_files import BatchInput, BatchSummary
+from api_client.job import Job
 from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import (
-    GgufqError,
     InvalidRequest,
-    JobCancelled,
-    JobFailed,
-    JobTimeout,
     NoWorkers,
-    error_from_code,
 )
 from scheduler.gguf.registry import Registry
 from scheduler.placement.parking import ParkedJobs
@@ -35,112 +28,13 @@ from scheduler.protocol import (
 from scheduler.protocol import parse_request as _parse
 from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
-from scheduler.store.cancel import ReaderLease, request_cancel
+from scheduler.store.cancel import request_cancel
 from scheduler.store.celery_app import ask_unload, make_app, send_job
 from scheduler.store.connection import connect, resolve_redis_url
 from scheduler.store.readers import ClusterReader
-from scheduler.store.streams import read_chunks
 
 _ALIVE_CACHE_S = 1.0
 Messages = list[Message] | list[dict[str, Any]]
-
-
-class Job:
-    """A submitted job: its id is the same in the client, the placement service and the worker."""
-
-    def __init__(self, client: Client, request: JobRequest) -> None:
-        self.client = client
-        self.request = request
-        self.id = request.id
-
-    def __repr__(self) -> str:
-        return f"Job(id={self.id!r}, model={self.request.model!r})"
-
-    def status(self) -> str:
-        """Celery's state of the job's run task: PENDING, STARTED, SUCCESS, FAILURE."""
-        return str(AsyncResult(self.id, app=self.client.app).state)
-
-    def cancel(self) -> None:
-        """Ask for the job to stop: a queued or parked job never starts, a running one
-        frees its slot within one decode step; its result then raises JobCancelled."""
-        self.client.cancel(self.id)
-
-    def stream(
-        self, timeout: float | None = None, cancel_on_close: bool = True, after: int = 0
-    ) -> Iterator[GenerateResponse]:
-        """Chunks in order, from the first, then the final one with the stats.
-
-        ``timeout`` bounds the wait for each next chunk (None = the client's default).
-        Leaving the loop before the final chunk (``break``, closing the iterator, Ctrl-C)
-        cancels the job, as a client that disconnects does, unless ``cancel_on_close`` is
-        False. ``after`` resumes after the chunk with that ``seq``: a reader that dropped
-        its stream reopens it with the last ``seq`` it saw and misses nothing.
-        """
-        wait = self.client.timeout if timeout is None else timeout
-        done = False
-        # a reader that cancels on close also cancels if its process dies: its lease lapses
-        settings = self.client.settings
-        lease = (
-            ReaderLease(self.id, settings.stream_ttl_s, settings.reader_lease_s)
-            if cancel_on_close
-            else None
-        )
-        try:
-            for chunk in read_chunks(self.client.r, self.id, wait, after, lease):
-                if chunk.get("done"):
-                    done = True
-                    error = chunk.get("error")
-                    if error:
-                        raise error_from_code(error["code"], error["message"])
-                yield self._response(chunk)
-        except (GeneratorExit, KeyboardInterrupt):  # Ctrl-C in the loop: the reader is gone
-            if cancel_on_close and not done:
-                self.cancel()
-            raise
-        except TimeoutError:
-            raise JobTimeout(
-                f"job {self.id} sent nothing for {wait} s; it is still queued or running: "
-                f"wait longer, or check `ggufq ps` and the worker logs"
-            ) from None
-        finally:
-            if lease is not None and lease.renewed_at is not None:
-                self.client.release_lease(lease)
-
-    def result(self, timeout: float | None = None) -> GenerateResponse:
-        """The final record with the whole text, from the Celery result backend."""
-        return GenerateResponse.model_validate(self.final(timeout))
-
-    def final(self, timeout: float | None = None) -> dict[str, Any]:
-        """The job's final record as stored (raises the job's typed error)."""
-        wait = self.client.timeout if timeout is None else timeout
-        handle = AsyncResult(self.id, app=self.client.app)
-        try:
-            value = handle.get(timeout=wait, propagate=False, interval=0.05)
-        except Exception as exc:  # celery.exceptions.TimeoutError and backend errors
-            if type(exc).__name__ == "TimeoutError":
-                raise JobTimeout(
-                    f"job {self.id} did not finish within {wait} s; it may still be queued "
-                    "or running: call result() again, or check `ggufq ps`"
-                ) from None
-            raise
-        if handle.state == "FAILURE":
-            if isinstance(value, GgufqError):
-                raise value
-            raise JobFailed(f"job {self.id} failed: {value}")
-        if handle.state == "REVOKED":  # the reason was stored with the state
-            raise JobCancelled(str(value) or f"job {self.id} was cancelled")
-        return cast(dict[str, Any], value)
-
-    def _response(self, chunk: dict[str, Any]) -> GenerateResponse:
-        if chunk.get("done"):
-            return GenerateResponse.model_validate(chunk)
-        return GenerateResponse(
-            model=self.request.model,
-            job_id=self.id,
-            created_at=time.time(),
-            response=chunk.get("response", ""),
-            seq=chunk.get("seq"),
-        )
 
 
 class Client:
@@ -380,15 +274,6 @@ class Client:
             "placement": placement,
             "ok": devices > 0 and placement > 0,
         }
-
-    def release_lease(self, lease: ReaderLease) -> None:
-        """The reader leaves on its own: the job no longer ends with it (best effort)."""
-        try:
-            pipe = self.r.pipeline(transaction=False)
-            lease.release(pipe)
-            pipe.execute()
-        except redis.RedisError:
-            pass  # the lease lapses: the job is cancelled, as the reader already asked
 
     def _claim_id(self, request: JobRequest) -> None:
         """A job id belongs to the job first submitted with it: reusing one would read

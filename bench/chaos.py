@@ -358,7 +358,6 @@ class Reader(threading.Thread):
         super().__init__(name=f"reader-{job.id[:8]}", daemon=True)
         self.job = job
         self.deadline = time.monotonic() + bound_s
-        self.bound_s = bound_s
         self.seqs: list[int] = []
         self.end = "running"
         self.reconnects = 0
@@ -432,6 +431,7 @@ class TrialResult:
     fault: str
     trial: int
     setup_failed: str = ""
+    load: float = 0.0  # the host's 1-minute load average when the fault came
     jobs: list[Tracked] = field(default_factory=list)
     probes: list[Tracked] = field(default_factory=list)
     serve_s: float | None = None
@@ -443,6 +443,7 @@ class TrialResult:
     died: list[str] = field(default_factory=list)
     unhealthy: list[str] = field(default_factory=list)
     spinning: list[str] = field(default_factory=list)
+    stacks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     evidence: list[str] = field(default_factory=list)
 
@@ -477,6 +478,9 @@ class Trial:
         self.killed: set[int] = set()  # pids the fault itself ended
         self.a_device = ""
         self.fault_end = 0.0
+        self.known: dict[str, set[str]] = {}
+        self.progress: dict[str, list[tuple[float, int]]] = {}  # job → (time, chunks)
+        self.child: subprocess.Popen[bytes] | None = None  # client-dies: the client of A
 
     # -- jobs in flight ---------------------------------------------------------------------
     def submit(self, name: str, model: str, options: dict[str, Any], **kw: Any) -> Tracked:
@@ -515,7 +519,8 @@ class Trial:
             self.child_streams_a()
         else:
             self.submit("A", "slow", long_options(self.args.long_tokens))
-        self.expect("A streaming", lambda: self.chunks("A") >= self.rng.randint(2, 5))
+        streamed = self.rng.randint(2, 5)  # chunks A has streamed when the fault comes
+        self.expect("A streaming", lambda: self.chunks("A") >= streamed)
         self.submit("B", "slow", SHORT)
         self.expect("B waiting behind A", self.a_runner_busy, 30)
         options = long_options(self.args.long_tokens * 2 // 3, num_ctx=4096)
@@ -569,6 +574,7 @@ class Trial:
 
     def inject(self) -> None:
         """Inject the fault; ``fault_end`` is when it ended (what time-to-serve counts from)."""
+        self.res.load = os.getloadavg()[0]
         getattr(self, "fault_" + self.fault.name.replace("-", "_"))()
         self.fault_end = time.monotonic()
 
@@ -632,6 +638,7 @@ class Trial:
         self.redis_down(self.args.outage_s, wipe=False)
 
     def fault_client_dies(self) -> None:
+        assert self.child is not None
         self.child.send_signal(signal.SIGKILL)
         self.child.wait(10)
 
@@ -656,7 +663,7 @@ class Trial:
         """Outcomes of the jobs, and probes every 0.5 s from the fault's end until one is
         served; all within ``bound_s`` of the fault's end."""
         deadline = self.fault_end + self.args.bound_s
-        next_probe = self.fault_end
+        next_probe = next_sample = self.fault_end
         while time.monotonic() < deadline:
             now = time.monotonic()
             if self.res.serve_s is None and now >= next_probe:
@@ -664,19 +671,36 @@ class Trial:
                 next_probe = now + PROBE_EVERY_S
             pending = [t for t in self.all_tracked() if not t.outcome]
             self.poll(pending)
+            if now >= next_sample:  # how far the jobs without an outcome have streamed
+                next_sample = now + 1.0
+                for t in pending:
+                    if t.name in self.jobs:
+                        self.progress.setdefault(t.name, []).append((now, self.chunks(t.name)))
             if self.res.serve_s is None:
                 self.res.serve_s = self.first_served()
             if not pending and self.res.serve_s is not None:
                 return
             time.sleep(0.1)
-        for tracked in self.all_tracked():
-            if not tracked.outcome:
-                tracked.outcome = "hung"
-                tracked.message = (
-                    f"no outcome {self.args.bound_s:.0f} s after the fault; "
-                    + whereabouts(self.c, tracked.job.id)
-                )
-                self.c.cancel(tracked.job.id)  # so that it does not burden the next trial
+        self.give_up([t for t in self.all_tracked() if not t.outcome])
+
+    def give_up(self, hung: list[Tracked]) -> None:
+        """Jobs without an outcome at the bound: say where each is and whether it still
+        streams (a starved CPU, not a stuck job), dump the workers' stacks, cancel them."""
+        for tracked in hung:
+            tracked.outcome = "hung"
+            where = whereabouts(self.c, tracked.job.id)
+            tracked.message = f"no outcome {self.args.bound_s:.0f} s after the fault; {where}"
+            samples = self.progress.get(tracked.name, [])
+            recent = [n for t, n in samples if t >= samples[-1][0] - 30] if samples else []
+            if recent and recent[-1] > recent[0]:
+                tracked.message += f"; still streaming (+{recent[-1] - recent[0]} chunks in 30 s)"
+        if any(t in hung for t in self.jobs.values()):
+            self.res.stacks = dump_stacks(self.cl, f"{self.fault.name}-{self.res.trial}")
+            load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+            cores = os.cpu_count()
+            self.res.note(f"load average at the bound {load} on {cores} cores (all work on it)")
+        for tracked in hung:
+            self.c.cancel(tracked.job.id)  # so that it does not burden the next trial
 
     def all_tracked(self) -> list[Tracked]:
         return list(self.jobs.values()) + self.res.probes
@@ -748,10 +772,6 @@ class Trial:
             what = f"{label}: its reader was given seqs {compress(reader.seqs)}, no error"
             self.res.gaps.append(what)
             self.res.silent_gaps.append(what)
-        if reader.reconnects:
-            self.res.note(
-                f"{label}: its reader reopened the stream {reader.reconnects}x ({reader.problem})"
-            )
         if ended and (reader.end in ("timeout", "bound", "running") or "crash" in reader.end):
             what = f"the job is {tracked.outcome}, its reader: {reader.end} after seq "
             self._gap(tracked, f"{label}: {what}{reader.seqs[-1] if reader.seqs else 0}")
@@ -797,7 +817,7 @@ class Trial:
 
     def leaks(self) -> list[str]:
         try:
-            return leak_problems(self.c)
+            return leak_problems(self.c, self.known)
         except (redis.RedisError, GgufqError) as exc:
             return [f"state unreadable: {exc}"]
 
@@ -809,6 +829,7 @@ class Trial:
     def run(self) -> TrialResult:
         marks = LogMarks(self.cl)
         try:
+            self.known = job_hashes(self.c)  # a leak of an earlier trial counts there only
             self.put_load()
         except (SetupFailed, GgufqError, redis.RedisError) as exc:
             self.res.setup_failed = f"{type(exc).__name__}: {exc}"
@@ -839,13 +860,21 @@ class Trial:
                 self.c.cancel(tracked.job.id)
             except redis.RedisError:
                 pass
-        child = getattr(self, "child", None)
-        if child is not None and child.poll() is None:
-            child.kill()
-            child.wait()
+        if self.child is not None and self.child.poll() is None:
+            self.child.kill()
+            self.child.wait()
 
 
-def leak_problems(client: Client) -> list[str]:
+def job_hashes(client: Client) -> dict[str, set[str]]:
+    """The job ids in the hashes that must empty once nothing runs: in flight per device,
+    orphans, running."""
+    devices = [d.id for d in client.devices()]
+    names = [keys.inflight(d) for d in devices] + [keys.ORPHANS, keys.RUNNING]
+    return {n: {k.decode() for k in cast(list[bytes], client.r.hkeys(n))} for n in names}
+
+
+def leak_problems(client: Client, known: dict[str, set[str]]) -> list[str]:
+    """What is left once nothing runs; ``known`` entries were left before this trial."""
     devices = {d.id: d for d in client.devices()}
     runners = client.ps()
     problems = [f"job {j.id} still {j.state}" for j in client.jobs()]
@@ -866,11 +895,53 @@ def leak_problems(client: Client) -> list[str]:
                 f"{device.id} reserves {device.reserved} bytes, its runners hold "
                 f"{held.get(device.id, 0)}"
             )
-    for name in [keys.inflight(d) for d in devices] + [keys.ORPHANS, keys.RUNNING]:
-        jobs = [k.decode() for k in cast(list[bytes], client.r.hkeys(name))]
+    for name, ids in job_hashes(client).items():
+        jobs = sorted(ids - known.get(name, set()))
         if jobs:
             problems.append(f"{len(jobs)} entries left in {name}: {', '.join(jobs[:4])}")
     return problems
+
+
+def dump_stacks(cluster: Cluster, label: str) -> list[str]:
+    """Every thread's Python stack in each live worker (gdb's py-bt), saved beside the logs;
+    returns where each thread is, in one line each."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return ["(no gdb: no stacks of the workers)"]
+    lines = []
+    for host, proc in cluster.workers.items():
+        if proc.poll() is not None:
+            continue
+        argv = [gdb, "-p", str(proc.pid), "-batch", "-iex", "add-auto-load-safe-path /"]
+        try:
+            done = subprocess.run(
+                [*argv, "-ex", "thread apply all py-bt"], capture_output=True, text=True, timeout=90
+            )
+        except subprocess.TimeoutExpired:
+            lines.append(f"worker {host}: gdb did not answer in 90 s")
+            continue
+        path = cluster.root / f"stacks-{label}-{host}.txt"
+        path.write_text(done.stdout + done.stderr)
+        lines.append(f"worker {host} (pid {proc.pid}) threads, in full in {path}:")
+        lines += ["  " + t for t in thread_summaries(done.stdout)]
+    return lines
+
+
+def thread_summaries(text: str) -> list[str]:
+    """One line per thread of a py-bt dump: its innermost frame, and ours if that is not."""
+    out = []
+    for block in text.split("Traceback (most recent call first):")[1:]:
+        frames = re.findall(r'File "([^"]+)", line (\S+), in (\S+)', block)
+        if not frames:
+            continue
+        short = [(f.replace(str(ROOT) + "/", ""), n, fn) for f, n, fn in frames]
+        inner = short[0]
+        ours = next((f for f in short if not f[0].startswith(("/", ".venv"))), None)
+        where = f"{inner[0].rsplit('/', 1)[-1]}:{inner[1]} {inner[2]}"
+        if ours is not None and ours != inner:
+            where += f" <- {ours[0]}:{ours[1]} {ours[2]}"
+        out.append(where)
+    return out
 
 
 def whereabouts(client: Client, job_id: str) -> str:
@@ -919,14 +990,14 @@ def evidence(res: TrialResult, texts: dict[str, str]) -> list[str]:
     """Log lines about what went wrong in this trial: each bad job's lines, then errors."""
     lines: list[str] = []
     bad = [t for t in res.jobs + res.probes if t.outcome in ("hung", "unclear")]
-    flagged = " ".join(res.twice + res.gaps + res.silent_gaps)
+    flagged = " ".join(res.twice + res.gaps + res.unexpected)
     bad += [t for t in res.jobs if t.job.id in flagged and t not in bad]
     for tracked in bad[:6]:
         lines += grep(texts, re.escape(tracked.job.id), 4)
     lines += grep(texts, r"Exception in thread|Traceback|CRITICAL|Unrecoverable|is lost", 8)
     lines += grep(texts, r"\bERROR\b|gave up|UnicodeDecodeError|JSONDecodeError", 8)
     lines += grep(texts, r"Cannot connect|Trying again|dropped devices|no longer registered", 8)
-    return list(dict.fromkeys(lines))
+    return list(dict.fromkeys(lines))[:16]
 
 
 # -- a fault's trials ----------------------------------------------------------------------
@@ -975,6 +1046,11 @@ def summary(res: TrialResult) -> str:
 
 
 # -- the report -----------------------------------------------------------------------------
+def jobs_in(problems: list[str]) -> int:
+    """How many jobs the problems are about (each starts "<name> <job id>:")."""
+    return len({p.split(":", 1)[0] for p in problems})
+
+
 def serve_target_s(fault: Fault, hb_s: float, ttl_s: float) -> float:
     return ttl_s + 2 * hb_s if fault.serve == "death" else 2 * hb_s
 
@@ -993,9 +1069,9 @@ def figures(fault: Fault, results: list[TrialResult], hb_s: float, ttl_s: float)
         "unclear": sum(r.count("unclear") for r in ran),
         "hung": sum(r.count("hung") for r in ran),
         "probes_hung": probes_hung,
-        "run_twice": sum(len(r.twice) for r in ran),
-        "gaps": sum(len(r.gaps) for r in ran),
-        "silent_gaps": sum(len(r.silent_gaps) for r in ran),
+        "run_twice": sum(jobs_in(r.twice) for r in ran),
+        "gaps": sum(jobs_in(r.gaps) for r in ran),
+        "silent_gaps": sum(jobs_in(r.silent_gaps) for r in ran),
         "leaked": sum(len(r.leaks) for r in ran),
         "unexpected": sum(len(r.unexpected) for r in ran),
         "died": sum(len(r.died) for r in ran),
@@ -1053,7 +1129,8 @@ def problems_of(r: TrialResult, target_s: float) -> list[str]:
     out += ["unexpected outcome: " + s for s in r.unexpected]
     out += ["run twice: " + s for s in r.twice] + ["gap: " + s for s in r.gaps]
     out += ["leak: " + s for s in r.leaks] + ["died: " + s for s in r.died]
-    out += ["unhealthy: " + s for s in r.unhealthy] + ["spinning: " + s for s in r.spinning]
+    out += ["health check fails: " + s for s in r.unhealthy]
+    out += ["spinning: " + s for s in r.spinning]
     if r.serve_s is None or r.serve_s > target_s:
         served = "never" if r.serve_s is None else f"after {r.serve_s:.2f} s"
         out.append(f"served again {served} (target {target_s:.1f} s)")
@@ -1073,6 +1150,7 @@ def findings(results: Iterable[TrialResult], targets: dict[str, float]) -> list[
             out += [f"{where} {p}" for p in problems]
             out += [f"{where}   note: {n}" for n in r.notes]
             out += [f"{where}   log: {line}" for line in r.evidence]
+            out += [f"{where}   stack: {line}" for line in r.stacks]
     return out
 
 
@@ -1141,6 +1219,7 @@ def main(argv: list[str] | None = None) -> None:
         print("  " + line)
     seconds = time.monotonic() - started
     print(f"took {seconds:.0f} s; logs under {work}")
+    loads = [r.load for r in all_results if not r.setup_failed]
     report = {
         "bench": "chaos",
         "trials": args.trials,
@@ -1149,6 +1228,11 @@ def main(argv: list[str] | None = None) -> None:
         "device_ttl_s": ttl_s,
         "outage_s": args.outage_s,
         "bound_s": args.bound_s,
+        "load_1m_at_fault": {
+            "median": round(statistics.median(loads), 2) if loads else None,
+            "max": round(max(loads), 2) if loads else None,
+            "cores": os.cpu_count(),
+        },
         "faults": rows,
         "met": all(r["met"] for r in rows.values()),
         "seconds": round(seconds, 1),

@@ -13,7 +13,7 @@ from scheduler.local.stack import LocalStack
 from tests.conftest import settings_from, stack_env, wait_for
 from tests.tinymodel import write_slow_model
 
-BUSY = {"temperature": 0, "num_predict": 3000, "num_ctx": 8192}  # seconds of work
+BUSY = {"temperature": 0, "num_predict": 1500, "num_ctx": 8192}  # a second or more of work
 QUICK = {"temperature": 0, "num_predict": 2, "num_ctx": 8192}
 
 
@@ -26,7 +26,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
     env = stack_env(models, root / "state", host="kahost")
     settings = settings_from(env, None)
     with LocalStack(settings, log_dir=root / "logs", extra_env=env) as st:
-        with Client(st.redis_url, settings=settings, timeout=60) as c:
+        with Client(st.redis_url, settings=settings, timeout=120) as c:
             yield c
 
 
@@ -43,7 +43,7 @@ def test_an_unload_asked_while_busy_happens_when_the_last_job_ends(client: Clien
     job = busy_runner(client)
     assert len(client.unload("slow")) == 1
     assert client.ps()  # still serving its job
-    assert job.result(timeout=60).done  # type: ignore[attr-defined]
+    assert job.result(timeout=120).done  # type: ignore[attr-defined]
     assert wait_for(lambda: not client.ps(), timeout=30)
 
 
@@ -52,8 +52,8 @@ def test_a_keep_alive_zero_job_on_a_busy_runner_unloads_it_after_the_last(
 ) -> None:
     first = busy_runner(client)
     second = client.submit("slow", "and go", options=QUICK, keep_alive=0)
-    assert second.result(timeout=60).done  # type: ignore[attr-defined]
-    assert first.result(timeout=60).done  # type: ignore[attr-defined]
+    assert second.result(timeout=120).done  # type: ignore[attr-defined]
+    assert first.result(timeout=120).done  # type: ignore[attr-defined]
     assert wait_for(lambda: not client.ps(), timeout=30)
 
 
@@ -61,9 +61,9 @@ def test_a_job_cancelled_in_the_queue_leaves_the_runner_s_keep_alive(client: Cli
     first = busy_runner(client)
     queued = client.submit("slow", "waits for the slot", options=QUICK)
     queued.cancel()
-    assert first.result(timeout=60).done  # type: ignore[attr-defined]
+    assert first.result(timeout=120).done  # type: ignore[attr-defined]
     with pytest.raises(Exception, match="cancel"):
-        queued.result(timeout=60)
+        queued.result(timeout=120)
     assert wait_for(lambda: [r.in_flight for r in client.ps()] == [0], timeout=30)
     assert [(r.keep_alive_s, r.expires_at) for r in client.ps()] == [(-1, -1)]
     client.unload("slow")

@@ -1,0 +1,140 @@
+"""A submitted job's handle: its chunks as they stream, its result, its cancellation."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol, cast
+
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+
+from scheduler.errors import GgufqError, JobCancelled, JobFailed, JobTimeout, error_from_code
+from scheduler.protocol import GenerateResponse, JobRequest
+from scheduler.settings import Settings
+from scheduler.store.cancel import ReaderLease
+from scheduler.store.streams import read_chunks
+
+
+class JobHost(Protocol):
+    """What a job needs of the client that submitted it (``Client`` is one)."""
+
+    r: redis.Redis
+    app: Celery
+    timeout: float
+    settings: Settings
+
+    def cancel(self, job_id: str) -> None: ...
+
+
+def release(client: redis.Redis, lease: ReaderLease) -> None:
+    """The reader leaves on its own: the job no longer ends with it (best effort)."""
+    try:
+        pipe = client.pipeline(transaction=False)
+        lease.release(pipe)
+        pipe.execute()
+    except redis.RedisError:
+        pass  # the lease lapses: the job is cancelled, as the reader already asked
+
+
+class Job:
+    """A submitted job: its id is the same in the client, the placement service and the worker."""
+
+    def __init__(self, client: JobHost, request: JobRequest) -> None:
+        self.client = client
+        self.request = request
+        self.id = request.id
+
+    def __repr__(self) -> str:
+        return f"Job(id={self.id!r}, model={self.request.model!r})"
+
+    def status(self) -> str:
+        """Celery's state of the job's run task: PENDING, STARTED, SUCCESS, FAILURE."""
+        return str(AsyncResult(self.id, app=self.client.app).state)
+
+    def cancel(self) -> None:
+        """Ask for the job to stop: a queued or parked job never starts, a running one
+        frees its slot within one decode step; its result then raises JobCancelled."""
+        self.client.cancel(self.id)
+
+    def stream(
+        self, timeout: float | None = None, cancel_on_close: bool = True, after: int = 0
+    ) -> Iterator[GenerateResponse]:
+        """Chunks in order, from the first, then the final one with the stats.
+
+        ``timeout`` bounds the wait for each next chunk (None = the client's default).
+        Leaving the loop before the final chunk (``break``, closing the iterator, Ctrl-C)
+        cancels the job, as a client that disconnects does, unless ``cancel_on_close`` is
+        False. ``after`` resumes after the chunk with that ``seq``: a reader that dropped
+        its stream reopens it with the last ``seq`` it saw and misses nothing.
+        """
+        wait = self.client.timeout if timeout is None else timeout
+        done = False
+        # a reader that cancels on close also cancels if its process dies: its lease lapses
+        settings = self.client.settings
+        lease = (
+            ReaderLease(self.id, settings.stream_ttl_s, settings.reader_lease_s)
+            if cancel_on_close
+            else None
+        )
+        try:
+            for chunk in read_chunks(self.client.r, self.id, wait, after, lease):
+                if chunk.get("done"):
+                    done = True
+                    error = chunk.get("error")
+                    if error:
+                        raise error_from_code(error["code"], error["message"])
+                yield self._response(chunk)
+        except (GeneratorExit, KeyboardInterrupt):  # Ctrl-C in the loop: the reader is gone
+            if cancel_on_close and not done:
+                self.cancel()
+            raise
+        except TimeoutError:
+            raise JobTimeout(
+                f"job {self.id} sent nothing for {wait} s; it is still queued or running: "
+                f"wait longer, or check `ggufq ps` and the worker logs"
+            ) from None
+        finally:
+            if lease is not None and lease.renewed_at is not None:
+                release(self.client.r, lease)
+
+    def result(self, timeout: float | None = None) -> GenerateResponse:
+        """The final record with the whole text, from the Celery result backend."""
+        return GenerateResponse.model_validate(self.final(timeout))
+
+    def final(self, timeout: float | None = None) -> dict[str, Any]:
+        """The job's final record as stored (raises the job's typed error)."""
+        wait = self.client.timeout if timeout is None else timeout
+        handle = AsyncResult(self.id, app=self.client.app)
+        try:
+            value = handle.get(timeout=wait, propagate=False, interval=0.05)
+        except Exception as exc:  # celery.exceptions.TimeoutError and backend errors
+            if type(exc).__name__ == "TimeoutError":
+                raise JobTimeout(
+                    f"job {self.id} did not finish within {wait} s; it may still be queued "
+                    "or running: call result() again, or check `ggufq ps`"
+                ) from None
+            raise
+        finally:
+            # a result given up on stays subscribed in Celery's result consumer, which then
+            # retries for 20 s once the client closes its connections: let go of it here
+            handle.backend.remove_pending_result(handle)
+        if handle.state == "FAILURE":
+            if isinstance(value, GgufqError):
+                raise value
+            raise JobFailed(f"job {self.id} failed: {value}")
+        if handle.state == "REVOKED":  # the reason was stored with the state
+            raise JobCancelled(str(value) or f"job {self.id} was cancelled")
+        return cast(dict[str, Any], value)
+
+    def _response(self, chunk: dict[str, Any]) -> GenerateResponse:
+        if chunk.get("done"):
+            return GenerateResponse.model_validate(chunk)
+        return GenerateResponse(
+            model=self.request.model,
+            job_id=self.id,
+            created_at=time.time(),
+            response=chunk.get("response", ""),
+            seq=chunk.get("seq"),
+        )
