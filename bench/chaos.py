@@ -69,6 +69,8 @@ PROBE = {"temperature": 0, "num_predict": 4}
 PROBE_EVERY_S = 0.5
 MAX_PROBES = 60
 SETTLE_S = 30.0
+READER_LEASE_S = 3.0
+CLIENT_TOKENS = 6000  # the dying client's job runs well past its lease
 
 
 def long_options(tokens: int, num_ctx: int = 8192) -> dict[str, Any]:
@@ -121,6 +123,9 @@ class Cluster:
     def __init__(self, root: Path, models: Path) -> None:
         self.root = root
         self.env = stack_env(models, root / "state", host="h1")
+        # a streaming reader renews a lease; a client killed without a word has its job
+        # cancelled once the lease lapses (default 30 s: longer than A runs here)
+        self.env["GGUFQ_READER_LEASE_S"] = str(READER_LEASE_S)
         self.settings = settings_from(self.env, None)
         self.log_dir = root / "logs"
         self.stack: LocalStack | None = None
@@ -411,6 +416,19 @@ def outcome_of(job: Job) -> tuple[str, str, dict[str, Any]]:
     return "unclear", f"final record without done: {str(final)[:200]}", final
 
 
+def late_read(job: Job) -> str:
+    """What Job.stream gives a reader that starts now: an error, or the seqs it yielded."""
+    seqs: list[int] = []
+    try:
+        for chunk in job.stream(timeout=5, cancel_on_close=False):
+            seqs.append(chunk.seq or -1)
+    except GgufqError as exc:
+        return f"error {type(exc).__name__} after seqs {compress(seqs)}"
+    except (redis.RedisError, OSError) as exc:
+        return f"no answer ({exc})"
+    return f"was given seqs {compress(seqs)}, no error"
+
+
 def record_of(client: Client, job_id: str) -> list[dict[str, Any]]:
     r: Any = client.r
     try:
@@ -435,6 +453,7 @@ class TrialResult:
     jobs: list[Tracked] = field(default_factory=list)
     probes: list[Tracked] = field(default_factory=list)
     serve_s: float | None = None
+    a_outcome_s: float | None = None  # from the fault's end to A's outcome
     twice: list[str] = field(default_factory=list)
     gaps: list[str] = field(default_factory=list)
     silent_gaps: list[str] = field(default_factory=list)
@@ -545,7 +564,7 @@ class Trial:
     )
 
     def child_streams_a(self) -> None:
-        code = self.CHILD.replace("{opts}", repr(long_options(self.args.long_tokens)))
+        code = self.CHILD.replace("{opts}", repr(long_options(CLIENT_TOKENS)))
         child = subprocess.Popen(
             [sys.executable, "-c", code],
             env=self.cl.child_env(),
@@ -750,7 +769,12 @@ class Trial:
         finals = sum(bool(c.get("done")) for c in record)
         whole = seqs == list(range(1, len(seqs) + 1))
         if not whole:
-            self._gap(tracked, f"{label}: record seqs {compress(seqs)} ({tracked.outcome})")
+            late = late_read(tracked.job)  # a reader from the start, after the fact
+            what = f"{label}: record seqs {compress(seqs)} ({tracked.outcome}); a late reader: "
+            if late.startswith("error"):
+                self.res.gaps.append(what + late)  # the reader is told: not silent
+            else:
+                self._gap(tracked, what + late)
         if finals > 1:
             self.res.twice.append(f"{label}: {finals} final chunks in its record")
         text = "".join(str(c.get("response", "")) for c in record if not c.get("done"))
@@ -847,6 +871,9 @@ class Trial:
         texts = marks.new_text()
         self.check_twice(texts)
         self.res.jobs = list(self.jobs.values())
+        a = self.jobs["A"]
+        if a.outcome in DEFINED:
+            self.res.a_outcome_s = round(a.ended - self.fault_end, 3)
         self.check_outcomes()
         self.res.leaks += self.cl.heal()
         self.res.leaks += self.cl.unload_all()
@@ -1081,6 +1108,7 @@ def figures(fault: Fault, results: list[TrialResult], hb_s: float, ttl_s: float)
         "serve_p50_s": round(statistics.median(serve), 3) if serve else None,
         "never_served": len(ran) - len(serve),
         "serve_target_s": target,
+        "a_outcome_s": [r.a_outcome_s for r in ran],
     }
     out["targets"] = {
         "hung": out["hung"] + probes_hung == 0,
