@@ -4,14 +4,15 @@
 
 One stack per fault, reused across its trials: Redis, placement, a worker on host h1 (a
 2 GiB virtual GPU) and one on h2 (1 GiB, so binpack loads the slow model there first).
-Heartbeats every 0.5 s, device TTL 5 s (the tests' settings). Each trial puts jobs in flight
--- A streams on h2, B waits for A's slot, C streams on h1 (pinned), D was submitted just
-before the fault -- injects the fault, and counts within a bound (``--bound-s``): outcomes
-(completed, failed with a GgufqError, cancelled, hung), jobs run twice, streams with a gap
-or a duplicate ``seq``, what leaked once things settle, processes that died unasked, and
-the seconds from the fault's end until a new short job is served (a probe every 0.5 s until
-one completes). Between trials dead processes are started again and every runner is
-unloaded, so each trial starts alike; every device must then reserve nothing.
+Heartbeats every 0.5 s, device TTL 5 s (the tests' settings), reader lease 3 s. Each trial
+puts jobs in flight -- A streams on h2, B waits for A's slot, C streams on h1 (pinned), D
+was submitted just before the fault -- injects the fault, and counts within a bound
+(``--bound-s``): outcomes (completed, failed with a GgufqError, cancelled, hung), jobs run
+twice, streams with a gap or a duplicate ``seq``, what leaked once things settle, processes
+that died unasked, failing health checks, and the seconds from the fault's end until a new
+short job is served (a probe every 0.5 s until one completes). Between trials dead
+processes are started again and every runner is unloaded, so each trial starts alike;
+every device must then reserve nothing.
 
 Targets: 0 hung, 0 run twice, 0 silent gaps, 0 leaked; serving again within 2 heartbeats of
 Redis (or a stalled worker) returning, within GGUFQ_DEVICE_TTL_S + 2 heartbeats of a

@@ -56,8 +56,10 @@ def run_loop(
     backoff_s: tuple[float, ...] = BACKOFF_S,
 ) -> None:
     """Call ``step`` until ``stop`` is set, ``every_s`` apart (0: again at once, for a step
-    that waits by itself). A failure is logged (``expected`` kinds, such as Redis being away,
-    without a traceback) and retried after a back-off; the loop itself never ends on one."""
+    that waits by itself; a step that never returns, such as a pub/sub listener, reports
+    ``health.ok(name)`` itself as it goes, or it would stay "failing" after one error).
+    A failure is logged (``expected`` kinds, such as Redis being away, without a
+    traceback) and retried after a back-off; the loop itself never ends on one."""
     errors = 0
     while not stop.is_set():
         try:

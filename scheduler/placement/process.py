@@ -74,6 +74,7 @@ class Liveness:
             next_sweep = time.monotonic() + sweep_s
             while not self.stopping.is_set():
                 message = pubsub.get_message(timeout=1.0)
+                self.health.ok("placement-wake")  # the step never returns: it is alive
                 if message is not None and self._on_message(message):
                     continue
                 due = time.monotonic() >= next_sweep

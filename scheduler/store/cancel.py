@@ -118,6 +118,7 @@ class CancelWatcher:
         try:
             while not self._stop.is_set():
                 message = pubsub.get_message(timeout=self.recheck_s)
+                self.health.ok("cancels")  # a listener's step never returns: it is alive
                 if message is None:
                     self._recheck()
                     continue
