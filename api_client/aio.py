@@ -63,10 +63,8 @@ class AsyncJob:
         wait = self.client.timeout if timeout is None else timeout
         done = False
         settings = self.client.settings
-        lease = (
-            ReaderLease(self.id, settings.stream_ttl_s, settings.reader_lease_s)
-            if cancel_on_close
-            else None
+        lease = ReaderLease.for_reader(
+            self.id, cancel_on_close, settings.stream_ttl_s, settings.reader_lease_s
         )
         try:
             async for chunk in aread_chunks(self.client.r, self.id, wait, after, lease):

@@ -73,10 +73,8 @@ class Job:
         done = False
         # a reader that cancels on close also cancels if its process dies: its lease lapses
         settings = self.client.settings
-        lease = (
-            ReaderLease(self.id, settings.stream_ttl_s, settings.reader_lease_s)
-            if cancel_on_close
-            else None
+        lease = ReaderLease.for_reader(
+            self.id, cancel_on_close, settings.stream_ttl_s, settings.reader_lease_s
         )
         try:
             for chunk in read_chunks(self.client.r, self.id, wait, after, lease):

@@ -222,3 +222,23 @@ def test_a_client_killed_mid_stream_has_its_job_cancelled(two_hosts: Hosts) -> N
             job.result(timeout=60)
         # the runner keeps serving
         assert client.generate("slow", "next", options=SHORT).done
+
+
+def test_sigkill_worker_mid_job(two_hosts: Hosts) -> None:
+    """A worker killed mid-job loses no job silently."""
+    st, victim, settings = two_hosts
+    with Client(st.redis_url, settings=settings, timeout=60) as client:
+        a, b = busy_on_h2(client)
+        victim.send_signal(signal.SIGKILL)
+        # a had streamed: it ends with an error that says what happened
+        with pytest.raises(JobFailed, match=r"worker ggufq-vgpu0@h2 \(vgpu:h2:0\) stopped"):
+            a.result(timeout=60)  # type: ignore[attr-defined]
+        # b had not: it runs again, once, on the other host
+        result = b.result(timeout=60)  # type: ignore[attr-defined]
+        assert result.done and result.device == "vgpu:h1:0"
+        # the dead device is gone with its runner and reservation
+        assert [d.id for d in client.devices()] == ["vgpu:h1:0"]
+        (runner,) = client.ps()
+        assert runner.devices.keys() == {"vgpu:h1:0"}
+        (device,) = client.devices()
+        assert device.reserved == runner.bytes

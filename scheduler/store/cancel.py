@@ -52,6 +52,13 @@ class ReaderLease:
         self.job_id, self.ttl_s, self.lease_s = job_id, ttl_s, lease_s
         self.renewed_at: float | None = None
 
+    @classmethod
+    def for_reader(
+        cls, job_id: str, cancel_on_close: bool, ttl_s: int, lease_s: float
+    ) -> ReaderLease | None:
+        """The lease of a reader that cancels on close (None for one that does not)."""
+        return cls(job_id, ttl_s, lease_s) if cancel_on_close else None
+
     def due(self, now: float) -> bool:
         return self.renewed_at is None or now - self.renewed_at >= self.lease_s / 3
 
