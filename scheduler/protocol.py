@@ -148,6 +148,11 @@ class JobRequest(BaseModel):
         None, description="None keeps the runner's current value; 0 unloads after; <0 never"
     )
     priority: Literal["interactive", "batch"] = "interactive"
+    tenant: str = Field(
+        "default",
+        pattern=r"^[A-Za-z0-9_.:@-]{1,128}$",
+        description="whom the job is for: an API key's id, else the client's name, else default",
+    )
     device: str | None = Field(None, max_length=256, description="pin to this device id")
     submitted_at: float = Field(default_factory=time.time)
     attempt: int = Field(0, ge=0, le=1, description="1 once re-placed after its worker died")

@@ -138,6 +138,31 @@ class Settings(BaseSettings):
         "buffer; false for a GPU whose kernels lack the model's head size.",
     )
 
+    http_host: str = Field(
+        "127.0.0.1",
+        description="Where the HTTP gateway (`ggufq serve`) listens; API keys are required "
+        "when it is not a loopback address (see http_auth).",
+    )
+    http_port: int = Field(
+        11434, ge=1, le=65535, description="The gateway's port (Ollama's, so tools find it)."
+    )
+    http_auth: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="API keys at the gateway: auto = required unless it listens on loopback; "
+        "on = always; off = never (any caller is tenant 'default').",
+    )
+    http_keepalive_s: float = Field(
+        5.0,
+        gt=0,
+        description="A streamed answer whose job sends nothing for this long (parked, or its "
+        "model loading) gets keep-alive bytes, so that proxies and clients do not cut it.",
+    )
+    http_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="The gateway gives up on a job that sends nothing for this long (504).",
+    )
+
     @field_validator("keep_alive_s", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> float:

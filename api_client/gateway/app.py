@@ -1,0 +1,140 @@
+"""The gateway's ASGI app: Ollama's API at /api and /, OpenAI's at /v1, metrics at /metrics.
+
+Stateless: it holds an AsyncClient of the cluster and nothing else, so any number of
+gateway processes on any hosts serve one Redis. One ASGI layer (:class:`Guard`) checks API
+keys and their limits, and counts every request for the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api_client.aio import AsyncClient
+from api_client.gateway import ollama, openai_api
+from api_client.gateway.core import Caller, Gateway
+from api_client.gateway.errors import headers_for, http_error, ollama_body, openai_body
+from api_client.gateway.keys import ApiKey, KeyStore, Limiter, bearer_token
+from api_client.gateway.metrics import GatewayMetrics
+from scheduler.errors import GgufqError
+from scheduler.settings import Settings
+
+log = logging.getLogger("ggufq.gateway")
+_OPEN_PATHS = frozenset({"/", "/api/version", "/metrics"})  # answered without a key
+
+
+def error_response(path: str, exc: GgufqError) -> Response:
+    """The error in the shape of the API the path belongs to."""
+    answer = http_error(exc)
+    body: Any
+    if path.startswith("/v1/"):
+        body = openai_body(exc, answer.status)
+    else:
+        body = ollama_body(exc)
+    return JSONResponse(body, status_code=answer.status, headers=headers_for(answer))
+
+
+class Guard:
+    """API keys, their limits, and the metrics of every request, around the app."""
+
+    def __init__(
+        self, app: ASGIApp, gateway: Gateway, require_keys: bool, metrics: GatewayMetrics
+    ) -> None:
+        self.app = app
+        self.gateway = gateway
+        self.require_keys = require_keys
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        seen: dict[str, Any] = {"status": 500, "ttfb": None}
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+            elif message["type"] == "http.response.body" and seen["ttfb"] is None:
+                seen["ttfb"] = time.perf_counter() - started
+            await send(message)
+
+        key: ApiKey | None = None
+        ticket: str | None = None
+        try:
+            if self.require_keys and scope["path"] not in _OPEN_PATHS:
+                key, ticket = await self._admit(scope)
+            scope.setdefault("state", {})["caller"] = Caller(key)
+            await self.app(scope, receive, counted)
+        except GgufqError as exc:
+            await error_response(scope["path"], exc)(scope, receive, counted)
+        finally:
+            if ticket is not None and key is not None:
+                await asyncio.to_thread(self._limiter().done, key, ticket)
+            route = scope.get("route")
+            label = getattr(route, "path", "other")
+            self.metrics.observe(label, seen["status"], key.id if key else "", seen["ttfb"])
+
+    def _limiter(self) -> Limiter:
+        return Limiter(self.gateway.client.sync.r)
+
+    async def _admit(self, scope: Scope) -> tuple[ApiKey, str | None]:
+        headers = dict(scope["headers"])
+        token = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
+        r = self.gateway.client.sync.r
+
+        def admit() -> tuple[ApiKey, str | None]:
+            key = KeyStore(r).lookup(token)
+            return key, Limiter(r).admit(key, time.time())
+
+        return await asyncio.to_thread(admit)
+
+
+def make_app(
+    settings: Settings, client: AsyncClient | None = None, *, require_keys: bool = False
+) -> FastAPI:
+    """The gateway app. ``client`` defaults to one made (and closed) with the app's life."""
+    own = client is None
+    cluster = client or AsyncClient(settings=settings, timeout=settings.http_timeout_s)
+    gateway = Gateway(cluster, settings)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if own:
+            await cluster.close()
+
+    app = FastAPI(title="ggufq gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gateway
+    app.include_router(ollama.router)
+    app.include_router(openai_api.router)
+    counters = GatewayMetrics()
+    app.add_middleware(Guard, gateway=gateway, require_keys=require_keys, metrics=counters)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return counters.response()
+
+    @app.exception_handler(GgufqError)
+    async def ggufq_error(request: Request, exc: GgufqError) -> Response:
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("%s %s failed", request.method, request.url.path)
+        error = GgufqError(
+            f"the gateway failed on {request.url.path} ({type(exc).__name__}: {exc}); "
+            "see its log, and report it if it persists"
+        )
+        return error_response(request.url.path, error)
+
+    return app

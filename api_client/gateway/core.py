@@ -1,0 +1,191 @@
+"""What both APIs of the gateway share: the cluster client, the caller, and jobs submitted,
+streamed or awaited on the caller's behalf."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api_client.aio import AsyncClient, AsyncJob
+from api_client.gateway.keys import ApiKey
+from api_client.gateway.streaming import (
+    Encode,
+    JobFeed,
+    JobStreamResponse,
+    first_item,
+    frames,
+    or_cancel_on_disconnect,
+)
+from scheduler.errors import GgufqError, InvalidModelFile, InvalidRequest, ModelNotFound
+from scheduler.gguf.registry import Registry
+from scheduler.protocol import (
+    EmbedResponse,
+    GenerateResponse,
+    Options,
+    check_model_name,
+    describe_validation_error,
+)
+from scheduler.settings import Settings
+
+Format = Literal["json"] | dict[str, Any] | None
+_KNOWN_OPTIONS = frozenset(Options.model_fields)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: its API key (None when keys are off)."""
+
+    key: ApiKey | None = None
+
+    @property
+    def tenant(self) -> str:
+        return self.key.id if self.key else "default"
+
+    def check_model(self, model: str) -> None:
+        if self.key is not None:
+            self.key.check_model(model)
+
+
+def caller_of(request: Request) -> Caller:
+    caller = getattr(request.state, "caller", None)
+    return caller if isinstance(caller, Caller) else Caller()
+
+
+def model_name(name: str | None) -> str:
+    """A model name as jobs take it: Ollama's ``:latest`` tag is dropped (ggufq's names are
+    file stems, without tags)."""
+    if not name:
+        raise InvalidRequest('the request names no model: give \'model\', e.g. "model": "tiny"')
+    if name.endswith(":latest"):
+        name = name.removesuffix(":latest")
+    if ":" in name:
+        raise ModelNotFound(
+            f"model {name!r} not found: ggufq names models by their file's stem, without a tag "
+            f"(e.g. {name.split(':')[0]!r}); `ggufq models` or GET /api/tags lists them"
+        )
+    return check_model_name(name)
+
+
+def known_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """Ollama's options that ggufq serves; the others (mirostat, tfs_z, num_batch, ...) are
+    dropped as Ollama drops options a runner ignores."""
+    return {k: v for k, v in (options or {}).items() if k in _KNOWN_OPTIONS and v is not None}
+
+
+def parse_body(model: type[Any], body: Any) -> Any:
+    """A request body validated into ``model``; a pydantic error becomes a 400 that names
+    the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc)) from None
+
+
+async def json_body(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        raise InvalidRequest("the request body is not valid JSON") from None
+
+
+class Gateway:
+    """One gateway process's handle on the cluster (any number of them share one Redis)."""
+
+    def __init__(self, client: AsyncClient, settings: Settings) -> None:
+        self.client = client
+        self.settings = settings
+        self.registry = Registry(settings.models_dir)
+
+    def has_chat_template(self, model: str) -> bool:
+        """Whether the model renders prompts with a chat template. A model this host cannot
+        read (its file lives only on the workers' hosts) is assumed to have one: the worker
+        renders, or warns."""
+        try:
+            return self.registry.info(model).has_chat_template
+        except (ModelNotFound, InvalidModelFile):
+            return True
+
+    async def submit(
+        self,
+        caller: Caller,
+        model: str,
+        *,
+        kind: Literal["generate", "chat", "embed"] = "generate",
+        prompt: str = "",
+        options: dict[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+        format: Format = None,
+        extra: dict[str, Any] | None = None,
+    ) -> AsyncJob:
+        caller.check_model(model)
+        return await self.client.submit(
+            model,
+            prompt,
+            options=options,
+            keep_alive=keep_alive,
+            format=format,
+            extra={"kind": kind, "tenant": caller.tenant, **(extra or {})},
+        )
+
+    async def stream(
+        self,
+        job: AsyncJob,
+        encode: Encode,
+        encode_error: Callable[[GgufqError], bytes],
+        keepalive: bytes,
+        media_type: str,
+    ) -> Response:
+        """A streamed answer. An error before the first chunk is raised (it becomes the
+        status); one after is sent in-stream by ``encode_error``."""
+        feed = JobFeed(job, self.settings.http_timeout_s)
+        wait_s = self.settings.http_keepalive_s
+        first = await first_item(feed, wait_s)
+        body = frames(feed, first, encode, encode_error, keepalive, wait_s)
+        return JobStreamResponse(body, media_type=media_type, headers=_NO_BUFFERING)
+
+    async def result(self, request: Request, job: AsyncJob) -> GenerateResponse:
+        """The final record, awaited; a client that leaves first cancels the job."""
+        work = job.result(self.settings.http_timeout_s)
+        final: GenerateResponse = await or_cancel_on_disconnect(request, work, job)
+        return final
+
+    async def embed(
+        self,
+        request: Request,
+        caller: Caller,
+        model: str,
+        texts: list[str],
+        *,
+        truncate: bool,
+        options: dict[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+    ) -> EmbedResponse:
+        job = await self.submit(
+            caller,
+            model,
+            kind="embed",
+            options=options,
+            keep_alive=keep_alive,
+            extra={"input": texts, "truncate": truncate},
+        )
+        record = await or_cancel_on_disconnect(
+            request, job.final(self.settings.http_timeout_s), job
+        )
+        return EmbedResponse.model_validate(record)
+
+    async def unload(self, caller: Caller, model: str) -> None:
+        caller.check_model(model)
+        if self.registry.names():  # a host without the models answers for none of them
+            self.registry.resolve(model)
+        await self.client.unload(model)
+
+
+# nginx and similar proxies buffer responses unless told not to: a stream must flow
+_NO_BUFFERING = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}

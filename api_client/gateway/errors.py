@@ -1,0 +1,115 @@
+"""ggufq's errors as HTTP answers, in the shape of each API, so that clients retry correctly.
+
+Before a response has begun, an error is a status code (404 model not found, 400 invalid,
+503 with Retry-After when busy or without workers, 500 when the job failed, 504 on a timeout)
+and a body: Ollama's ``{"error": "..."}`` or OpenAI's ``{"error": {"message", "type",
+"param", "code"}}``. After a stream has begun the status is sent already: the error goes
+in-stream (an NDJSON line, an SSE ``error`` event), as each API does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.errors import (
+    ChunksLost,
+    GgufqError,
+    InvalidModelFile,
+    InvalidRequest,
+    JobCancelled,
+    JobFailed,
+    JobTimeout,
+    LoadFailed,
+    ModelNotFound,
+    NoCapacity,
+    NoWorkers,
+    ServerBusy,
+    StackNotRunning,
+)
+
+RETRY_AFTER_S = 5  # what a busy pool asks clients to wait before they try again
+
+
+class Unauthorized(GgufqError):
+    """No API key, or one that is not (or no longer) valid."""
+
+    code = "invalid_api_key"
+
+
+class Forbidden(GgufqError):
+    """The API key may not use this model."""
+
+    code = "model_not_allowed"
+
+
+class RateLimited(GgufqError):
+    """The API key is past its requests per minute or its jobs in flight."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotSupported(GgufqError):
+    """An Ollama or OpenAI feature this gateway does not serve."""
+
+    code = "not_supported"
+
+
+@dataclass(frozen=True)
+class HttpError:
+    status: int
+    retry_after_s: int | None = None
+
+
+_STATUS: list[tuple[type[GgufqError], HttpError]] = [
+    (InvalidRequest, HttpError(400)),
+    (ModelNotFound, HttpError(404)),
+    (Unauthorized, HttpError(401)),
+    (Forbidden, HttpError(403)),
+    (NotSupported, HttpError(501)),
+    (ServerBusy, HttpError(503, RETRY_AFTER_S)),
+    (NoCapacity, HttpError(503, RETRY_AFTER_S)),
+    (NoWorkers, HttpError(503, RETRY_AFTER_S)),
+    (StackNotRunning, HttpError(503, RETRY_AFTER_S)),
+    (JobTimeout, HttpError(504)),
+    (InvalidModelFile, HttpError(500)),
+    (LoadFailed, HttpError(500)),
+    (JobFailed, HttpError(500)),
+    (ChunksLost, HttpError(500)),
+    (JobCancelled, HttpError(500)),
+]
+
+_OPENAI_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    501: "invalid_request_error",
+}
+
+
+def http_error(exc: GgufqError) -> HttpError:
+    """The status (and Retry-After) for an error."""
+    if isinstance(exc, RateLimited):
+        return HttpError(429, exc.retry_after_s)
+    for cls, answer in _STATUS:
+        if isinstance(exc, cls):
+            return answer
+    return HttpError(500)
+
+
+def headers_for(answer: HttpError) -> dict[str, str]:
+    return {} if answer.retry_after_s is None else {"Retry-After": str(answer.retry_after_s)}
+
+
+def ollama_body(exc: GgufqError) -> dict[str, str]:
+    return {"error": str(exc)}
+
+
+def openai_body(exc: GgufqError, status: int) -> dict[str, dict[str, str | None]]:
+    kind = _OPENAI_TYPE.get(status, "server_error")
+    return {"error": {"message": str(exc), "type": kind, "param": None, "code": exc.code}}

@@ -1,0 +1,169 @@
+"""API keys of the gateway: bearer tokens stored hashed in Redis, with per-key limits.
+
+A key is ``ggufq-<id>-<secret>``; Redis keeps only the SHA-256 of the whole token, so a
+leaked Redis dump leaks no usable key. Per key: the models it may use (empty = all), the
+most jobs it may have in flight, and requests per minute (fixed one-minute windows); past a
+limit the gateway answers 429 with Retry-After. The key's id is the tenant of its jobs.
+
+Every gateway process reads the same Redis, so limits hold across any number of gateways.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+from api_client.gateway.errors import Forbidden, RateLimited, Unauthorized
+from scheduler.errors import InvalidRequest
+
+# Redis key names of the gateway (its only state in Redis)
+_BY_HASH = "ggufq:apikey:{digest}"  # hash of the token → the key's record (JSON)
+_BY_ID = "ggufq:apikeys"  # hash: key id → digest of its token
+_IN_FLIGHT = "ggufq:apikey:{id}:inflight"  # sorted set: request id → start time
+_WINDOW = "ggufq:apikey:{id}:rpm:{minute}"  # counter of one minute's requests
+STALE_IN_FLIGHT_S = 3600.0  # a request a dead gateway never ended stops counting after this
+PREFIX = "ggufq-"
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: str
+    name: str = ""
+    models: list[str] = field(default_factory=list)  # empty: every model
+    max_in_flight: int = 0  # 0: no limit
+    rpm: int = 0  # requests per minute; 0: no limit
+    created_at: float = 0.0
+
+    def check_model(self, model: str) -> None:
+        if self.models and model not in self.models:
+            raise Forbidden(
+                f"API key {self.id!r} may not use model {model!r}; it may use: "
+                f"{', '.join(self.models)}; ask for a key that includes it"
+            )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class KeyStore:
+    """Create, list, revoke and check keys in Redis."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+
+    def create(
+        self, name: str = "", models: list[str] | None = None, max_in_flight: int = 0, rpm: int = 0
+    ) -> tuple[ApiKey, str]:
+        """A new key and its token (shown once: only its hash is stored)."""
+        if max_in_flight < 0 or rpm < 0:
+            raise InvalidRequest(
+                f"limits must be 0 (none) or positive; got max_in_flight={max_in_flight}, rpm={rpm}"
+            )
+        key = ApiKey(
+            uuid.uuid4().hex[:12], name, list(models or []), max_in_flight, rpm, time.time()
+        )
+        token = f"{PREFIX}{key.id}-{secrets.token_urlsafe(32)}"
+        digest = _digest(token)
+        pipe = self.r.pipeline()
+        pipe.set(_BY_HASH.format(digest=digest), json.dumps(asdict(key)))
+        pipe.hset(_BY_ID, key.id, digest)
+        pipe.execute()
+        return key, token
+
+    def list(self) -> list[ApiKey]:
+        keys = []
+        for digest in self.r.hvals(_BY_ID):
+            raw = self.r.get(_BY_HASH.format(digest=_text(digest)))
+            if raw is not None:
+                keys.append(ApiKey(**json.loads(raw)))
+        return sorted(keys, key=lambda k: k.created_at)
+
+    def revoke(self, key_id: str) -> bool:
+        """False when there is no such key."""
+        digest = self.r.hget(_BY_ID, key_id)
+        if digest is None:
+            return False
+        pipe = self.r.pipeline()
+        pipe.delete(_BY_HASH.format(digest=_text(digest)))
+        pipe.hdel(_BY_ID, key_id)
+        pipe.execute()
+        return True
+
+    def lookup(self, token: str) -> ApiKey:
+        raw = self.r.get(_BY_HASH.format(digest=_digest(token))) if token else None
+        if raw is None:
+            hint = "send one" if not token else "it is unknown or was revoked"
+            raise Unauthorized(
+                f"this gateway needs an API key ({hint}): send 'Authorization: Bearer <key>'; "
+                "`ggufq keys create` makes one"
+            )
+        return ApiKey(**json.loads(raw))
+
+
+class Limiter:
+    """Per-key requests per minute and jobs in flight, shared by every gateway via Redis."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+
+    def admit(self, key: ApiKey, now: float) -> str | None:
+        """Count one request against the key's limits; the ticket to :meth:`done`, or None
+        when in flight is not limited. Raises RateLimited past a limit."""
+        if key.rpm:
+            self._per_minute(key, now)
+        if not key.max_in_flight:
+            return None
+        ticket = uuid.uuid4().hex
+        name = _IN_FLIGHT.format(id=key.id)
+        pipe = self.r.pipeline()
+        pipe.zremrangebyscore(name, "-inf", now - STALE_IN_FLIGHT_S)
+        pipe.zadd(name, {ticket: now})
+        pipe.zcard(name)
+        pipe.expire(name, int(STALE_IN_FLIGHT_S))
+        count = pipe.execute()[2]
+        if count > key.max_in_flight:
+            self.r.zrem(name, ticket)
+            raise RateLimited(
+                f"API key {key.id!r} has {key.max_in_flight} requests in flight, its most; "
+                "wait for one to end and try again",
+                retry_after_s=1,
+            )
+        return ticket
+
+    def done(self, key: ApiKey, ticket: str | None) -> None:
+        if ticket is not None:
+            self.r.zrem(_IN_FLIGHT.format(id=key.id), ticket)
+
+    def _per_minute(self, key: ApiKey, now: float) -> None:
+        minute = int(now // 60)
+        name = _WINDOW.format(id=key.id, minute=minute)
+        pipe = self.r.pipeline()
+        pipe.incr(name)
+        pipe.expire(name, 120)
+        count = pipe.execute()[0]
+        if count > key.rpm:
+            retry = max(1, int((minute + 1) * 60 - now + 0.999))
+            raise RateLimited(
+                f"API key {key.id!r} made more than {key.rpm} requests this minute, its most; "
+                f"try again in {retry} s",
+                retry_after_s=retry,
+            )
+
+
+def bearer_token(header: str | None) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header ("" when absent)."""
+    if not header:
+        return ""
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""

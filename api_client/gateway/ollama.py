@@ -1,0 +1,255 @@
+"""Ollama's API on the cluster: /api/generate, /api/chat, /api/embed, /api/embeddings,
+/api/tags, /api/ps, /api/show, /api/version, and / ("Ollama is running").
+
+Streams are NDJSON, one record per line, the last with ``done: true`` and the stats; while a
+job waits (parked, or its model loading) an empty record goes out every few seconds, which
+every client concatenates as nothing (a blank line would break ollama-python's parser).
+Model files are not managed here: pull answers for a model that is there, and push, create,
+copy, delete and blobs say that models come from GGUFQ_MODELS_DIR.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Literal
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from api_client.aio import AsyncJob
+from api_client.gateway.catalog import running, show, tag, usable
+from api_client.gateway.core import (
+    Caller,
+    Gateway,
+    caller_of,
+    json_body,
+    known_options,
+    model_name,
+    parse_body,
+)
+from api_client.gateway.errors import NotSupported
+from api_client.gateway.ollama_schema import (
+    ChatRequest,
+    EmbeddingsRequest,
+    EmbedRequest,
+    GenerateRequest,
+    ShowRequest,
+    empty_record,
+    error_line,
+    generate_record,
+    line,
+    shorten,
+)
+from scheduler.errors import ModelNotFound
+
+# the Ollama release whose API this gateway speaks (clients check it for features)
+OLLAMA_VERSION = "0.9.6"
+NDJSON = "application/x-ndjson"
+
+router = APIRouter()
+
+
+def gateway_of(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+async def root() -> Response:
+    return PlainTextResponse("Ollama is running")
+
+
+@router.get("/api/version")
+async def version() -> dict[str, str]:
+    return {"version": OLLAMA_VERSION}
+
+
+@router.post("/api/generate")
+async def generate(request: Request) -> Response:
+    gateway, caller = gateway_of(request), caller_of(request)
+    body: GenerateRequest = parse_body(GenerateRequest, await json_body(request))
+    body.refuse_unsupported()
+    model = model_name(body.model)
+    if not body.prompt:
+        return await _load_or_unload(request, gateway, caller, body, model, chat=False)
+    kind: Literal["generate", "chat"] = "generate"
+    prompt, extra = body.prompt, {}
+    if not body.raw and gateway.has_chat_template(model):
+        # Ollama renders a prompt with the model's template unless raw: as a one-turn chat
+        turns = [{"role": "system", "content": body.system}] if body.system else []
+        kind, prompt = "chat", ""
+        extra = {"messages": [*turns, {"role": "user", "content": body.prompt}]}
+    elif body.system and not body.raw:
+        prompt = f"{body.system}\n\n{body.prompt}"
+    job = await gateway.submit(
+        caller,
+        model,
+        kind=kind,
+        prompt=prompt,
+        options=known_options(body.options),
+        keep_alive=body.keep_alive,
+        format=body.job_format(),
+        extra=extra,
+    )
+    return await _answer(request, gateway, job, body.model, body.stream, chat=False)
+
+
+@router.post("/api/chat")
+async def chat(request: Request) -> Response:
+    gateway, caller = gateway_of(request), caller_of(request)
+    body: ChatRequest = parse_body(ChatRequest, await json_body(request))
+    body.refuse_unsupported()
+    model = model_name(body.model)
+    if not body.messages:
+        return await _load_or_unload(request, gateway, caller, body, model, chat=True)
+    job = await gateway.submit(
+        caller,
+        model,
+        kind="chat",
+        options=known_options(body.options),
+        keep_alive=body.keep_alive,
+        format=body.job_format(),
+        extra={"messages": body.turns()},
+    )
+    return await _answer(request, gateway, job, body.model, body.stream, chat=True)
+
+
+async def _answer(
+    request: Request, gateway: Gateway, job: AsyncJob, echo: str, stream: bool, chat: bool
+) -> Response:
+    if not stream:
+        final = await gateway.result(request, job)
+        return JSONResponse(generate_record(echo, final, chat=chat))
+
+    def encode(chunk: Any) -> list[bytes]:
+        text = "" if chunk.done else None  # the chunks before the last carried the text
+        return [line(generate_record(echo, chunk, text, chat))]
+
+    keepalive = line(empty_record(echo, time.time(), chat, None))
+    return await gateway.stream(job, encode, error_line, keepalive, NDJSON)
+
+
+async def _load_or_unload(
+    request: Request,
+    gateway: Gateway,
+    caller: Caller,
+    body: GenerateRequest | ChatRequest,
+    model: str,
+    chat: bool,
+) -> Response:
+    """An empty prompt (no messages) loads the model; with keep_alive 0 it unloads it."""
+    if body.unloads():
+        await gateway.unload(caller, model)
+        record = empty_record(body.model, time.time(), chat, "unload")
+    else:
+        job = await gateway.submit(
+            caller, model, options=known_options(body.options), keep_alive=body.keep_alive
+        )
+        final = await gateway.result(request, job)
+        record = empty_record(body.model, final.created_at, chat, final.done_reason or "load")
+    return _one(record, body.stream)
+
+
+def _one(record: dict[str, Any], stream: bool) -> Response:
+    if stream:
+        return Response(line(record), media_type=NDJSON)
+    return JSONResponse(record)
+
+
+@router.post("/api/embed")
+async def embed(request: Request) -> dict[str, Any]:
+    gateway, caller = gateway_of(request), caller_of(request)
+    body: EmbedRequest = parse_body(EmbedRequest, await json_body(request))
+    model = model_name(body.model)
+    texts = body.texts()
+    if not texts:
+        return {"model": body.model, "embeddings": []}
+    result = await gateway.embed(
+        request,
+        caller,
+        model,
+        texts,
+        truncate=body.truncate,
+        options=known_options(body.options),
+        keep_alive=body.keep_alive,
+    )
+    out: dict[str, Any] = {
+        "model": body.model,
+        "embeddings": shorten(result.embeddings, body.dimensions),
+        "total_duration": result.total_duration,
+        "load_duration": result.load_duration,
+        "prompt_eval_count": result.prompt_eval_count,
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+@router.post("/api/embeddings")
+async def embeddings(request: Request) -> dict[str, Any]:
+    gateway, caller = gateway_of(request), caller_of(request)
+    body: EmbeddingsRequest = parse_body(EmbeddingsRequest, await json_body(request))
+    model = model_name(body.model)
+    if not body.prompt:
+        return {"embedding": []}
+    result = await gateway.embed(
+        request,
+        caller,
+        model,
+        [body.prompt],
+        truncate=True,
+        options=known_options(body.options),
+        keep_alive=body.keep_alive,
+    )
+    return {"embedding": result.embeddings[0]}
+
+
+@router.get("/api/tags")
+async def tags(request: Request) -> dict[str, Any]:
+    registry = gateway_of(request).registry
+    entries = await asyncio.to_thread(usable, registry)
+    return {"models": [tag(e) for e in entries]}
+
+
+@router.get("/api/ps")
+async def ps(request: Request) -> dict[str, Any]:
+    runners = await gateway_of(request).client.ps()
+    return {"models": [running(r) for r in runners]}
+
+
+@router.post("/api/show")
+async def show_model(request: Request) -> dict[str, Any]:
+    body: ShowRequest = parse_body(ShowRequest, await json_body(request))
+    model = model_name(body.model or body.name)
+    caller_of(request).check_model(model)
+    return await asyncio.to_thread(show, gateway_of(request).registry, model, body.verbose)
+
+
+@router.post("/api/pull")
+async def pull(request: Request) -> Response:
+    """Tools pull before they use a model: one that is there needs no pull."""
+    body = await json_body(request)
+    name = body.get("model") or body.get("name") if isinstance(body, dict) else None
+    model = model_name(name)
+    names = await asyncio.to_thread(gateway_of(request).registry.names)
+    if model not in names:
+        raise ModelNotFound(
+            f"model {model!r} cannot be pulled: ggufq serves the GGUF files in "
+            "GGUFQ_MODELS_DIR; download the file there and name it by its stem "
+            f"(available: {', '.join(names) or 'none'})"
+        )
+    stream = body.get("stream", True) is not False
+    return _one({"status": "success"}, stream)
+
+
+@router.post("/api/push")
+@router.post("/api/create")
+@router.post("/api/copy")
+@router.delete("/api/delete")
+@router.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"])
+async def manage_models(request: Request) -> Response:
+    raise NotSupported(
+        f"{request.method} {request.url.path} is not served: ggufq does not manage model "
+        "files; models are the *.gguf files in GGUFQ_MODELS_DIR, named by their stem: copy, "
+        "rename or delete the files there"
+    )

@@ -1,0 +1,175 @@
+"""OpenAI's API on the cluster, under /v1: chat/completions, completions, embeddings, models.
+
+Streams are server-sent events: one ``data:`` line per chunk, ``data: [DONE]`` at the end,
+an SSE comment (``: keep-alive``) every few seconds while a job waits, and an ``error`` event
+if the job fails after the stream began. A completion's prompt is raw text; a chat is
+rendered with the model's own chat template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api_client.aio import AsyncJob
+from api_client.gateway.catalog import openai_model, usable
+from api_client.gateway.core import Gateway, caller_of, json_body, model_name, parse_body
+from api_client.gateway.ollama_schema import shorten
+from api_client.gateway.openai_schema import (
+    DONE,
+    KEEPALIVE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    envelope,
+    error_event,
+    event,
+    finish_reason,
+    usage,
+    vector,
+)
+from scheduler.errors import ModelNotFound
+from scheduler.protocol import GenerateResponse
+
+SSE = "text/event-stream"
+
+router = APIRouter(prefix="/v1")
+
+
+def gateway_of(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Any:
+    gateway, caller = gateway_of(request), caller_of(request)
+    body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await json_body(request))
+    job = await gateway.submit(
+        caller,
+        model_name(body.model),
+        kind="chat",
+        options=body.options(),
+        format=body.job_format(),
+        extra={"messages": body.turns()},
+    )
+    if body.stream:
+        return await _stream(gateway, job, body.model, "chat.completion.chunk", body)
+    final = await gateway.result(request, job)
+    return {
+        **envelope("chat.completion", job.id, body.model, final.created_at),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": final.response},
+                "logprobs": None,
+                "finish_reason": finish_reason(final),
+            }
+        ],
+        "usage": usage(final),
+    }
+
+
+@router.post("/completions")
+async def completions(request: Request) -> Any:
+    gateway, caller = gateway_of(request), caller_of(request)
+    body: CompletionRequest = parse_body(CompletionRequest, await json_body(request))
+    job = await gateway.submit(
+        caller, model_name(body.model), prompt=body.text(), options=body.options()
+    )
+    if body.stream:
+        return await _stream(gateway, job, body.model, "text_completion", body)
+    final = await gateway.result(request, job)
+    return {
+        **envelope("text_completion", job.id, body.model, final.created_at),
+        "choices": [
+            {
+                "text": final.response,
+                "index": 0,
+                "logprobs": None,
+                "finish_reason": finish_reason(final),
+            }
+        ],
+        "usage": usage(final),
+    }
+
+
+async def _stream(
+    gateway: Gateway,
+    job: AsyncJob,
+    model: str,
+    kind: str,
+    body: ChatCompletionRequest | CompletionRequest,
+) -> Response:
+    chat = kind.startswith("chat")
+    with_usage = body.include_usage()
+    head = envelope(kind, job.id, model, time.time())
+    first = [True]
+
+    def choice(text: str | None, reason: str | None) -> dict[str, Any]:
+        if not chat:
+            return {"text": text or "", "index": 0, "logprobs": None, "finish_reason": reason}
+        delta: dict[str, str] = {}
+        if first[0]:
+            delta["role"] = "assistant"
+            first[0] = False
+        if text is not None:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+    def chunk(choices: list[dict[str, Any]], final: GenerateResponse | None = None) -> bytes:
+        out: dict[str, Any] = {**head, "choices": choices}
+        if with_usage:
+            out["usage"] = usage(final) if final is not None else None
+        return event(out)
+
+    def encode(item: GenerateResponse) -> list[bytes]:
+        if not item.done:
+            return [chunk([choice(item.response, None)])]
+        frames = [chunk([choice(None, finish_reason(item))])]
+        if with_usage:
+            frames.append(chunk([], item))
+        return [*frames, DONE]
+
+    return await gateway.stream(job, encode, error_event, KEEPALIVE, SSE)
+
+
+@router.post("/embeddings")
+async def embeddings(request: Request) -> dict[str, Any]:
+    gateway, caller = gateway_of(request), caller_of(request)
+    body: EmbeddingRequest = parse_body(EmbeddingRequest, await json_body(request))
+    result = await gateway.embed(
+        request, caller, model_name(body.model), body.texts(), truncate=False
+    )
+    vectors = shorten(result.embeddings, body.dimensions)
+    data = [
+        {"object": "embedding", "index": i, "embedding": vector(v, body.encoding_format)}
+        for i, v in enumerate(vectors)
+    ]
+    tokens = result.prompt_eval_count
+    return {
+        "object": "list",
+        "data": data,
+        "model": body.model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+@router.get("/models")
+async def models(request: Request) -> dict[str, Any]:
+    entries = await asyncio.to_thread(usable, gateway_of(request).registry)
+    return {"object": "list", "data": [openai_model(e) for e in entries]}
+
+
+@router.get("/models/{model}")
+async def model(request: Request, model: str) -> dict[str, Any]:
+    name = model_name(model)
+    for entry in await asyncio.to_thread(usable, gateway_of(request).registry):
+        if entry.name == name:
+            return openai_model(entry)
+    raise ModelNotFound(f"model {model!r} not found; GET /v1/models lists the available ones")

@@ -1,0 +1,206 @@
+"""OpenAI's request bodies and response objects (chat completions, completions,
+embeddings), and how their parameters become ggufq's options. Pure: no I/O.
+
+Defaults follow OpenAI's (temperature 1, top_p 1), as Ollama's OpenAI layer does.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduler.errors import GgufqError, InvalidRequest
+from scheduler.protocol import GenerateResponse
+
+FINGERPRINT = "fp_ggufq"
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    n: int | None = None
+    logprobs: bool | int | None = None
+
+    def options(self) -> dict[str, Any]:
+        if self.n not in (None, 1):
+            raise InvalidRequest(f"n={self.n} is not supported: ggufq answers one choice")
+        if self.logprobs:
+            raise InvalidRequest("'logprobs' is not supported by ggufq: leave it out")
+        out: dict[str, Any] = {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+        }
+        limit = self._max_tokens()
+        if limit is not None:
+            out["num_predict"] = limit
+        if self.stop:
+            out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        for name in ("seed", "frequency_penalty", "presence_penalty"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    def turn(self) -> dict[str, str]:
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.text()}
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise InvalidRequest(
+                    f"message content of type {part.get('type')!r} is not supported: ggufq "
+                    "serves text models; send text parts only"
+                )
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
+
+    def turns(self) -> list[dict[str, str]]:
+        if self.tools or any(m.tool_calls for m in self.messages):
+            raise InvalidRequest("'tools' are not supported by ggufq: leave them out")
+        return [m.turn() for m in self.messages]
+
+    def job_format(self) -> Literal["json"] | dict[str, Any] | None:
+        """response_format → ggufq's format: json_object → "json", json_schema → its schema."""
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return "json"
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if kind == "json_schema" and isinstance(schema, dict):
+            return schema
+        raise InvalidRequest(
+            f"response_format {fmt!r} is not supported: use type 'text', 'json_object', or "
+            "'json_schema' with a 'json_schema': {'name': ..., 'schema': {...}}"
+        )
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] = ""
+    suffix: str | None = None
+    echo: bool = False
+    best_of: int | None = None
+
+    def text(self) -> str:
+        if self.suffix:
+            raise InvalidRequest("'suffix' is not supported by ggufq: put the text in the prompt")
+        if self.echo or self.best_of not in (None, 1):
+            raise InvalidRequest("'echo' and 'best_of' are not supported by ggufq: leave them out")
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) != 1:
+            raise InvalidRequest(
+                f"prompt is a list of {len(self.prompt)}: ggufq answers one prompt per request; "
+                "send one request for each"
+            )
+        return self.prompt[0]
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+
+    def texts(self) -> list[str]:
+        texts = [self.input] if isinstance(self.input, str) else list(self.input)
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise InvalidRequest(
+                "input must be a string or a non-empty list of strings: token arrays are not "
+                "supported by ggufq"
+            )
+        return [str(t) for t in texts]
+
+
+def finish_reason(final: GenerateResponse) -> str:
+    return "length" if final.done_reason == "length" else "stop"
+
+
+def usage(final: GenerateResponse) -> dict[str, int]:
+    prompt, completion = final.prompt_eval_count or 0, final.eval_count or 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def envelope(kind: str, job_id: str, model: str, created: float) -> dict[str, Any]:
+    prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+    return {
+        "id": f"{prefix}-{job_id}",
+        "object": kind,
+        "created": int(created),
+        "model": model,
+        "system_fingerprint": FINGERPRINT,
+    }
+
+
+def event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: every client skips it
+
+
+def error_event(exc: GgufqError) -> bytes:
+    body = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": exc.code}}
+    return b"event: error\n" + event(body)
+
+
+def vector(values: list[float], encoding: str) -> list[float] | str:
+    """float: the list as is; base64: little-endian float32 bytes, as OpenAI sends them."""
+    if encoding == "base64":
+        return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
+    return values
