@@ -148,7 +148,8 @@ class Gateway:
         wait_s = self.settings.http_keepalive_s
         first = await first_item(feed, wait_s)
         body = frames(feed, first, encode, encode_error, keepalive, wait_s)
-        return JobStreamResponse(body, media_type=media_type, headers=_NO_BUFFERING)
+        headers = {**_NO_BUFFERING, JOB_HEADER: job.id}
+        return JobStreamResponse(body, media_type=media_type, headers=headers)
 
     async def result(self, request: Request, job: AsyncJob) -> GenerateResponse:
         """The final record, awaited; a client that leaves first cancels the job."""
@@ -187,5 +188,6 @@ class Gateway:
         await self.client.unload(model)
 
 
+JOB_HEADER = "X-Ggufq-Job"  # the job's id, for `ggufq cancel`, logs and Flower
 # nginx and similar proxies buffer responses unless told not to: a stream must flow
 _NO_BUFFERING = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}

@@ -1,0 +1,127 @@
+"""The OpenAI API of the gateway, driven by the official `openai` package (unmodified) on a
+real gateway in front of the real stack."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Iterator
+
+import numpy as np
+import openai
+import pytest
+
+from api_client import Client
+from scheduler.local.stack import LocalStack
+from tests.gateway_server import running_gateway
+
+GREEDY = {"temperature": 0, "max_tokens": 16, "seed": 7}
+OPTIONS = {"temperature": 0, "num_predict": 16, "seed": 7, "top_p": 1.0}
+MESSAGES = [{"role": "user", "content": "the sky is"}]
+
+
+@pytest.fixture(scope="module")
+def url(stack: LocalStack) -> Iterator[str]:
+    with running_gateway(stack.settings) as base:
+        yield base
+
+
+@pytest.fixture()
+def api(url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def test_chat_completion_with_and_without_stream(api: openai.OpenAI, client: Client) -> None:
+    expected = client.chat("tiny", MESSAGES, options=OPTIONS).response
+    answer = api.chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY)  # type: ignore[arg-type]
+    assert answer.choices[0].message.content == expected
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.usage is not None and answer.usage.completion_tokens > 0
+    chunks = list(
+        api.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_async_chat(url: str, client: Client) -> None:
+    expected = client.chat("tiny", MESSAGES, options=OPTIONS).response
+
+    async def main() -> str:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as api:
+            stream = await api.chat.completions.create(
+                model="tiny",
+                messages=MESSAGES,  # type: ignore[arg-type]
+                stream=True,
+                **GREEDY,
+            )
+            return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+    assert asyncio.run(main()) == expected
+
+
+def test_completion_is_raw_text(api: openai.OpenAI, client: Client) -> None:
+    expected = client.generate("tiny", "Once upon a time", options=OPTIONS).response
+    answer = api.completions.create(model="tiny", prompt="Once upon a time", **GREEDY)  # type: ignore[call-overload]
+    assert answer.choices[0].text == expected
+    streamed = api.completions.create(
+        model="tiny",
+        prompt="Once upon a time",
+        stream=True,
+        **GREEDY,  # type: ignore[call-overload]
+    )
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_embeddings_base64_by_default_and_float(api: openai.OpenAI, client: Client) -> None:
+    direct = client.embed("tiny", ["hello there", "a different text"]).embeddings
+    default = api.embeddings.create(model="tiny", input=["hello there", "a different text"])
+    assert len(default.data) == 2
+    for got, want in zip(default.data, direct, strict=True):
+        assert got.embedding == pytest.approx(want, abs=1e-6)
+    floats = api.embeddings.create(model="tiny", input="hello there", encoding_format="float")
+    assert floats.data[0].embedding == pytest.approx(direct[0], abs=1e-6)
+    raw = api.embeddings.with_raw_response.create(
+        model="tiny", input="hello there", encoding_format="base64"
+    ).http_response.json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert decoded.tolist() == pytest.approx(direct[0], abs=1e-6)
+
+
+def test_models_list_and_errors(api: openai.OpenAI) -> None:
+    ids = [m.id for m in api.models.list()]
+    assert "tiny" in ids and "notgguf" not in ids
+    assert api.models.retrieve("tiny").owned_by == "ggufq"
+    with pytest.raises(openai.NotFoundError) as missing:
+        api.chat.completions.create(model="nosuchmodel", messages=MESSAGES)  # type: ignore[arg-type]
+    assert missing.value.code == "model_not_found" and "tiny" in missing.value.message
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        api.chat.completions.create(model="tiny", messages=MESSAGES, temperature=-1)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        api.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
+
+
+def test_response_format_json_object(api: openai.OpenAI) -> None:
+    answer = api.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Reply in JSON"}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=24,
+    )
+    text = answer.choices[0].message.content or ""
+    assert text.lstrip().startswith("{")
