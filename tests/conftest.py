@@ -57,6 +57,7 @@ def stack_env(models_dir: Path, state_dir: Path, host: str = HOST) -> dict[str, 
         "GGUFQ_HEARTBEAT_INTERVAL_S": "0.5",
         "GGUFQ_DEVICE_TTL_S": "5",
         "GGUFQ_METRICS_PORT": "0",  # many stacks run at once; the session stack gets a port
+        "GGUFQ_HTTP_PORT": str(free_port()),  # `ggufq up` starts a gateway: never on 11434
     }
 
 

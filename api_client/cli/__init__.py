@@ -2,7 +2,7 @@
 
 This module owns the parser and the dispatch; each command lives with its kind: jobs.py
 (run, batch), cluster.py (ps, devices, jobs, load, unload, cancel), ops.py (up, worker,
-placement, flower, config, models, estimate), demo.py (demo).
+placement, flower, config, models, estimate), gateway.py (serve, keys), demo.py (demo).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from api_client.cli.cluster import cmd_cancel, cmd_devices, cmd_jobs, cmd_load, cmd_ps, cmd_unload
 from api_client.cli.demo import cmd_demo
+from api_client.cli.gateway import add_keys_commands, add_serve_arguments, cmd_serve
 from api_client.cli.jobs import cmd_batch, cmd_run
 from api_client.cli.ops import (
     cmd_config,
@@ -56,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("up", cmd_up, "run the local stack in the foreground until Ctrl-C or SIGTERM")
     add_worker_arguments(p)
+    p.add_argument(
+        "--no-http", action="store_true", help="do not start the HTTP gateway (ggufq serve)"
+    )
+    p = command("serve", cmd_serve, "run the HTTP gateway: Ollama's API at /api, OpenAI's at /v1")
+    add_serve_arguments(p)
+    p = command("keys", lambda _a: 2, "manage the gateway's API keys: create, list, revoke")
+    add_keys_commands(p)
     p = command("demo", cmd_demo, "run example prompts through the demo model on a local stack")
     p.add_argument("--prompts", type=Path, help='a JSONL file of {"prompt": ...} rows')
     p = command(

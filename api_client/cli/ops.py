@@ -30,7 +30,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stack.start()
-    print(f"ggufq is up: Redis {stack.redis_url}; Ctrl-C stops it", flush=True)
+    where = ""
+    if not args.no_http:
+        stack.add_process("gateway", "api_client.gateway")
+        where = f"; HTTP gateway on http://{settings.http_host}:{settings.http_port}"
+    print(f"ggufq is up: Redis {stack.redis_url}{where}; Ctrl-C stops it", flush=True)
     try:
         while not stop.wait(0.5):
             if not stack.alive():

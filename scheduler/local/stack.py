@@ -76,6 +76,11 @@ class LocalStack:
         another host); it stops with the stack."""
         return self._spawn(name, [sys.executable, "-m", "workers.main", *worker_args], env)
 
+    def add_process(self, name: str, module: str, args: list[str] | None = None) -> None:
+        """Start another process of the stack (``python -m module``; the gateway, say) on
+        its Redis; the stack watches it and stops it with the rest."""
+        self._spawn(name, [sys.executable, "-m", module, *(args or [])])
+
     def _spawn(
         self,
         name: str,

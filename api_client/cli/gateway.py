@@ -1,0 +1,82 @@
+"""The commands of the HTTP gateway: serve, and keys (create, list, revoke)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from api_client.cli.tables import print_table
+from api_client.gateway.keys import KeyStore
+from api_client.gateway.server import add_serve_arguments, serve
+from scheduler.settings import get_settings
+from scheduler.store.connection import connect, resolve_redis_url
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    serve(args.host, args.port, args.log_level)
+    return 0
+
+
+def add_keys_commands(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(metavar="ACTION", required=True)
+    create = sub.add_parser("create", help="make a key; its token is printed once")
+    create.add_argument("--name", default="", help="whom the key is for (shown in listings)")
+    create.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        dest="models",
+        help="a model the key may use (repeatable; none given: every model)",
+    )
+    create.add_argument("--max-in-flight", type=int, default=0, help="requests at once (0: any)")
+    create.add_argument("--rpm", type=int, default=0, help="requests per minute (0: any)")
+    create.set_defaults(func=cmd_keys_create)
+    listing = sub.add_parser("list", help="list the keys (never their tokens)")
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(func=cmd_keys_list)
+    revoke = sub.add_parser("revoke", help="revoke a key by its id")
+    revoke.add_argument("key_id")
+    revoke.set_defaults(func=cmd_keys_revoke)
+
+
+def _store() -> KeyStore:
+    return KeyStore(connect(resolve_redis_url(get_settings())))
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    key, token = _store().create(args.name, args.models, args.max_in_flight, args.rpm)
+    print(f"created key {key.id}; its token (shown once, keep it secret):")
+    print(token)
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    keys = _store().list()
+    if args.json:
+        print(json.dumps([k.__dict__ for k in keys], indent=2))
+        return 0
+    rows = [
+        (
+            k.id,
+            k.name or "-",
+            ",".join(k.models) or "all",
+            str(k.max_in_flight or "-"),
+            str(k.rpm or "-"),
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(k.created_at)),
+        )
+        for k in keys
+    ]
+    print_table(["ID", "NAME", "MODELS", "IN FLIGHT", "RPM", "CREATED"], rows)
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    if not _store().revoke(args.key_id):
+        print(f"no key {args.key_id!r}; `ggufq keys list` shows the ids")
+        return 1
+    print(f"revoked key {args.key_id}")
+    return 0
+
+
+__all__ = ["add_keys_commands", "add_serve_arguments", "cmd_serve"]
