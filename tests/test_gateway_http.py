@@ -1,0 +1,144 @@
+"""The gateway over raw HTTP: SSE framing, keep-alive bytes while a job waits, a client that
+disconnects cancels its job, API keys and their limits, and the metrics."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from api_client import Client, JobCancelled
+from api_client.gateway.keys import KeyStore
+from api_client.job import Job
+from scheduler.local.stack import LocalStack
+from scheduler.protocol import JobRequest
+from tests.conftest import ggufq, stack_env
+from tests.gateway_server import running_gateway
+from tests.tinymodel import write_slow_model
+
+ENDLESS = {"temperature": 0, "num_predict": 100_000}  # the slow model never stops by itself
+
+
+@pytest.fixture(scope="module")
+def slow(models_dir: Path) -> Iterator[str]:
+    """A model whose jobs run until cancelled (put beside the session's models, then gone)."""
+    path = write_slow_model(models_dir / "gw-slow.gguf")
+    yield "gw-slow"
+    path.unlink()
+
+
+@pytest.fixture(scope="module")
+def url(stack: LocalStack, slow: str) -> Iterator[str]:
+    # keep-alive bytes between the worker's chunk writes (every 0.1 s)
+    settings = stack.settings.model_copy(update={"http_keepalive_s": 0.02})
+    with running_gateway(settings) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def keyed(stack: LocalStack, slow: str) -> Iterator[str]:
+    with running_gateway(stack.settings, require_keys=True) as base:
+        yield base
+
+
+def test_sse_framing(url: str) -> None:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "the sky is"}],
+        "stream": True,
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = response.read().decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    data = [json.loads(e.removeprefix("data: ")) for e in events[:-2] if e.startswith("data: ")]
+    assert all(d["object"] == "chat.completion.chunk" for d in data)
+    assert data[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    comments = [e for e in events if e.startswith(":")]
+    assert set(comments) <= {": keep-alive"}
+
+
+def test_keepalive_records_between_chunks_parse_as_empty(url: str, slow: str) -> None:
+    body = {"model": slow, "prompt": "x", "raw": True, "options": {"num_predict": 400}}
+    with httpx.stream("POST", f"{url}/api/generate", json=body, timeout=60) as response:
+        records = [json.loads(line) for line in response.iter_lines()]
+    empty = [r for r in records if not r["done"] and r["response"] == ""]
+    assert empty, "no keep-alive record between chunks sent 0.1 s apart"
+    assert records[-1]["done"] and records[-1]["eval_count"] == 400
+
+
+def test_client_that_disconnects_cancels_its_job(url: str, client: Client, slow: str) -> None:
+    body = {"model": slow, "prompt": "x", "raw": True, "options": ENDLESS}
+    with httpx.stream("POST", f"{url}/api/generate", json=body, timeout=60) as response:
+        job_id = response.headers["x-ggufq-job"]
+        first = next(response.iter_lines())
+        assert json.loads(first)["done"] is False
+    job = Job(client, JobRequest(id=job_id, model=slow))
+    with pytest.raises(JobCancelled):
+        job.result(timeout=60)
+
+
+def test_keys_are_required_when_asked_for(keyed: str, r: redis.Redis) -> None:
+    tiny_only, token = KeyStore(r).create("tests", models=["tiny"])
+    bare = httpx.post(f"{keyed}/api/generate", json={"model": "tiny", "prompt": "hi"})
+    assert bare.status_code == 401 and "ggufq keys create" in bare.json()["error"]
+    assert httpx.get(keyed).status_code == 200  # "Ollama is running" needs no key
+    with openai.OpenAI(base_url=f"{keyed}/v1", api_key="wrong", max_retries=0) as api:
+        with pytest.raises(openai.AuthenticationError):
+            api.models.list()
+    with openai.OpenAI(base_url=f"{keyed}/v1", api_key=token, max_retries=0) as api:
+        answer = api.completions.create(model="tiny", prompt="hi", max_tokens=4)
+        assert answer.choices[0].text is not None
+        with pytest.raises(openai.PermissionDeniedError, match="may not use"):
+            api.completions.create(model="gw-slow", prompt="hi", max_tokens=4)
+    KeyStore(r).revoke(tiny_only.id)
+    gone = httpx.get(f"{keyed}/api/tags", headers={"Authorization": f"Bearer {token}"})
+    assert gone.status_code == 401
+
+
+def test_requests_per_minute_and_in_flight(keyed: str, r: redis.Redis, slow: str) -> None:
+    _key, token = KeyStore(r).create("rpm", rpm=2)
+    with openai.OpenAI(base_url=f"{keyed}/v1", api_key=token, max_retries=0) as api:
+        api.models.list()
+        api.models.list()
+        with pytest.raises(openai.RateLimitError) as limited:
+            api.models.list()
+    assert int(limited.value.response.headers["retry-after"]) >= 1
+    _key, token = KeyStore(r).create("one at a time", max_in_flight=1)
+    auth = {"Authorization": f"Bearer {token}"}
+    body = {"model": slow, "prompt": "x", "raw": True, "options": ENDLESS}
+    with httpx.stream("POST", f"{keyed}/api/generate", json=body, headers=auth) as held:
+        assert held.status_code == 200
+        lines = held.iter_lines()  # kept: a dropped iterator closes the response
+        next(lines)
+        second = httpx.get(f"{keyed}/api/tags", headers=auth)
+        assert second.status_code == 429 and second.headers["retry-after"] == "1"
+    assert httpx.get(f"{keyed}/api/tags", headers=auth).status_code == 200
+
+
+def test_metrics_count_requests_by_route_and_status(url: str) -> None:
+    httpx.post(f"{url}/api/show", json={"model": "nosuchmodel"})
+    text = httpx.get(f"{url}/metrics").text
+    assert 'ggufq_gateway_requests_total{key="",route="/api/show",status="404"}' in text
+    assert "ggufq_gateway_time_to_first_byte_seconds_bucket" in text
+
+
+def test_keys_command_line(stack: LocalStack, models_dir: Path, session_dir: Path) -> None:
+    env = {**stack_env(models_dir, session_dir / "state"), "GGUFQ_REDIS_URL": stack.redis_url}
+    made = ggufq("keys", "create", "--name", "cli", "--model", "tiny", "--rpm", "5", env=env)
+    assert made.returncode == 0, made.stderr
+    key_id = made.stdout.split()[2].rstrip(";")
+    assert made.stdout.splitlines()[1].startswith("ggufq-")
+    listed = ggufq("keys", "list", "--json", env=env)
+    assert {"id": key_id, "models": ["tiny"], "rpm": 5}.items() <= next(
+        k for k in json.loads(listed.stdout) if k["id"] == key_id
+    ).items()
+    assert ggufq("keys", "revoke", key_id, env=env).returncode == 0
+    assert ggufq("keys", "revoke", key_id, env=env).returncode == 1
