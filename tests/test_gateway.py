@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import ollama
@@ -13,7 +19,7 @@ import pytest
 
 from api_client import Client
 from scheduler.local.stack import LocalStack
-from tests.conftest import wait_for
+from tests.conftest import needs_tool, wait_for
 from tests.gateway_server import running_gateway
 
 GREEDY = {"temperature": 0, "num_predict": 16, "seed": 7}
@@ -149,3 +155,40 @@ def test_unsupported_fields_are_a_clear_400(url: str) -> None:
         f"{url}/api/generate", json={"model": "tiny", "prompt": "x", "options": {"temperature": -3}}
     )
     assert bad.status_code == 400 and "temperature" in bad.json()["error"]
+
+
+def _readme_gateway_examples() -> tuple[list[str], list[str]]:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split("### From Ollama and OpenAI clients")[1].split("\n## ")[0]
+    python = re.findall(r"```py\n(.*?)```", section, flags=re.S)
+    shell = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    curls = [line for block in shell for line in block.splitlines() if line.startswith("curl ")]
+    return python, curls
+
+
+@pytest.mark.parametrize("index", range(len(_readme_gateway_examples()[0])))
+def test_readme_python_examples_run(url: str, index: int) -> None:
+    code = _readme_gateway_examples()[0][index]
+    code = code.replace("gemma3-270m", "tiny").replace("http://localhost:11434", url)
+    env = {**os.environ, "OLLAMA_HOST": url}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, f"{code}\n{out.stderr}"
+    assert out.stdout.strip()
+
+
+@needs_tool("curl", "apt-get install curl")
+def test_readme_curl_examples_run(url: str) -> None:
+    curls = _readme_gateway_examples()[1]
+    assert len(curls) >= 3
+    for command in curls:
+        command = command.replace("gemma3-270m", "tiny").replace("http://localhost:11434", url)
+        out = subprocess.run(
+            [*shlex.split(command), "--fail-with-body", "-sS"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, f"{command}\n{out.stdout}{out.stderr}"
+        assert out.stdout.strip()
