@@ -7,8 +7,10 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 import pytest
+import redis
 
 from scheduler.errors import ChunksLost, InvalidRequest, ModelNotFound, error_from_code
 from scheduler.gguf.estimate import choose_num_ctx
@@ -17,6 +19,7 @@ from scheduler.loops import LoopHealth, run_loop
 from scheduler.protocol import check_model_name, parse_request
 from scheduler.store.streams import ChunkOrder
 from scheduler.units import format_duration, parse_bytes, parse_duration_s
+from workers.backlog import Backlog
 from workers.cpus import thread_counts
 from workers.keepalive import ExpirySchedule, effective_keep_alive, expires_at
 
@@ -363,3 +366,30 @@ def test_a_hole_the_stream_record_cannot_fill_is_an_error_and_garbage_is_ignored
     assert order.from_message({"data": b'{"no": "seq"}'}) is None
     with pytest.raises(ChunksLost, match="chunks 3 to 4 of job j are lost"):
         order.from_record([entry(5)])
+
+
+def test_writes_redis_missed_are_kept_in_order_and_done_when_it_is_back() -> None:
+    done: list[str] = []
+    away = [True]
+
+    def write(name: str) -> Callable[[], None]:
+        def run() -> None:
+            if away[0]:
+                raise redis.ConnectionError("Connection refused")
+            done.append(name)
+
+        return run
+
+    backlog = Backlog(limit=2)
+    for name in ("end a", "end b", "end c"):
+        backlog.run(name, write(name))
+    assert len(backlog) == 2 and not done  # bounded: the oldest went
+    with pytest.raises(redis.ConnectionError):
+        backlog.drain()
+    away[0] = False
+    backlog.run("end d", write("end d"))  # behind the kept ones, not before them
+    assert done == [] and len(backlog) == 2  # ... and the bound holds: "end b" went
+    assert backlog.drain() == 2
+    assert done == ["end c", "end d"]
+    backlog.run("end e", write("end e"))  # nothing kept: written at once
+    assert done[-1] == "end e" and len(backlog) == 0

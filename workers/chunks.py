@@ -43,8 +43,11 @@ class ChunkWriter:
     wait short and returns once everything queued before it is in Redis.
     """
 
-    def __init__(self, client: redis.Redis, nice: int = 0, interval_s: float = 0.0) -> None:
+    def __init__(
+        self, client: redis.Redis, nice: int = 0, interval_s: float = 0.0, outage_s: float = 120.0
+    ) -> None:
         self.r = client
+        self.outage_s = outage_s  # how long chunks wait for Redis to come back
         self.nice = nice  # added to the writer thread's niceness (see procs.py)
         self.interval_s = interval_s
         self._queue: queue.SimpleQueue[Pending | threading.Event | None]
@@ -115,26 +118,50 @@ class ChunkWriter:
                 return
 
     def _write(self, chunks: list[Pending]) -> None:
-        """One pipeline for ``chunks``, tried three times. redis-py empties a pipeline
-        once it has run, so each try builds it again; an entry a failed try had already
-        added is refused as a duplicate id (the script skips it), and readers go by
-        ``seq``."""
-        for attempt in range(3):
-            pipe = self.r.pipeline(transaction=False)
-            for c in chunks:
-                add_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
-            try:
-                results = pipe.execute(raise_on_error=False)
-            except redis.RedisError as exc:
-                problem = str(exc)
-            else:
-                failed = [r for r in results if isinstance(r, Exception)]
-                if not failed:
-                    return
-                problem = str(failed[0])
-            log.warning("writing %d chunks failed (try %d): %s", len(chunks), attempt + 1, problem)
-            time.sleep(0.2 * (attempt + 1))
-        log.error("gave up writing %d chunks; their readers will time out", len(chunks))
+        """One pipeline for ``chunks``: tried three times when Redis refuses it, and again
+        and again for up to ``outage_s`` while Redis is away (the chunks wait, in order,
+        and go out when it is back). redis-py empties a pipeline once it has run, so each
+        try builds it again; an entry a failed try had already added is refused as a
+        duplicate id (the script skips it), and readers go by ``seq``."""
+        since, tries = time.monotonic(), 0
+        while True:
+            problem, away = self._try_write(chunks)
+            if problem is None:
+                if tries:
+                    log.warning("wrote %d held-back chunks after %d tries", len(chunks), tries)
+                return
+            tries += 1
+            held_s = time.monotonic() - since
+            if held_s > self.outage_s or (not away and tries >= 3):
+                jobs = ", ".join(sorted({c.job_id for c in chunks}))
+                log.error(
+                    "gave up writing %d chunks of jobs %s after %d tries in %.0f s (%s); "
+                    "their readers get ChunksLost",
+                    len(chunks),
+                    jobs,
+                    tries,
+                    held_s,
+                    problem,
+                )
+                return
+            if tries == 1 or not away:
+                log.warning("writing %d chunks failed (try %d): %s", len(chunks), tries, problem)
+            time.sleep(min(0.1 * tries, 0.5))
+
+    def _try_write(self, chunks: list[Pending]) -> tuple[str | None, bool]:
+        """Write ``chunks`` once: (None, _) when done, else (the problem, whether it is
+        that Redis is away)."""
+        pipe = self.r.pipeline(transaction=False)
+        for c in chunks:
+            add_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
+        try:
+            results = pipe.execute(raise_on_error=False)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            return str(exc), True
+        except redis.RedisError as exc:
+            return str(exc), False
+        failed = [r for r in results if isinstance(r, Exception)]
+        return (str(failed[0]), False) if failed else (None, False)
 
 
 class ChunkPublisher:

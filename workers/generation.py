@@ -12,6 +12,7 @@ from scheduler.gguf.metadata import read_model_info
 from scheduler.gguf.registry import Registry
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
+from workers.chat import render
 from workers.chunks import ChunkPublisher
 from workers.devices import tensor_split
 from workers.embedder import Embedder
@@ -92,3 +93,41 @@ def open_runner(
         return Embedder(*args, **common, pooling_type=info.pooling_type)
     split = tensor_split(placement.devices, placement.split_blocks)
     return Runner(*args, **common, load_timeout_s=settings.load_timeout_s, split=split)
+
+
+def produce(
+    req: JobRequest,
+    runner: AnyRunner,
+    placement: Placement,
+    registry: Registry,
+    publisher: ChunkPublisher,
+    cancelled: Callable[[], bool],
+    progress: Progress,
+) -> dict[str, Any]:
+    """What the job is for: vectors, generated text (streamed), or just a loaded runner."""
+    out: dict[str, Any]
+    warnings = list(placement.warnings)
+    if req.kind == "embed":
+        out = embed(req, runner)
+    elif req.kind == "chat" or req.prompt:
+        prompt = chat_prompt(req, registry, warnings) if req.kind == "chat" else req.prompt
+        out = generate(req, runner, publisher, cancelled, prompt, progress)
+    else:
+        out = {"response": "", "done_reason": "load" if runner.keep_alive_s else "unload"}
+    if req.kind == "chat":
+        out["message"] = {"role": "assistant", "content": out["response"]}
+    if warnings:
+        out["warnings"] = warnings
+    return out
+
+
+def chat_prompt(req: JobRequest, registry: Registry, warnings: list[str]) -> str:
+    """The chat's messages rendered with the model's own template (a warning without one)."""
+    info = read_model_info(registry.resolve(req.model))
+    if not info.chat_template:
+        warnings.append(
+            f"model {req.model!r} has no chat template in its metadata; the messages were "
+            "rendered as a plain 'Role: text' transcript"
+        )
+    messages = [m.model_dump() for m in req.messages]
+    return render(info.chat_template, messages, info.bos_text, info.eos_text, req.model)

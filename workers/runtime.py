@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,6 @@ import redis
 
 from scheduler.cluster import DeviceInfo
 from scheduler.errors import GgufqError, InvalidModelFile, JobCancelled, JobFailed, LoadFailed
-from scheduler.gguf.metadata import read_model_info
 from scheduler.gguf.registry import Registry
 from scheduler.loops import LoopHealth, start_loop
 from scheduler.protocol import JobRequest, Placement, SentJob, parse_placement, parse_request
@@ -25,10 +25,10 @@ from scheduler.store.cancel import CancelWatcher, cancelled_before_start
 from scheduler.store.stats import count
 from scheduler.store.streams import error_chunk
 from scheduler.store.worker_state import WorkerState
-from workers.chat import render
+from workers.backlog import Backlog, patiently
 from workers.chunks import ChunkPublisher, ChunkWriter
 from workers.devices import reported_free, wait_for_release
-from workers.generation import AnyRunner, Progress, embed, generate, open_runner
+from workers.generation import AnyRunner, Progress, open_runner, produce
 from workers.keepalive import ExpirySchedule, effective_keep_alive, expires_at
 from workers.membership import Membership
 
@@ -75,6 +75,7 @@ class WorkerRuntime:
         self.health = LoopHealth()
         self.chunks = ChunkWriter(client, settings.helper_nice, settings.stream_interval_s)
         self.cancels = CancelWatcher(client, self.health)
+        self.backlog = Backlog()  # job ends that Redis missed while it was away
         self.membership = Membership(
             self.state, devices, self.health, settings.heartbeat_interval_s, self._let_go, clock
         )
@@ -86,7 +87,7 @@ class WorkerRuntime:
         every = self.settings.heartbeat_interval_s
         redis_away = (redis.RedisError,)
         for name, step, every_s in (
-            ("heartbeat", self.membership.beat, every),
+            ("heartbeat", self._beat, every),
             ("expiry", self._expire_due, 0.0),
         ):
             loop = start_loop(name, step, self._stopping, self.health, every_s, redis_away)
@@ -102,6 +103,10 @@ class WorkerRuntime:
             self._unload(runner_id, force=True)
         self.membership.leave()
         self.chunks.close()
+
+    def _beat(self) -> None:
+        self.backlog.drain()  # first the job ends an outage held back, then the heartbeat
+        self.membership.beat()
 
     def _let_go(self, gone: set[str]) -> None:
         """After placement dropped ``gone`` (and its jobs and runner records): running jobs
@@ -146,12 +151,23 @@ class WorkerRuntime:
         received = time.perf_counter_ns()
         req = parse_request(job)
         placement = parse_placement(sent)
-        if not self.state.owns(placement.device_id, req.id, placement.id):
+        # a job delivered as Redis goes away waits for it to come back
+        delivery = uuid.uuid4().hex
+        owned = patiently(
+            lambda: (
+                self.state.owns(placement.device_id, req.id, placement.id)
+                and self.state.start_once(
+                    req.id, placement.id, self.settings.stream_ttl_s, delivery
+                )
+            ),
+            f"starting job {req.id}",
+            self.settings.device_ttl_s,
+        )
+        if owned is False:
             # the device was dropped meanwhile (this worker was stopped or lost its Redis
             # connection) and placement re-placed or failed the job
-            raise NotOwned(req.id)
-        if not self.state.start_once(req.id, placement.id, self.settings.stream_ttl_s):
-            log.warning("job %s was delivered again; it runs once, elsewhere in this pool", req.id)
+            # (or this is a second delivery: it runs once, elsewhere in this pool)
+            log.warning("job %s is no longer this device's: not running it here", req.id)
             raise NotOwned(req.id)
         with self._jobs_lock:
             self._running[req.id] = placement
@@ -168,7 +184,11 @@ class WorkerRuntime:
         try:
             if cancelled():
                 raise cancelled_before_start(req.id)  # while it waited in the queue
-            self.state.started(req.id, self.clock())
+            patiently(
+                lambda: self.state.started(req.id, self.clock()),
+                f"starting job {req.id}",
+                self.settings.device_ttl_s,
+            )
             if runner_id not in self.runners:
                 progress("loading", device=placement.device_id)
             runner, load_ns = self._runner_for(req, placement)
@@ -177,7 +197,9 @@ class WorkerRuntime:
             final: dict[str, Any] = dict(
                 base, created_at=self.clock(), done=True, load_duration=load_ns
             )
-            final.update(self._produce(req, runner, placement, publisher, cancelled, progress))
+            final.update(
+                produce(req, runner, placement, self.registry, publisher, cancelled, progress)
+            )
             final["total_duration"] = time.perf_counter_ns() - received + placement.placement_ns
             # vectors travel in the result only: the stream's final chunk has the stats
             publisher.publish({k: v for k, v in final.items() if k != "embeddings"})
@@ -216,50 +238,20 @@ class WorkerRuntime:
             tally = {"failed": 1}
             raise error from None
         finally:
-            pipe = self.r.pipeline(transaction=False)  # one round trip for the bookkeeping
-            self.state.done_with(placement.device_id, req.id, placement.id, pipe)
-            count(pipe, req.model, **tally)
-            pipe.execute()
             self.cancels.forget(req.id)
             with self._jobs_lock:
                 self._running.pop(req.id, None)
             self._disowned.discard(req.id)
-            self._job_ended(runner_id)
 
-    def _produce(
-        self,
-        req: JobRequest,
-        runner: AnyRunner,
-        placement: Placement,
-        publisher: ChunkPublisher,
-        cancelled: Callable[[], bool],
-        progress: Progress,
-    ) -> dict[str, Any]:
-        """What the job is for: vectors, generated text (streamed), or just a loaded runner."""
-        out: dict[str, Any]
-        warnings = list(placement.warnings)
-        if req.kind == "embed":
-            out = embed(req, runner)
-        elif req.kind == "chat" or req.prompt:
-            prompt = self._chat_prompt(req, warnings) if req.kind == "chat" else req.prompt
-            out = generate(req, runner, publisher, cancelled, prompt, progress)
-        else:
-            out = {"response": "", "done_reason": "load" if runner.keep_alive_s else "unload"}
-        if req.kind == "chat":
-            out["message"] = {"role": "assistant", "content": out["response"]}
-        if warnings:
-            out["warnings"] = warnings
-        return out
+            def bookkeeping() -> None:  # one round trip: the in-flight record, the counters
+                pipe = self.r.pipeline(transaction=False)
+                self.state.done_with(placement.device_id, req.id, placement.id, pipe)
+                count(pipe, req.model, **tally)
+                pipe.execute()
 
-    def _chat_prompt(self, req: JobRequest, warnings: list[str]) -> str:
-        info = read_model_info(self.registry.resolve(req.model))
-        if not info.chat_template:
-            warnings.append(
-                f"model {req.model!r} has no chat template in its metadata; the messages were "
-                "rendered as a plain 'Role: text' transcript"
-            )
-        messages = [m.model_dump() for m in req.messages]
-        return render(info.chat_template, messages, info.bos_text, info.eos_text, req.model)
+            # through an outage too: else its slot stays taken in placement's view
+            self.backlog.run(f"ending job {req.id}", bookkeeping)
+            self.backlog.run(f"counting job {req.id} off", lambda: self._job_ended(runner_id))
 
     def _job_ended(self, runner_id: str) -> None:
         """Count the job off its runner; the runner's keep_alive as it is now (a later job's

@@ -110,10 +110,15 @@ class WorkerState:
         raw = self.r.get(keys.job_owner(job_id))
         return None if raw is None else text(raw)
 
-    def start_once(self, job_id: str, placement_id: str, ttl_s: int) -> bool:
-        """Claim the one run of this placement of the job; False when a delivery of it was
-        already taken (the broker redelivered a message, or a message was duplicated)."""
-        return bool(self.r.set(keys.job_start(job_id, placement_id), 1, nx=True, ex=ttl_s))
+    def start_once(self, job_id: str, placement_id: str, ttl_s: int, delivery: str) -> bool:
+        """Claim the one run of this placement of the job for ``delivery`` (an id of this
+        delivery, so that trying again after a lost reply still finds it ours); False when
+        another delivery took it (the broker redelivered a message, or duplicated one)."""
+        key = keys.job_start(job_id, placement_id)
+        pipe = self.r.pipeline()  # MULTI: claimed if the key is (now) this delivery's
+        pipe.set(key, delivery, nx=True, ex=ttl_s)
+        pipe.get(key)
+        return bool(pipe.execute()[1] == delivery.encode())
 
     def started(self, job_id: str, now: float) -> None:
         self.r.hset(keys.RUNNING, job_id, now)
