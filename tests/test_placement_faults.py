@@ -89,3 +89,44 @@ def test_a_message_that_is_not_a_job_is_refused_not_fatal(
     assert service.place(["not", "a", "job"])["refused"] == "invalid_request"  # type: ignore[arg-type]
     assert service.place({"id": "x1", "model": 7})["refused"] == "invalid_request"
     assert final_error(db, "x1")["code"] == "invalid_request"
+
+
+def test_a_job_redis_drops_mid_placement_is_held_then_parked_when_it_is_back(
+    service: PlacementService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def redis_away(*_args: object, **_kwargs: object) -> None:
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1. Connection refused.")
+
+    monkeypatch.setattr(service_module, "send_job", redis_away)
+    monkeypatch.setattr(service.parked, "park", redis_away)
+    job = JobRequest(model="tiny", prompt="hello", submitted_at=1.0)
+    assert "held" in service.place(job.model_dump(mode="json"))
+    with pytest.raises(redis.ConnectionError):
+        service.park_held()  # still away: kept
+    monkeypatch.undo()
+    assert service.park_held() == 1
+    assert [j.id for j in service.parked.jobs()] == [job.id]
+    assert service.park_held() == 0
+
+
+def test_a_submission_delivered_twice_is_placed_once(service: PlacementService) -> None:
+    job = JobRequest(model="no-such-model", prompt="hello", submitted_at=1.0)
+    assert "refused" in service.place(job.model_dump(mode="json"))
+    assert service.place(job.model_dump(mode="json")) == {"duplicate": job.id}
+
+
+def test_a_submission_whose_claim_redis_missed_is_parked_once_it_is_claimed(
+    service: PlacementService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def redis_away(*_args: object, **_kwargs: object) -> None:
+        raise redis.ConnectionError("Connection reset by peer")
+
+    monkeypatch.setattr(service.state, "place_once", redis_away)
+    held = JobRequest(model="tiny", prompt="held", submitted_at=1.0)
+    taken = JobRequest(model="tiny", prompt="taken meanwhile", submitted_at=1.0)
+    for job in (held, taken):
+        assert "held" in service.place(job.model_dump(mode="json"))
+    monkeypatch.undo()
+    service.state.place_once(taken.id, "a later delivery of it", 60)
+    assert service.park_held() == 1  # the other is placed by its later delivery
+    assert [j.id for j in service.parked.jobs()] == [held.id]

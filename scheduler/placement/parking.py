@@ -8,7 +8,9 @@ unloaded, a job finished, a device joined), by whichever placement process claim
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -24,6 +26,9 @@ _BATCH_OFFSET = 1e12  # every batch job sorts after every interactive one
 
 def park_score(req: JobRequest, now: float) -> float:
     return now + (_BATCH_OFFSET if req.priority == "batch" else 0.0)
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -114,3 +119,37 @@ class ParkedJobs:
                 )
             )
         return rows
+
+
+class HeldJobs:
+    """Jobs placement could neither place, park nor fail because Redis was away: kept in
+    the placement process and parked once Redis answers, so that none is dropped."""
+
+    def __init__(self, parked: ParkedJobs, limit: int) -> None:
+        self.parked, self.limit = parked, limit
+        self._jobs: dict[str, tuple[JobRequest, float, int, str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def hold(self, req: JobRequest, score: float, errors: int, delivery: str = "") -> bool:
+        """Keep a job (False when ``limit`` jobs wait already). ``delivery`` is set when its
+        claim (a placement's ``place_once``) is still to be made."""
+        if len(self._jobs) >= self.limit:
+            return False
+        self._jobs[req.id] = (req, score, errors, delivery)
+        return True
+
+    def park_all(self, claim: Callable[[str, str], bool]) -> int:
+        """Park the jobs held (raises while Redis is still away); a job whose claim
+        ``claim(job_id, delivery)`` finds taken is placed by another delivery of it, and is
+        let go. Returns how many were parked."""
+        parked = 0
+        for job_id, (req, score, errors, delivery) in list(self._jobs.items()):
+            if not delivery or claim(job_id, delivery):
+                self.parked.park(req, score, errors)
+                parked += 1
+            del self._jobs[job_id]
+        if parked:
+            log.warning("parked %d jobs held through a Redis outage", parked)
+        return parked

@@ -35,6 +35,7 @@ class Liveness:
         self.service = service
         self.stopping = threading.Event()
         self.health = LoopHealth()
+        self._last_beat = self._back_at = -float("inf")  # monotonic times of beats
 
     def start(self) -> None:
         settings = self.service.settings
@@ -53,11 +54,24 @@ class Liveness:
         """Say this service is alive (and which of its loops keep failing), drop devices
         without a heartbeat, and re-place or fail their jobs."""
         service, settings = self.service, self.service.settings
-        failing = self.health.describe(time.monotonic(), 3 * settings.heartbeat_interval_s)
+        now = time.monotonic()
+        failing = self.health.describe(now, 3 * settings.heartbeat_interval_s)
         service.state.placement_beat(service.name, time.time(), settings.device_ttl_s, failing)
-        dropped = service.state.reap(time.time(), settings.device_ttl_s)
-        if dropped:
-            log.warning("dropped devices without heartbeat: %s", ", ".join(dropped))
+        back = now - self._last_beat > 2 * settings.heartbeat_interval_s
+        if back:
+            self._back_at = now  # the first beat in a while: Redis (or this process) was away
+            service.grace_until = now + settings.device_ttl_s
+        self._last_beat = now
+        if service.park_held() or back:
+            # events published while Redis was away were lost: retry parked jobs now,
+            # not at the next sweep
+            service.retry_parked()
+        # after an outage the workers were cut off too: they get a TTL to beat again
+        # before any of their devices counts as dead (else an outage would drop them all)
+        if now - self._back_at >= settings.device_ttl_s:
+            dropped = service.state.reap(time.time(), settings.device_ttl_s)
+            if dropped:
+                log.warning("dropped devices without heartbeat: %s", ", ".join(dropped))
         service.recover_orphans()
 
     def _listen(self) -> None:

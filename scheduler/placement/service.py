@@ -7,6 +7,7 @@ unload idle runners, park, or refuse with a reason.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -20,7 +21,7 @@ from celery import Celery
 from pydantic import ValidationError
 
 from scheduler.cluster import Snapshot
-from scheduler.errors import GgufqError, JobCancelled, JobFailed, error_from_code
+from scheduler.errors import GgufqError, JobCancelled, JobFailed, NoWorkers, error_from_code
 from scheduler.gguf.estimate import choose_num_ctx, estimate_bytes, group_parts, partial_table
 from scheduler.gguf.metadata import ModelInfo
 from scheduler.gguf.registry import Registry
@@ -34,7 +35,7 @@ from scheduler.placement.needs import (
     job_needs,
     runner_config,
 )
-from scheduler.placement.parking import ParkedJobs, park_score
+from scheduler.placement.parking import HeldJobs, ParkedJobs, park_score
 from scheduler.placement.snapcache import SnapshotCache
 from scheduler.placement.verdict import Load, Park, Refuse
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob, parse_request
@@ -62,6 +63,7 @@ def lost_job_message(job_id: str, where: str, streamed: int) -> str:
 
 
 MAX_PLACEMENT_ERRORS = 3  # unexpected failures of one job's placement before it fails
+MAX_HELD = 10_000  # jobs held in memory through a Redis outage, at most
 MAX_SHAPES = 512  # memory tables kept per (model file, configuration), oldest dropped first
 
 
@@ -131,6 +133,10 @@ class PlacementService:
         self.parked = ParkedJobs(client)
         self.snapshots = SnapshotCache(client)
         self._shapes: dict[tuple[str, RunnerConfig], Shape] = {}
+        self.held = HeldJobs(self.parked, MAX_HELD)  # through a Redis outage
+        # until then (monotonic), "no device is alive" parks a job instead of failing it:
+        # Redis, or this process, was away, and the workers have yet to beat again
+        self.grace_until = 0.0
         self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
         # placements of this process run one at a time: the Celery task and the parked-job
         # waker both place, and the snapshot cache (its indexes are views into it) and the
@@ -146,10 +152,19 @@ class PlacementService:
             fields = job if isinstance(job, dict) else {}
             self.fail(str(fields.get("id", "")), str(fields.get("model", "")), exc)
             return {"refused": exc.code, "reason": str(exc)}
-        outcome = self._attempt(req, started, park_score(req, time.time()), errors=0, new=True)
+        score, delivery = park_score(req, time.time()), uuid.uuid4().hex
+        try:
+            first = self.state.place_once(req.id, delivery, self.settings.stream_ttl_s)
+        except redis.RedisError as exc:  # Redis away: whether it is ours is known later
+            return self._not_placed(req, exc, score, 0, delivery)
+        if not first:
+            log.warning("job %s was delivered again; it is placed once", req.id)
+            return {"duplicate": req.id}
+        outcome = self._attempt(req, started, score, errors=0, new=True)
         # counted after sending, off the job's path to its first token; the eviction order
         # uses it (decision branch 10)
-        self.state.count_request(req.model, time.time())
+        with contextlib.suppress(redis.RedisError):
+            self.state.count_request(req.model, time.time())
         return outcome
 
     def retry_parked(self) -> int:
@@ -197,12 +212,15 @@ class PlacementService:
             return self._not_placed(req, exc, score, errors + 1)
 
     def _not_placed(
-        self, req: JobRequest, exc: Exception, score: float, errors: int
+        self, req: JobRequest, exc: Exception, score: float, errors: int, delivery: str = ""
     ) -> dict[str, Any]:
         """Park a job whose placement failed unexpectedly, to try again; fail it after
-        MAX_PLACEMENT_ERRORS such failures, or when even that fails (Redis is down)."""
+        MAX_PLACEMENT_ERRORS such failures; hold it here while Redis is away. ``delivery``
+        is set when the job's claim (``place_once``) is still to be made."""
         log.exception("placing job %s failed (%d times): %s", req.id, errors, exc)
         try:
+            if delivery:
+                raise exc  # the claim did not go through: hold the job until Redis is back
             if errors < MAX_PLACEMENT_ERRORS:
                 self.parked.park(req, score, errors)
                 return {"parked": f"placement failed, will retry: {exc}"}
@@ -211,9 +229,17 @@ class PlacementService:
             )
             self.fail(req.id, req.model, error)
             return {"refused": error.code, "reason": str(error)}
-        except Exception:
-            log.exception("job %s is lost: it could be neither parked nor failed", req.id)
-            return {"lost": str(exc)}
+        except Exception as again:  # Redis is away: hold the job here until it is back
+            if not self.held.hold(req, score, errors, delivery):
+                log.error("job %s is lost: Redis is away and %d jobs wait", req.id, MAX_HELD)
+                return {"lost": str(again)}
+            log.warning("job %s waits in this process for Redis to come back: %s", req.id, again)
+            return {"held": str(again)}
+
+    def park_held(self) -> int:
+        """Park the jobs held through a Redis outage (the liveness loop calls this once
+        Redis answers again); returns how many were parked. Raises while Redis is away."""
+        return self.held.park_all(partial(self.state.place_once, ttl_s=self.settings.stream_ttl_s))
 
     def _place(self, req: JobRequest, started: int, score: float | None = None) -> dict[str, Any]:
         """Decide and carry out; ``score`` is set when a parked job is retried."""
@@ -261,6 +287,8 @@ class PlacementService:
                         log.info("job %s parked: %s", req.id, reason)
                     self._park(req, order)
                 case Refuse(code, reason):
+                    if code == NoWorkers.code and time.monotonic() < self.grace_until:
+                        self._park(req, order)  # Redis just came back: workers beat soon
                     raise error_from_code(code, reason)
         self._park(req, order)
 

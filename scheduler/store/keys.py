@@ -55,6 +55,11 @@ def job_submitted(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:submitted"
 
 
+def job_placed(job_id: str) -> str:
+    # string: set by the placement process that takes the job's submission message
+    return f"{PREFIX}:job:{job_id}:placed"
+
+
 def job_start(job_id: str, placement_id: str) -> str:
     # string: set by the one worker thread that runs this placement of the job
     return f"{PREFIX}:job:{job_id}:start:{placement_id}"

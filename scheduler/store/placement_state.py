@@ -99,6 +99,17 @@ class PlacementState:
         """One more job for a loading or ready runner; False if it is unloading or gone."""
         return bool(self._assign(keys=[keys.runner(runner_id)], args=[now]))
 
+    def place_once(self, job_id: str, delivery: str, ttl_s: int) -> bool:
+        """Claim a submitted job's placement for ``delivery`` (an id of this delivery of its
+        message, so that a claim tried again after a lost reply is still found ours);
+        False when another delivery has it (the broker hands an unacknowledged message out
+        again after its visibility timeout, and a reader sends a lost one again)."""
+        key = keys.job_placed(job_id)
+        pipe = self.r.pipeline()  # MULTI: claimed if the key is (now) this delivery's
+        pipe.set(key, delivery, nx=True, ex=ttl_s)
+        pipe.get(key)
+        return bool(pipe.execute()[1] == delivery.encode())
+
     def count_request(self, model: str, now: float) -> None:
         self._demand(keys=[keys.DEMAND], args=[model, now, DEMAND_TAU_S])
 
