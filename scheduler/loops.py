@@ -59,7 +59,8 @@ def run_loop(
     that waits by itself; a step that never returns, such as a pub/sub listener, reports
     ``health.ok(name)`` itself as it goes, or it would stay "failing" after one error).
     A failure is logged (``expected`` kinds, such as Redis being away, without a
-    traceback) and retried after a back-off; the loop itself never ends on one."""
+    traceback) and retried after a back-off (for ``expected`` kinds, at most ``every_s``
+    or half a second); the loop itself never ends on one."""
     errors = 0
     while not stop.is_set():
         try:
@@ -67,11 +68,15 @@ def run_loop(
         except Exception as exc:
             errors += 1
             health.failed(name, f"{type(exc).__name__}: {exc}", clock())
+            pause = backoff_s[min(errors, len(backoff_s)) - 1]
             if isinstance(exc, expected):
-                log.warning("%s: %s (%d in a row)", name, exc, errors)
+                # Redis away: try at least once a beat, so the loop is back soon after it
+                pause = min(pause, max(every_s, 0.5))
+                if errors == 1 or errors % 20 == 0:
+                    log.warning("%s: %s (%d in a row)", name, exc, errors)
             else:
                 log.exception("%s failed (%d in a row); it goes on", name, errors)
-            stop.wait(backoff_s[min(errors, len(backoff_s)) - 1])
+            stop.wait(pause)
             continue
         errors = 0
         health.ok(name)

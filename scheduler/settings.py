@@ -95,17 +95,19 @@ class Settings(BaseSettings):
         "this long; a reader killed without a word has its job cancelled once it lapses.",
     )
     broker_visibility_timeout_s: int = Field(
-        3600,
+        60,
         gt=0,
         description="How long the Redis broker waits before handing an unacknowledged "
-        "message to another worker (workers take only what they start, and a job starts "
-        "once however often it is delivered).",
+        "message out again. Processes take only what they start and acknowledge it as "
+        "they start it, so a message unacknowledged this long was lost with a connection "
+        "(Redis went away as it was delivered); a job is placed once and starts once "
+        "however often it is delivered.",
     )
     broker_restore_interval_s: int = Field(
-        100,
+        10,
         gt=0,
         description="How often the broker looks for unacknowledged messages older than the "
-        "visibility timeout (kombu's sweep; 100 s is its default).",
+        "visibility timeout (kombu's sweep).",
     )
     stream_interval_s: float = Field(
         0.1,

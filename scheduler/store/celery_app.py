@@ -38,6 +38,12 @@ def make_app(redis_url: str, settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
         broker_transport=Transport,  # kombu's Redis transport, robust to bad queue items
+        worker_consumer="scheduler.store.transport:Consumer",  # reconnects within 1 s
+        # a result stored as Redis goes away waits for it (tried again up to 1 s apart)
+        # instead of failing the task after the job ran
+        result_backend_always_retry=True,
+        result_backend_max_retries=120,  # about two minutes
+        result_backend_max_sleep_between_retries_ms=1000,
         broker_transport_options={
             "socket_keepalive": True,
             "visibility_timeout": settings.broker_visibility_timeout_s,

@@ -1,19 +1,49 @@
-"""kombu's Redis transport, with one change: a queue item that is not a message (not JSON,
-or not an envelope) is logged and dropped. kombu's own raises out of the consumer's event
-loop, and Celery then stops the whole worker ("Unrecoverable error") over one bad item."""
+"""kombu's Redis transport and Celery's consumer, made robust to bad queue items and to a
+Redis that goes away:
+
+- a queue item that is not a message (not JSON, or not an envelope) is logged and dropped:
+  kombu's own channel raises out of the consumer's event loop, and Celery then stops the
+  whole worker ("Unrecoverable error") over one bad item;
+- giving back unacknowledged messages when the connection closes under them (Redis
+  restarted) is best effort: kombu's raises (its connection is already gone) and Celery
+  stops the worker; the messages stay in Redis's unacked index, and the visibility-timeout
+  sweep gives them back;
+- a consumer that lost Redis tries again every quarter second, up to one second apart
+  (Celery's default waits 2, 4, 6 … s, so a worker came back up to 6 s after Redis did).
+"""
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
+from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.transport import redis as kombu_redis
 
 log = logging.getLogger("ggufq.transport")
 _NOT_A_MESSAGE = (ValueError, TypeError, KeyError, AttributeError)
+RECONNECT = {"interval_start": 0.25, "interval_step": 0.25, "interval_max": 1.0}
+
+
+class QoS(kombu_redis.QoS):
+    def restore_unacked(self, client: Any = None) -> None:
+        try:
+            super().restore_unacked(client)  # type: ignore[no-untyped-call]
+        except Exception as exc:  # any failure here would stop the worker
+            delivered: dict[Any, Any] = self._delivered  # type: ignore[assignment]
+            log.warning(
+                "could not give back %d unacknowledged messages now (%r); Redis gives them "
+                "back after the visibility timeout",
+                len(delivered),
+                exc,
+            )
+            delivered.clear()
 
 
 class Channel(kombu_redis.Channel):
+    QoS = QoS
+
     def _brpop_read(self, **options: Any) -> bool:
         try:
             return bool(super()._brpop_read(**options))  # type: ignore[no-untyped-call]
@@ -24,3 +54,9 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+class Consumer(CeleryConsumer):  # type: ignore[misc]
+    def ensure_connected(self, conn: Any) -> Any:
+        conn.ensure_connection = partial(conn.ensure_connection, **RECONNECT)
+        return super().ensure_connected(conn)
