@@ -13,6 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -67,7 +68,8 @@ class AsyncJob:
             self.id, cancel_on_close, settings.stream_ttl_s, settings.reader_lease_s
         )
         try:
-            async for chunk in aread_chunks(self.client.r, self.id, wait, after, lease):
+            check = partial(asyncio.to_thread, self.job.check)
+            async for chunk in aread_chunks(self.client.r, self.id, wait, after, lease, check):
                 if chunk.get("done"):
                     done = True
                     error = chunk.get("error")
@@ -107,7 +109,11 @@ class AsyncJob:
         await pubsub.subscribe(key)  # first, so a result stored after the GET still wakes us
         try:
             deadline = time.monotonic() + wait
+            checked = time.monotonic()
             while not result_ready(app, await r.get(key)):
+                if time.monotonic() - checked > 2.0:  # lost, or lost on its way to placement?
+                    await asyncio.to_thread(self.job.check)
+                    checked = time.monotonic()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise JobTimeout(

@@ -29,6 +29,7 @@ from scheduler.errors import (
     InvalidModelFile,
     InvalidRequest,
     JobFailed,
+    JobLost,
     JobTimeout,
     LoadFailed,
     ModelNotFound,
@@ -105,8 +106,9 @@ class BatchStopped(Exception):
 
 def is_transient(exc: GgufqError) -> bool:
     """Errors that another attempt may not meet: no capacity or workers right now, a lost
-    worker, a load that failed, a job that made no progress for the client's timeout."""
-    if isinstance(exc, NoWorkers | ServerBusy | JobTimeout | LoadFailed):
+    worker, a job Redis lost, a load that failed, a job that made no progress for the
+    client's timeout."""
+    if isinstance(exc, NoWorkers | ServerBusy | JobTimeout | LoadFailed | JobLost):
         return True
     return isinstance(exc, JobFailed) and " was lost: " in exc.message
 

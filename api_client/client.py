@@ -102,14 +102,13 @@ class Client:
         )
         self._check_alive()
         self._claim_id(request)
-        send_job(
-            self.app,
-            keys.TASK_PLACE,
-            request,
-            f"{request.id}.place",
-            keys.placement_queue(request.priority),
-        )
+        self.place(request)
         return Job(self, request)
+
+    def place(self, request: JobRequest) -> None:
+        """Send a job to placement (again, when its message was lost: it places a job once)."""
+        queue = keys.placement_queue(request.priority)
+        send_job(self.app, keys.TASK_PLACE, request, f"{request.id}.place", queue)
 
     @overload
     def generate(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any, Protocol, cast
@@ -10,11 +11,21 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
-from scheduler.errors import GgufqError, JobCancelled, JobFailed, JobTimeout, error_from_code
+from scheduler.errors import (
+    GgufqError,
+    JobCancelled,
+    JobFailed,
+    JobLost,
+    JobTimeout,
+    error_from_code,
+)
 from scheduler.protocol import GenerateResponse, JobRequest
 from scheduler.settings import Settings
+from scheduler.store import keys
 from scheduler.store.cancel import ReaderLease
 from scheduler.store.streams import read_chunks
+
+log = logging.getLogger(__name__)
 
 
 class JobHost(Protocol):
@@ -27,6 +38,9 @@ class JobHost(Protocol):
 
     def cancel(self, job_id: str) -> None: ...
 
+    def place(self, request: JobRequest) -> None:
+        """Send the job's message to placement (again: it places a job once)."""
+
 
 def release(client: redis.Redis, lease: ReaderLease) -> None:
     """The reader leaves on its own: the job no longer ends with it (best effort)."""
@@ -38,6 +52,9 @@ def release(client: redis.Redis, lease: ReaderLease) -> None:
         pass  # the lease lapses: the job is cancelled, as the reader already asked
 
 
+RESEND_AFTER_S = 5.0  # a job not taken by placement this long with its queue empty
+
+
 class Job:
     """A submitted job: its id is the same in the client, the placement service and the worker."""
 
@@ -45,6 +62,7 @@ class Job:
         self.client = client
         self.request = request
         self.id = request.id
+        self._sent_at = 0.0  # when check() last sent it to placement again
 
     def __repr__(self) -> str:
         return f"Job(id={self.id!r}, model={self.request.model!r})"
@@ -77,7 +95,7 @@ class Job:
             self.id, cancel_on_close, settings.stream_ttl_s, settings.reader_lease_s
         )
         try:
-            for chunk in read_chunks(self.client.r, self.id, wait, after, lease):
+            for chunk in read_chunks(self.client.r, self.id, wait, after, lease, self.check):
                 if chunk.get("done"):
                     done = True
                     error = chunk.get("error")
@@ -105,15 +123,22 @@ class Job:
         """The job's final record as stored (raises the job's typed error)."""
         wait = self.client.timeout if timeout is None else timeout
         handle = AsyncResult(self.id, app=self.client.app)
+        deadline = time.monotonic() + wait
         try:
-            value = handle.get(timeout=wait, propagate=False, interval=0.05)
-        except Exception as exc:  # celery.exceptions.TimeoutError and backend errors
-            if type(exc).__name__ == "TimeoutError":
-                raise JobTimeout(
-                    f"job {self.id} did not finish within {wait} s; it may still be queued "
-                    "or running: call result() again, or check `ggufq ps`"
-                ) from None
-            raise
+            while True:  # in slices: between them, see that Redis still knows the job
+                left = deadline - time.monotonic()
+                try:
+                    value = handle.get(timeout=max(min(left, 2.0), 0.01), propagate=False)
+                    break
+                except Exception as exc:  # celery.exceptions.TimeoutError and backend errors
+                    if type(exc).__name__ != "TimeoutError":
+                        raise
+                if time.monotonic() >= deadline:
+                    raise JobTimeout(
+                        f"job {self.id} did not finish within {wait} s; it may still be queued "
+                        "or running: call result() again, or check `ggufq ps`"
+                    ) from None
+                self.check()
         finally:
             # a result given up on stays subscribed in Celery's result consumer, which then
             # retries for 20 s once the client closes its connections: let go of it here
@@ -125,6 +150,28 @@ class Job:
         if handle.state == "REVOKED":  # the reason was stored with the state
             raise JobCancelled(str(value) or f"job {self.id} was cancelled")
         return cast(dict[str, Any], value)
+
+    def check(self) -> None:
+        """What a waiting reader does between waits: raise JobLost when Redis no longer
+        knows the job (restarted without its data), which would never end; send the job to
+        placement again when its message was lost on the way (Redis went away as placement
+        took it off the queue), which placement would never see."""
+        pipe = self.client.r.pipeline(transaction=False)
+        pipe.exists(keys.job_submitted(self.id))
+        pipe.exists(keys.job_placed(self.id))
+        pipe.llen(keys.placement_queue(self.request.priority))
+        known, placed, queued = pipe.execute()
+        if not known:
+            raise JobLost(
+                f"job {self.id} is gone: Redis no longer knows it (it was restarted without "
+                "its data, or the job's records expired); submit the job again"
+            )
+        now = time.time()
+        if placed or queued or now - max(self._sent_at, self.request.submitted_at) < RESEND_AFTER_S:
+            return
+        log.warning("job %s never reached placement (Redis went away?): sending it again", self.id)
+        self._sent_at = now
+        self.client.place(self.request)
 
     def _response(self, chunk: dict[str, Any]) -> GenerateResponse:
         if chunk.get("done"):

@@ -81,6 +81,12 @@ class JobFailed(GgufqError):
     code = "job_failed"
 
 
+class JobLost(JobFailed):
+    """Redis no longer knows the job (restarted without its data, or the record expired)."""
+
+    code = "job_lost"
+
+
 class ChunksLost(GgufqError):
     """Part of a job's stream is gone: the reader cannot give the text without a hole."""
 
@@ -110,8 +116,11 @@ ERRORS_BY_CODE: dict[str, type[GgufqError]] = {
         NoCapacity,
         NoWorkers,
         StackNotRunning,
+        StackFailed,
         LoadFailed,
         JobFailed,
+        JobLost,
+        ChunksLost,
         JobCancelled,
         JobTimeout,
     )

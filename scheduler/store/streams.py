@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, cast
 
 import redis
@@ -102,6 +102,7 @@ class ChunkOrder:
         self.clock = clock
         self.last = after_seq
         self.backfill = True  # subscribed first, so the record holds all we could have missed
+        self.quiet = False  # the backfill due is after a quiet spell
         self.done = False
         self.quiet_s = 1.0
         self.deadline = None if timeout_s is None else self.clock() + timeout_s
@@ -112,6 +113,7 @@ class ChunkOrder:
 
     def from_record(self, entries: Entries) -> list[dict[str, Any]]:
         """The backfilled chunks to yield, up to the final one."""
+        self.quiet = False
         chunks = []
         for _id, fields in entries:
             chunk = json.loads(fields[b"c"])
@@ -141,7 +143,7 @@ class ChunkOrder:
     def from_message(self, message: dict[str, Any] | None) -> dict[str, Any] | None:
         """The chunk to yield, if the message carries the next one."""
         if message is None:
-            self.backfill = True  # quiet for a while: re-check the record in case we lost one
+            self.backfill = self.quiet = True  # quiet: re-check the record for a lost one
             self.quiet_s = min(self.quiet_s * 2, self.QUIET_MAX_S)
             return None
         self.quiet_s = 1.0
@@ -168,11 +170,13 @@ def read_chunks(
     timeout_s: float | None,
     after_seq: int = 0,
     lease: ReaderLease | None = None,
+    on_quiet: Callable[[], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Yield the chunks of a job from ``after_seq + 1`` on, until the final one, renewing
     ``lease`` (if given) while it reads.
 
-    Raises TimeoutError when no chunk arrives for ``timeout_s`` seconds.
+    Raises TimeoutError when no chunk arrives for ``timeout_s`` seconds. ``on_quiet`` is
+    called after each quiet spell (the job's handle checks that it is not lost there).
     """
     order = ChunkOrder(job_id, timeout_s, after_seq)
     pubsub = client.pubsub(ignore_subscribe_messages=True)
@@ -184,6 +188,8 @@ def read_chunks(
                 lease.renew(pipe, time.monotonic())
                 pipe.execute()
             if order.backfill:
+                if order.quiet and on_quiet is not None:
+                    on_quiet()
                 entries = client.xrange(keys.job_chunks(job_id), min=order.backfill_from)
                 yield from order.from_record(cast(Entries, entries))
                 continue
@@ -200,6 +206,7 @@ async def aread_chunks(
     timeout_s: float | None,
     after_seq: int = 0,
     lease: ReaderLease | None = None,
+    on_quiet: Callable[[], Awaitable[None]] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """:func:`read_chunks` on redis.asyncio: subscribe, backfill with XRANGE, then follow.
 
@@ -215,6 +222,8 @@ async def aread_chunks(
                 lease.renew(apipe, time.monotonic())
                 await apipe.execute()
             if order.backfill:
+                if order.quiet and on_quiet is not None:
+                    await on_quiet()
                 entries = await client.xrange(keys.job_chunks(job_id), min=order.backfill_from)
                 for backfilled in order.from_record(cast(Entries, entries)):
                     yield backfilled
