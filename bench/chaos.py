@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
-from api_client import Client, GgufqError, Job, JobCancelled, JobTimeout  # noqa: E402
+from api_client import Client, GgufqError, Job, JobCancelled, JobLost, JobTimeout  # noqa: E402
 from api_client.results import result_key, result_ready  # noqa: E402
 from scheduler.local.stack import LocalStack  # noqa: E402
 from scheduler.protocol import JobRequest  # noqa: E402
@@ -368,6 +368,7 @@ class Reader(threading.Thread):
         self.end = "running"
         self.reconnects = 0
         self.problem = ""
+        self.error: GgufqError | None = None  # the typed error the stream ended with
 
     def run(self) -> None:
         while time.monotonic() < self.deadline:
@@ -379,6 +380,7 @@ class Reader(threading.Thread):
                 return
             except GgufqError as exc:
                 self.end = f"error {type(exc).__name__}"
+                self.error = exc
                 return
             except (redis.RedisError, OSError) as exc:
                 self.reconnects += 1
@@ -734,6 +736,12 @@ class Trial:
         except redis.RedisError:
             return
         for tracked, raw in zip(pending, raws, strict=True):  # type: ignore[arg-type]
+            reader = self.readers.get(tracked.name)
+            if reader is not None and isinstance(reader.error, JobLost):
+                # no result will ever be stored: its reader was told the job is gone
+                tracked.outcome, tracked.message = "failed", f"JobLost: {reader.error}"
+                tracked.ended = time.monotonic()
+                continue
             if not result_ready(self.c.app, raw):
                 continue
             tracked.outcome, tracked.message, final = outcome_of(tracked.job)
