@@ -58,10 +58,11 @@ RESEND_AFTER_S = 5.0  # a job not taken by placement this long with its queue em
 class Job:
     """A submitted job: its id is the same in the client, the placement service and the worker."""
 
-    def __init__(self, client: JobHost, request: JobRequest) -> None:
+    def __init__(self, client: JobHost, request: JobRequest, resend: bool = True) -> None:
         self.client = client
         self.request = request
         self.id = request.id
+        self.resend = resend  # False for a handle without the job's whole request
         self._sent_at = 0.0  # when check() last sent it to placement again
 
     def __repr__(self) -> str:
@@ -160,18 +161,26 @@ class Job:
         pipe.exists(keys.job_submitted(self.id))
         pipe.exists(keys.job_placed(self.id))
         pipe.llen(keys.placement_queue(self.request.priority))
-        known, placed, queued = pipe.execute()
+        try:
+            known, placed, queued = pipe.execute()
+        except redis.RedisError:
+            return  # Redis away: the next check tells
         if not known:
             raise JobLost(
                 f"job {self.id} is gone: Redis no longer knows it (it was restarted without "
                 "its data, or the job's records expired); submit the job again"
             )
         now = time.time()
-        if placed or queued or now - max(self._sent_at, self.request.submitted_at) < RESEND_AFTER_S:
+        if placed or queued or not self.resend:
+            return
+        if now - max(self._sent_at, self.request.submitted_at) < RESEND_AFTER_S:
             return
         log.warning("job %s never reached placement (Redis went away?): sending it again", self.id)
         self._sent_at = now
-        self.client.place(self.request)
+        try:
+            self.client.place(self.request)
+        except Exception as exc:  # the broker is away again: the next check tries again
+            log.warning("sending job %s again failed: %s", self.id, exc)
 
     def _response(self, chunk: dict[str, Any]) -> GenerateResponse:
         if chunk.get("done"):

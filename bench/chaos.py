@@ -443,7 +443,7 @@ def record_of(client: Client, job_id: str) -> list[dict[str, Any]]:
 
 def attach(client: Client, job_id: str, model: str) -> Job:
     """A handle on a job another process submitted."""
-    return Job(client, JobRequest(id=job_id, model=model))
+    return Job(client, JobRequest(id=job_id, model=model), resend=False)
 
 
 # -- a trial --------------------------------------------------------------------------------

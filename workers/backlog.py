@@ -65,8 +65,8 @@ class Backlog:
                 write()
             except AWAY:
                 raise
-            except redis.RedisError as exc:  # the write itself is refused: never retried
-                log.error("%s failed after Redis came back: %s", what, exc)
+            except Exception:  # the write itself is refused, or a bug: never retried
+                log.exception("%s failed after Redis came back", what)
             with self._lock:
                 self._writes.popleft()
             done += 1

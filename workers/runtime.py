@@ -7,6 +7,7 @@ on the job's stream, a final result, and up-to-date runner state in Redis.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -105,8 +106,8 @@ class WorkerRuntime:
         self.chunks.close()
 
     def _beat(self) -> None:
-        self.backlog.drain()  # first the job ends an outage held back, then the heartbeat
-        self.membership.beat()
+        self.membership.beat()  # first the heartbeat: a slow unload below must not delay it
+        self.backlog.drain()  # then the job ends an outage held back
 
     def _let_go(self, gone: set[str]) -> None:
         """After placement dropped ``gone`` (and its jobs and runner records): running jobs
@@ -151,7 +152,8 @@ class WorkerRuntime:
         received = time.perf_counter_ns()
         req = parse_request(job)
         placement = parse_placement(sent)
-        # a job delivered as Redis goes away waits for it to come back
+        # a job delivered as Redis goes away waits for it to come back (if its device was
+        # dropped meanwhile, it is not this device's any more)
         delivery = uuid.uuid4().hex
         owned = patiently(
             lambda: (
@@ -161,7 +163,7 @@ class WorkerRuntime:
                 )
             ),
             f"starting job {req.id}",
-            self.settings.device_ttl_s,
+            math.inf,  # before the try below: giving up here would leak the job's slot
         )
         if owned is False:
             # the device was dropped meanwhile (this worker was stopped or lost its Redis

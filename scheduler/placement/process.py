@@ -35,7 +35,8 @@ class Liveness:
         self.service = service
         self.stopping = threading.Event()
         self.health = LoopHealth()
-        self._last_beat = self._back_at = -float("inf")  # monotonic times of beats
+        self._away = True  # no beat went through yet (or the last one failed)
+        self._back_at = -float("inf")  # monotonic time of the first beat after that
 
     def start(self) -> None:
         settings = self.service.settings
@@ -56,12 +57,15 @@ class Liveness:
         service, settings = self.service, self.service.settings
         now = time.monotonic()
         failing = self.health.describe(now, 3 * settings.heartbeat_interval_s)
-        service.state.placement_beat(service.name, time.time(), settings.device_ttl_s, failing)
-        back = now - self._last_beat > 2 * settings.heartbeat_interval_s
-        if back:
-            self._back_at = now  # the first beat in a while: Redis (or this process) was away
+        try:
+            service.state.placement_beat(service.name, time.time(), settings.device_ttl_s, failing)
+        except redis.RedisError:
+            self._away = True
+            raise
+        back, self._away = self._away, False
+        if back:  # the first beat since starting, or since Redis was away
+            self._back_at = now
             service.grace_until = now + settings.device_ttl_s
-        self._last_beat = now
         if service.park_held() or back:
             # events published while Redis was away were lost: retry parked jobs now,
             # not at the next sweep

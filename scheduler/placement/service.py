@@ -137,6 +137,8 @@ class PlacementService:
         # until then (monotonic), "no device is alive" parks a job instead of failing it:
         # Redis, or this process, was away, and the workers have yet to beat again
         self.grace_until = 0.0
+        # a placement claim lives as long as the submission's id (api_client's _claim_id)
+        self._claim_ttl_s = int(max(settings.result_ttl_s, settings.stream_ttl_s))
         self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
         # placements of this process run one at a time: the Celery task and the parked-job
         # waker both place, and the snapshot cache (its indexes are views into it) and the
@@ -154,7 +156,7 @@ class PlacementService:
             return {"refused": exc.code, "reason": str(exc)}
         score, delivery = park_score(req, time.time()), uuid.uuid4().hex
         try:
-            first = self.state.place_once(req.id, delivery, self.settings.stream_ttl_s)
+            first = self.state.place_once(req.id, delivery, self._claim_ttl_s)
         except redis.RedisError as exc:  # Redis away: whether it is ours is known later
             return self._not_placed(req, exc, score, 0, delivery)
         if not first:
@@ -239,7 +241,7 @@ class PlacementService:
     def park_held(self) -> int:
         """Park the jobs held through a Redis outage (the liveness loop calls this once
         Redis answers again); returns how many were parked. Raises while Redis is away."""
-        return self.held.park_all(partial(self.state.place_once, ttl_s=self.settings.stream_ttl_s))
+        return self.held.park_all(partial(self.state.place_once, ttl_s=self._claim_ttl_s))
 
     def _place(self, req: JobRequest, started: int, score: float | None = None) -> dict[str, Any]:
         """Decide and carry out; ``score`` is set when a parked job is retried."""
