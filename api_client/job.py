@@ -11,6 +11,7 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
+from api_client.results import result_key
 from scheduler.errors import (
     GgufqError,
     JobCancelled,
@@ -158,7 +159,13 @@ class Job:
         placement again when its message was lost on the way (Redis went away as placement
         took it off the queue), which placement would never see."""
         pipe = self.client.r.pipeline(transaction=False)
-        pipe.exists(keys.job_submitted(self.id))
+        # known while any of its records is there: a job running through a restart of
+        # Redis without its data writes its stream and result again
+        pipe.exists(
+            keys.job_submitted(self.id),
+            keys.job_chunks(self.id),
+            result_key(self.client.app, self.id),
+        )
         pipe.exists(keys.job_placed(self.id))
         pipe.llen(keys.placement_queue(self.request.priority))
         try:
