@@ -22,13 +22,12 @@ import redis.asyncio
 from api_client.batch import BatchStopped, run_batch
 from api_client.batch_files import BatchInput, BatchSummary
 from api_client.client import Client, Messages
-from api_client.job import Job, release
+from api_client.job import CHECK_EVERY_S, Job, release
 from api_client.results import result_key, result_ready
 from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Message, Options
 from scheduler.settings import Settings
-from scheduler.store.cancel import ReaderLease
 from scheduler.store.connection import CLIENT_OPTIONS
 from scheduler.store.streams import aread_chunks
 
@@ -63,10 +62,7 @@ class AsyncJob:
         """
         wait = self.client.timeout if timeout is None else timeout
         done = False
-        settings = self.client.settings
-        lease = ReaderLease.for_reader(
-            self.id, cancel_on_close, settings.stream_ttl_s, settings.reader_lease_s
-        )
+        lease = self.job.reader_lease(cancel_on_close)
         try:
             check = partial(asyncio.to_thread, self.job.check)
             async for chunk in aread_chunks(self.client.r, self.id, wait, after, lease, check):
@@ -111,7 +107,7 @@ class AsyncJob:
             deadline = time.monotonic() + wait
             checked = time.monotonic()
             while not result_ready(app, await r.get(key)):
-                if time.monotonic() - checked > 2.0:  # lost, or lost on its way to placement?
+                if time.monotonic() - checked > CHECK_EVERY_S:  # lost, or lost on the way?
                     await asyncio.to_thread(self.job.check)
                     checked = time.monotonic()
                 left = deadline - time.monotonic()

@@ -54,6 +54,7 @@ def release(client: redis.Redis, lease: ReaderLease) -> None:
 
 
 RESEND_AFTER_S = 5.0  # a job not taken by placement this long with its queue empty
+CHECK_EVERY_S = 2.0  # a reader waiting for a result checks the job this often
 
 
 class Job:
@@ -91,11 +92,7 @@ class Job:
         """
         wait = self.client.timeout if timeout is None else timeout
         done = False
-        # a reader that cancels on close also cancels if its process dies: its lease lapses
-        settings = self.client.settings
-        lease = ReaderLease.for_reader(
-            self.id, cancel_on_close, settings.stream_ttl_s, settings.reader_lease_s
-        )
+        lease = self.reader_lease(cancel_on_close)
         try:
             for chunk in read_chunks(self.client.r, self.id, wait, after, lease, self.check):
                 if chunk.get("done"):
@@ -130,7 +127,7 @@ class Job:
             while True:  # in slices: between them, see that Redis still knows the job
                 left = deadline - time.monotonic()
                 try:
-                    value = handle.get(timeout=max(min(left, 2.0), 0.01), propagate=False)
+                    value = handle.get(timeout=max(min(left, CHECK_EVERY_S), 0.01), propagate=False)
                     break
                 except Exception as exc:  # celery.exceptions.TimeoutError and backend errors
                     if type(exc).__name__ != "TimeoutError":
@@ -152,6 +149,14 @@ class Job:
         if handle.state == "REVOKED":  # the reason was stored with the state
             raise JobCancelled(str(value) or f"job {self.id} was cancelled")
         return cast(dict[str, Any], value)
+
+    def reader_lease(self, cancel_on_close: bool) -> ReaderLease | None:
+        """A reader that cancels on close also cancels if its process dies: its lease
+        lapses (None for a reader that does not cancel)."""
+        settings = self.client.settings
+        return ReaderLease.for_reader(
+            self.id, cancel_on_close, settings.stream_ttl_s, settings.reader_lease_s
+        )
 
     def check(self) -> None:
         """What a waiting reader does between waits: raise JobLost when Redis no longer

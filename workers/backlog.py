@@ -11,14 +11,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
-import redis
+from scheduler.store.connection import REDIS_AWAY
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# errors that mean Redis is away (down, restarting, loading its data, unreachable), not
-# that the write is wrong: the write is tried again later
-AWAY = (redis.ConnectionError, redis.TimeoutError)
+AWAY = REDIS_AWAY  # the write is tried again later
 
 
 class Backlog:

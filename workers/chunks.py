@@ -12,6 +12,7 @@ from typing import Any
 import redis
 
 from scheduler.local.procs import lower_thread_priority
+from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.streams import add_chunk
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class ChunkWriter:
             add_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
         try:
             results = pipe.execute(raise_on_error=False)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except REDIS_AWAY as exc:
             return str(exc), True
         except redis.RedisError as exc:
             return str(exc), False

@@ -158,7 +158,7 @@ class PlacementService:
         try:
             first = self.state.place_once(req.id, delivery, self._claim_ttl_s)
         except redis.RedisError as exc:  # Redis away: whether it is ours is known later
-            return self._not_placed(req, exc, score, 0, delivery)
+            return self._hold(req, exc, score, 0, delivery)
         if not first:
             log.warning("job %s was delivered again; it is placed once", req.id)
             return {"duplicate": req.id}
@@ -214,15 +214,12 @@ class PlacementService:
             return self._not_placed(req, exc, score, errors + 1)
 
     def _not_placed(
-        self, req: JobRequest, exc: Exception, score: float, errors: int, delivery: str = ""
+        self, req: JobRequest, exc: Exception, score: float, errors: int
     ) -> dict[str, Any]:
         """Park a job whose placement failed unexpectedly, to try again; fail it after
-        MAX_PLACEMENT_ERRORS such failures; hold it here while Redis is away. ``delivery``
-        is set when the job's claim (``place_once``) is still to be made."""
+        MAX_PLACEMENT_ERRORS such failures; hold it here while Redis is away."""
         log.exception("placing job %s failed (%d times): %s", req.id, errors, exc)
         try:
-            if delivery:
-                raise exc  # the claim did not go through: hold the job until Redis is back
             if errors < MAX_PLACEMENT_ERRORS:
                 self.parked.park(req, score, errors)
                 return {"parked": f"placement failed, will retry: {exc}"}
@@ -231,12 +228,19 @@ class PlacementService:
             )
             self.fail(req.id, req.model, error)
             return {"refused": error.code, "reason": str(error)}
-        except Exception as again:  # Redis is away: hold the job here until it is back
-            if not self.held.hold(req, score, errors, delivery):
-                log.error("job %s is lost: Redis is away and %d jobs wait", req.id, MAX_HELD)
-                return {"lost": str(again)}
-            log.warning("job %s waits in this process for Redis to come back: %s", req.id, again)
-            return {"held": str(again)}
+        except Exception as again:  # Redis is away
+            return self._hold(req, again, score, errors)
+
+    def _hold(
+        self, req: JobRequest, exc: Exception, score: float, errors: int, delivery: str = ""
+    ) -> dict[str, Any]:
+        """Keep a job in this process until Redis is back; ``delivery`` is set when its
+        claim (``place_once``) is still to be made."""
+        if not self.held.hold(req, score, errors, delivery):
+            log.error("job %s is lost: Redis is away and %d jobs wait", req.id, MAX_HELD)
+            return {"lost": str(exc)}
+        log.warning("job %s waits in this process for Redis to come back: %s", req.id, exc)
+        return {"held": str(exc)}
 
     def park_held(self) -> int:
         """Park the jobs held through a Redis outage (the liveness loop calls this once

@@ -13,6 +13,10 @@ import redis
 from scheduler.errors import StackNotRunning
 from scheduler.settings import Settings
 
+# errors that mean Redis is away (down, restarting, loading its data, unreachable), not
+# that a command is wrong: what waits for Redis tries again on these
+REDIS_AWAY = (redis.ConnectionError, redis.TimeoutError)
+
 
 def runtime_file(settings: Settings) -> Path:
     return Path(settings.state_dir).expanduser() / "stack.json"

@@ -12,6 +12,7 @@ from scheduler.cluster import DEMAND_TAU_S, Snapshot
 from scheduler.protocol import SentJob
 from scheduler.store import keys
 from scheduler.store.records import (
+    claim_once,
     decayed_demand,
     decoded,
     device_from_hash,
@@ -104,11 +105,7 @@ class PlacementState:
         message, so that a claim tried again after a lost reply is still found ours);
         False when another delivery has it (the broker hands an unacknowledged message out
         again after its visibility timeout, and a reader sends a lost one again)."""
-        key = keys.job_placed(job_id)
-        pipe = self.r.pipeline()  # MULTI: claimed if the key is (now) this delivery's
-        pipe.set(key, delivery, nx=True, ex=ttl_s)
-        pipe.get(key)
-        return bool(pipe.execute()[1] == delivery.encode())
+        return claim_once(self.r, keys.job_placed(job_id), delivery, ttl_s)
 
     def count_request(self, model: str, now: float) -> None:
         self._demand(keys=[keys.DEMAND], args=[model, now, DEMAND_TAU_S])

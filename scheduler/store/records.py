@@ -1,10 +1,12 @@
 """Redis hashes to typed records: the one place that knows how devices, runners and demand
-are stored field by field."""
+are stored field by field; and once-only claims (a job's placement, a placement's start)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+import redis
 
 from scheduler.cluster import DeviceState, DeviceView, RunnerState, RunnerView, decayed
 
@@ -101,3 +103,13 @@ def decayed_demand(raw: dict[str, str], now: float) -> dict[str, float]:
 
 def _devices(h: dict[str, str]) -> dict[str, int]:
     return {k: int(v) for k, v in json.loads(h.get("devices", "{}")).items()}
+
+
+def claim_once(client: redis.Redis, key: str, owner: str, ttl_s: int) -> bool:
+    """Claim ``key`` for ``owner`` (an id of one delivery of a message): True when it is
+    (now) ``owner``'s, so that a claim tried again after a lost reply is still found ours;
+    False when another owner has it."""
+    pipe = client.pipeline()  # MULTI: set if free, then read who has it
+    pipe.set(key, owner, nx=True, ex=ttl_s)
+    pipe.get(key)
+    return bool(pipe.execute()[1] == owner.encode())

@@ -12,7 +12,7 @@ from scheduler.cluster import DeviceInfo
 from scheduler.protocol import SentJob
 from scheduler.store import keys
 from scheduler.store.placement_state import reap
-from scheduler.store.records import text
+from scheduler.store.records import claim_once, text
 from scheduler.store.scripts import flatten, script
 
 
@@ -114,11 +114,7 @@ class WorkerState:
         """Claim the one run of this placement of the job for ``delivery`` (an id of this
         delivery, so that trying again after a lost reply still finds it ours); False when
         another delivery took it (the broker redelivered a message, or duplicated one)."""
-        key = keys.job_start(job_id, placement_id)
-        pipe = self.r.pipeline()  # MULTI: claimed if the key is (now) this delivery's
-        pipe.set(key, delivery, nx=True, ex=ttl_s)
-        pipe.get(key)
-        return bool(pipe.execute()[1] == delivery.encode())
+        return claim_once(self.r, keys.job_start(job_id, placement_id), delivery, ttl_s)
 
     def started(self, job_id: str, now: float) -> None:
         self.r.hset(keys.RUNNING, job_id, now)
