@@ -16,7 +16,7 @@ from scheduler.cluster import DeviceInfo
 from scheduler.local.embedded import EmbeddedRedis
 from scheduler.placement import service as service_module
 from scheduler.placement.service import MAX_PLACEMENT_ERRORS, PlacementService
-from scheduler.protocol import JobRequest
+from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
 from scheduler.store.celery_app import make_app
 from scheduler.store.worker_state import WorkerState
@@ -130,3 +130,47 @@ def test_a_submission_whose_claim_redis_missed_is_parked_once_it_is_claimed(
     service.state.place_once(taken.id, "a later delivery of it", 60)
     assert service.park_held() == 1  # the other is placed by its later delivery
     assert [j.id for j in service.parked.jobs()] == [held.id]
+
+
+def test_a_refusal_that_redis_cannot_record_is_held_and_decided_again(
+    service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def redis_away(*_args: object, **_kwargs: object) -> None:
+        raise redis.ConnectionError("Connection reset by peer")
+
+    monkeypatch.setattr(service, "fail", redis_away)
+    job = JobRequest(model="no-such-model", prompt="hello", submitted_at=1.0)
+    assert "held" in service.place(job.model_dump(mode="json"))  # not dropped
+    monkeypatch.undo()
+    assert service.park_held() == 1
+    service.retry_parked()  # refused again, and this time its error is written
+    assert final_error(db, job.id)["code"] == "model_not_found"
+
+
+def test_an_orphan_whose_handling_redis_interrupts_is_handled_once_it_is_back(
+    service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = JobRequest(model="no-such-model", prompt="hello", submitted_at=1.0)
+    record = SentJob(
+        job=job,
+        placement=Placement(
+            id="p1",
+            runner_id="r1",
+            device_id="vgpu:fh:0",
+            config=RunnerConfig.for_generation(256, 1, False),
+        ),
+        worker="w@gone",
+    )
+    db.hset(keys.ORPHANS, job.id, record.model_dump_json())
+
+    def redis_away(*_args: object, **_kwargs: object) -> None:
+        raise redis.ConnectionError("Connection reset by peer")
+
+    monkeypatch.setattr(service_module, "progress", redis_away)
+    assert service.recover_orphans() == 1
+    assert not db.hexists(keys.ORPHANS, job.id)  # taken out, and kept in the process
+    monkeypatch.undo()
+    service.park_held()
+    assert db.hexists(keys.ORPHANS, job.id)  # back among the orphans
+    assert service.recover_orphans() == 1  # re-placed: its model is unknown, so it fails
+    assert final_error(db, job.id)["code"] == "model_not_found"

@@ -104,6 +104,20 @@ def test_stale_device_refuses_reservations_and_is_reaped(db: redis.Redis) -> Non
     assert [d.id for d in snap.devices] == ["vgpu:h:1"] and [r.id for r in snap.runners] == ["r1"]
 
 
+def test_a_jobs_end_is_counted_once_however_often_it_is_written(db: redis.Redis) -> None:
+    # a worker writes a job's end again when the reply was lost to an outage: the second
+    # write must not count another job off (it would free a slot a running job holds)
+    state = ClusterState(db)
+    state.register_device(vgpu(0), now=100.0)
+    assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # job a
+    assert state.assign("r", now=100.5)  # job b
+    assert state.finish("r", 101.0, 300, ("a", "p1"), ttl_s=60) == 1
+    assert state.finish("r", 101.5, 300, ("a", "p1"), ttl_s=60) == 1  # repeated: no change
+    assert db.hget(keys.runner("r"), "in_flight") == b"1"
+    assert state.finish("r", 102.0, 300, ("a", "p2"), ttl_s=60) == 0  # a re-run of a counts
+    assert 0 < db.ttl(keys.job_ended("a", "p1")) <= 60
+
+
 def test_unload_waits_for_assigned_jobs(db: redis.Redis) -> None:
     state = ClusterState(db)
     state.register_device(vgpu(0), now=100.0)

@@ -26,7 +26,7 @@ from scheduler.store.cancel import CancelWatcher, cancelled_before_start
 from scheduler.store.stats import count
 from scheduler.store.streams import error_chunk
 from scheduler.store.worker_state import WorkerState
-from workers.backlog import Backlog, patiently
+from workers.backlog import AWAY, Backlog, patiently
 from workers.chunks import ChunkPublisher, ChunkWriter
 from workers.devices import reported_free, wait_for_release
 from workers.generation import AnyRunner, Progress, open_runner, produce
@@ -133,8 +133,14 @@ class WorkerRuntime:
                 timeout = 1.0 if next_at is None else max(0.0, next_at - self.clock())
                 self._wake.wait(min(timeout, 1.0))
                 return
-        for runner_id in due:
-            self._unload(runner_id)
+        for i, runner_id in enumerate(due):
+            try:
+                self._unload(runner_id)
+            except AWAY as exc:  # tried again in a second: else it would stay loaded
+                log.warning("unloading runner %s waits for Redis: %s", runner_id, exc)
+                for later in due[i:]:
+                    self._schedule_expiry(later, self.clock() + 1.0)
+                return
 
     def _schedule_expiry(self, runner_id: str, at: float | None) -> None:
         with self._wake:
@@ -253,15 +259,19 @@ class WorkerRuntime:
 
             # through an outage too: else its slot stays taken in placement's view
             self.backlog.run(f"ending job {req.id}", bookkeeping)
-            self.backlog.run(f"counting job {req.id} off", lambda: self._job_ended(runner_id))
+            self.backlog.run(
+                f"counting job {req.id} off", lambda: self._job_ended(req.id, placement)
+            )
 
-    def _job_ended(self, runner_id: str) -> None:
-        """Count the job off its runner; the runner's keep_alive as it is now (a later job's
-        explicit value, or an unload asked while it was busy) decides what happens next."""
-        now = self.clock()
+    def _job_ended(self, job_id: str, placement: Placement) -> None:
+        """Count the job off its runner (once, however often this is tried); the runner's
+        keep_alive as it is now (a later job's explicit value, or an unload asked while it
+        was busy) decides what happens next."""
+        now, runner_id = self.clock(), placement.runner_id
         runner = self.runners.get(runner_id)
         keep_alive_s = None if runner is None else runner.keep_alive_s
-        left = self.state.finish(runner_id, now, keep_alive_s)
+        once = (job_id, placement.id)
+        left = self.state.finish(runner_id, now, keep_alive_s, once, self.settings.stream_ttl_s)
         if left < 0:  # its record is gone (its device was dropped): nothing will expire it
             if not self._busy(runner_id):
                 self._drop_local(runner_id)
@@ -340,7 +350,10 @@ class WorkerRuntime:
         device_ids = runner.device_ids if runner else []
         if runner is not None:
             self._close(runner)
-        self._release(runner_id, device_ids)
+        # through an outage too: else its reservation stays taken in placement's view
+        self.backlog.run(
+            f"releasing runner {runner_id}", lambda: self._release(runner_id, device_ids)
+        )
         log.info("unloaded runner %s", runner_id)
         return True
 

@@ -128,9 +128,15 @@ class HeldJobs:
     def __init__(self, parked: ParkedJobs, limit: int) -> None:
         self.parked, self.limit = parked, limit
         self._jobs: dict[str, tuple[JobRequest, float, int, str]] = {}
+        self._orphans: dict[str, bytes] = {}  # job id → its SentJob record, as read
 
     def __len__(self) -> int:
-        return len(self._jobs)
+        return len(self._jobs) + len(self._orphans)
+
+    def hold_orphan(self, job_id: str, raw: bytes) -> None:
+        """Keep an orphaned job's record taken from Redis (to re-place or end it) whose
+        handling Redis interrupted; put back among the orphans by :meth:`park_all`."""
+        self._orphans[job_id] = raw
 
     def hold(self, req: JobRequest, score: float, errors: int, delivery: str = "") -> bool:
         """Keep a job (False when ``limit`` jobs wait already). ``delivery`` is set when its
@@ -144,6 +150,9 @@ class HeldJobs:
         """Park the jobs held (raises while Redis is still away); a job whose claim
         ``claim(job_id, delivery)`` finds taken is placed by another delivery of it, and is
         let go. Returns how many were parked."""
+        for job_id, raw in list(self._orphans.items()):
+            self.parked.r.hset(keys.ORPHANS, job_id, raw)
+            del self._orphans[job_id]
         parked = 0
         for job_id, (req, score, errors, delivery) in list(self._jobs.items()):
             if not delivery or claim(job_id, delivery):

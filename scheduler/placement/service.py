@@ -208,7 +208,10 @@ class PlacementService:
         except Parked as parked:
             return {"parked": str(parked)}
         except GgufqError as exc:
-            self.fail(req.id, req.model, exc)
+            try:
+                self.fail(req.id, req.model, exc)
+            except Exception as away:  # Redis is away: decided again once it is back
+                return self._hold(req, away, score, errors)
             return {"refused": exc.code, "reason": str(exc)}
         except Exception as exc:  # a broker or Redis error mid-step, or a bug
             return self._not_placed(req, exc, score, errors + 1)
@@ -367,25 +370,33 @@ class PlacementService:
                 continue  # another placement process handles it
             handled += 1
             try:
-                record = SentJob.model_validate_json(raw)
-            except ValidationError as exc:
-                unreadable = JobFailed(f"job {job_id} was lost: its record cannot be read ({exc})")
-                self.fail(job_id, "", unreadable)
-                continue
-            req = record.job
-            streamed, finished = progress(self.r, job_id)
-            if finished:
-                continue  # it ended before its device was dropped
-            where = f"{record.worker} ({record.placement.device_id})"
-            if is_cancelled(self.r, job_id):
-                self.fail(job_id, req.model, cancelled_before_start(job_id))
-            elif streamed == 0 and req.attempt == 0:
-                log.warning("re-placing job %s from %s", job_id, where)
-                avoid = req.avoid + record.avoid
-                self._replace(req.model_copy(update={"attempt": 1, "avoid": avoid}))
-            else:
-                self.fail(job_id, req.model, JobFailed(lost_job_message(job_id, where, streamed)))
+                self._orphaned(job_id, raw)
+            except Exception as exc:  # Redis went away: handled again once it is back
+                log.warning("job %s waits for Redis to be re-placed or ended: %s", job_id, exc)
+                self.held.hold_orphan(job_id, raw)
         return handled
+
+    def _orphaned(self, job_id: str, raw: bytes) -> None:
+        """Re-place one orphaned job (its record ``raw``) or end it with an error."""
+        try:
+            record = SentJob.model_validate_json(raw)
+        except ValidationError as exc:
+            unreadable = JobFailed(f"job {job_id} was lost: its record cannot be read ({exc})")
+            self.fail(job_id, "", unreadable)
+            return
+        req = record.job
+        streamed, finished = progress(self.r, job_id)
+        if finished:
+            return  # it ended before its device was dropped
+        where = f"{record.worker} ({record.placement.device_id})"
+        if is_cancelled(self.r, job_id):
+            self.fail(job_id, req.model, cancelled_before_start(job_id))
+        elif streamed == 0 and req.attempt == 0:
+            log.warning("re-placing job %s from %s", job_id, where)
+            avoid = req.avoid + record.avoid
+            self._replace(req.model_copy(update={"attempt": 1, "avoid": avoid}))
+        else:
+            self.fail(job_id, req.model, JobFailed(lost_job_message(job_id, where, streamed)))
 
     def _replace(self, req: JobRequest) -> None:
         score = park_score(req, time.time())

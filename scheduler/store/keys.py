@@ -65,6 +65,11 @@ def job_start(job_id: str, placement_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:start:{placement_id}"
 
 
+def job_ended(job_id: str, placement_id: str) -> str:
+    # string: this placement of the job was counted off its runner (written once)
+    return f"{PREFIX}:job:{job_id}:ended:{placement_id}"
+
+
 def job_owner(job_id: str) -> str:
     # string: the placement id that runs the job now; "orphaned" once its device was dropped
     return f"{PREFIX}:job:{job_id}:owner"

@@ -70,11 +70,21 @@ class WorkerState:
     def update_runner(self, runner_id: str, fields: dict[str, Any]) -> bool:
         return bool(self._update(keys=[keys.runner(runner_id)], args=flatten(fields)))
 
-    def finish(self, runner_id: str, now: float, keep_alive_s: float | None) -> int:
+    def finish(
+        self,
+        runner_id: str,
+        now: float,
+        keep_alive_s: float | None,
+        job: tuple[str, str] | None = None,
+        ttl_s: int = 3600,
+    ) -> int:
         """One job fewer on the runner; returns how many it still has (-1: it is gone).
-        ``keep_alive_s`` None keeps the value its record has."""
+        ``keep_alive_s`` None keeps the value its record has. With ``job`` (its id and
+        placement id) it is counted once, however often this is called (a write repeated
+        after a reply lost to an outage)."""
         keep = "" if keep_alive_s is None else keep_alive_s
-        return int(self._finish(keys=[keys.runner(runner_id)], args=[now, keep]))
+        marker = [keys.job_ended(*job)] if job else []
+        return int(self._finish(keys=[keys.runner(runner_id), *marker], args=[now, keep, ttl_s]))
 
     def begin_unload(self, runner_id: str, force: bool = False) -> bool:
         return bool(self._begin_unload(keys=[keys.runner(runner_id)], args=[int(force)]))
