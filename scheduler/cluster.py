@@ -80,10 +80,29 @@ def is_idle(runner: RunnerState) -> bool:
     return runner.state == "ready" and runner.in_flight == 0
 
 
-def eviction_order(demand: Mapping[str, float]) -> Callable[[RunnerState], Any]:
-    """Cheapest victim first: never-expiring runners last, then the least demanded model,
-    then the soonest expiry and the least recent use."""
-    return lambda r: (r.expires_at < 0, demand.get(r.model, 0.0), r.expires_at, r.last_used)
+def has_replica(runner: RunnerState, live_by_model: Mapping[str, list[RunnerState]]) -> bool:
+    """Another live runner of the same model and configuration serves its jobs."""
+    return any(
+        other.id != runner.id and other.config_key == runner.config_key
+        for other in live_by_model.get(runner.model, ())
+    )
+
+
+def eviction_order(
+    demand: Mapping[str, float], live_by_model: Mapping[str, list[RunnerState]] | None = None
+) -> Callable[[RunnerState], Any]:
+    """Cheapest victim first: an idle replica (its model and configuration have another
+    live runner, so unloading it forces no load), then never-expiring runners last, the
+    least demanded model, the soonest expiry and the least recent use. Without
+    ``live_by_model`` no runner counts as a replica."""
+    spares = live_by_model or {}
+    return lambda r: (
+        not has_replica(r, spares),
+        r.expires_at < 0,
+        demand.get(r.model, 0.0),
+        r.expires_at,
+        r.last_used,
+    )
 
 
 @dataclass(frozen=True)
@@ -119,13 +138,14 @@ class Snapshot:
 
     @cached_property
     def idle_by_device(self) -> Mapping[str, list[RunnerState]]:
-        """Evictable runners per device, cheapest first (:func:`eviction_order`)."""
+        """Evictable runners per device, cheapest first (:func:`eviction_order`, idle
+        replicas first)."""
         index: dict[str, list[RunnerState]] = {}
         for runner in filter(is_idle, self.runners):
             for device_id in runner.devices:
                 index.setdefault(device_id, []).append(runner)
         for runners in index.values():
-            runners.sort(key=eviction_order(self.demand))
+            runners.sort(key=eviction_order(self.demand, self.live_by_model))
         return index
 
 

@@ -354,9 +354,14 @@ def test_4_behind_a_full_queue_a_new_job_is_refused_and_a_retried_one_never() ->
 def test_branch_markers_run_in_order() -> None:
     """The numbers in decide's docstring and the markers in the code tie them together."""
     source = inspect.getsource(decision_module)
-    markers = re.findall(r"^\s+# (\d+)([a-d]?)$", source[source.index("def decide(") :], re.M)
+    markers = re.findall(r"^\s+# (\d+)([a-z]?)$", source[source.index("def decide(") :], re.M)
     numbered = [int(n) for n, letter in markers if not letter]
     assert numbered == list(range(1, 12))
-    assert [n + letter for n, letter in markers if letter] == ["6a", "6b", "6c", "6d"]
+    lettered = [n + letter for n, letter in markers if letter]
+    assert lettered == ["3a", "3b", "3c", "3d", "3e", "6a", "6b", "6c", "6d"]
+    for sub in lettered:  # each lettered branch is documented under its number
+        number, letter = sub[:-1], sub[-1]
+        block = (decide.__doc__ or "").split(f"    {number}. ", 1)[1]
+        assert re.search(rf"^ +{letter}\. ", block, re.M), sub
     documented = re.findall(r"^ {4}(\d+)\. ", decide.__doc__ or "", flags=re.M)
     assert documented == [str(n) for n in range(1, 12)]

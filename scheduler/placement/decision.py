@@ -6,10 +6,11 @@ returned decision (reserve, send, evict, park or refuse) at its edge.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal
 
-from scheduler.cluster import DeviceState, Snapshot
+from scheduler.cluster import DeviceState, RunnerState, Snapshot
 from scheduler.placement.fitting import (
     Policy,
     VictimKey,
@@ -17,6 +18,7 @@ from scheduler.placement.fitting import (
     emptied,
     fewest_devices,
     group_victims,
+    new_replica,
     partial_offload,
     pick,
 )
@@ -29,6 +31,7 @@ from scheduler.placement.verdict import (
     Refuse,
     Route,
     behind_parked,
+    runners_full,
     server_busy,
 )
 from scheduler.units import format_bytes
@@ -49,9 +52,26 @@ def decide(
     2. The devices the job may use (the one it is pinned to; not those its model failed to
        load on; only the CPU for num_gpu 0, only GPUs for num_gpu > 0) are none of the
        alive ones → refuse, naming the alive devices.
-    3. A runner of this model with the same configuration (and as many slots and GPU
-       layers, when the job asks for a number) is loading or ready → route to the least
-       busy replica.
+    3. Runners of this model with the same configuration (and as many slots and GPU
+       layers, when the job asks for a number) are loading or ready: its replicas. A
+       runner's load is its in-flight jobs (running or waiting at its worker; a loading
+       runner counts with its slots).
+       a. Fewer replicas than ``min_replicas`` (a pinned floor) → load one more where it
+          fits whole (devices without a runner of the model first), or evict idle runners
+          of other models to make room (as 10); if nothing fits, go on.
+       b. The runner that served the job's prompt prefix (``affine``) has a free slot →
+          route there: its cached prefix makes the prompt cheaper. The bound of bounded-load
+          affinity is the slot count: an affine job never waits while a replica is free.
+       c. A replica has a free slot → route to the least busy, then least recently used.
+       d. All are saturated and there are fewer than ``max_replicas`` (or the floor) →
+          load another replica (as a, but evicting only idle replicas or idle runners of
+          models less in demand than this one; not while runners unloading make room).
+       e. Otherwise queue at the least busy (fewest jobs beyond its slots), or at the
+          affine runner when it has at most ⌈AFFINITY_SLACK × slots⌉ more waiting. With
+          ``queue_depth`` ≥ 0, park instead when earlier jobs of the model are parked
+          (as 4) or every replica holds slots + queue_depth jobs (server busy past
+          ``max_queue``): waiting work stays in the parked queue, retried in fair order
+          across tenants, rather than in a worker's queue.
     4. Earlier jobs of this model are parked → park behind them, so that a model's jobs keep
        their order (server busy past ``max_queue``). A parked job tried again is already
        counted among the parked: 4 and 9 never refuse it.
@@ -73,10 +93,10 @@ def decide(
        output layer with the last blocks.
     9. More than ``max_queue`` parked jobs → refuse at once: server busy.
     10. Fits on a device after unloading idle runners there → evict the fewest runners:
-        runners that never expire last, then the models with the least recent demand (a
-        request count decayed by e every DEMAND_TAU_S), then the soonest expiry, then least
-        recently used; ``victim_key`` replaces that order (bench/cache_sim.py compares
-        rules with it).
+        idle replicas first, runners that never expire last, then the models with the
+        least recent demand (a request count decayed by e every DEMAND_TAU_S), then the
+        soonest expiry, then least recently used; ``victim_key`` replaces that order
+        (bench/cache_sim.py compares rules with it).
     11. Memory is held by busy runners → park.
     """
     # 1
@@ -111,8 +131,7 @@ def _where(
         and job.n_gpu_layers in (-1, r.n_gpu_layers if r.n_gpu_layers > 0 else 0)
     ]
     if same:
-        best = min(same, key=lambda r: (r.in_flight, r.last_used))
-        return Route(best.id, next(iter(best.devices)))
+        return _among_replicas(job, snap, same, policy, max_queue, max_loaded, victim_key)
     # 4
     if not job.retry and snap.parked and job.model in snap.parked_models:
         return behind_parked(job.model, snap.parked, max_queue)
@@ -142,6 +161,73 @@ def _where(
         return Evict(victims)
     # 11
     return Park(f"memory for {job.model!r} ({format_bytes(job.bytes)}) is held by busy runners")
+
+
+def _among_replicas(
+    job: JobNeeds,
+    snap: Snapshot,
+    same: list[RunnerState],
+    policy: Policy,
+    max_queue: int,
+    max_loaded: int,
+    victim_key: VictimKey | None,
+) -> Decision:
+    # 3a
+    if len(same) < job.min_replicas:
+        grown = new_replica(job, snap, same, policy, max_loaded, victim_key, floor=True)
+        if grown is not None:
+            return grown
+    # 3b
+    affine = next((r for r in same if r.id == job.affine), None)
+    if affine is not None and affine.in_flight < affine.num_parallel:
+        return _route(affine)
+    # 3c
+    free = [r for r in same if r.in_flight < r.num_parallel]
+    if free:
+        return _route(min(free, key=lambda r: (r.in_flight, r.last_used)))
+    # 3d
+    if len(same) < max(job.max_replicas, job.min_replicas):
+        grown = new_replica(job, snap, same, policy, max_loaded, victim_key, floor=False)
+        if grown is not None:
+            return grown
+    # 3e
+    return _queue_at(job, snap, same, affine, max_queue)
+
+
+def _queue_at(
+    job: JobNeeds,
+    snap: Snapshot,
+    same: list[RunnerState],
+    affine: RunnerState | None,
+    max_queue: int,
+) -> Decision:
+    """Every replica is saturated: the one where the job waits least, or park."""
+    depth = job.queue_depth
+    if depth >= 0 and not job.retry and job.model in snap.parked_models:
+        return behind_parked(job.model, snap.parked, max_queue)
+    room = [r for r in same if depth < 0 or _waiting(r) < depth]
+    if not room:
+        return runners_full(job.model, len(same), snap.parked, max_queue)
+    least = min(room, key=lambda r: (_waiting(r), r.in_flight, r.last_used))
+    if affine is not None and (depth < 0 or _waiting(affine) < depth):
+        if _waiting(affine) <= _waiting(least) + _slack(affine):
+            return _route(affine)
+    return _route(least)
+
+
+AFFINITY_SLACK = 0.25  # KubeAI's CHWBL bound (1 + ε) with ε = 0.25, in slots
+
+
+def _waiting(r: RunnerState) -> int:
+    return r.in_flight - r.num_parallel
+
+
+def _slack(r: RunnerState) -> int:
+    return max(1, math.ceil(AFFINITY_SLACK * r.num_parallel))
+
+
+def _route(r: RunnerState) -> Route:
+    return Route(r.id, next(iter(r.devices)))
 
 
 def _larger_than_any_device(

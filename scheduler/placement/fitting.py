@@ -1,15 +1,23 @@
 """How a model fits on the devices: the device a policy picks, the idle runners to evict,
-a split over several GPUs of one worker, a partial offload. Pure, like the decision."""
+a split over several GPUs of one worker, a partial offload, room for one more replica.
+Pure, like the decision."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
-from scheduler.cluster import DeviceState, RunnerState, Snapshot, eviction_order, is_live
+from scheduler.cluster import (
+    DeviceState,
+    RunnerState,
+    Snapshot,
+    eviction_order,
+    has_replica,
+    is_live,
+)
 from scheduler.placement.needs import GroupNeeds, JobNeeds
-from scheduler.placement.verdict import Decision, Load, Park
+from scheduler.placement.verdict import Decision, Evict, Load, Park
 
 Policy = Literal["binpack", "spread"]
 VictimKey = Callable[[RunnerState], Any]
@@ -61,7 +69,7 @@ def group_victims(
         gpus = [d for d in snap.devices if d.worker == worker and d.kind != "cpu"]
         on_worker = {d.id for d in gpus}
         idle = {r.id: r for d in gpus for r in snap.idle_by_device.get(d.id, [])}
-        order = sorted(idle.values(), key=key or eviction_order(snap.demand))
+        order = sorted(idle.values(), key=key or eviction_order(snap.demand, snap.live_by_model))
         held = [r for r in snap.runners if is_live(r) and on_worker & set(r.devices)]
         chosen: list[str] = []
         for victim in order:
@@ -121,15 +129,22 @@ def pick(devices: list[DeviceState], need: int, policy: Policy) -> DeviceState:
 
 
 def cheapest_victims(
-    job: JobNeeds, snap: Snapshot, max_loaded: int, key: VictimKey | None
+    job: JobNeeds,
+    snap: Snapshot,
+    max_loaded: int,
+    key: VictimKey | None,
+    devices: Sequence[DeviceState] | None = None,
+    allowed: Callable[[RunnerState], bool] | None = None,
 ) -> list[str]:
+    """The fewest idle runners to unload on one device (of ``devices``, default all) so
+    that the job fits there whole; only runners ``allowed`` accepts."""
     best: list[str] | None = None
-    for device in sorted(snap.devices, key=device_order):
+    for device in sorted(snap.devices if devices is None else devices, key=device_order):
         if device.total < job.bytes:
             continue
         free, count, chosen = device.free, snap.counts.get(device.id, 0), []
-        idle = snap.idle_by_device.get(device.id, [])
-        for runner in sorted(idle, key=key) if key else idle:
+        idle = [r for r in snap.idle_by_device.get(device.id, []) if not allowed or allowed(r)]
+        for runner in sorted(idle, key=key) if key else replicas_first(idle, snap):
             if free >= job.bytes and count < max_loaded:
                 break
             chosen.append(runner.id)
@@ -139,3 +154,80 @@ def cheapest_victims(
         if enough and chosen and (best is None or len(chosen) < len(best)):
             best = chosen
     return best or []
+
+
+def replicas_first(idle: list[RunnerState], snap: Snapshot) -> list[RunnerState]:
+    """``idle`` in eviction order with idle replicas first, whoever built the index (a
+    stable sort keeps the rest of the order)."""
+    return sorted(idle, key=lambda r: not has_replica(r, snap.live_by_model))
+
+
+def new_replica(
+    job: JobNeeds,
+    snap: Snapshot,
+    same: list[RunnerState],
+    policy: Policy,
+    max_loaded: int,
+    key: VictimKey | None,
+    floor: bool,
+) -> Load | Evict | None:
+    """Room for one more runner of the job's model and configuration beside ``same``.
+
+    Never on a device that holds one of ``same`` (a second runner there adds memory, not
+    compute) nor on the CPU while one runs on a GPU (it would serve its share of jobs at a
+    fraction of the speed); devices without any runner of the model first. Fits whole →
+    load by ``policy``; else evict the cheapest idle runners of other models: for the
+    ``floor`` any, for demand only idle replicas and models less in demand than this one.
+    None when nothing fits, or when runners already unloading make room (a replica is on
+    its way: evicting more for each waiting job would empty the cluster)."""
+    allowed, preferred = replica_devices(job, snap, same)
+    counts = snap.counts
+    for group in (preferred, allowed):
+        fits = [d for d in group if d.free >= job.bytes and counts.get(d.id, 0) < max_loaded]
+        if fits:
+            layers = max(-1, job.n_gpu_layers or -1)
+            return Load(pick(fits, job.bytes, policy).id, job.bytes, layers)
+    if unloading_makes_room(job, snap, allowed, max_loaded):
+        return None
+    hot = snap.demand.get(job.model, 0.0)
+
+    def victim(r: RunnerState) -> bool:
+        if r.model == job.model:
+            return False
+        cold = snap.demand.get(r.model, 0.0) < hot
+        return floor or cold or has_replica(r, snap.live_by_model)
+
+    for group in (preferred, allowed):
+        victims = cheapest_victims(job, snap, max_loaded, key, group, victim)
+        if victims:
+            return Evict(victims)
+    return None
+
+
+def replica_devices(
+    job: JobNeeds, snap: Snapshot, same: list[RunnerState]
+) -> tuple[list[DeviceState], list[DeviceState]]:
+    """The devices a new replica may use, and those of them without a runner of its model."""
+    kinds = {d.id: d.kind for d in snap.devices}
+    taken = {d for r in same for d in r.devices}
+    on_gpu = any(kinds.get(d, "cpu") != "cpu" for d in taken)
+    allowed = [d for d in snap.devices if d.id not in taken and not (on_gpu and d.kind == "cpu")]
+    holders = {d for r in snap.live_by_model.get(job.model, ()) for d in r.devices}
+    return allowed, [d for d in allowed if d.id not in holders]
+
+
+def unloading_makes_room(
+    job: JobNeeds, snap: Snapshot, devices: list[DeviceState], max_loaded: int
+) -> bool:
+    """A device of ``devices`` will hold the job once the runners unloading there are gone."""
+    ids = {d.id for d in devices}
+    pending: dict[str, int] = {}
+    for r in snap.runners:
+        if r.state == "unloading":
+            for device_id in ids.intersection(r.devices):
+                pending[device_id] = pending.get(device_id, 0) + r.devices[device_id]
+    return any(
+        d.free + pending[d.id] >= job.bytes and snap.counts.get(d.id, 0) < max_loaded
+        for d in devices
+        if d.id in pending
+    )

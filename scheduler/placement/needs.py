@@ -34,6 +34,15 @@ class JobNeeds:
     n_gpu_layers: int = -1
     where: Where = field(default_factory=lambda: Where())
     retry: bool = False  # a parked job tried again: already counted among the parked
+    # replicas of this model and configuration (branch 3): demand grows them up to
+    # max_replicas; below min_replicas (a floor pinned by `ggufq load --replicas`) one is
+    # loaded even while the others have free slots
+    max_replicas: int = 1
+    min_replicas: int = 0
+    affine: str | None = None  # the runner that last served this job's prompt prefix
+    # jobs that may wait at one runner beyond its slots; -1 = no bound (always route).
+    # With a bound, work beyond it parks, where it is retried in fair order across tenants
+    queue_depth: int = -1
 
 
 @dataclass(frozen=True)

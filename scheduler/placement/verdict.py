@@ -60,3 +60,14 @@ def behind_parked(model: str, parked: int, max_queue: int) -> Park | Refuse:
     if parked >= max_queue:
         return server_busy(parked, max_queue)
     return Park(f"earlier jobs for {model!r} are waiting")
+
+
+def runners_full(model: str, runners: int, parked: int, max_queue: int) -> Park | Refuse:
+    """Every runner of ``model`` holds as many jobs as it may queue: wait in the parked
+    queue, where jobs are retried in fair order across tenants."""
+    if parked >= max_queue:
+        return server_busy(parked, max_queue)
+    return Park(
+        f"the {runners} runner(s) of {model!r} are full (every slot busy and their queues "
+        "at queue_depth) and no replica can be added"
+    )
