@@ -14,6 +14,7 @@ from kombu.exceptions import OperationalError
 
 from scheduler.cluster import DeviceInfo
 from scheduler.local.embedded import EmbeddedRedis
+from scheduler.placement import recovery as recovery_module
 from scheduler.placement import service as service_module
 from scheduler.placement.service import MAX_PLACEMENT_ERRORS, PlacementService
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
@@ -166,7 +167,7 @@ def test_an_orphan_whose_handling_redis_interrupts_is_handled_once_it_is_back(
     def redis_away(*_args: object, **_kwargs: object) -> None:
         raise redis.ConnectionError("Connection reset by peer")
 
-    monkeypatch.setattr(service_module, "progress", redis_away)
+    monkeypatch.setattr(recovery_module, "progress", redis_away)
     assert service.recover_orphans() == 1
     assert not db.hexists(keys.ORPHANS, job.id)  # taken out, and kept in the process
     monkeypatch.undo()
@@ -174,3 +175,29 @@ def test_an_orphan_whose_handling_redis_interrupts_is_handled_once_it_is_back(
     assert db.hexists(keys.ORPHANS, job.id)  # back among the orphans
     assert service.recover_orphans() == 1  # re-placed: its model is unknown, so it fails
     assert final_error(db, job.id)["code"] == "model_not_found"
+
+
+def test_a_message_lost_on_its_way_to_a_live_device_is_sent_again_once(
+    service: PlacementService, db: redis.Redis, models_dir: Path
+) -> None:
+    lost, queued, started = (
+        JobRequest(model="tiny", prompt=p, submitted_at=1.0) for p in ("a", "b", "c")
+    )
+    for job in (lost, queued, started):
+        assert "device" in service.place(job.model_dump(mode="json"))
+    queue = keys.device_queue("vgpu:fh:0")
+    messages = db.lrange(queue, 0, -1)
+    assert len(messages) == 3
+    # kombu popped lost's message and the connection broke before it was recorded
+    db.lrem(queue, 1, next(m for m in messages if lost.id.encode() in m))
+    # started's was taken and started by a worker thread
+    db.lrem(queue, 1, next(m for m in messages if started.id.encode() in m))
+    placement_id = json.loads(db.hget(keys.inflight("vgpu:fh:0"), started.id) or b"")
+    db.set(keys.job_start(started.id, placement_id["placement"]["id"]), "delivery")
+    recovery, later = service.recovery, 1e12  # every record counts as sent long ago
+    assert recovery.lost_sends(["vgpu:fh:0"], later) == 0  # first look: not yet
+    assert recovery.lost_sends(["vgpu:fh:0"], later) == 1  # still nowhere: sent again
+    again = db.lrange(queue, 0, -1)
+    assert sum(lost.id.encode() in m for m in again) == 1
+    assert not any(started.id.encode() in m for m in again)
+    assert recovery.lost_sends(["vgpu:fh:0"], later) == 0  # it is queued again now

@@ -26,6 +26,9 @@ from scheduler.store.celery_app import make_app
 from scheduler.store.connection import connect, resolve_redis_url
 
 log = logging.getLogger("ggufq.placement")
+# how often placement looks for jobs whose message to a live device was lost (a job sent
+# more than this long ago, unstarted, and in no queue: two looks in a row send it again)
+LOST_SWEEP_S = 5.0
 
 
 class Liveness:
@@ -37,6 +40,7 @@ class Liveness:
         self.health = LoopHealth()
         self._away = True  # no beat went through yet (or the last one failed)
         self._back_at = -float("inf")  # monotonic time of the first beat after that
+        self._next_lost_sweep = 0.0  # monotonic time of the next look for lost messages
 
     def start(self) -> None:
         settings = self.service.settings
@@ -77,6 +81,9 @@ class Liveness:
             if dropped:
                 log.warning("dropped devices without heartbeat: %s", ", ".join(dropped))
         service.recover_orphans()
+        if now >= self._next_lost_sweep:
+            self._next_lost_sweep = now + LOST_SWEEP_S
+            service.recovery.lost_sends(service.state.device_ids(), time.time() - LOST_SWEEP_S)
 
     def _listen(self) -> None:
         """Retry parked jobs when an event says capacity may have freed; end parked jobs

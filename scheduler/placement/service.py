@@ -18,7 +18,6 @@ from typing import Any, NoReturn
 
 import redis
 from celery import Celery
-from pydantic import ValidationError
 
 from scheduler.cluster import Snapshot
 from scheduler.errors import GgufqError, JobCancelled, JobFailed, NoWorkers, error_from_code
@@ -36,6 +35,7 @@ from scheduler.placement.needs import (
     runner_config,
 )
 from scheduler.placement.parking import HeldJobs, ParkedJobs, park_score
+from scheduler.placement.recovery import Recovery
 from scheduler.placement.snapcache import SnapshotCache
 from scheduler.placement.verdict import Load, Park, Refuse
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob, parse_request
@@ -44,22 +44,9 @@ from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
 from scheduler.store.celery_app import ask_unload, send_job
 from scheduler.store.placement_state import PlacementState
-from scheduler.store.streams import error_chunk, progress, publish_final
+from scheduler.store.streams import error_chunk, publish_final
 
 log = logging.getLogger("ggufq.placement")
-
-
-def lost_job_message(job_id: str, where: str, streamed: int) -> str:
-    what = (
-        f"after it had streamed {streamed} chunks (its partial output stays in the job's "
-        "stream), so it was not re-run"
-        if streamed
-        else "after it had already been re-run once"
-    )
-    return (
-        f"job {job_id} was lost: worker {where} stopped heartbeating while it held the job, "
-        f"{what}; submit it again"
-    )
 
 
 MAX_PLACEMENT_ERRORS = 3  # unexpected failures of one job's placement before it fails
@@ -134,6 +121,7 @@ class PlacementService:
         self.snapshots = SnapshotCache(client)
         self._shapes: dict[tuple[str, RunnerConfig], Shape] = {}
         self.held = HeldJobs(self.parked, MAX_HELD)  # through a Redis outage
+        self.recovery = Recovery(client, app, self.state, self.held, self.fail, self._replace)
         # until then (monotonic), "no device is alive" parks a job instead of failing it:
         # Redis, or this process, was away, and the workers have yet to beat again
         self.grace_until = 0.0
@@ -360,43 +348,8 @@ class PlacementService:
             self.app.backend.mark_as_failure(job_id, exc)
 
     def recover_orphans(self) -> int:
-        """Handle the jobs that were sent to devices since dropped (their worker died or
-        stopped): re-place a job once when nothing of it had been streamed, otherwise end it
-        with an error that says what happened. Returns how many were handled."""
-        handled = 0
-        for job_id in self.state.orphans():
-            raw = self.state.claim_orphan(job_id)
-            if raw is None:
-                continue  # another placement process handles it
-            handled += 1
-            try:
-                self._orphaned(job_id, raw)
-            except Exception as exc:  # Redis went away: handled again once it is back
-                log.warning("job %s waits for Redis to be re-placed or ended: %s", job_id, exc)
-                self.held.hold_orphan(job_id, raw)
-        return handled
-
-    def _orphaned(self, job_id: str, raw: bytes) -> None:
-        """Re-place one orphaned job (its record ``raw``) or end it with an error."""
-        try:
-            record = SentJob.model_validate_json(raw)
-        except ValidationError as exc:
-            unreadable = JobFailed(f"job {job_id} was lost: its record cannot be read ({exc})")
-            self.fail(job_id, "", unreadable)
-            return
-        req = record.job
-        streamed, finished = progress(self.r, job_id)
-        if finished:
-            return  # it ended before its device was dropped
-        where = f"{record.worker} ({record.placement.device_id})"
-        if is_cancelled(self.r, job_id):
-            self.fail(job_id, req.model, cancelled_before_start(job_id))
-        elif streamed == 0 and req.attempt == 0:
-            log.warning("re-placing job %s from %s", job_id, where)
-            avoid = req.avoid + record.avoid
-            self._replace(req.model_copy(update={"attempt": 1, "avoid": avoid}))
-        else:
-            self.fail(job_id, req.model, JobFailed(lost_job_message(job_id, where, streamed)))
+        """Re-place or end the jobs of dropped devices (:meth:`Recovery.orphans`)."""
+        return self.recovery.orphans()
 
     def _replace(self, req: JobRequest) -> None:
         score = park_score(req, time.time())

@@ -21,6 +21,7 @@ EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
 PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service
 BATCH_SUFFIX = ".batch"  # batch jobs go to a sibling queue that workers drain second
 
+UNACKED = "unacked"  # kombu's hash: delivery tag → message a consumer took, not yet acked
 TASK_PLACE = "ggufq.place"
 TASK_RUN = "ggufq.run"
 CONTROL_UNLOAD = "ggufq_unload"  # a remote-control command: it never waits behind jobs

@@ -141,6 +141,38 @@ class PlacementState:
             args=[record.job.id, placement.runner_id, int(created)],
         )
 
+    def device_ids(self) -> list[str]:
+        return sorted(text(d) for d in cast(set[bytes], self.r.smembers(keys.DEVICES)))
+
+    def unstarted(self, device_id: str, sent_before: float) -> list[SentJob]:
+        """Jobs recorded as sent to a device before ``sent_before`` whose placement no
+        worker thread has claimed to start."""
+        records = []
+        for raw in cast(dict[bytes, bytes], self.r.hgetall(keys.inflight(device_id))).values():
+            try:
+                record = SentJob.model_validate_json(raw)
+            except ValueError:  # unreadable: the device's reaping deals with it
+                continue
+            if record.sent_at < sent_before:
+                records.append(record)
+        if not records:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for record in records:
+            pipe.exists(keys.job_start(record.job.id, record.placement.id))
+        return [r for r, started in zip(records, pipe.execute(), strict=True) if not started]
+
+    def in_broker(self, device_id: str, job_ids: list[str]) -> set[str]:
+        """Which of the jobs have a message waiting in the device's queues, or taken by a
+        worker and not yet acknowledged (a Celery message names its task id in plain JSON)."""
+        pipe = self.r.pipeline(transaction=False)
+        for priority in ("interactive", "batch"):
+            pipe.lrange(keys.device_queue(device_id, priority), 0, -1)
+        pipe.hvals(keys.UNACKED)
+        queued, batch, unacked = pipe.execute()
+        blob = b"\n".join([*queued, *batch, *unacked])
+        return {job_id for job_id in job_ids if job_id.encode() in blob}
+
     def orphans(self) -> list[str]:
         return [text(j) for j in self.r.hkeys(keys.ORPHANS)]
 

@@ -1,0 +1,130 @@
+"""Jobs placement sent that never reached an end: those of dropped devices (orphans), and
+those whose message to a live device vanished with a broken connection. Each is re-placed
+once, sent again, or ended with an error that says what happened; never dropped."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import redis
+from celery import Celery
+from pydantic import ValidationError
+
+from scheduler.errors import GgufqError, JobFailed
+from scheduler.placement.parking import HeldJobs
+from scheduler.protocol import JobRequest, SentJob
+from scheduler.store import keys
+from scheduler.store.cancel import cancelled_before_start, is_cancelled
+from scheduler.store.celery_app import send_job
+from scheduler.store.placement_state import PlacementState
+from scheduler.store.streams import progress
+
+log = logging.getLogger("ggufq.placement")
+
+Fail = Callable[[str, str, GgufqError], None]
+
+
+def lost_job_message(job_id: str, where: str, streamed: int) -> str:
+    what = (
+        f"after it had streamed {streamed} chunks (its partial output stays in the job's "
+        "stream), so it was not re-run"
+        if streamed
+        else "after it had already been re-run once"
+    )
+    return (
+        f"job {job_id} was lost: worker {where} stopped heartbeating while it held the job, "
+        f"{what}; submit it again"
+    )
+
+
+class Recovery:
+    def __init__(
+        self,
+        client: redis.Redis,
+        app: Celery,
+        state: PlacementState,
+        held: HeldJobs,
+        fail: Fail,
+        replace: Callable[[JobRequest], object],
+    ) -> None:
+        self.r, self.app, self.state, self.held = client, app, state, held
+        self.fail, self.replace = fail, replace
+        # (job id, placement id) seen nowhere by the last sweep: sent again if the next
+        # sweep does not find them either
+        self._unseen: set[tuple[str, str]] = set()
+
+    def orphans(self) -> int:
+        """Handle the jobs that were sent to devices since dropped (their worker died or
+        stopped): re-place a job once when nothing of it had been streamed, otherwise end it
+        with an error that says what happened. Returns how many were handled."""
+        handled = 0
+        for job_id in self.state.orphans():
+            raw = self.state.claim_orphan(job_id)
+            if raw is None:
+                continue  # another placement process handles it
+            handled += 1
+            try:
+                self._orphaned(job_id, raw)
+            except Exception as exc:  # Redis went away: handled again once it is back
+                log.warning("job %s waits for Redis to be re-placed or ended: %s", job_id, exc)
+                self.held.hold_orphan(job_id, raw)
+        return handled
+
+    def _orphaned(self, job_id: str, raw: bytes) -> None:
+        """Re-place one orphaned job (its record ``raw``) or end it with an error."""
+        try:
+            record = SentJob.model_validate_json(raw)
+        except ValidationError as exc:
+            unreadable = JobFailed(f"job {job_id} was lost: its record cannot be read ({exc})")
+            self.fail(job_id, "", unreadable)
+            return
+        req = record.job
+        streamed, finished = progress(self.r, job_id)
+        if finished:
+            return  # it ended before its device was dropped
+        where = f"{record.worker} ({record.placement.device_id})"
+        if is_cancelled(self.r, job_id):
+            self.fail(job_id, req.model, cancelled_before_start(job_id))
+        elif streamed == 0 and req.attempt == 0:
+            log.warning("re-placing job %s from %s", job_id, where)
+            avoid = req.avoid + record.avoid
+            self.replace(req.model_copy(update={"attempt": 1, "avoid": avoid}))
+        else:
+            self.fail(job_id, req.model, JobFailed(lost_job_message(job_id, where, streamed)))
+
+    def lost_sends(self, device_ids: list[str], sent_before: float) -> int:
+        """Send again the jobs sent to a live device before ``sent_before`` that no worker
+        started and whose message is neither in the device's queues nor held by a worker:
+        kombu pops a message before recording it as unacknowledged, so a connection that
+        breaks in between (a Redis restart) loses it, and the job's slot with it. A job is
+        sent again only when two sweeps in a row find it nowhere; its start claim makes
+        sure it runs once if the first message turns up after all. Returns how many."""
+        unseen: set[tuple[str, str]] = set()
+        again = 0
+        for device_id in device_ids:
+            waiting = self.state.unstarted(device_id, sent_before)
+            if not waiting:
+                continue
+            present = self.state.in_broker(device_id, [r.job.id for r in waiting])
+            for record in waiting:
+                if record.job.id in present:
+                    continue
+                key = (record.job.id, record.placement.id)
+                if key not in self._unseen:
+                    unseen.add(key)
+                    continue
+                log.warning(
+                    "job %s's message to %s was lost (a broken broker connection); sending it "
+                    "again",
+                    record.job.id,
+                    device_id,
+                )
+                req, placement = record.job, record.placement
+                queue = keys.device_queue(device_id, req.priority)
+                send_job(
+                    self.app, keys.TASK_RUN, req, req.id, queue, placement.model_dump(mode="json")
+                )
+                again += 1
+        self._unseen = unseen
+        return again
