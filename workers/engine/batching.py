@@ -1,44 +1,53 @@
 """Batch layout: which jobs hold the sequence slots, and what each puts into a step.
 
-Pure logic, no llama.cpp: admission into free slots in arrival order (:class:`Admission`),
-the prompt prefix a slot's cache can serve again (:func:`common_prefix`), how much of a
-prompt joins a step (:func:`prompt_take`), and the rows of a ``llama_batch``
-(:class:`Feed`, :func:`batch_rows`).
+Pure logic, no llama.cpp: admission into free slots in arrival or fair order
+(:class:`Admission`), the prompt prefix a slot's cache can serve again
+(:func:`common_prefix`), how much of a prompt joins a step (:func:`prompt_take`), and the
+rows of a ``llama_batch`` (:class:`Feed`, :func:`batch_rows`).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from scheduler.fairness import FairQueue
 
 T = TypeVar("T")
 
 
 class Admission(Generic[T]):
-    """Jobs waiting for a slot, in arrival order, and the free sequence ids."""
+    """Jobs waiting for a slot, and the free sequence ids.
 
-    def __init__(self, n_slots: int) -> None:
-        self.waiting: deque[T] = deque()
+    Jobs are admitted in arrival order, or, with ``classify`` (job → tenant, priority,
+    weight), in fair order across tenants, interactive before batch within a tenant
+    (:class:`scheduler.fairness.FairQueue`)."""
+
+    def __init__(
+        self, n_slots: int, classify: Callable[[T], tuple[str, str, float]] | None = None
+    ) -> None:
+        self.waiting: FairQueue[T] = FairQueue()
         self.free = list(range(n_slots))
+        self._classify = classify
 
     def push(self, job: T) -> None:
-        self.waiting.append(job)
+        if self._classify is None:
+            self.waiting.push(job, "")
+            return
+        tenant, priority, weight = self._classify(job)
+        self.waiting.push(job, tenant, "batch" if priority == "batch" else "interactive", weight)
 
     def take_cancelled(self, is_cancelled: Callable[[T], bool]) -> list[T]:
-        gone = [job for job in self.waiting if is_cancelled(job)]
-        for job in gone:
-            self.waiting.remove(job)
-        return gone
+        return self.waiting.remove_if(is_cancelled)
 
     def admit(self, reuse: Callable[[T, int], int] | None = None) -> list[tuple[T, int]]:
-        """Waiting jobs paired with the free slots they take, first come first served;
-        each takes the free slot where ``reuse(job, slot)`` (cached prompt tokens it can
-        reuse there) is largest, the lowest slot on a tie."""
+        """Waiting jobs, in their order, paired with the free slots they take; each takes
+        the free slot where ``reuse(job, slot)`` (cached prompt tokens it can reuse there)
+        is largest, the lowest slot on a tie."""
         admitted = []
         while self.waiting and self.free:
-            job = self.waiting.popleft()
+            job = self.waiting.pop()
             slot = max(self.free, key=lambda s: (reuse(job, s) if reuse else 0, -s))
             self.free.remove(slot)
             admitted.append((job, slot))
@@ -50,7 +59,7 @@ class Admission(Generic[T]):
 
     def drain(self) -> list[T]:
         jobs = list(self.waiting)
-        self.waiting.clear()
+        self.waiting = FairQueue()
         return jobs
 
 
