@@ -89,8 +89,12 @@ class FairQueue(Generic[T]):
         gone: list[T] = []
         for name, lane in list(self._busy.items()):
             for q in lane.lanes:
-                kept = [(s, item) for s, item in q if not pred(item)]
-                gone.extend(item for _s, item in q if pred(item))
+                kept = []
+                for seq, item in q:  # pred once per item: it may answer differently twice
+                    if pred(item):
+                        gone.append(item)
+                    else:
+                        kept.append((seq, item))
                 q.clear()
                 q.extend(kept)
             if not lane:

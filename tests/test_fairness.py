@@ -92,6 +92,22 @@ def test_remove_if_takes_out_matching_items_and_keeps_the_order() -> None:
     assert [q.pop() for _ in range(3)] == [2, 4, 8]
 
 
+def test_remove_if_asks_once_per_item() -> None:
+    """A cancellation check may change its answer between two calls: each item must end
+    up either removed or kept, never both or neither."""
+    q: FairQueue[int] = FairQueue()
+    for i in range(6):
+        q.push(i, "t")
+    calls: Counter[int] = Counter()
+
+    def flips(i: int) -> bool:
+        calls[i] += 1
+        return calls[i] == 1 and i % 2 == 0
+
+    assert q.remove_if(flips) == [0, 2, 4]
+    assert list(q) == [1, 3, 5] and len(q) == 3 and set(calls.values()) == {1}
+
+
 def test_weights_must_be_positive() -> None:
     with pytest.raises(ValueError, match="'x'.*positive"):
         FairQueue[str]().push("j", "x", weight=0)
