@@ -57,15 +57,17 @@ def decide(
        runner's load is its in-flight jobs (running or waiting at its worker; a loading
        runner counts with its slots).
        a. Fewer replicas than ``min_replicas`` (a pinned floor) → load one more where it
-          fits whole (devices without a runner of the model first), or evict idle runners
-          of other models to make room (as 10); if nothing fits, go on.
+          fits whole, or evict idle runners of other models to make room (as 10): never
+          on a device that holds one of its replicas, nor on the CPU while one runs on a
+          GPU; devices without any runner of the model first; nothing while runners
+          unloading make room for it; if nothing fits, go on.
        b. The runner that served the job's prompt prefix (``affine``) has a free slot →
           route there: its cached prefix makes the prompt cheaper. The bound of bounded-load
           affinity is the slot count: an affine job never waits while a replica is free.
        c. A replica has a free slot → route to the least busy, then least recently used.
        d. All are saturated and there are fewer than ``max_replicas`` (or the floor) →
-          load another replica (as a, but evicting only idle replicas or idle runners of
-          models less in demand than this one; not while runners unloading make room).
+          load another replica as in a, but evicting only idle replicas or idle runners
+          of models less in demand than this one.
        e. Otherwise queue at the least busy (fewest jobs beyond its slots), or at the
           affine runner when it has at most ⌈AFFINITY_SLACK × slots⌉ more waiting. With
           ``queue_depth`` ≥ 0, park instead when earlier jobs of the model are parked
