@@ -41,7 +41,9 @@ class Client:
     """Talks to a ggufq stack through its Redis.
 
     ``redis_url`` defaults to GGUFQ_REDIS_URL, else the local stack of `ggufq up`.
-    ``timeout`` (seconds) bounds each wait for a chunk or a result.
+    ``timeout`` (seconds) bounds each wait for a chunk or a result. ``tenant`` names whom
+    its jobs are for (fair shares: waiting jobs are served in turn across tenants, twice as
+    often for ``weight`` 2); the gateway uses the API key's id.
     """
 
     def __init__(
@@ -50,10 +52,13 @@ class Client:
         *,
         timeout: float = 300.0,
         settings: Settings | None = None,
+        tenant: str = "default",
+        weight: float = 1.0,
     ) -> None:
         self.settings = settings or get_settings()
         self.redis_url = redis_url or resolve_redis_url(self.settings)
         self.timeout = timeout
+        self.tenant, self.weight = tenant, weight
         self.r = connect(self.redis_url)
         self.app = make_app(self.redis_url, self.settings)
         self.state = ClusterReader(self.r)
@@ -97,6 +102,8 @@ class Client:
                 "priority": priority,
                 "device": device,
                 "format": format,
+                "tenant": self.tenant,
+                "weight": self.weight,
                 **(extra or {}),
             }
         )
@@ -209,10 +216,23 @@ class Client:
         keep_alive: str | float | None = None,
         options: Options | dict[str, Any] | None = None,
         timeout: float | None = None,
+        replicas: int = 0,
     ) -> GenerateResponse:
-        """Load a model ahead of use (optionally on one device); returns once it is loaded."""
-        job = self.submit(model, "", options=options, keep_alive=keep_alive, device=device)
-        return job.result(timeout)
+        """Load a model ahead of use (optionally on one device); returns once it is loaded.
+
+        ``replicas`` loads copies of it on as many devices (where memory allows) and keeps
+        them (keep_alive -1 unless given): a floor that bursts grow above, up to
+        GGUFQ_MAX_REPLICAS, and shrink back to by keep_alive."""
+        if replicas:
+            keep_alive = -1 if keep_alive is None else keep_alive
+        extra = {"replicas": replicas} if replicas else None
+        jobs = [
+            self.submit(
+                model, "", options=options, keep_alive=keep_alive, device=device, extra=extra
+            )
+            for _ in range(max(1, replicas))
+        ]
+        return [job.result(timeout) for job in jobs][0]
 
     def unload(self, model: str) -> list[str]:
         """Unload every runner of ``model`` (a busy one when its last job ends).

@@ -153,6 +153,19 @@ class JobRequest(BaseModel):
         pattern=r"^[A-Za-z0-9_.:@-]{1,128}$",
         description="whom the job is for: an API key's id, else the client's name, else default",
     )
+    weight: float = Field(
+        1.0,
+        gt=0,
+        le=1000,
+        description="the tenant's share: with weight 2 it is served twice as often as a "
+        "tenant of weight 1 while both have jobs waiting",
+    )
+    replicas: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="a load (empty prompt): load replicas of the model until this many run",
+    )
     device: str | None = Field(None, max_length=256, description="pin to this device id")
     submitted_at: float = Field(default_factory=time.time)
     attempt: int = Field(0, ge=0, le=1, description="1 once re-placed after its worker died")

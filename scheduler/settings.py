@@ -46,6 +46,23 @@ class Settings(BaseSettings):
         default_factory=dict,
         description='Slots per model, overriding num_parallel: JSON such as {"gemma3-270m": 8}.',
     )
+    max_replicas: int = Field(
+        4,
+        ge=1,
+        description="Most runners of one model and configuration (replicas): when every one "
+        "is busy and jobs wait, placement loads another where memory allows; 1 = never.",
+    )
+    model_replicas: dict[str, int] = Field(
+        default_factory=dict,
+        description='Most replicas per model, overriding max_replicas: JSON such as {"big": 1}.',
+    )
+    runner_queue: int | None = Field(
+        None,
+        ge=-1,
+        description="Jobs that may wait at one runner beyond its slots; more wait in "
+        "placement, served in fair order across tenants. Default: as many as its slots; "
+        "-1: no limit (all wait at the runner, first come first served).",
+    )
     num_ctx: int = Field(4096, ge=4, description="Default context size per slot, in tokens.")
     embed_num_ctx: int = Field(
         2048,
@@ -122,7 +139,8 @@ class Settings(BaseSettings):
         8,
         ge=2,
         description="Celery threads per worker, at least; raised to the slots of the "
-        "runners it may hold (num_parallel × max_loaded_models per device).",
+        "runners it may hold and the jobs let wait at them ((num_parallel + runner_queue) "
+        "× max_loaded_models per device).",
     )
     cpu_threads: int = Field(0, ge=0, description="llama.cpp threads; 0 = llama.cpp's default.")
     helper_nice: int = Field(

@@ -61,13 +61,15 @@ def test_run_streams_and_ps_devices_list(cli_env: dict[str, str]) -> None:
     final = json.loads(out.stdout)
     assert final["done"] and final["eval_count"] <= 8
     ps = ggufq("ps", env=cli_env)
-    assert ps.stdout.split()[:7] == [
+    assert ps.stdout.split()[:9] == [
         "NAME",
         "SIZE",
         "PROCESSOR",
         "DEVICES",
         "CONTEXT",
         "PARALLEL",
+        "JOBS",
+        "REPLICA",
         "UNTIL",
     ]
     assert "tiny" in ps.stdout and "100% CPU" in ps.stdout

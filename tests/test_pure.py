@@ -248,13 +248,15 @@ def test_a_load_is_abandoned_only_when_it_stops_progressing() -> None:
     assert "no progress for 11 s at 97%" in watch.describe()
 
 
-def test_worker_pool_has_a_thread_for_every_slot() -> None:
+def test_worker_pool_has_a_thread_for_every_slot_and_every_job_let_wait_there() -> None:
     from scheduler.settings import Settings
     from workers.main import pool_size
 
     assert pool_size(Settings(num_parallel=1, worker_threads=8), 1) == 8
-    assert pool_size(Settings(num_parallel=4, max_loaded_models=3), 2) == 24
-    assert pool_size(Settings(model_parallel={"big": 16}, max_loaded_models=1), 1) == 16
+    # 4 slots and (by default) 4 waiting per runner, 3 runners per device, 2 devices
+    assert pool_size(Settings(num_parallel=4, max_loaded_models=3), 2) == 48
+    assert pool_size(Settings(model_parallel={"big": 16}, max_loaded_models=1), 1) == 32
+    assert pool_size(Settings(num_parallel=4, runner_queue=1, max_loaded_models=1), 1) == 8
 
 
 def test_tensor_split_follows_placements_blocks_per_gpu() -> None:

@@ -59,7 +59,8 @@ def generate(
     if not isinstance(runner, Runner):
         raise JobFailed(f"runner {runner.id} is loaded for embeddings; it cannot generate")
     ticker = Ticker(progress, lambda text: publisher.publish({"response": text}))
-    stats = runner.generate(prompt, req.options, ticker, cancelled=cancelled, format=req.format)
+    share = (req.tenant, req.priority, req.weight)
+    stats = runner.generate(prompt, req.options, ticker, cancelled, req.format, share)
     if stats.done_reason == "cancel":
         raise JobCancelled(f"job {req.id} was cancelled after {stats.eval_count} generated tokens")
     return stats.ollama_fields()

@@ -110,9 +110,13 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
 
 def pool_size(settings: Settings, n_devices: int) -> int:
     """Celery threads: a job holds one while it runs or waits for a slot, so a worker needs
-    at least as many as the slots of the runners it may hold, or slots would sit idle."""
+    at least as many as the slots of the runners it may hold, or slots would sit idle, plus
+    the jobs placement lets wait at each runner (``runner_queue``, default its slots): the
+    runner admits those in fair order, not the device queue's first come first served."""
     widest = max([settings.num_parallel, *settings.model_parallel.values()])
-    return max(settings.worker_threads, widest * settings.max_loaded_models * n_devices)
+    queue = settings.runner_queue
+    per_runner = widest + (widest if queue is None or queue < 0 else queue)
+    return max(settings.worker_threads, per_runner * settings.max_loaded_models * n_devices)
 
 
 def main(argv: list[str] | None = None) -> None:

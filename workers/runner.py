@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from scheduler.protocol import Options, RunnerConfig
-from workers.engine.loop import Engine
+from workers.engine.loop import Engine, Share
 from workers.engine.sampling import Format
 from workers.engine.text import GenerationStats
 from workers.resident import Resident
@@ -50,6 +50,7 @@ class Runner(Resident):
         on_text: Callable[[str], None],
         cancelled: Callable[[], bool] = lambda: False,
         format: Format = None,
+        share: Share = ("default", "interactive", 1.0),
     ) -> GenerationStats:
         """Run one job to its end; safe to call from many threads at once.
 
@@ -57,7 +58,7 @@ class Runner(Resident):
         text: it must be cheap and must not block. ``cancelled`` is polled every decode
         step; a cancelled job ends with done_reason "cancel".
         """
-        return self.engine.generate(prompt, options, on_text, cancelled, format)
+        return self.engine.generate(prompt, options, on_text, cancelled, format, share)
 
     def close(self) -> None:
         """Unload: running and waiting jobs end with JobFailed."""

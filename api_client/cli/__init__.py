@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--device", help="the device id to load it on (see `ggufq devices`)")
     p.add_argument("--keep-alive", help="how long it stays loaded when idle: 5m, 1h, -1 = forever")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="keep this many copies loaded, one per device (kept until unloaded: keep_alive -1 "
+        "unless --keep-alive says otherwise)",
+    )
     p = command("unload", cmd_unload, "unload a model (a busy runner when its last job ends)")
     p.add_argument("model")
     p = command("cancel", cmd_cancel, "cancel jobs (queued, parked or running)")

@@ -14,9 +14,15 @@ from scheduler.units import format_bytes, format_duration
 
 def cmd_load(args: argparse.Namespace) -> int:
     with Client() as client:
-        result = client.load(args.model, device=args.device, keep_alive=args.keep_alive)
+        result = client.load(
+            args.model, device=args.device, keep_alive=args.keep_alive, replicas=args.replicas
+        )
+        replicas = [r for r in client.ps() if r.model == args.model]
     ms = (result.load_duration or 0) / 1e6
     print(f"loaded {args.model} on {result.device} in {ms:.0f} ms")
+    if args.replicas:
+        where = ", ".join(sorted(d for r in replicas for d in r.devices))
+        print(f"{len(replicas)} replicas of {args.model} run on {where}")
     return 0
 
 

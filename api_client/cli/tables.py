@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 from scheduler.cluster import DeviceView, RunnerView
@@ -23,7 +24,13 @@ def ps_table(
 ) -> tuple[list[str], list[list[str]]]:
     now = time.time()
     rows: list[list[str]] = []
+    # replicas: runners of one model and configuration; each row says which of how many
+    copies = Counter((r.model, r.config_key) for r in runners if r.state != "unloading")
+    nth: Counter[tuple[str, str]] = Counter()
     for r in runners:
+        nth[(r.model, r.config_key)] += 1
+        of = copies[(r.model, r.config_key)]
+        replica = f"{nth[(r.model, r.config_key)]}/{of}" if of > 1 else ""
         kinds: set[str] = {devices[d].kind if d in devices else "cpu" for d in r.devices}
         until: str
         if r.state != "ready":
@@ -40,10 +47,13 @@ def ps_table(
                 ",".join(r.devices),
                 str(r.context_length),
                 str(r.num_parallel),
+                f"{r.in_flight}",
+                replica,
                 until,
             ]
         )
-    return ["NAME", "SIZE", "PROCESSOR", "DEVICES", "CONTEXT", "PARALLEL", "UNTIL"], rows
+    head = ["NAME", "SIZE", "PROCESSOR", "DEVICES", "CONTEXT", "PARALLEL", "JOBS", "REPLICA"]
+    return [*head, "UNTIL"], rows
 
 
 def processor(runner: RunnerView, kinds: set[str]) -> str:

@@ -70,10 +70,11 @@ def decide(
           of models less in demand than this one.
        e. Otherwise queue at the least busy (fewest jobs beyond its slots), or at the
           affine runner when it has at most ⌈AFFINITY_SLACK × slots⌉ more waiting. With
-          ``queue_depth`` ≥ 0, park instead when earlier jobs of the model are parked
-          (as 4) or every replica holds slots + queue_depth jobs (server busy past
-          ``max_queue``): waiting work stays in the parked queue, retried in fair order
-          across tenants, rather than in a worker's queue.
+          ``queue_depth`` ≥ 0, park instead when every replica holds slots + queue_depth
+          jobs (server busy past ``max_queue``): waiting work stays in the parked queue,
+          retried in fair order across tenants, rather than in a worker's queue. Parked
+          jobs of the model do not hold back a runner with room: they may wait for memory
+          for another configuration.
     4. Earlier jobs of this model are parked → park behind them, so that a model's jobs keep
        their order (server busy past ``max_queue``). A parked job tried again is already
        counted among the parked: 4 and 9 never refuse it.
@@ -205,8 +206,6 @@ def _queue_at(
 ) -> Decision:
     """Every replica is saturated: the one where the job waits least, or park."""
     depth = job.queue_depth
-    if depth >= 0 and not job.retry and job.model in snap.parked_models:
-        return behind_parked(job.model, snap.parked, max_queue)
     room = [r for r in same if depth < 0 or _waiting(r) < depth]
     if not room:
         return runners_full(job.model, len(same), snap.parked, max_queue)

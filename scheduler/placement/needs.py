@@ -78,9 +78,15 @@ class Defaults:
     num_parallel: int
     model_parallel: Mapping[str, int]  # per model, else num_parallel
     flash_attention: bool
+    max_replicas: int = 1
+    model_replicas: Mapping[str, int] = field(default_factory=dict)  # per model
+    runner_queue: int | None = None  # None: as many as a runner's slots; -1: no bound
 
     def slots(self, model: str) -> int:
         return self.model_parallel.get(model, self.num_parallel)
+
+    def replicas(self, model: str) -> int:
+        return self.model_replicas.get(model, self.max_replicas)
 
 
 def runner_config(req: JobRequest, num_ctx: int, defaults: Defaults) -> RunnerConfig:
@@ -91,11 +97,21 @@ def runner_config(req: JobRequest, num_ctx: int, defaults: Defaults) -> RunnerCo
     return RunnerConfig.for_generation(num_ctx, parallel, defaults.flash_attention)
 
 
-def job_needs(req: JobRequest, config: RunnerConfig, shape: Shape, retry: bool) -> JobNeeds:
+def job_needs(
+    req: JobRequest,
+    config: RunnerConfig,
+    shape: Shape,
+    retry: bool,
+    defaults: Defaults | None = None,
+    affine: str | None = None,
+) -> JobNeeds:
     """Ollama's num_gpu decides the layers: -1 = as many on a GPU as fit (partial offload
     and spanning GPUs allowed); 0 = the CPU only; 1 .. block_count = exactly that many on a
-    GPU; more = the whole model on GPUs, never a partial runner."""
+    GPU; more = the whole model on GPUs, never a partial runner. ``defaults`` bound the
+    model's replicas and the jobs let wait at a runner (without: one runner, no bound);
+    ``affine`` is the runner that last served the job's prompt prefix."""
     num_gpu, whole = req.options.num_gpu, shape.block_count + 1
+    queue = -1 if defaults is None else defaults.runner_queue
     needs = JobNeeds(
         req.model,
         config.key(),
@@ -103,6 +119,10 @@ def job_needs(req: JobRequest, config: RunnerConfig, shape: Shape, retry: bool) 
         num_parallel=None if req.kind == "embed" else req.options.num_parallel,
         where=Where(req.device, tuple(req.avoid), num_gpu, min(num_gpu, whole)),
         retry=retry,
+        max_replicas=1 if defaults is None else defaults.replicas(req.model),
+        min_replicas=req.replicas,
+        affine=affine,
+        queue_depth=config.num_parallel if queue is None else queue,
     )
     if 0 < num_gpu < whole:
         return replace(needs, bytes=shape.partial[num_gpu - 1], n_gpu_layers=num_gpu)

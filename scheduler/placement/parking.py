@@ -1,8 +1,10 @@
-"""Jobs that wait for memory, kept in Redis in the order they will be retried.
+"""Jobs that wait for memory or for a runner's slot, kept in Redis, retried in fair order
+across tenants.
 
-Interactive jobs come before batch jobs, and each class keeps its arrival order, so jobs for
-one model keep their order. A parked job is retried when capacity may have freed (a runner
-unloaded, a job finished, a device joined), by whichever placement process claims it first.
+Within a tenant, interactive jobs come before batch jobs, and each class keeps its arrival
+order, so one tenant's jobs for one model keep their order. A parked job is retried when
+capacity may have freed (a runner unloaded, a job finished, a device joined), by whichever
+placement process claims it first.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import redis
 
 from scheduler.cluster import JobView
 from scheduler.errors import InvalidRequest
+from scheduler.fairness import fair_order
 from scheduler.protocol import JobRequest, parse_request
 from scheduler.store import keys
 
@@ -88,12 +91,20 @@ class ParkedJobs:
 
     def entries(self) -> list[tuple[str, JobRequest | None]]:
         """Parked job ids in retry order, each with its job (None: its record does not
-        parse, or it was just claimed)."""
+        parse, or it was just claimed; those first). Retry order is fair across tenants
+        (:func:`scheduler.fairness.fair_order`, weighted by the jobs' ``weight``):
+        interactive before batch within a tenant, and each class in arrival order."""
         ids = self.ids()
         if not ids:
             return []
         raws = cast(list[bytes | None], self.r.mget([keys.parked_job(i) for i in ids]))
-        return list(zip(ids, map(_readable, raws), strict=True))
+        jobs = list(zip(ids, map(_readable, raws), strict=True))
+        readable = [(i, job) for i, job in jobs if job is not None]
+        weights = {job.tenant: job.weight for _, job in readable}
+        order = fair_order(
+            [(j.tenant, j.priority, n) for n, (_, j) in enumerate(readable)], weights
+        )
+        return [(i, job) for i, job in jobs if job is None] + [readable[n] for n in order]
 
     def jobs(self) -> list[JobRequest]:
         """Parked jobs in retry order."""

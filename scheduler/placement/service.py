@@ -24,6 +24,7 @@ from scheduler.errors import GgufqError, JobCancelled, JobFailed, NoWorkers, err
 from scheduler.gguf.estimate import choose_num_ctx, estimate_bytes, group_parts, partial_table
 from scheduler.gguf.metadata import ModelInfo
 from scheduler.gguf.registry import Registry
+from scheduler.placement.affinity import AffinityMap, chat_key, prefix_key
 from scheduler.placement.commit import Assigned, Wait, commit
 from scheduler.placement.decision import decide
 from scheduler.placement.needs import (
@@ -115,7 +116,11 @@ class PlacementService:
             settings.num_parallel,
             settings.model_parallel,
             settings.flash_attention,
+            settings.max_replicas,
+            settings.model_replicas,
+            settings.runner_queue,
         )
+        self.affinity = AffinityMap()  # prompt prefix → the runner that served it last
         self.registry = Registry(settings.models_dir)
         self.parked = ParkedJobs(client)
         self.snapshots = SnapshotCache(client)
@@ -250,7 +255,9 @@ class PlacementService:
         num_ctx, warning = choose_num_ctx(req.options.num_ctx, default_ctx, info.context_length)
         config = runner_config(req, num_ctx, self.defaults)
         shape = self._shape(info, config)
-        needs = job_needs(req, config, shape, retry=score is not None)
+        prefix = affinity_key(req)
+        affine = self.affinity.get(prefix) if prefix else None
+        needs = job_needs(req, config, shape, score is not None, self.defaults, affine)
         order = score if score is not None else park_score(req, time.time())
         fields = partial(self._runner_fields, req.model, needs.config_key, config, shape)
         for _attempt in range(8):  # lost races against other placers: decide again
@@ -278,6 +285,8 @@ class PlacementService:
                         warnings=[w for w in (warning, format_warning(req)) if w],
                         placement_ns=time.perf_counter_ns() - started,
                     )
+                    if prefix:
+                        self.affinity.put(prefix, assigned.runner_id)
                     return self._send(req, placement, snap)
                 case Wait(reason):
                     if isinstance(decision, Park):
@@ -365,3 +374,12 @@ class PlacementService:
             return False
         self.fail(job_id, claimed.job.model, cancelled_before_start(job_id))
         return True
+
+
+def affinity_key(req: JobRequest) -> str:
+    """The key of a job's prompt prefix ("" for jobs without one: loads, embeddings)."""
+    if req.kind == "chat":
+        return chat_key(req.messages, scope=req.model)
+    if req.kind == "generate" and req.prompt:
+        return prefix_key(req.prompt, scope=req.model)
+    return ""

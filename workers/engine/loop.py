@@ -37,6 +37,8 @@ from workers.engine.sampling import Format, Sampler, _penalty_history, grammar_f
 from workers.engine.text import GenerationStats, StopMatcher, Tokenizer, Utf8Stream, token_budget
 from workers.loadwatch import LoadWatch
 
+Share = tuple[str, str, float]  # whom a job is for: tenant, priority, weight
+
 log = logging.getLogger(__name__)
 
 # llama_decode's return codes (llama.h)
@@ -68,6 +70,7 @@ class Job:
     parts: list[str] = field(default_factory=list)
     admitted_ns: int = 0
     first_ns: int = 0
+    share: Share = ("default", "interactive", 1.0)  # whom it is for: its turn among waiters
     stats: GenerationStats | None = None
     error: GgufqError | None = None
 
@@ -113,7 +116,7 @@ class Engine:
         self._tokens, self._pos = self._batch.token, self._batch.pos
         self._seq_ids, self._logits = self._batch.seq_id, self._batch.logits
         self._tokenizer = Tokenizer(L, self.vocab)
-        self._admission: Admission[Job] = Admission(config.num_parallel)
+        self._admission: Admission[Job] = Admission(config.num_parallel, lambda job: job.share)
         self._active: list[Job] = []
         self._cond = threading.Condition()
         self._prep = threading.Lock()  # held while a caller uses the model outside the loop
@@ -130,11 +133,14 @@ class Engine:
         on_text: Callable[[str], None],
         cancelled: Callable[[], bool] = lambda: False,
         format: Format = None,
+        share: Share = ("default", "interactive", 1.0),
     ) -> GenerationStats:
-        """Run one job to its end (blocking); raises JobFailed, InvalidRequest."""
+        """Run one job to its end (blocking); raises JobFailed, InvalidRequest. Waiting
+        jobs take free slots in fair order of their ``share`` (scheduler/fairness.py)."""
         grammar = grammar_for(format)
         with self._prep:  # close() waits for this: the model stays alive while in use here
             job = self._prepare(prompt, options, on_text, cancelled, grammar)
+            job.share = share
             if job.budget <= 0:
                 job.sampler.free()
                 return GenerationStats("", "length", len(job.tokens), 0, 0, 0)
