@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api_client.aio import AsyncClient
@@ -101,40 +103,41 @@ class Guard:
 
 def make_app(
     settings: Settings, client: AsyncClient | None = None, *, require_keys: bool = False
-) -> FastAPI:
+) -> Starlette:
     """The gateway app. ``client`` defaults to one made (and closed) with the app's life."""
     own = client is None
     cluster = client or AsyncClient(settings=settings, timeout=settings.http_timeout_s)
     gateway = Gateway(cluster, settings)
+    counters = GatewayMetrics()
 
     @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         yield
         if own:
             await cluster.close()
 
-    app = FastAPI(title="ggufq gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.gateway = gateway
-    app.include_router(ollama.router)
-    app.include_router(openai_api.router)
-    counters = GatewayMetrics()
-    app.add_middleware(Guard, gateway=gateway, require_keys=require_keys, metrics=counters)
-
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
+    async def metrics(_request: Request) -> Response:
         return counters.response()
 
-    @app.exception_handler(GgufqError)
-    async def ggufq_error(request: Request, exc: GgufqError) -> Response:
+    async def ggufq_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GgufqError)
         return error_response(request.url.path, exc)
 
-    @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("%s %s failed", request.method, request.url.path)
+        log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
         error = GgufqError(
             f"the gateway failed on {request.url.path} ({type(exc).__name__}: {exc}); "
             "see its log, and report it if it persists"
         )
         return error_response(request.url.path, error)
 
+    app = Starlette(
+        routes=[*ollama.router.routes, *openai_api.router.routes, Route("/metrics", metrics)],
+        middleware=[
+            Middleware(Guard, gateway=gateway, require_keys=require_keys, metrics=counters)
+        ],
+        exception_handlers={GgufqError: ggufq_error, Exception: unexpected},
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
     return app

@@ -14,7 +14,6 @@ import asyncio
 import time
 from typing import Any, Literal
 
-from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -23,6 +22,7 @@ from api_client.gateway.catalog import running, show, tag, usable
 from api_client.gateway.core import (
     Caller,
     Gateway,
+    Routes,
     caller_of,
     json_body,
     known_options,
@@ -48,7 +48,7 @@ from scheduler.errors import ModelNotFound
 OLLAMA_VERSION = "0.9.6"
 NDJSON = "application/x-ndjson"
 
-router = APIRouter()
+router = Routes()
 
 
 def gateway_of(request: Request) -> Gateway:
@@ -56,17 +56,17 @@ def gateway_of(request: Request) -> Gateway:
     return gateway
 
 
-@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
-async def root() -> Response:
+@router.add("/", "GET", "HEAD")
+async def root(_request: Request) -> Response:
     return PlainTextResponse("Ollama is running")
 
 
-@router.get("/api/version")
-async def version() -> dict[str, str]:
+@router.add("/api/version", "GET")
+async def version(_request: Request) -> dict[str, str]:
     return {"version": OLLAMA_VERSION}
 
 
-@router.post("/api/generate")
+@router.add("/api/generate", "POST")
 async def generate(request: Request) -> Response:
     gateway, caller = gateway_of(request), caller_of(request)
     body: GenerateRequest = parse_body(GenerateRequest, await json_body(request))
@@ -96,7 +96,7 @@ async def generate(request: Request) -> Response:
     return await _answer(request, gateway, job, body.model, body.stream, chat=False)
 
 
-@router.post("/api/chat")
+@router.add("/api/chat", "POST")
 async def chat(request: Request) -> Response:
     gateway, caller = gateway_of(request), caller_of(request)
     body: ChatRequest = parse_body(ChatRequest, await json_body(request))
@@ -158,7 +158,7 @@ def _one(record: dict[str, Any], stream: bool) -> Response:
     return JSONResponse(record)
 
 
-@router.post("/api/embed")
+@router.add("/api/embed", "POST")
 async def embed(request: Request) -> dict[str, Any]:
     gateway, caller = gateway_of(request), caller_of(request)
     body: EmbedRequest = parse_body(EmbedRequest, await json_body(request))
@@ -185,7 +185,7 @@ async def embed(request: Request) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-@router.post("/api/embeddings")
+@router.add("/api/embeddings", "POST")
 async def embeddings(request: Request) -> dict[str, Any]:
     gateway, caller = gateway_of(request), caller_of(request)
     body: EmbeddingsRequest = parse_body(EmbeddingsRequest, await json_body(request))
@@ -204,20 +204,20 @@ async def embeddings(request: Request) -> dict[str, Any]:
     return {"embedding": result.embeddings[0]}
 
 
-@router.get("/api/tags")
+@router.add("/api/tags", "GET")
 async def tags(request: Request) -> dict[str, Any]:
     registry = gateway_of(request).registry
     entries = await asyncio.to_thread(usable, registry)
     return {"models": [tag(e) for e in entries]}
 
 
-@router.get("/api/ps")
+@router.add("/api/ps", "GET")
 async def ps(request: Request) -> dict[str, Any]:
     runners = await gateway_of(request).client.ps()
     return {"models": [running(r) for r in runners]}
 
 
-@router.post("/api/show")
+@router.add("/api/show", "POST")
 async def show_model(request: Request) -> dict[str, Any]:
     body: ShowRequest = parse_body(ShowRequest, await json_body(request))
     model = model_name(body.model or body.name)
@@ -225,7 +225,7 @@ async def show_model(request: Request) -> dict[str, Any]:
     return await asyncio.to_thread(show, gateway_of(request).registry, model, body.verbose)
 
 
-@router.post("/api/pull")
+@router.add("/api/pull", "POST")
 async def pull(request: Request) -> Response:
     """Tools pull before they use a model: one that is there needs no pull."""
     body = await json_body(request)
@@ -242,11 +242,11 @@ async def pull(request: Request) -> Response:
     return _one({"status": "success"}, stream)
 
 
-@router.post("/api/push")
-@router.post("/api/create")
-@router.post("/api/copy")
-@router.delete("/api/delete")
-@router.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"])
+@router.add("/api/push", "POST")
+@router.add("/api/create", "POST")
+@router.add("/api/copy", "POST")
+@router.add("/api/delete", "DELETE")
+@router.add("/api/blobs/{digest}", "HEAD", "POST")
 async def manage_models(request: Request) -> Response:
     raise NotSupported(
         f"{request.method} {request.url.path} is not served: ggufq does not manage model "

@@ -12,13 +12,12 @@ import asyncio
 import time
 from typing import Any
 
-from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
 from api_client.aio import AsyncJob
 from api_client.gateway.catalog import openai_model, usable
-from api_client.gateway.core import Gateway, caller_of, json_body, model_name, parse_body
+from api_client.gateway.core import Gateway, Routes, caller_of, json_body, model_name, parse_body
 from api_client.gateway.ollama_schema import shorten
 from api_client.gateway.openai_schema import (
     DONE,
@@ -38,7 +37,7 @@ from scheduler.protocol import GenerateResponse
 
 SSE = "text/event-stream"
 
-router = APIRouter(prefix="/v1")
+router = Routes(prefix="/v1")
 
 
 def gateway_of(request: Request) -> Gateway:
@@ -46,7 +45,7 @@ def gateway_of(request: Request) -> Gateway:
     return gateway
 
 
-@router.post("/chat/completions")
+@router.add("/chat/completions", "POST")
 async def chat_completions(request: Request) -> Any:
     gateway, caller = gateway_of(request), caller_of(request)
     body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await json_body(request))
@@ -75,7 +74,7 @@ async def chat_completions(request: Request) -> Any:
     }
 
 
-@router.post("/completions")
+@router.add("/completions", "POST")
 async def completions(request: Request) -> Any:
     gateway, caller = gateway_of(request), caller_of(request)
     body: CompletionRequest = parse_body(CompletionRequest, await json_body(request))
@@ -139,7 +138,7 @@ async def _stream(
     return await gateway.stream(job, encode, error_event, KEEPALIVE, SSE)
 
 
-@router.post("/embeddings")
+@router.add("/embeddings", "POST")
 async def embeddings(request: Request) -> dict[str, Any]:
     gateway, caller = gateway_of(request), caller_of(request)
     body: EmbeddingRequest = parse_body(EmbeddingRequest, await json_body(request))
@@ -160,14 +159,15 @@ async def embeddings(request: Request) -> dict[str, Any]:
     }
 
 
-@router.get("/models")
+@router.add("/models", "GET")
 async def models(request: Request) -> dict[str, Any]:
     entries = await asyncio.to_thread(usable, gateway_of(request).registry)
     return {"object": "list", "data": [openai_model(e) for e in entries]}
 
 
-@router.get("/models/{model}")
-async def model(request: Request, model: str) -> dict[str, Any]:
+@router.add("/models/{model}", "GET")
+async def model(request: Request) -> dict[str, Any]:
+    model = request.path_params["model"]
     name = model_name(model)
     for entry in await asyncio.to_thread(usable, gateway_of(request).registry):
         if entry.name == name:
