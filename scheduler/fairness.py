@@ -123,16 +123,19 @@ def _rank(lane: _Tenant[T]) -> tuple[float, int, int]:
 
 
 def fair_order(
-    items: Sequence[tuple[str, str, float]], weights: Mapping[str, float] | None = None
+    items: Sequence[tuple[str, str, float]],
+    weights: Mapping[str, float] | None = None,
+    passes: Mapping[str, float] | None = None,
 ) -> list[int]:
     """A backlog of (tenant, priority, arrival) in fair order, as indices into ``items``.
 
     Tenants are interleaved by weight (default 1): a tenant's k-th item (interactive first,
-    then by arrival) starts at virtual time k / weight. There is no history, so on a tie
-    the tenant with the smaller backlog per weight goes first, then the one waiting
-    longest: a tenant with one job ahead of another's thousand is first, and when only
-    one job can run per retry round, the flood does not win every round."""
-    weights = weights or {}
+    then by arrival) starts at virtual time pass + k / weight, where ``passes`` (see
+    :class:`FairPasses`) carry what each tenant was served before, relative to now (0 for
+    a tenant not served lately). On a tie the tenant with the smaller backlog per weight
+    goes first, then the one waiting longest: a tenant with one job ahead of another's
+    thousand is first."""
+    weights, passes = weights or {}, passes or {}
     by_tenant: dict[str, list[int]] = {}
     for i, (tenant, _priority, _arrival) in enumerate(items):
         by_tenant.setdefault(tenant, []).append(i)
@@ -143,7 +146,31 @@ def fair_order(
             raise ValueError(f"tenant {tenant!r}: weight must be positive, got {weight}")
         indices.sort(key=lambda i: (items[i][1] != "interactive", items[i][2], i))
         backlog, first = len(indices) / weight, min(items[i][2] for i in indices)
+        start = passes.get(tenant, 0.0)
         for k, i in enumerate(indices):
-            keyed.append((round(k / weight, _DIGITS), backlog, first, tenant, k, i))
+            keyed.append((round(start + k / weight, _DIGITS), backlog, first, tenant, k, i))
     keyed.sort()
     return [entry[-1] for entry in keyed]
+
+
+class FairPasses:
+    """What :func:`fair_order` needs to remember between rounds: each tenant's pass (the
+    virtual time its next job starts at) against the virtual time of the last job served.
+    Without it a tenant that keeps a short backlog would win every tie against a long one
+    and starve it; with it tenants take turns by weight across rounds. Bounded: a tenant
+    whose pass virtual time has caught up with is forgotten (it starts at now anyway)."""
+
+    def __init__(self) -> None:
+        self._pass: dict[str, float] = {}
+        self._vt = 0.0
+
+    def served(self, tenant: str, weight: float = 1.0) -> None:
+        start = max(self._pass.get(tenant, self._vt), self._vt)
+        self._vt = start
+        self._pass[tenant] = start + 1.0 / weight
+        for name in [t for t, p in self._pass.items() if p <= self._vt]:
+            del self._pass[name]
+
+    def ahead(self) -> dict[str, float]:
+        """Each tenant's pass relative to the virtual time (≥ 0), as fair_order takes it."""
+        return {t: p - self._vt for t, p in self._pass.items()}

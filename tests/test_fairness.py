@@ -231,3 +231,29 @@ def test_fair_order_never_starves_a_tenant(
         mine = [items[i] for i in order if items[i][0] == tenant]
         ranks = [(p != "interactive", a) for _t, p, a in mine]
         assert ranks == sorted(ranks)
+
+
+def test_fair_order_with_passes_takes_turns_across_rounds() -> None:
+    # placement retries its parked jobs in rounds where one job gets the freed slot: A has
+    # a long backlog, B keeps five waiting. Without memory of who was served, B's smaller
+    # backlog would win every round and A would starve.
+    from scheduler.fairness import FairPasses
+
+    passes, served = FairPasses(), {"a": 0, "b": 0}
+    backlog = {"a": 100, "b": 5}
+    for _ in range(40):
+        items = [(t, "interactive", float(k)) for t, n in backlog.items() for k in range(n)]
+        first = items[fair_order(items, passes=passes.ahead())[0]][0]
+        served[first] += 1
+        passes.served(first)
+        if first == "a":
+            backlog["a"] -= 1  # b's client keeps five waiting
+    assert served == {"a": 20, "b": 20}
+    # weights: b of weight 3 gets three turns for a's one
+    passes, served = FairPasses(), {"a": 0, "b": 0}
+    for _ in range(40):
+        items = [(t, "interactive", float(k)) for t in ("a", "b") for k in range(5)]
+        first = items[fair_order(items, {"b": 3.0}, passes.ahead())[0]][0]
+        served[first] += 1
+        passes.served(first, 3.0 if first == "b" else 1.0)
+    assert served == {"a": 10, "b": 30}

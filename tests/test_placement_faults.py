@@ -133,19 +133,22 @@ def test_a_submission_whose_claim_redis_missed_is_parked_once_it_is_claimed(
     assert [j.id for j in service.parked.jobs()] == [held.id]
 
 
-def test_a_refusal_that_redis_cannot_record_is_held_and_decided_again(
+def test_a_refusal_that_redis_takes_only_in_part_is_written_whole_once_it_is_back(
     service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def redis_away(*_args: object, **_kwargs: object) -> None:
+    def result_lost(*_args: object, **_kwargs: object) -> None:
         raise redis.ConnectionError("Connection reset by peer")
 
-    monkeypatch.setattr(service, "fail", redis_away)
+    # the final error chunk goes through, then Redis goes away before the result is stored
+    monkeypatch.setattr(service.app.backend, "mark_as_failure", result_lost)
     job = JobRequest(model="no-such-model", prompt="hello", submitted_at=1.0)
-    assert "held" in service.place(job.model_dump(mode="json"))  # not dropped
-    monkeypatch.undo()
-    assert service.park_held() == 1
-    service.retry_parked()  # refused again, and this time its error is written
+    assert service.place(job.model_dump(mode="json"))["refused"] == "model_not_found"
     assert final_error(db, job.id)["code"] == "model_not_found"
+    monkeypatch.undo()
+    assert service.app.AsyncResult(job.id).state == "PENDING"  # no result: a reader waits
+    assert service.park_held() == 0  # nothing to park: the failure is written again, whole
+    assert service.app.AsyncResult(job.id).state == "FAILURE"
+    assert service.parked.jobs() == []  # never decided again (it was told it failed)
 
 
 def test_an_orphan_whose_handling_redis_interrupts_is_handled_once_it_is_back(
@@ -180,8 +183,9 @@ def test_an_orphan_whose_handling_redis_interrupts_is_handled_once_it_is_back(
 def test_a_message_lost_on_its_way_to_a_live_device_is_sent_again_once(
     service: PlacementService, db: redis.Redis, models_dir: Path
 ) -> None:
-    lost, queued, started = (
-        JobRequest(model="tiny", prompt=p, submitted_at=1.0) for p in ("a", "b", "c")
+    lost, queued, started = (  # four slots: all three go to the one runner
+        JobRequest(model="tiny", prompt=p, submitted_at=1.0, options={"num_parallel": 4})
+        for p in ("a", "b", "c")
     )
     for job in (lost, queued, started):
         assert "device" in service.place(job.model_dump(mode="json"))
@@ -201,3 +205,8 @@ def test_a_message_lost_on_its_way_to_a_live_device_is_sent_again_once(
     assert sum(lost.id.encode() in m for m in again) == 1
     assert not any(started.id.encode() in m for m in again)
     assert recovery.lost_sends(["vgpu:fh:0"], later) == 0  # it is queued again now
+    # a job running longer than its start claim lives is still running, not lost
+    db.delete(keys.job_start(started.id, placement_id["placement"]["id"]))
+    db.hset(keys.RUNNING, started.id, 1.0)
+    assert recovery.lost_sends(["vgpu:fh:0"], later) == 0
+    assert recovery.lost_sends(["vgpu:fh:0"], later) == 0

@@ -141,6 +141,17 @@ def tensor_split(device_ids: list[str], blocks: list[int]) -> list[float] | None
     return shares
 
 
+def close_and_wait(
+    close: Callable[[], None], gpus: list[DeviceInfo], reserved: dict[str, int], wait_s: float
+) -> bool:
+    """``close()`` a runner; on NVIDIA GPUs wait up to ``wait_s`` until the driver shows the
+    memory it held there (``reserved``) free again. False when it did not in time."""
+    held = {d: n for d, n in reserved.items() if d in {g.id for g in gpus}}
+    before = reported_free(gpus) if held else {}
+    close()
+    return wait_for_release(lambda: reported_free(gpus), before, held, wait_s)
+
+
 def wait_for_release(
     read_free: Callable[[], dict[str, int]],
     before: dict[str, int],

@@ -28,7 +28,7 @@ from scheduler.store.streams import error_chunk
 from scheduler.store.worker_state import WorkerState
 from workers.backlog import AWAY, Backlog, patiently
 from workers.chunks import ChunkPublisher, ChunkWriter
-from workers.devices import reported_free, wait_for_release
+from workers.devices import close_and_wait
 from workers.generation import AnyRunner, Progress, open_runner, produce
 from workers.keepalive import ExpirySchedule, effective_keep_alive, expires_at
 from workers.membership import Membership
@@ -342,10 +342,13 @@ class WorkerRuntime:
         return self._unload(runner_id)
 
     def _unload(self, runner_id: str, force: bool = False) -> bool:
-        if not self.state.begin_unload(runner_id, force=force) and self.state.runner_exists(
-            runner_id
-        ):
-            return False  # a job arrived meanwhile, or another unload is under way
+        if not self.state.begin_unload(runner_id, force=force):
+            phase = self.state.runner_phase(runner_id)
+            # a job arrived meanwhile, or another unload is under way; unless "unloading"
+            # is this worker's own earlier try, whose reply an outage lost
+            mine = phase == "unloading" and runner_id in self.runners and not self._busy(runner_id)
+            if phase is not None and not mine:
+                return False
         runner = self.runners.pop(runner_id, None)
         device_ids = runner.device_ids if runner else []
         if runner is not None:
@@ -372,12 +375,12 @@ class WorkerRuntime:
     def _close(self, runner: AnyRunner) -> None:
         """Free llama.cpp's memory; on NVIDIA GPUs wait (bounded) until the driver shows it."""
         gpus = [d for d in self.devices if d.kind == "gpu" and d.id in runner.device_ids]
-        reserved = self.state.runner_devices(runner.id) if gpus else {}
-        held = {d: n for d, n in reserved.items() if d in {g.id for g in gpus}}
-        before = reported_free(gpus) if held else {}
-        runner.close()
+        try:
+            reserved = self.state.runner_devices(runner.id) if gpus else {}
+        except AWAY:  # close it anyway (not waiting for the driver): it is out of self.runners
+            reserved = {}
         wait = self.settings.unload_wait_s
-        if not wait_for_release(lambda: reported_free(gpus), before, held, wait):
+        if not close_and_wait(runner.close, gpus, reserved, wait):
             log.warning(
                 "the driver still shows runner %s's memory in use %.0f s after unloading; "
                 "releasing its reservation anyway",

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from hashlib import blake2b
 from typing import Protocol
 
+from scheduler.protocol import JobRequest
+
 PREFIX_CHARS = 256
 
 
@@ -94,3 +96,12 @@ class AffinityMap:
         keys.discard(key)
         if not keys:
             del self._keys[runner_id]
+
+
+def job_key(req: JobRequest) -> str:
+    """The key of a job's prompt prefix ("" for jobs without one: loads, embeddings)."""
+    if req.kind == "chat":
+        return chat_key(req.messages, scope=req.model)
+    if req.kind == "generate" and req.prompt:
+        return prefix_key(req.prompt, scope=req.model)
+    return ""

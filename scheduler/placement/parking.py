@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import cast
 
 import redis
 
 from scheduler.cluster import JobView
-from scheduler.errors import InvalidRequest
+from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.fairness import fair_order
 from scheduler.protocol import JobRequest, parse_request
 from scheduler.store import keys
@@ -89,10 +89,13 @@ class ParkedJobs:
     def ids(self) -> list[str]:
         return [i.decode() for i in cast(list[bytes], self.r.zrange(keys.PARKED, 0, -1))]
 
-    def entries(self) -> list[tuple[str, JobRequest | None]]:
+    def entries(
+        self, passes: Mapping[str, float] | None = None
+    ) -> list[tuple[str, JobRequest | None]]:
         """Parked job ids in retry order, each with its job (None: its record does not
         parse, or it was just claimed; those first). Retry order is fair across tenants
-        (:func:`scheduler.fairness.fair_order`, weighted by the jobs' ``weight``):
+        (:func:`scheduler.fairness.fair_order`, weighted by the jobs' ``weight``, after
+        what each tenant was served lately, ``passes``):
         interactive before batch within a tenant, and each class in arrival order."""
         ids = self.ids()
         if not ids:
@@ -101,9 +104,8 @@ class ParkedJobs:
         jobs = list(zip(ids, map(_readable, raws), strict=True))
         readable = [(i, job) for i, job in jobs if job is not None]
         weights = {job.tenant: job.weight for _, job in readable}
-        order = fair_order(
-            [(j.tenant, j.priority, n) for n, (_, j) in enumerate(readable)], weights
-        )
+        backlog = [(j.tenant, j.priority, n) for n, (_, j) in enumerate(readable)]
+        order = fair_order(backlog, weights, passes)
         return [(i, job) for i, job in jobs if job is None] + [readable[n] for n in order]
 
     def jobs(self) -> list[JobRequest]:
@@ -140,9 +142,15 @@ class HeldJobs:
         self.parked, self.limit = parked, limit
         self._jobs: dict[str, tuple[JobRequest, float, int, str]] = {}
         self._orphans: dict[str, bytes] = {}  # job id → its SentJob record, as read
+        self._failures: dict[str, tuple[str, GgufqError]] = {}  # job id → model, error
 
     def __len__(self) -> int:
-        return len(self._jobs) + len(self._orphans)
+        return len(self._jobs) + len(self._orphans) + len(self._failures)
+
+    def hold_failure(self, job_id: str, model: str, error: GgufqError) -> None:
+        """Keep a job's end (its error) that Redis did not take, whole or in part: written
+        again, whole, by :meth:`park_all` (a final chunk twice is harmless, none is not)."""
+        self._failures[job_id] = (model, error)
 
     def hold_orphan(self, job_id: str, raw: bytes) -> None:
         """Keep an orphaned job's record taken from Redis (to re-place or end it) whose
@@ -157,10 +165,17 @@ class HeldJobs:
         self._jobs[req.id] = (req, score, errors, delivery)
         return True
 
-    def park_all(self, claim: Callable[[str, str], bool]) -> int:
+    def park_all(
+        self,
+        claim: Callable[[str, str], bool],
+        fail: Callable[[str, str, GgufqError], None] = lambda *_: None,
+    ) -> int:
         """Park the jobs held (raises while Redis is still away); a job whose claim
         ``claim(job_id, delivery)`` finds taken is placed by another delivery of it, and is
         let go. Returns how many were parked."""
+        for job_id, (model, error) in list(self._failures.items()):
+            fail(job_id, model, error)
+            del self._failures[job_id]
         for job_id, raw in list(self._orphans.items()):
             self.parked.r.hset(keys.ORPHANS, job_id, raw)
             del self._orphans[job_id]

@@ -101,7 +101,7 @@ class Recovery:
         sent again only when two sweeps in a row find it nowhere; its start claim makes
         sure it runs once if the first message turns up after all. Returns how many."""
         unseen: set[tuple[str, str]] = set()
-        again = 0
+        again, self._unseen, seen_before = 0, set(), self._unseen  # a failed look counts none
         for device_id in device_ids:
             waiting = self.state.unstarted(device_id, sent_before)
             if not waiting:
@@ -111,7 +111,7 @@ class Recovery:
                 if record.job.id in present:
                     continue
                 key = (record.job.id, record.placement.id)
-                if key not in self._unseen:
+                if key not in seen_before:
                     unseen.add(key)
                     continue
                 log.warning(

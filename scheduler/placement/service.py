@@ -21,10 +21,11 @@ from celery import Celery
 
 from scheduler.cluster import Snapshot
 from scheduler.errors import GgufqError, JobCancelled, JobFailed, NoWorkers, error_from_code
+from scheduler.fairness import FairPasses
 from scheduler.gguf.estimate import choose_num_ctx, estimate_bytes, group_parts, partial_table
 from scheduler.gguf.metadata import ModelInfo
 from scheduler.gguf.registry import Registry
-from scheduler.placement.affinity import AffinityMap, chat_key, prefix_key
+from scheduler.placement.affinity import AffinityMap, job_key
 from scheduler.placement.commit import Assigned, Wait, commit
 from scheduler.placement.decision import decide
 from scheduler.placement.needs import (
@@ -121,12 +122,15 @@ class PlacementService:
             settings.runner_queue,
         )
         self.affinity = AffinityMap()  # prompt prefix → the runner that served it last
+        self.passes = FairPasses()  # tenants' turns among parked jobs, across retry rounds
         self.registry = Registry(settings.models_dir)
         self.parked = ParkedJobs(client)
         self.snapshots = SnapshotCache(client)
         self._shapes: dict[tuple[str, RunnerConfig], Shape] = {}
         self.held = HeldJobs(self.parked, MAX_HELD)  # through a Redis outage
-        self.recovery = Recovery(client, app, self.state, self.held, self.fail, self._replace)
+        self.recovery = Recovery(
+            client, app, self.state, self.held, self.fail_or_hold, self._replace
+        )
         # until then (monotonic), "no device is alive" parks a job instead of failing it:
         # Redis, or this process, was away, and the workers have yet to beat again
         self.grace_until = 0.0
@@ -165,12 +169,12 @@ class PlacementService:
     def retry_parked(self) -> int:
         """Retry parked jobs in order; returns how many left the queue.
 
-        After one job of a model parks again, later jobs of that model are not tried: they
-        could not run either, and must not overtake it.
+        After one job parks again, later jobs of its model and configuration are not
+        tried: they could not run either, and must not overtake it.
         """
         moved, blocked = 0, set()
-        for job_id, req in self.parked.entries():
-            if req is not None and req.model in blocked:
+        for job_id, req in self.parked.entries(self.passes.ahead()):
+            if req is not None and _config_of(req) in blocked:
                 continue
             try:
                 claimed = self.parked.claim(job_id)
@@ -184,9 +188,10 @@ class PlacementService:
                 claimed.job, time.perf_counter_ns(), claimed.score, claimed.errors
             )
             if "parked" in outcome:
-                blocked.add(claimed.job.model)
+                blocked.add(_config_of(claimed.job))
             else:
                 moved += 1
+                self.passes.served(claimed.job.tenant, claimed.job.weight)
         return moved
 
     def _attempt(
@@ -201,10 +206,7 @@ class PlacementService:
         except Parked as parked:
             return {"parked": str(parked)}
         except GgufqError as exc:
-            try:
-                self.fail(req.id, req.model, exc)
-            except Exception as away:  # Redis is away: decided again once it is back
-                return self._hold(req, away, score, errors)
+            self.fail_or_hold(req.id, req.model, exc)
             return {"refused": exc.code, "reason": str(exc)}
         except Exception as exc:  # a broker or Redis error mid-step, or a bug
             return self._not_placed(req, exc, score, errors + 1)
@@ -241,7 +243,8 @@ class PlacementService:
     def park_held(self) -> int:
         """Park the jobs held through a Redis outage (the liveness loop calls this once
         Redis answers again); returns how many were parked. Raises while Redis is away."""
-        return self.held.park_all(partial(self.state.place_once, ttl_s=self._claim_ttl_s))
+        claim = partial(self.state.place_once, ttl_s=self._claim_ttl_s)
+        return self.held.park_all(claim, self.fail)
 
     def _place(self, req: JobRequest, started: int, score: float | None = None) -> dict[str, Any]:
         """Decide and carry out; ``score`` is set when a parked job is retried."""
@@ -255,7 +258,7 @@ class PlacementService:
         num_ctx, warning = choose_num_ctx(req.options.num_ctx, default_ctx, info.context_length)
         config = runner_config(req, num_ctx, self.defaults)
         shape = self._shape(info, config)
-        prefix = affinity_key(req)
+        prefix = job_key(req)
         affine = self.affinity.get(prefix) if prefix else None
         needs = job_needs(req, config, shape, score is not None, self.defaults, affine)
         order = score if score is not None else park_score(req, time.time())
@@ -345,6 +348,14 @@ class PlacementService:
         self.parked.park(req, score)
         raise Parked(req.id)
 
+    def fail_or_hold(self, job_id: str, model: str, exc: GgufqError) -> None:
+        """:meth:`fail`, or, when Redis does not take it, keep it to write once it is back."""
+        try:
+            self.fail(job_id, model, exc)
+        except Exception as away:
+            log.warning("job %s's end waits for Redis (%s): %s", job_id, away, exc)
+            self.held.hold_failure(job_id, model, exc)
+
     def fail(self, job_id: str, model: str, exc: GgufqError) -> None:
         """End a job that will never run: a final error chunk and a FAILURE result."""
         if not job_id:
@@ -376,10 +387,7 @@ class PlacementService:
         return True
 
 
-def affinity_key(req: JobRequest) -> str:
-    """The key of a job's prompt prefix ("" for jobs without one: loads, embeddings)."""
-    if req.kind == "chat":
-        return chat_key(req.messages, scope=req.model)
-    if req.kind == "generate" and req.prompt:
-        return prefix_key(req.prompt, scope=req.model)
-    return ""
+def _config_of(req: JobRequest) -> tuple[object, ...]:
+    """What decides a job's runner configuration, as far as its request tells."""
+    o = req.options
+    return (req.model, req.kind, o.num_ctx, o.num_parallel, o.num_gpu, req.device)

@@ -146,7 +146,7 @@ class PlacementState:
 
     def unstarted(self, device_id: str, sent_before: float) -> list[SentJob]:
         """Jobs recorded as sent to a device before ``sent_before`` whose placement no
-        worker thread has claimed to start."""
+        worker thread has claimed to start, nor is running."""
         records = []
         for raw in cast(dict[bytes, bytes], self.r.hgetall(keys.inflight(device_id))).values():
             try:
@@ -159,8 +159,12 @@ class PlacementState:
             return []
         pipe = self.r.pipeline(transaction=False)
         for record in records:
+            # its start claim expires with the stream's TTL: a job running longer than that
+            # is still in the running hash, which only its end clears
             pipe.exists(keys.job_start(record.job.id, record.placement.id))
-        return [r for r, started in zip(records, pipe.execute(), strict=True) if not started]
+            pipe.hexists(keys.RUNNING, record.job.id)
+        seen = pipe.execute()
+        return [r for n, r in enumerate(records) if not (seen[2 * n] or seen[2 * n + 1])]
 
     def in_broker(self, device_id: str, job_ids: list[str]) -> set[str]:
         """Which of the jobs have a message waiting in the device's queues, or taken by a

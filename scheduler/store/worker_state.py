@@ -89,6 +89,11 @@ class WorkerState:
     def begin_unload(self, runner_id: str, force: bool = False) -> bool:
         return bool(self._begin_unload(keys=[keys.runner(runner_id)], args=[int(force)]))
 
+    def runner_phase(self, runner_id: str) -> str | None:
+        """loading, ready or unloading; None when its record is gone."""
+        raw = self.r.hget(keys.runner(runner_id), "state")
+        return None if raw is None else text(raw)
+
     def runner_exists(self, runner_id: str) -> bool:
         return bool(self.r.exists(keys.runner(runner_id)))
 
