@@ -91,14 +91,15 @@ def has_replica(runner: RunnerState, live_by_model: Mapping[str, list[RunnerStat
 def eviction_order(
     demand: Mapping[str, float], live_by_model: Mapping[str, list[RunnerState]] | None = None
 ) -> Callable[[RunnerState], Any]:
-    """Cheapest victim first: an idle replica (its model and configuration have another
-    live runner, so unloading it forces no load), then never-expiring runners last, the
-    least demanded model, the soonest expiry and the least recent use. Without
+    """Cheapest victim first: never-expiring runners last (a replica floor pinned by
+    `ggufq load --replicas` among them), before them an idle replica (its model and
+    configuration have another live runner, so unloading it forces no load) first, then
+    the least demanded model, the soonest expiry and the least recent use. Without
     ``live_by_model`` no runner counts as a replica."""
     spares = live_by_model or {}
     return lambda r: (
-        not has_replica(r, spares),
         r.expires_at < 0,
+        not has_replica(r, spares),
         demand.get(r.model, 0.0),
         r.expires_at,
         r.last_used,

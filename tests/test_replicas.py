@@ -216,6 +216,10 @@ def test_an_idle_replica_is_the_first_victim() -> None:
     devices = [dev("a", 8, reserved=3), dev("b", 8, reserved=8)]
     out = place(job, devices, [pinned, cold, spare, twin], demand={"hot": 9})
     assert out == Evict(["spare"])
+    # a pinned replica (a floor of `ggufq load --replicas`, keep_alive -1) stays last
+    floor = replace(spare, expires_at=-1)
+    order = sorted([pinned, cold, floor], key=eviction_order(snap.demand, snap.live_by_model))
+    assert [r.id for r in order] == ["cold", "spare", "pin"]
 
 
 # -- properties ----------------------------------------------------------------------------

@@ -157,9 +157,9 @@ def cheapest_victims(
 
 
 def replicas_first(idle: list[RunnerState], snap: Snapshot) -> list[RunnerState]:
-    """``idle`` in eviction order with idle replicas first, whoever built the index (a
-    stable sort keeps the rest of the order)."""
-    return sorted(idle, key=lambda r: not has_replica(r, snap.live_by_model))
+    """``idle`` in eviction order with idle replicas first (never-expiring runners still
+    last), whoever built the index (a stable sort keeps the rest of the order)."""
+    return sorted(idle, key=lambda r: (r.expires_at < 0, not has_replica(r, snap.live_by_model)))
 
 
 def new_replica(
