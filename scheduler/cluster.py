@@ -210,6 +210,7 @@ class JobView(BaseModel):
     id: str
     model: str
     priority: Literal["interactive", "batch"]
+    tenant: str = "default"
     state: Literal["parked", "queued", "running"]
     position: int  # parked: in retry order; queued: in its device's queue; running: 0
     model_position: int | None = None  # parked: among its model's parked jobs

@@ -58,11 +58,12 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             str(r.position or ""),
             r.device or "",
             r.priority,
+            r.tenant,
             format_duration(time.time() - r.submitted_at),
         ]
         for r in rows
     ]
-    print_table(["JOB", "MODEL", "STATE", "POS", "DEVICE", "PRIORITY", "AGE"], table)
+    print_table(["JOB", "MODEL", "STATE", "POS", "DEVICE", "PRIORITY", "TENANT", "AGE"], table)
     return 0
 
 

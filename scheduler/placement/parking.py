@@ -125,6 +125,7 @@ class ParkedJobs:
                     id=job.id,
                     model=job.model,
                     priority=job.priority,
+                    tenant=job.tenant,
                     state="parked",
                     position=position,
                     model_position=per_model[job.model],

@@ -65,6 +65,7 @@ class ClusterReader:
                         id=record.job.id,
                         model=record.job.model,
                         priority=record.job.priority,
+                        tenant=record.job.tenant,
                         device=device_id,
                         state="running" if started is not None else "queued",
                         position=0 if started is not None else position,
