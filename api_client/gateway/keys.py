@@ -21,12 +21,8 @@ import redis
 
 from api_client.gateway.errors import Forbidden, RateLimited, Unauthorized
 from scheduler.errors import InvalidRequest
+from scheduler.store import keys as names
 
-# Redis key names of the gateway (its only state in Redis)
-_BY_HASH = "ggufq:apikey:{digest}"  # hash of the token → the key's record (JSON)
-_BY_ID = "ggufq:apikeys"  # hash: key id → digest of its token
-_IN_FLIGHT = "ggufq:apikey:{id}:inflight"  # sorted set: request id → start time
-_WINDOW = "ggufq:apikey:{id}:rpm:{minute}"  # counter of one minute's requests
 STALE_IN_FLIGHT_S = 3600.0  # a request a dead gateway never ended stops counting after this
 PREFIX = "ggufq-"
 
@@ -76,32 +72,32 @@ class KeyStore:
         token = f"{PREFIX}{key.id}-{secrets.token_urlsafe(32)}"
         digest = _digest(token)
         pipe = self.r.pipeline()
-        pipe.set(_BY_HASH.format(digest=digest), json.dumps(asdict(key)))
-        pipe.hset(_BY_ID, key.id, digest)
+        pipe.set(names.api_key(digest), json.dumps(asdict(key)))
+        pipe.hset(names.API_KEYS, key.id, digest)
         pipe.execute()
         return key, token
 
     def list(self) -> list[ApiKey]:
         keys = []
-        for digest in self.r.hvals(_BY_ID):
-            raw = self.r.get(_BY_HASH.format(digest=_text(digest)))
+        for digest in self.r.hvals(names.API_KEYS):
+            raw = self.r.get(names.api_key(_text(digest)))
             if raw is not None:
                 keys.append(ApiKey(**json.loads(raw)))
         return sorted(keys, key=lambda k: k.created_at)
 
     def revoke(self, key_id: str) -> bool:
         """False when there is no such key."""
-        digest = self.r.hget(_BY_ID, key_id)
+        digest = self.r.hget(names.API_KEYS, key_id)
         if digest is None:
             return False
         pipe = self.r.pipeline()
-        pipe.delete(_BY_HASH.format(digest=_text(digest)))
-        pipe.hdel(_BY_ID, key_id)
+        pipe.delete(names.api_key(_text(digest)))
+        pipe.hdel(names.API_KEYS, key_id)
         pipe.execute()
         return True
 
     def lookup(self, token: str) -> ApiKey:
-        raw = self.r.get(_BY_HASH.format(digest=_digest(token))) if token else None
+        raw = self.r.get(names.api_key(_digest(token))) if token else None
         if raw is None:
             hint = "send one" if not token else "it is unknown or was revoked"
             raise Unauthorized(
@@ -125,7 +121,7 @@ class Limiter:
         if not key.max_in_flight:
             return None
         ticket = uuid.uuid4().hex
-        name = _IN_FLIGHT.format(id=key.id)
+        name = names.api_key_in_flight(key.id)
         pipe = self.r.pipeline()
         pipe.zremrangebyscore(name, "-inf", now - STALE_IN_FLIGHT_S)
         pipe.zadd(name, {ticket: now})
@@ -143,11 +139,11 @@ class Limiter:
 
     def done(self, key: ApiKey, ticket: str | None) -> None:
         if ticket is not None:
-            self.r.zrem(_IN_FLIGHT.format(id=key.id), ticket)
+            self.r.zrem(names.api_key_in_flight(key.id), ticket)
 
     def _per_minute(self, key: ApiKey, now: float) -> None:
         minute = int(now // 60)
-        name = _WINDOW.format(id=key.id, minute=minute)
+        name = names.api_key_minute(key.id, minute)
         pipe = self.r.pipeline()
         pipe.incr(name)
         pipe.expire(name, 120)

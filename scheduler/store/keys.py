@@ -103,3 +103,19 @@ def device_queue(device_id: str, priority: str = "interactive") -> str:
 
 def placement_queue(priority: str = "interactive") -> str:
     return PLACEMENT_QUEUE + BATCH_SUFFIX if priority == "batch" else PLACEMENT_QUEUE
+
+
+# the gateway's API keys (api_client/gateway/keys.py): only hashes of tokens are stored
+API_KEYS = f"{PREFIX}:apikeys"  # hash: key id → digest of its token
+
+
+def api_key(digest: str) -> str:
+    return f"{PREFIX}:apikey:{digest}"  # string: the key's record (JSON), by its token's digest
+
+
+def api_key_in_flight(key_id: str) -> str:
+    return f"{PREFIX}:apikey:{key_id}:inflight"  # sorted set: request ticket → start time
+
+
+def api_key_minute(key_id: str, minute: int) -> str:
+    return f"{PREFIX}:apikey:{key_id}:rpm:{minute}"  # counter: the key's requests that minute
