@@ -95,15 +95,15 @@ def model_info(path: Path, verbose: bool) -> dict[str, Any]:
     return out
 
 
-def running(runner: RunnerView) -> dict[str, Any]:
+def running(runner: RunnerView, now: float) -> dict[str, Any]:
     """One /api/ps row: Ollama's fields, with ggufq's state (a loading runner shows) and
     devices beside them."""
     if runner.expires_at >= 0:
         expires = timestamp(runner.expires_at)
     elif runner.keep_alive_s < 0:
         expires = FOREVER
-    else:  # busy: its idle clock starts when its last job ends
-        expires = timestamp(max(runner.last_used, 0) + runner.keep_alive_s)
+    else:  # loading or busy: its idle clock starts when its last job ends, after now
+        expires = timestamp(now + runner.keep_alive_s)
     return {
         "name": runner.model,
         "model": runner.model,

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Literal
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from typing import Any, Literal, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -44,9 +46,20 @@ from api_client.gateway.ollama_schema import (
 )
 from scheduler.errors import ModelNotFound
 
-# the Ollama release whose API this gateway speaks (clients check it for features)
+# The Ollama release whose API this gateway speaks. Tools read /api/version's "version" as
+# Ollama's and turn features off below the releases that brought them (structured outputs
+# came with 0.5), so it stays Ollama's numbering; ggufq's own version is given beside it.
 OLLAMA_VERSION = "0.9.6"
 NDJSON = "application/x-ndjson"
+Body = TypeVar("Body", GenerateRequest, ChatRequest)
+
+
+def ggufq_version() -> str:
+    try:
+        return package_version("ggufq")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
 
 router = Routes()
 
@@ -63,15 +76,13 @@ async def root(_request: Request) -> Response:
 
 @router.add("/api/version", "GET")
 async def version(_request: Request) -> dict[str, str]:
-    return {"version": OLLAMA_VERSION}
+    return {"version": OLLAMA_VERSION, "ggufq": ggufq_version()}
 
 
 @router.add("/api/generate", "POST")
 async def generate(request: Request) -> Response:
     gateway, caller = gateway_of(request), caller_of(request)
-    body: GenerateRequest = parse_body(GenerateRequest, await json_body(request))
-    body.refuse_unsupported()
-    model = model_name(body.model)
+    body, model = await _read(request, GenerateRequest)
     if not body.prompt:
         return await _load_or_unload(request, gateway, caller, body, model, chat=False)
     kind: Literal["generate", "chat"] = "generate"
@@ -83,7 +94,37 @@ async def generate(request: Request) -> Response:
         extra = {"messages": [*turns, {"role": "user", "content": body.prompt}]}
     elif body.system and not body.raw:
         prompt = f"{body.system}\n\n{body.prompt}"
-    job = await gateway.submit(
+    job = await _submit(gateway, caller, body, model, kind, prompt, extra)
+    return await _answer(request, gateway, job, body.model, body.stream, chat=False)
+
+
+@router.add("/api/chat", "POST")
+async def chat(request: Request) -> Response:
+    gateway, caller = gateway_of(request), caller_of(request)
+    body, model = await _read(request, ChatRequest)
+    if not body.messages:
+        return await _load_or_unload(request, gateway, caller, body, model, chat=True)
+    job = await _submit(gateway, caller, body, model, "chat", "", {"messages": body.turns()})
+    return await _answer(request, gateway, job, body.model, body.stream, chat=True)
+
+
+async def _read(request: Request, schema: type[Body]) -> tuple[Body, str]:
+    """A generate or chat body, checked for what ggufq cannot honour, and its model."""
+    body: Body = parse_body(schema, await json_body(request))
+    body.refuse_unsupported()
+    return body, model_name(body.model)
+
+
+async def _submit(
+    gateway: Gateway,
+    caller: Caller,
+    body: GenerateRequest | ChatRequest,
+    model: str,
+    kind: Literal["generate", "chat"],
+    prompt: str,
+    extra: dict[str, Any],
+) -> AsyncJob:
+    return await gateway.submit(
         caller,
         model,
         kind=kind,
@@ -93,27 +134,6 @@ async def generate(request: Request) -> Response:
         format=body.job_format(),
         extra=extra,
     )
-    return await _answer(request, gateway, job, body.model, body.stream, chat=False)
-
-
-@router.add("/api/chat", "POST")
-async def chat(request: Request) -> Response:
-    gateway, caller = gateway_of(request), caller_of(request)
-    body: ChatRequest = parse_body(ChatRequest, await json_body(request))
-    body.refuse_unsupported()
-    model = model_name(body.model)
-    if not body.messages:
-        return await _load_or_unload(request, gateway, caller, body, model, chat=True)
-    job = await gateway.submit(
-        caller,
-        model,
-        kind="chat",
-        options=known_options(body.options),
-        keep_alive=body.keep_alive,
-        format=body.job_format(),
-        extra={"messages": body.turns()},
-    )
-    return await _answer(request, gateway, job, body.model, body.stream, chat=True)
 
 
 async def _answer(
@@ -214,7 +234,8 @@ async def tags(request: Request) -> dict[str, Any]:
 @router.add("/api/ps", "GET")
 async def ps(request: Request) -> dict[str, Any]:
     runners = await gateway_of(request).client.ps()
-    return {"models": [running(r) for r in runners]}
+    now = time.time()
+    return {"models": [running(r, now) for r in runners]}
 
 
 @router.add("/api/show", "POST")
