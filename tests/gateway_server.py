@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from api_client.gateway import make_app
 from scheduler.local.embedded import free_port
@@ -17,8 +18,14 @@ from scheduler.settings import Settings
 @contextmanager
 def running_gateway(settings: Settings, require_keys: bool = False) -> Iterator[str]:
     """The gateway's base URL while it runs (stopped, and its client closed, after)."""
+    with serving(make_app(settings, require_keys=require_keys)) as base:
+        yield base
+
+
+@contextmanager
+def serving(app: ASGIApp) -> Iterator[str]:
+    """The base URL of ``app`` served by uvicorn while the block runs."""
     port = free_port()
-    app = make_app(settings, require_keys=require_keys)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"gateway-{port}", daemon=True)

@@ -13,12 +13,14 @@ import pytest
 import redis
 
 from api_client import Client, JobCancelled
+from api_client.gateway import make_app
+from api_client.gateway.core import Gateway
 from api_client.gateway.keys import KeyStore
 from api_client.job import Job
 from scheduler.local.stack import LocalStack
 from scheduler.protocol import JobRequest
 from tests.conftest import ggufq, stack_env
-from tests.gateway_server import running_gateway
+from tests.gateway_server import running_gateway, serving
 from tests.tinymodel import write_slow_model
 
 ENDLESS = {"temperature": 0, "num_predict": 100_000}  # the slow model never stops by itself
@@ -121,6 +123,28 @@ def test_requests_per_minute_and_in_flight(keyed: str, r: redis.Redis, slow: str
         second = httpx.get(f"{keyed}/api/tags", headers=auth)
         assert second.status_code == 429 and second.headers["retry-after"] == "1"
     assert httpx.get(f"{keyed}/api/tags", headers=auth).status_code == 200
+
+
+def test_a_keys_id_is_the_tenant_of_its_jobs(
+    stack: LocalStack, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key, token = KeyStore(r).create("tenant")
+    app = make_app(stack.settings, require_keys=True)
+    gateway: Gateway = app.state.gateway
+    placed: list[JobRequest] = []
+    place = gateway.client.sync.place
+
+    def spy(request: JobRequest) -> None:
+        placed.append(request)
+        place(request)
+
+    monkeypatch.setattr(gateway.client.sync, "place", spy)
+    auth = {"Authorization": f"Bearer {token}"}
+    body = {"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+    with serving(app) as base:
+        answer = httpx.post(f"{base}/api/generate", json=body, headers=auth, timeout=60)
+    assert answer.status_code == 200 and answer.json()["done"]
+    assert [job.tenant for job in placed] == [key.id]
 
 
 def test_metrics_count_requests_by_route_and_status(url: str) -> None:
