@@ -221,6 +221,9 @@ async def embeddings(request: Request) -> dict[str, Any]:
         options=known_options(body.options),
         keep_alive=body.keep_alive,
     )
+    # Ollama's legacy handler returns the model's vector as it comes (only /api/embed
+    # normalizes); ggufq's embedding runners return unit vectors alone, so this one has unit
+    # length: the same direction, so cosine similarities are the same, dot products not
     return {"embedding": result.embeddings[0]}
 
 
