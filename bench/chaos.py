@@ -127,6 +127,8 @@ class Cluster:
         # a streaming reader renews a lease; a client killed without a word has its job
         # cancelled once the lease lapses (default 30 s: longer than A runs here)
         self.env["GGUFQ_READER_LEASE_S"] = str(READER_LEASE_S)
+        # B must wait behind A at A's runner (one slot): no replica of it elsewhere
+        self.env["GGUFQ_MAX_REPLICAS"] = "1"
         self.settings = settings_from(self.env, None)
         self.log_dir = root / "logs"
         self.stack: LocalStack | None = None

@@ -210,3 +210,24 @@ def test_a_message_lost_on_its_way_to_a_live_device_is_sent_again_once(
     db.hset(keys.RUNNING, started.id, 1.0)
     assert recovery.lost_sends(["vgpu:fh:0"], later) == 0
     assert recovery.lost_sends(["vgpu:fh:0"], later) == 0
+
+
+def test_a_count_no_record_accounts_for_is_corrected_after_two_looks(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    job = JobRequest(model="tiny", prompt="a", submitted_at=1.0)
+    runner_id = service.place(job.model_dump(mode="json"))["runner"]
+    # a job counted whose record was never written (a reply lost mid-commit)
+    db.hincrby(keys.runner(runner_id), "in_flight", 2)
+    recovery = service.recovery
+    recovery.lost_sends(["vgpu:fh:0"], 0.0)
+    assert db.hget(keys.runner(runner_id), "in_flight") == b"3"  # one look: not yet
+    recovery.lost_sends(["vgpu:fh:0"], 0.0)
+    assert db.hget(keys.runner(runner_id), "in_flight") == b"1"  # the one job recorded
+    # its end leaves it idle, with its expiry, as any job's end does
+    db.hdel(keys.inflight("vgpu:fh:0"), job.id)
+    db.hincrby(keys.runner(runner_id), "in_flight", 0)
+    recovery.lost_sends(["vgpu:fh:0"], 0.0)
+    recovery.lost_sends(["vgpu:fh:0"], 0.0)
+    assert db.hget(keys.runner(runner_id), "in_flight") == b"0"
+    assert float(db.hget(keys.runner(runner_id), "expires_at") or -1) > 0

@@ -5,6 +5,8 @@ once, sent again, or ended with an error that says what happened; never dropped.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from collections.abc import Callable
 
 import redis
@@ -53,6 +55,8 @@ class Recovery:
         # (job id, placement id) seen nowhere by the last sweep: sent again if the next
         # sweep does not find them either
         self._unseen: set[tuple[str, str]] = set()
+        # (runner id, in-flight count, jobs recorded) over-counted at the last look
+        self._over: set[tuple[str, int, int]] = set()
 
     def orphans(self) -> int:
         """Handle the jobs that were sent to devices since dropped (their worker died or
@@ -102,8 +106,11 @@ class Recovery:
         sure it runs once if the first message turns up after all. Returns how many."""
         unseen: set[tuple[str, str]] = set()
         again, self._unseen, seen_before = 0, set(), self._unseen  # a failed look counts none
+        recorded: Counter[str] = Counter()
         for device_id in device_ids:
-            waiting = self.state.unstarted(device_id, sent_before)
+            records = self.state.sent_records(device_id)
+            recorded.update(r.placement.runner_id for r in records)
+            waiting = self.state.unstarted(records, sent_before)
             if not waiting:
                 continue
             present = self.state.in_broker(device_id, [r.job.id for r in waiting])
@@ -127,4 +134,22 @@ class Recovery:
                 )
                 again += 1
         self._unseen = unseen
+        self._recount(recorded)
         return again
+
+    def _recount(self, recorded: Counter[str]) -> None:
+        """Correct runners counting more jobs in flight than their records account for, when
+        two looks in a row find the same counts: a job counted whose record was never
+        written (a reply lost mid-commit) or whose end a Redis restart undid would keep
+        the runner full for good (placement parks a full runner's jobs) and never idle."""
+        over = {
+            (runner_id, n, recorded[runner_id])
+            for runner_id, n in self.state.in_flight_counts().items()
+            if n > recorded[runner_id]
+        }
+        for runner_id, n, actual in over & self._over:
+            if self.state.recount(runner_id, n, actual, time.time()):
+                what = "runner %s counted %d jobs in flight but %d are: corrected"
+                log.warning(what, runner_id, n, actual)
+                self.state.announce_recount(runner_id)
+        self._over = over

@@ -30,6 +30,7 @@ class PlacementState:
         self._reap = script(client, "reap")
         self._demand = script(client, "demand")
         self._unsend = script(client, "unsend")
+        self._recount = script(client, "recount")
 
     def snapshot(self, now: float, device_ttl_s: float) -> Snapshot:
         """Every live device and runner, read afresh (the snapshot cache is the fast path)."""
@@ -144,17 +145,37 @@ class PlacementState:
     def device_ids(self) -> list[str]:
         return sorted(text(d) for d in cast(set[bytes], self.r.smembers(keys.DEVICES)))
 
-    def unstarted(self, device_id: str, sent_before: float) -> list[SentJob]:
-        """Jobs recorded as sent to a device before ``sent_before`` whose placement no
-        worker thread has claimed to start, nor is running."""
+    def sent_records(self, device_id: str) -> list[SentJob]:
+        """The jobs recorded as sent to a device and not ended."""
         records = []
         for raw in cast(dict[bytes, bytes], self.r.hgetall(keys.inflight(device_id))).values():
             try:
-                record = SentJob.model_validate_json(raw)
+                records.append(SentJob.model_validate_json(raw))
             except ValueError:  # unreadable: the device's reaping deals with it
                 continue
-            if record.sent_at < sent_before:
-                records.append(record)
+        return records
+
+    def in_flight_counts(self) -> dict[str, int]:
+        """Each runner's in-flight count, as placement decides on it."""
+        ids = [text(i) for i in cast(set[bytes], self.r.smembers(keys.RUNNERS))]
+        pipe = self.r.pipeline(transaction=False)
+        for runner_id in ids:
+            pipe.hget(keys.runner(runner_id), "in_flight")
+        counts = zip(ids, pipe.execute(), strict=True)
+        return {runner_id: int(n) for runner_id, n in counts if n is not None}
+
+    def recount(self, runner_id: str, read: int, actual: int, now: float) -> bool:
+        """Set a runner's in-flight count to ``actual`` if it is still ``read``."""
+        return bool(self._recount(keys=[keys.runner(runner_id)], args=[read, actual, now]))
+
+    def announce_recount(self, runner_id: str) -> None:
+        """Wake parked jobs: a corrected runner has room."""
+        self.r.publish(keys.EVENTS, json.dumps({"event": "runner_recounted", "runner": runner_id}))
+
+    def unstarted(self, records: list[SentJob], sent_before: float) -> list[SentJob]:
+        """Of a device's ``records``, the jobs sent before ``sent_before`` whose placement
+        no worker thread has claimed to start, nor is running."""
+        records = [r for r in records if r.sent_at < sent_before]
         if not records:
             return []
         pipe = self.r.pipeline(transaction=False)
