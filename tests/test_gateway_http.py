@@ -125,10 +125,10 @@ def test_requests_per_minute_and_in_flight(keyed: str, r: redis.Redis, slow: str
     assert httpx.get(f"{keyed}/api/tags", headers=auth).status_code == 200
 
 
-def test_a_keys_id_is_the_tenant_of_its_jobs(
+def test_a_keys_id_is_the_tenant_of_its_jobs_and_its_weight_their_share(
     stack: LocalStack, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    key, token = KeyStore(r).create("tenant")
+    key, token = KeyStore(r).create("tenant", weight=3)
     app = make_app(stack.settings, require_keys=True)
     gateway: Gateway = app.state.gateway
     placed: list[JobRequest] = []
@@ -144,7 +144,7 @@ def test_a_keys_id_is_the_tenant_of_its_jobs(
     with serving(app) as base:
         answer = httpx.post(f"{base}/api/generate", json=body, headers=auth, timeout=60)
     assert answer.status_code == 200 and answer.json()["done"]
-    assert [job.tenant for job in placed] == [key.id]
+    assert [(job.tenant, job.weight) for job in placed] == [(key.id, 3.0)]
 
 
 def test_metrics_count_requests_by_route_and_status(url: str) -> None:

@@ -31,6 +31,12 @@ def add_keys_commands(p: argparse.ArgumentParser) -> None:
     )
     create.add_argument("--max-in-flight", type=int, default=0, help="requests at once (0: any)")
     create.add_argument("--rpm", type=int, default=0, help="requests per minute (0: any)")
+    create.add_argument(
+        "--weight",
+        type=float,
+        default=1.0,
+        help="its share while other keys' jobs wait too (2: twice the turns of a key of 1)",
+    )
     create.set_defaults(func=cmd_keys_create)
     listing = sub.add_parser("list", help="list the keys (never their tokens)")
     listing.add_argument("--json", action="store_true")
@@ -45,7 +51,8 @@ def _store() -> KeyStore:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    key, token = _store().create(args.name, args.models, args.max_in_flight, args.rpm)
+    store = _store()
+    key, token = store.create(args.name, args.models, args.max_in_flight, args.rpm, args.weight)
     print(f"created key {key.id}; its token (shown once, keep it secret):")
     print(token)
     return 0
@@ -63,11 +70,12 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
             ",".join(k.models) or "all",
             str(k.max_in_flight or "-"),
             str(k.rpm or "-"),
+            f"{k.weight:g}",
             time.strftime("%Y-%m-%d %H:%M", time.localtime(k.created_at)),
         )
         for k in keys
     ]
-    print_table(["ID", "NAME", "MODELS", "IN FLIGHT", "RPM", "CREATED"], rows)
+    print_table(["ID", "NAME", "MODELS", "IN FLIGHT", "RPM", "WEIGHT", "CREATED"], rows)
     return 0
 
 

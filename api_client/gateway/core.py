@@ -76,6 +76,10 @@ class Caller:
     def tenant(self) -> str:
         return self.key.id if self.key else "default"
 
+    @property
+    def weight(self) -> float:
+        return self.key.weight if self.key else 1.0
+
     def check_model(self, model: str) -> None:
         if self.key is not None:
             self.key.check_model(model)
@@ -161,7 +165,7 @@ class Gateway:
             options=options,
             keep_alive=keep_alive,
             format=format,
-            extra={"kind": kind, "tenant": caller.tenant, **(extra or {})},
+            extra={"kind": kind, "tenant": caller.tenant, "weight": caller.weight, **(extra or {})},
         )
 
     async def stream(

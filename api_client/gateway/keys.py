@@ -3,7 +3,8 @@
 A key is ``ggufq-<id>-<secret>``; Redis keeps only the SHA-256 of the whole token, so a
 leaked Redis dump leaks no usable key. Per key: the models it may use (empty = all), the
 most jobs it may have in flight, and requests per minute (fixed one-minute windows); past a
-limit the gateway answers 429 with Retry-After. The key's id is the tenant of its jobs.
+limit the gateway answers 429 with Retry-After. The key's id is the tenant of its jobs, and
+its weight their share while jobs of several tenants wait (scheduler/fairness.py).
 
 Every gateway process reads the same Redis, so limits hold across any number of gateways.
 """
@@ -35,6 +36,7 @@ class ApiKey:
     max_in_flight: int = 0  # 0: no limit
     rpm: int = 0  # requests per minute; 0: no limit
     created_at: float = 0.0
+    weight: float = 1.0  # its share of the cluster against other keys' while jobs wait
 
     def check_model(self, model: str) -> None:
         if self.models and model not in self.models:
@@ -59,15 +61,22 @@ class KeyStore:
         self.r = r
 
     def create(
-        self, name: str = "", models: list[str] | None = None, max_in_flight: int = 0, rpm: int = 0
+        self,
+        name: str = "",
+        models: list[str] | None = None,
+        max_in_flight: int = 0,
+        rpm: int = 0,
+        weight: float = 1.0,
     ) -> tuple[ApiKey, str]:
         """A new key and its token (shown once: only its hash is stored)."""
         if max_in_flight < 0 or rpm < 0:
             raise InvalidRequest(
                 f"limits must be 0 (none) or positive; got max_in_flight={max_in_flight}, rpm={rpm}"
             )
+        if not 0 < weight <= 1000:
+            raise InvalidRequest(f"weight must be above 0 and at most 1000; got {weight}")
         key = ApiKey(
-            uuid.uuid4().hex[:12], name, list(models or []), max_in_flight, rpm, time.time()
+            uuid.uuid4().hex[:12], name, list(models or []), max_in_flight, rpm, time.time(), weight
         )
         token = f"{PREFIX}{key.id}-{secrets.token_urlsafe(32)}"
         digest = _digest(token)
