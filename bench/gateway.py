@@ -6,7 +6,11 @@ median of what the gateway adds (its process beside the stack, as `ggufq up` run
 client side is httpx reading NDJSON). Then short requests per second through one gateway
 process with 1, 8 and 32 concurrent clients. Prints a table, then one JSON line.
 
-    python bench/gateway.py [--requests 40] [--model-file some.gguf]
+    python bench/gateway.py [--requests 100] [--model-file some.gguf]
+
+On a small machine whose cores also run the model, the paired differences spread over
+several milliseconds (a process that idled through the other side's request comes back
+with cold caches); the quartiles printed beside the median say how far to trust it.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ async def throughput(base: str, model: str, clients: int, seconds: float) -> flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--requests", type=int, default=100, help="pairs measured")
     parser.add_argument("--seconds", type=float, default=5.0, help="per concurrency level")
     parser.add_argument("--model-file", type=Path, help="a GGUF file (default: the demo model)")
     args = parser.parse_args()
@@ -125,13 +129,16 @@ def main() -> None:
         return statistics.median(r[i] * 1000 for r in rows)
 
     pairs = list(zip(direct, via, strict=True))
-    added_ttft = statistics.median((b[0] - a[0]) * 1000 for a, b in pairs)
-    added_e2e = statistics.median((b[1] - a[1]) * 1000 for a, b in pairs)
+    ttft_diffs = [(b[0] - a[0]) * 1000 for a, b in pairs]
+    e2e_diffs = [(b[1] - a[1]) * 1000 for a, b in pairs]
+    added_ttft, added_e2e = statistics.median(ttft_diffs), statistics.median(e2e_diffs)
+    ttft_q = statistics.quantiles(ttft_diffs, n=4)
     print(f"model {model}, {args.requests} requests each way, interleaved ABBA")
     print(f"{'':24}{'client':>10}{'gateway':>10}{'added':>10}")
     print(f"{'ttft p50 ms':24}{med(direct, 0):10.2f}{med(via, 0):10.2f}{added_ttft:10.2f}")
     print(f"{'end to end p50 ms':24}{med(direct, 1):10.2f}{med(via, 1):10.2f}{added_e2e:10.2f}")
     print("(added = paired median of gateway minus client)")
+    print(f"added ttft quartiles ms: {ttft_q[0]:.2f} .. {ttft_q[2]:.2f}")
     for n, value in rps.items():
         print(f"short requests/s through one gateway, {n:2} clients: {value:8.1f}")
     print("llama-server's own HTTP server: not measured (no binary given)")
@@ -148,6 +155,8 @@ def main() -> None:
                 "rps": {str(n): v for n, v in rps.items()},
                 "added_ttft_ms_p50": added_ttft,
                 "added_e2e_ms_p50": added_e2e,
+                "added_ttft_ms_p25": ttft_q[0],
+                "added_ttft_ms_p75": ttft_q[2],
             }
         )
     )

@@ -14,14 +14,7 @@ from starlette.routing import Route
 
 from api_client.aio import AsyncClient, AsyncJob
 from api_client.gateway.keys import ApiKey
-from api_client.gateway.streaming import (
-    Encode,
-    JobFeed,
-    JobStreamResponse,
-    first_item,
-    frames,
-    or_cancel_on_disconnect,
-)
+from api_client.gateway.streaming import Encode, JobStreamResponse, or_cancel_on_disconnect
 from scheduler.errors import GgufqError, InvalidModelFile, InvalidRequest, ModelNotFound
 from scheduler.gguf.registry import Registry
 from scheduler.protocol import (
@@ -168,7 +161,7 @@ class Gateway:
             extra={"kind": kind, "tenant": caller.tenant, "weight": caller.weight, **(extra or {})},
         )
 
-    async def stream(
+    def stream(
         self,
         job: AsyncJob,
         encode: Encode,
@@ -178,12 +171,18 @@ class Gateway:
     ) -> Response:
         """A streamed answer. An error before the first chunk is raised (it becomes the
         status); one after is sent in-stream by ``encode_error``."""
-        feed = JobFeed(job, self.settings.http_timeout_s)
-        wait_s = self.settings.http_keepalive_s
-        first = await first_item(feed, wait_s)
-        body = frames(feed, first, encode, encode_error, keepalive, wait_s)
         headers = {**_NO_BUFFERING, JOB_HEADER: job.id}
-        return JobStreamResponse(body, media_type=media_type, headers=headers)
+        settings = self.settings
+        return JobStreamResponse(
+            job,
+            encode,
+            encode_error,
+            keepalive,
+            settings.http_keepalive_s,
+            settings.http_timeout_s,
+            media_type=media_type,
+            headers=headers,
+        )
 
     async def result(self, request: Request, job: AsyncJob) -> GenerateResponse:
         """The final record, awaited; a client that leaves first cancels the job."""

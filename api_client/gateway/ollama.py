@@ -148,7 +148,7 @@ async def _answer(
         return [line(generate_record(echo, chunk, text, chat))]
 
     keepalive = line(empty_record(echo, time.time(), chat, None))
-    return await gateway.stream(job, encode, error_line, keepalive, NDJSON)
+    return gateway.stream(job, encode, error_line, keepalive, NDJSON)
 
 
 async def _load_or_unload(

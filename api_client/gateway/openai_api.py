@@ -135,7 +135,7 @@ async def _stream(
             frames.append(chunk([], item))
         return [*frames, DONE]
 
-    return await gateway.stream(job, encode, error_event, KEEPALIVE, SSE)
+    return gateway.stream(job, encode, error_event, KEEPALIVE, SSE)
 
 
 @router.add("/embeddings", "POST")

@@ -1,18 +1,21 @@
 """A job's chunks as an HTTP response: waited for with keep-alive bytes, cancelled when the
 client goes away.
 
-The job's reader runs in a task that pumps chunks into a queue, so that the response can
-wait for the next one with a deadline (and send keep-alive bytes meanwhile) without ever
-cancelling the reader itself, which would cancel the job. Closing the feed (the response
-ended, or the client disconnected) cancels the reader, and so the job unless it had ended.
+The response reads the job's stream in its own task, so a chunk goes from Redis to the
+socket without crossing a queue or another task (each crossing costs a wake-up on the
+first token's path). Two small tasks stand beside it: one sends keep-alive bytes after a
+quiet spell (and so begins the response, 200, if the job has sent nothing yet), one watches
+for the client going away and then cancels the reading task, which cancels the job.
+
+An error before anything was sent is raised, so that the app answers it with its status
+(404, 503 with Retry-After ...); after that it goes in-stream, as each API does.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, cast
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,47 +25,7 @@ from api_client.aio import AsyncJob
 from scheduler.errors import GgufqError, JobFailed
 from scheduler.protocol import GenerateResponse
 
-Item = GenerateResponse | GgufqError
-
-
-class JobFeed:
-    """The chunks of one job, the last with the stats, or the error it ended with."""
-
-    def __init__(self, job: AsyncJob, timeout_s: float) -> None:
-        self.job = job
-        self.timeout_s = timeout_s
-        self.queue: asyncio.Queue[Item] = asyncio.Queue()
-        self.ended = False
-        self.task = asyncio.create_task(self._pump(), name=f"feed-{job.id}")
-
-    async def _pump(self) -> None:
-        try:
-            async for chunk in self.job.stream(timeout=self.timeout_s):
-                self.queue.put_nowait(chunk)
-        except GgufqError as exc:
-            self.queue.put_nowait(exc)
-        except Exception as exc:  # Redis gone mid-stream: an error the caller can read
-            self.queue.put_nowait(
-                JobFailed(
-                    f"the gateway lost job {self.job.id}'s stream ({type(exc).__name__}: {exc}); "
-                    "check that Redis is reachable from the gateway, then retry"
-                )
-            )
-
-    async def next(self, wait_s: float) -> Item:
-        """The next chunk or error; TimeoutError when none came within ``wait_s``."""
-        async with asyncio.timeout(wait_s):  # not wait_for: no task per chunk
-            item = await self.queue.get()
-        if isinstance(item, GgufqError) or item.done:
-            self.ended = True
-        return item
-
-    async def close(self) -> None:
-        """Stop reading; the job is cancelled unless it had ended."""
-        if not self.task.done():
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+Encode = Callable[[GenerateResponse], list[bytes]]
 
 
 async def until_disconnected(request: Request) -> None:
@@ -88,102 +51,114 @@ async def or_cancel_on_disconnect(request: Request, work: Awaitable[Any], job: A
             task.cancel()
 
 
-Encode = Callable[[GenerateResponse], list[bytes]]
+class _Output:
+    """The response's sends, one at a time (the reading task and the keep-alive task both
+    send), and when the last one went out."""
 
+    def __init__(self, send: Send, head: dict[str, Any], keepalive: bytes, every_s: float):
+        self.send, self.head = send, head
+        self.keepalive, self.every_s = keepalive, every_s
+        self.started = self.ended = False
+        self.lock = asyncio.Lock()
+        self.loop = asyncio.get_running_loop()
+        self.last = self.loop.time()
 
-async def frames(
-    feed: JobFeed,
-    first: Item | None,
-    encode: Encode,
-    encode_error: Callable[[GgufqError], bytes],
-    keepalive: bytes,
-    keepalive_s: float,
-) -> AsyncIterator[bytes]:
-    """The response body: each chunk encoded, keep-alive bytes while none comes, and an
-    error in-stream when the job fails after the response has begun."""
-    item: Item | None = first
-    try:
+    async def frames(self, frames: list[bytes], more: bool = True) -> None:
+        async with self.lock:
+            if self.ended:  # a keep-alive due as the job's stream closes
+                return
+            if not self.started:
+                self.started = True
+                await self.send(self.head)
+            for frame in frames:
+                await self.send({"type": "http.response.body", "body": frame, "more_body": True})
+            if not more:
+                self.ended = True
+                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+            self.last = self.loop.time()
+
+    async def keep_alive(self) -> None:
+        """Keep-alive bytes whenever nothing went out for ``every_s``."""
         while True:
-            if item is None:
-                try:
-                    item = await feed.next(keepalive_s)
-                except TimeoutError:
-                    yield keepalive
-                    continue
-            if isinstance(item, GgufqError):
-                yield encode_error(item)
-                return
-            for frame in encode(item):
-                yield frame
-            if item.done:
-                return
-            item = None
-    finally:
-        await feed.close()
-
-
-async def first_item(feed: JobFeed, wait_s: float) -> Item | None:
-    """The job's first chunk if it comes within ``wait_s`` (None: it is waiting). An error
-    before anything was sent is raised, so that it becomes the response's status."""
-    try:
-        item = await feed.next(wait_s)
-    except TimeoutError:
-        return None
-    except BaseException:
-        await feed.close()
-        raise
-    if isinstance(item, GgufqError):
-        await feed.close()
-        raise item
-    return item
+            await asyncio.sleep(max(0.0, self.last + self.every_s - self.loop.time()))
+            if self.loop.time() - self.last >= self.every_s:
+                await self.frames([self.keepalive])
 
 
 class JobStreamResponse(Response):
-    """A job's frames as the response body, on asyncio alone: a client that disconnects
-    (or a send that fails) closes the body, which cancels the job through the feed's close.
-
-    Starlette's StreamingResponse watches for the disconnect from an anyio task group,
-    whose set-up lies on the first token's path (a tenth of a millisecond and more on a
-    CPU that idled while the job was placed); here the watcher is one plain task.
-    """
+    """A job's chunks, each encoded by ``encode``; keep-alive bytes after ``keepalive_s``
+    without one; the job's error encoded by ``encode_error`` once the response has begun."""
 
     def __init__(
-        self, body: AsyncIterator[bytes], media_type: str, headers: dict[str, str]
+        self,
+        job: AsyncJob,
+        encode: Encode,
+        encode_error: Callable[[GgufqError], bytes],
+        keepalive: bytes,
+        keepalive_s: float,
+        timeout_s: float,
+        media_type: str,
+        headers: dict[str, str],
     ) -> None:
-        self.body_iterator = body
+        self.job, self.encode, self.encode_error = job, encode, encode_error
+        self.keepalive, self.keepalive_s, self.timeout_s = keepalive, keepalive_s, timeout_s
         self.status_code = 200
         self.media_type = media_type
         self.background = None
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        streaming = asyncio.current_task()
+        reading = asyncio.current_task()
+        assert reading is not None
         gone = asyncio.Event()
+
+        head = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+        out = _Output(send, head, self.keepalive, self.keepalive_s)
 
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
-            gone.set()
-            if streaming is not None:
-                streaming.cancel()
+            if not out.ended:  # the server says so too once the response is complete
+                gone.set()
+                reading.cancel()
 
-        watcher = asyncio.create_task(watch(), name="disconnect-watch")
+        helpers = [
+            asyncio.create_task(watch(), name=f"watch-{self.job.id}"),
+            asyncio.create_task(out.keep_alive(), name=f"keepalive-{self.job.id}"),
+        ]
+        chunks = cast(AsyncGenerator[GenerateResponse, None], self.job.stream(self.timeout_s))
         try:
-            await self._send_all(send)
+            error = await self._relay(chunks, out)
+            if error is not None and not out.started:
+                raise error  # the app answers it with its status
+            if not out.ended:
+                await out.frames([self.encode_error(error)] if error else [], more=False)
         except asyncio.CancelledError:
-            if not gone.is_set() or streaming is None:
+            if not gone.is_set():
                 raise
-            streaming.uncancel()  # the client left: not an error, nobody to answer
+            reading.uncancel()  # the client left: not an error, and nobody to answer
         finally:
-            watcher.cancel()  # before any await: it cannot cancel us after this
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            for helper in helpers:  # before any await: neither can send or cancel after
+                helper.cancel()
+            await chunks.aclose()  # cancels the job unless it had ended
 
-    async def _send_all(self, send: Send) -> None:
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+    async def _relay(
+        self, chunks: AsyncGenerator[GenerateResponse, None], out: _Output
+    ) -> GgufqError | None:
+        """Send every chunk; the error the job's stream ended with, if any."""
+        while True:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return None
+            except GgufqError as exc:
+                return exc
+            except Exception as exc:  # Redis gone mid-stream: an error the caller can read
+                return self._lost(exc)
+            await out.frames(self.encode(chunk), more=not chunk.done)
+
+    def _lost(self, exc: Exception) -> JobFailed:
+        return JobFailed(
+            f"the gateway lost job {self.job.id}'s stream ({type(exc).__name__}: {exc}); "
+            "check that Redis is reachable from the gateway, then retry"
         )
-        async for frame in self.body_iterator:
-            await send({"type": "http.response.body", "body": frame, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
