@@ -54,7 +54,7 @@ def test_generate_matches_the_python_client(api: ollama.Client, client: Client) 
         api.generate(model="tiny:latest", prompt="The sky is", options=GREEDY, stream=True)
     )
     assert parts[-1].done and not any(p.done for p in parts[:-1])
-    assert "".join(p.response for p in parts) == expected.response
+    assert "".join(p.response or "" for p in parts) == expected.response
     raw = api.generate(model="tiny", prompt="The sky is", options=GREEDY, raw=True)
     assert raw.response == client.generate("tiny", "The sky is", options=GREEDY).response
 

@@ -10,14 +10,15 @@ from collections.abc import Iterator
 import numpy as np
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from api_client import Client
 from scheduler.local.stack import LocalStack
 from tests.gateway_server import running_gateway
 
-GREEDY = {"temperature": 0, "max_tokens": 16, "seed": 7}
 OPTIONS = {"temperature": 0, "num_predict": 16, "seed": 7, "top_p": 1.0}
 MESSAGES = [{"role": "user", "content": "the sky is"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "the sky is"}]
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +35,21 @@ def api(url: str) -> Iterator[openai.OpenAI]:
 
 def test_chat_completion_with_and_without_stream(api: openai.OpenAI, client: Client) -> None:
     expected = client.chat("tiny", MESSAGES, options=OPTIONS).response
-    answer = api.chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY)  # type: ignore[arg-type]
+    answer = api.chat.completions.create(
+        model="tiny", messages=CHAT, temperature=0, max_tokens=16, seed=7
+    )
     assert answer.choices[0].message.content == expected
     assert answer.choices[0].finish_reason in ("stop", "length")
     assert answer.usage is not None and answer.usage.completion_tokens > 0
     chunks = list(
         api.chat.completions.create(
             model="tiny",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=CHAT,
             stream=True,
             stream_options={"include_usage": True},
-            **GREEDY,
+            temperature=0,
+            max_tokens=16,
+            seed=7,
         )
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -60,10 +65,7 @@ def test_async_chat(url: str, client: Client) -> None:
     async def main() -> str:
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as api:
             stream = await api.chat.completions.create(
-                model="tiny",
-                messages=MESSAGES,  # type: ignore[arg-type]
-                stream=True,
-                **GREEDY,
+                model="tiny", messages=CHAT, stream=True, temperature=0, max_tokens=16, seed=7
             )
             return "".join([c.choices[0].delta.content or "" async for c in stream])
 
@@ -72,13 +74,17 @@ def test_async_chat(url: str, client: Client) -> None:
 
 def test_completion_is_raw_text(api: openai.OpenAI, client: Client) -> None:
     expected = client.generate("tiny", "Once upon a time", options=OPTIONS).response
-    answer = api.completions.create(model="tiny", prompt="Once upon a time", **GREEDY)  # type: ignore[call-overload]
+    answer = api.completions.create(
+        model="tiny", prompt="Once upon a time", temperature=0, max_tokens=16, seed=7
+    )
     assert answer.choices[0].text == expected
     streamed = api.completions.create(
         model="tiny",
         prompt="Once upon a time",
         stream=True,
-        **GREEDY,  # type: ignore[call-overload]
+        temperature=0,
+        max_tokens=16,
+        seed=7,
     )
     assert "".join(c.choices[0].text for c in streamed) == expected
 
@@ -103,14 +109,14 @@ def test_models_list_and_errors(api: openai.OpenAI) -> None:
     assert "tiny" in ids and "notgguf" not in ids
     assert api.models.retrieve("tiny").owned_by == "ggufq"
     with pytest.raises(openai.NotFoundError) as missing:
-        api.chat.completions.create(model="nosuchmodel", messages=MESSAGES)  # type: ignore[arg-type]
+        api.chat.completions.create(model="nosuchmodel", messages=CHAT)
     assert missing.value.code == "model_not_found" and "tiny" in missing.value.message
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        api.chat.completions.create(model="tiny", messages=MESSAGES, temperature=-1)  # type: ignore[arg-type]
+        api.chat.completions.create(model="tiny", messages=CHAT, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="tools"):
         api.chat.completions.create(
             model="tiny",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=CHAT,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         )
 
