@@ -42,6 +42,7 @@ def two_hosts(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Hosts]
     write_slow_model(models / "slow.gguf")
     env = stack_env(models, tmp_path / "state", host="h1")
     env["GGUFQ_DEVICE_TTL_S"] = str(getattr(request, "param", 5))
+    env["GGUFQ_MAX_REPLICAS"] = "1"  # b waits behind a at a's runner: no replica elsewhere
     settings = settings_from(env, None)
     with LocalStack(
         settings, worker_args=["--virtual-gpu", "2GiB"], log_dir=tmp_path / "logs", extra_env=env
