@@ -9,8 +9,12 @@ process with 1, 8 and 32 concurrent clients. Prints a table, then one JSON line.
     python bench/gateway.py [--requests 100] [--model-file some.gguf]
 
 On a small machine whose cores also run the model, the paired differences spread over
-several milliseconds (a process that idled through the other side's request comes back
-with cold caches); the quartiles printed beside the median say how far to trust it.
+several milliseconds, mostly in the cluster's time from a job's submission to its first
+chunk, which varies from job to job; the quartiles printed beside the median say how far
+to trust it. So the gateway's own share is measured too, with that time left out: the
+request side (from the request's start to the moment the job is made, which Redis records)
+and the response side (from the first chunk's publication, as a subscriber of its own sees
+it, to the client's first line).
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ import asyncio
 import json
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -30,26 +37,86 @@ PROMPT = "The capital of France is"
 OPTIONS = {"temperature": 0, "num_predict": 16, "seed": 1}
 
 
-def client_once(client, model: str) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    started = time.perf_counter()
-    first = None
-    for _chunk in client.generate(model, PROMPT, stream=True, options=OPTIONS):
+@dataclass(frozen=True)
+class Run:
+    ttft_s: float
+    e2e_s: float
+    job: str
+    started_at: float  # wall clock, to set beside the times other processes record
+    first_at: float
+
+
+def client_once(client, model: str) -> Run:  # type: ignore[no-untyped-def]
+    wall, started = time.time(), time.perf_counter()
+    first, first_at, job = None, 0.0, ""
+    for chunk in client.generate(model, PROMPT, stream=True, options=OPTIONS):
         if first is None:
-            first = time.perf_counter()
+            first, first_at, job = time.perf_counter(), time.time(), chunk.job_id or ""
     ended = time.perf_counter()
-    return (first or ended) - started, ended - started
+    return Run((first or ended) - started, ended - started, job, wall, first_at)
 
 
-def gateway_once(http: httpx.Client, model: str) -> tuple[float, float]:
+def gateway_once(http: httpx.Client, model: str) -> Run:
     body = {"model": model, "prompt": PROMPT, "raw": True, "options": OPTIONS}
-    started = time.perf_counter()
-    first = None
+    wall, started = time.time(), time.perf_counter()
+    first, first_at = None, 0.0
     with http.stream("POST", "/api/generate", json=body) as response:
+        job = response.headers.get("x-ggufq-job", "")
         for line in response.iter_lines():
             if first is None and json.loads(line).get("response"):
-                first = time.perf_counter()
+                first, first_at = time.perf_counter(), time.time()
     ended = time.perf_counter()
-    return (first or ended) - started, ended - started
+    return Run((first or ended) - started, ended - started, job, wall, first_at)
+
+
+# A process of its own that notes when each job's first chunk is published (as seen by a
+# subscriber that does nothing else): the reference for the response side of a request.
+MONITOR = """
+import sys, time, redis
+r = redis.Redis.from_url(sys.argv[1])
+p = r.pubsub(ignore_subscribe_messages=True)
+p.psubscribe(sys.argv[2] + "*")
+seen = set()
+with open(sys.argv[3], "a", buffering=1) as out:
+    print("ready", file=out)
+    for message in p.listen():
+        t = time.time()
+        channel = message["channel"].decode()
+        if message["type"] == "pmessage" and channel not in seen:
+            seen.add(channel)
+            print(channel[len(sys.argv[2]):], t, file=out)
+"""
+
+
+def shares(
+    pairs: list[tuple[Run, Run]], submitted: dict[str, float], published: dict[str, float]
+) -> dict[str, float]:
+    """The gateway's own share of the added time to first token, per pair, leaving out the
+    cluster's time between a job's submission and its first chunk (which varies by
+    milliseconds from job to job and swamps a sub-millisecond difference): the request
+    side (until the job is made) and the response side (from its first chunk's publication
+    to the client's first line)."""
+    request, response, both, cluster = [], [], [], []
+    for a, b in pairs:
+        if not all(r.job in submitted and r.job in published for r in (a, b)):
+            continue
+        req = (submitted[b.job] - b.started_at) - (submitted[a.job] - a.started_at)
+        resp = (b.first_at - published[b.job]) - (a.first_at - published[a.job])
+        between = (published[b.job] - submitted[b.job]) - (published[a.job] - submitted[a.job])
+        request.append(req * 1000)
+        response.append(resp * 1000)
+        both.append((req + resp) * 1000)
+        cluster.append(between * 1000)
+    if not both:
+        return {}
+    return {
+        "added_request_ms_p50": statistics.median(request),
+        "added_response_ms_p50": statistics.median(response),
+        "added_cluster_ms_p50": statistics.median(cluster),
+        "added_ttft_own_ms_p50": statistics.median(both),
+        "added_ttft_own_ms_p25": statistics.quantiles(both, n=4)[0] if len(both) > 1 else both[0],
+        "added_ttft_own_ms_p75": statistics.quantiles(both, n=4)[2] if len(both) > 1 else both[0],
+    }
 
 
 async def throughput(base: str, model: str, clients: int, seconds: float) -> float:
@@ -83,6 +150,7 @@ def main() -> None:
     from scheduler.local.embedded import free_port
     from scheduler.local.stack import LocalStack
     from scheduler.settings import Settings
+    from scheduler.store import keys
 
     state = Path(tempfile.mkdtemp(prefix="ggufq-bench-"))
     (state / "models").mkdir()
@@ -111,8 +179,13 @@ def main() -> None:
         for _ in range(3):  # load and warm both
             client_once(client, model)
             gateway_once(http, model)
-        direct: list[tuple[float, float]] = []
-        via: list[tuple[float, float]] = []
+        notes = state / "published.txt"
+        prefix = keys.job_channel("")
+        monitor = subprocess.Popen([sys.executable, "-c", MONITOR, stack.redis_url, prefix, notes])
+        while not notes.exists() or not notes.read_text().startswith("ready"):
+            time.sleep(0.05)
+        direct: list[Run] = []
+        via: list[Run] = []
         for i in range(args.requests):  # ABBA order: neither side always runs second
             if i % 2:
                 via.append(gateway_once(http, model))
@@ -120,17 +193,29 @@ def main() -> None:
             else:
                 direct.append(client_once(client, model))
                 via.append(gateway_once(http, model))
+        monitor.terminate()
+        monitor.wait()
+        published = {
+            job: float(t) for job, t in (row.split() for row in notes.read_text().splitlines()[1:])
+        }
+        jobs = [r.job for r in direct + via]
+        submitted = {
+            j: float(v)
+            for j, v in zip(jobs, client.r.mget([keys.job_submitted(j) for j in jobs]), strict=True)
+            if v is not None
+        }
         rps = {n: asyncio.run(throughput(base, model, n, args.seconds)) for n in (1, 8, 32)}
         http.close()
         client.close()
     shutil.rmtree(state, ignore_errors=True)
 
-    def med(rows: list[tuple[float, float]], i: int) -> float:
-        return statistics.median(r[i] * 1000 for r in rows)
+    def med(rows: list[Run], i: int) -> float:
+        return statistics.median((r.ttft_s, r.e2e_s)[i] * 1000 for r in rows)
 
     pairs = list(zip(direct, via, strict=True))
-    ttft_diffs = [(b[0] - a[0]) * 1000 for a, b in pairs]
-    e2e_diffs = [(b[1] - a[1]) * 1000 for a, b in pairs]
+    ttft_diffs = [(b.ttft_s - a.ttft_s) * 1000 for a, b in pairs]
+    e2e_diffs = [(b.e2e_s - a.e2e_s) * 1000 for a, b in pairs]
+    own = shares(pairs, submitted, published)
     added_ttft, added_e2e = statistics.median(ttft_diffs), statistics.median(e2e_diffs)
     ttft_q = statistics.quantiles(ttft_diffs, n=4)
     print(f"model {model}, {args.requests} requests each way, interleaved ABBA")
@@ -139,6 +224,21 @@ def main() -> None:
     print(f"{'end to end p50 ms':24}{med(direct, 1):10.2f}{med(via, 1):10.2f}{added_e2e:10.2f}")
     print("(added = paired median of gateway minus client)")
     print(f"added ttft quartiles ms: {ttft_q[0]:.2f} .. {ttft_q[2]:.2f}")
+    if own:
+        print("the gateway's own share, the cluster's time from submission to first chunk")
+        print("left out (paired medians, ms):")
+        rows = [
+            ("request side (HTTP in, until the job is made)", own["added_request_ms_p50"]),
+            ("response side (first chunk, to the line read)", own["added_response_ms_p50"]),
+            ("both, per pair", own["added_ttft_own_ms_p50"]),
+        ]
+        for label, value in rows:
+            print(f"  {label:48}{value:8.2f}")
+        print(
+            f"  (quartiles of both: {own['added_ttft_own_ms_p25']:.2f} .. "
+            f"{own['added_ttft_own_ms_p75']:.2f}; what was left out, submission to first "
+            f"chunk, differs by {own['added_cluster_ms_p50']:.2f})"
+        )
     for n, value in rps.items():
         print(f"short requests/s through one gateway, {n:2} clients: {value:8.1f}")
     print("llama-server's own HTTP server: not measured (no binary given)")
@@ -157,6 +257,7 @@ def main() -> None:
                 "added_e2e_ms_p50": added_e2e,
                 "added_ttft_ms_p25": ttft_q[0],
                 "added_ttft_ms_p75": ttft_q[2],
+                **own,
             }
         )
     )
