@@ -186,15 +186,17 @@ def main() -> None:
             time.sleep(0.05)
         direct: list[Run] = []
         via: list[Run] = []
-        for i in range(args.requests):  # ABBA order: neither side always runs second
-            if i % 2:
-                via.append(gateway_once(http, model))
-                direct.append(client_once(client, model))
-            else:
-                direct.append(client_once(client, model))
-                via.append(gateway_once(http, model))
-        monitor.terminate()
-        monitor.wait()
+        try:
+            for i in range(args.requests):  # ABBA order: neither side always runs second
+                if i % 2:
+                    via.append(gateway_once(http, model))
+                    direct.append(client_once(client, model))
+                else:
+                    direct.append(client_once(client, model))
+                    via.append(gateway_once(http, model))
+        finally:
+            monitor.terminate()
+            monitor.wait()
         published = {
             job: float(t) for job, t in (row.split() for row in notes.read_text().splitlines()[1:])
         }
