@@ -292,7 +292,7 @@ class WorkerRuntime:
             runner = self.runners.get(runner_id)
             if runner is not None:
                 return runner, 0
-            if not self.state.runner_exists(runner_id):
+            if self.state.runner_phase(runner_id) is None:
                 raise LoadFailed(
                     f"the runner for {req.model!r} on {placement.device_id} was unloaded "
                     "before this job reached it (its load failed or it expired); "

@@ -94,9 +94,6 @@ class WorkerState:
         raw = self.r.hget(keys.runner(runner_id), "state")
         return None if raw is None else text(raw)
 
-    def runner_exists(self, runner_id: str) -> bool:
-        return bool(self.r.exists(keys.runner(runner_id)))
-
     def runner_devices(self, runner_id: str) -> dict[str, int]:
         """Bytes reserved per device for a runner (empty when it has no record)."""
         raw = self.r.hget(keys.runner(runner_id), "devices")
