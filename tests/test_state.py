@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from scheduler.store import keys
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.streams import publish_final, read_chunks
 from scheduler.store.worker_state import WorkerState
-from workers.chunks import ChunkPublisher, ChunkWriter
+from workers.chunks import ChunkPublisher, ChunkWriter, Pending
 
 GIB = 1 << 30
 
@@ -195,8 +196,28 @@ def test_writer_sends_every_jobs_first_chunk_at_once_while_others_stream(
         assert writer.flush(timeout_s=10)
         busy.publish({"response": "b"})  # waits out the interval...
         ChunkPublisher(db, "job5", ttl_s=60, writer=writer).publish({"response": "hi"})
-        assert recorded_soon(db, "job5") == ["hi"]  # ...but a new job's first token does not
-        assert recorded(db, "job4") == ["a", "b"]  # and takes what waited before it along
+        # ...but a new job's first token does not: it is in Redis once publish returns
+        assert recorded(db, "job5") == ["hi"]
+        assert recorded(db, "job4") == ["a"]
+        assert writer.flush(timeout_s=10)
+        assert recorded(db, "job4") == ["a", "b"]
+    finally:
+        writer.close()
+
+
+def test_a_first_chunk_redis_does_not_take_at_once_goes_through_the_writer_thread(
+    db: redis.Redis,
+) -> None:
+    writer = ChunkWriter(db, interval_s=600.0)
+    with socket.socket() as closed:  # a port nothing listens on: refused at once
+        closed.bind(("127.0.0.1", 0))
+        writer._now = redis.Redis(port=closed.getsockname()[1], socket_connect_timeout=0.25)
+    try:
+        pub = ChunkPublisher(db, "job6", ttl_s=60, writer=writer)
+        pub.publish({"response": "first"})
+        assert recorded_soon(db, "job6") == ["first"]  # the thread wrote it, at once
+        assert writer._now_paused_until > time.monotonic()  # and takes the next jobs' too
+        assert not writer.write_now(Pending("job7", 1, {"response": "x"}, 60))
     finally:
         writer.close()
 

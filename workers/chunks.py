@@ -13,7 +13,7 @@ import redis
 
 from scheduler.local.procs import lower_thread_priority
 from scheduler.store.connection import REDIS_AWAY
-from scheduler.store.streams import add_chunk
+from scheduler.store.streams import add_chunk, write_chunk
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 class Pending:
     """A chunk queued in a :class:`ChunkWriter`; text may join it until the writer takes it."""
 
-    __slots__ = ("job_id", "seq", "chunk", "ttl_s", "fence", "taken")
+    __slots__ = ("job_id", "seq", "chunk", "ttl_s", "fence", "taken", "written_at")
 
     def __init__(
         self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
@@ -29,6 +29,7 @@ class Pending:
         self.job_id, self.seq, self.chunk, self.ttl_s = job_id, seq, chunk, ttl_s
         self.fence = fence  # written only while the job's owner is this placement id
         self.taken = False
+        self.written_at = 0.0  # wall-clock time the writer had it in Redis
 
 
 class ChunkWriter:
@@ -44,10 +45,16 @@ class ChunkWriter:
     wait short and returns once everything queued before it is in Redis.
     """
 
+    NOW_TIMEOUT_S = 0.25  # a write from a decode thread waits no longer for Redis
+    NOW_PAUSE_S = 5.0  # after one that failed, first chunks go through the thread this long
+
     def __init__(
         self, client: redis.Redis, nice: int = 0, interval_s: float = 0.0, outage_s: float = 120.0
     ) -> None:
         self.r = client
+        self._now = _quick_client(client, self.NOW_TIMEOUT_S)
+        self._now_paused_until = 0.0
+        self._last_write = -float("inf")  # monotonic time of the last write
         self.outage_s = outage_s  # how long chunks wait for Redis to come back
         self.nice = nice  # added to the writer thread's niceness (see procs.py)
         self.interval_s = interval_s
@@ -66,6 +73,27 @@ class ChunkWriter:
         if seq == 1:  # a job's first chunk (its time to first token) does not wait
             self._hurry.set()
         return pending
+
+    def write_now(self, pending: Pending) -> bool:
+        """Write a job's first chunk from the caller's (decode) thread at once: the writer
+        thread runs at a lower priority and would wait out the decode step on a busy CPU
+        (10 ms of the demo model's time to first token on 2 cores). One round trip with a
+        short timeout; False when it failed (then :meth:`put` it: the thread tries again,
+        and a copy that did get through is skipped as a duplicate), and first chunks go
+        through the thread for a few seconds, so that a slow Redis never holds up decoding
+        more than once."""
+        if time.monotonic() < self._now_paused_until:
+            return False
+        try:
+            args = (pending.job_id, pending.seq, pending.chunk, pending.ttl_s, pending.fence)
+            write_chunk(self._now, *args)
+        except redis.RedisError as exc:
+            log.warning("writing a first chunk at once failed (%s); the writer takes it", exc)
+            self._now_paused_until = time.monotonic() + self.NOW_PAUSE_S
+            return False
+        pending.taken, pending.written_at = True, time.time()
+        self._last_write = time.monotonic()  # the next chunks wait out the interval from here
+        return True
 
     def extend(self, pending: Pending | None, chunk: dict[str, Any]) -> bool:
         """Add a text-only chunk's text to ``pending`` if that is text-only too and still
@@ -88,14 +116,14 @@ class ChunkWriter:
         self._queue.put(None)
         self._hurry.set()
         self._thread.join(timeout=10)
+        self._now.close()
 
     def _run(self) -> None:
         lower_thread_priority(self.nice)
-        last = -float("inf")
         while True:
             batch = [self._queue.get()]
             if isinstance(batch[0], Pending):  # a chunk: wait out the interval (or a flush)
-                self._hurry.wait(last + self.interval_s - time.monotonic())
+                self._hurry.wait(self._last_write + self.interval_s - time.monotonic())
             self._hurry.clear()
             while True:
                 try:
@@ -112,7 +140,7 @@ class ChunkWriter:
                     self._write(chunks)
             except Exception:  # a chunk that does not serialize: lose these, keep the thread
                 log.exception("writing %d chunks failed; later chunks still go out", len(chunks))
-            last = time.monotonic()
+            self._last_write = time.monotonic()
             for waiter in waiters:
                 waiter.set()
             if any(item is None for item in batch):
@@ -128,6 +156,9 @@ class ChunkWriter:
         while True:
             problem, away = self._try_write(chunks)
             if problem is None:
+                written_at = time.time()
+                for chunk in chunks:
+                    chunk.written_at = written_at
                 if tries:
                     log.warning("wrote %d held-back chunks after %d tries", len(chunks), tries)
                 return
@@ -165,6 +196,16 @@ class ChunkWriter:
         return (str(failed[0]), False) if failed else (None, False)
 
 
+def _quick_client(client: redis.Redis, timeout_s: float) -> redis.Redis:
+    """A client of the same server as ``client`` (same connection settings, TLS included)
+    whose reads and connects give up after ``timeout_s``."""
+    pool = client.connection_pool
+    kwargs = dict(pool.connection_kwargs, socket_timeout=timeout_s)
+    kwargs["socket_connect_timeout"] = timeout_s
+    quick = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+    return redis.Redis(connection_pool=quick)
+
+
 class ChunkPublisher:
     """Publishes the chunks of one job, in order: directly, or through a ChunkWriter."""
 
@@ -183,20 +224,47 @@ class ChunkPublisher:
         self.fence = fence  # the placement id this run writes as (lua/append.lua)
         self.seq = 0
         self._pending: Pending | None = None  # the last chunk put to the writer
+        self._first: Pending | None = None  # the job's first chunk of text
+        # when the job got its slot, when its first text was published, and when that was
+        # in Redis (scheduler/store/hops.py)
+        self.admitted_at = self.first_token_at = self.first_written_at = 0.0
 
     def publish(self, chunk: dict[str, Any]) -> None:
+        first = not self.first_token_at and bool(chunk.get("response"))
+        if first:
+            self.first_token_at = time.time()
         if self.writer is not None:
             if self.writer.extend(self._pending, chunk):
                 return
             self.seq += 1
+            if self.seq == 1:  # its time to first token: written at once if Redis is quick
+                pending = Pending(self.job_id, 1, dict(chunk), self.ttl_s, self.fence)
+                if self.writer.write_now(pending):
+                    self._pending = None
+                    self._first = pending if first else None
+                    return
             self._pending = self.writer.put(self.job_id, self.seq, chunk, self.ttl_s, self.fence)
+            if first:
+                self._first = self._pending
             return
         self.seq += 1
         pipe = self.r.pipeline(transaction=False)
         add_chunk(pipe, self.job_id, self.seq, chunk, self.ttl_s, self.fence)
         pipe.execute()
+        if first:
+            self.first_written_at = time.time()
 
     def flush(self) -> None:
         """Return once every chunk published so far is in Redis."""
         if self.writer is not None:
             self.writer.flush()
+
+    def hops(self) -> dict[str, float]:
+        """The job's slot, first token and first written chunk, as far as they happened."""
+        written = self._first.written_at if self._first is not None else self.first_written_at
+        found = {
+            "admitted": self.admitted_at,
+            "first_token": self.first_token_at,
+            "first_chunk_written": written,
+        }
+        return {name: at for name, at in found.items() if at}

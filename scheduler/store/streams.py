@@ -35,6 +35,17 @@ def add_chunk(
     _appender(pipe)(keys=job_keys, args=[fence, seq, payload, ttl_s], client=pipe)
 
 
+def write_chunk(
+    client: redis.Redis, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
+) -> int:
+    """Record and publish one chunk now, in one round trip (:func:`add_chunk` outside a
+    pipeline, which would first ask Redis whether its scripts are loaded); the script's
+    answer: 1 written, 0 fenced off, -1 already there."""
+    payload = json.dumps(dict(chunk, seq=seq))
+    job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
+    return int(_appender(client)(keys=job_keys, args=[fence, seq, payload, ttl_s], client=client))
+
+
 _APPEND: list[Any] = []  # the registered script, made on first use
 
 
@@ -82,8 +93,9 @@ def publish_final(client: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s
 class ChunkOrder:
     """What a reader of a job's chunks does next, without I/O (both readers below use it).
 
-    Chunks come first from the job's stream record (XRANGE, a backfill), then from pub/sub.
-    A chunk out of order, or a quiet spell, means one may have been lost: backfill again.
+    Once the subscription is confirmed, chunks come first from the job's stream record
+    (XRANGE, a backfill), then from pub/sub. A chunk out of order, or a quiet spell, means
+    one may have been lost: backfill again.
     The quiet spell doubles from 1 s up to ``QUIET_MAX_S`` while nothing comes (a job waiting
     for a slot would otherwise wake its reader and Redis every second) and is 1 s again
     after each chunk.
@@ -101,7 +113,9 @@ class ChunkOrder:
         self.job_id, self.timeout_s = job_id, timeout_s
         self.clock = clock
         self.last = after_seq
-        self.backfill = True  # subscribed first, so the record holds all we could have missed
+        # the first backfill follows the subscription's confirmation: from then on the
+        # record holds all that the channel could have missed
+        self.backfill = False
         self.quiet = False  # the backfill due is after a quiet spell
         self.done = False
         self.quiet_s = 1.0
@@ -146,6 +160,12 @@ class ChunkOrder:
             self.backfill = self.quiet = True  # quiet: re-check the record for a lost one
             self.quiet_s = min(self.quiet_s * 2, self.QUIET_MAX_S)
             return None
+        kind = message.get("type", "message")
+        if kind == "subscribe":  # subscribed (again, after a reconnection): read the record
+            self.backfill = True
+            return None
+        if kind != "message":
+            return None
         self.quiet_s = 1.0
         try:
             chunk: dict[str, Any] = json.loads(message["data"])
@@ -179,7 +199,7 @@ def read_chunks(
     called after each quiet spell (the job's handle checks that it is not lost there).
     """
     order = ChunkOrder(job_id, timeout_s, after_seq)
-    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub = client.pubsub()
     pubsub.subscribe(keys.job_channel(job_id))
     try:
         while not order.done:
@@ -213,7 +233,7 @@ async def aread_chunks(
     Raises TimeoutError when no chunk arrives for ``timeout_s`` seconds.
     """
     order = ChunkOrder(job_id, timeout_s, after_seq)
-    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub = client.pubsub()
     await pubsub.subscribe(keys.job_channel(job_id))
     try:
         while not order.done:
@@ -228,9 +248,7 @@ async def aread_chunks(
                 for backfilled in order.from_record(cast(Entries, entries)):
                     yield backfilled
                 continue
-            message = await pubsub.get_message(
-                ignore_subscribe_messages=True, timeout=order.wait_s()
-            )
+            message = await pubsub.get_message(timeout=order.wait_s())
             chunk = order.from_message(message)
             if chunk is not None:
                 yield chunk
