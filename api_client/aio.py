@@ -44,6 +44,10 @@ class AsyncJob:
     def __repr__(self) -> str:
         return f"AsyncJob(id={self.id!r}, model={self.request.model!r})"
 
+    async def hops(self) -> dict[str, float]:
+        """See :meth:`Job.hops`."""
+        return await asyncio.to_thread(self.job.hops)
+
     async def status(self) -> str:
         """Celery's state of the job's run task: PENDING, SUCCESS, FAILURE, REVOKED."""
         return await asyncio.to_thread(self.job.status)
@@ -66,6 +70,7 @@ class AsyncJob:
         try:
             check = partial(asyncio.to_thread, self.job.check)
             async for chunk in aread_chunks(self.client.r, self.id, wait, after, lease, check):
+                self.job.first_read_at = self.job.first_read_at or time.time()
                 if chunk.get("done"):
                     done = True
                     error = chunk.get("error")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, overload
+
+import redis
 
 from api_client.batch import run_batch
 from api_client.batch_files import BatchInput, BatchSummary
@@ -16,6 +19,7 @@ from scheduler.errors import (
     NoWorkers,
 )
 from scheduler.gguf.registry import Registry
+from scheduler.placement.needs import format_warning
 from scheduler.placement.parking import ParkedJobs
 from scheduler.protocol import (
     EmbedResponse,
@@ -23,15 +27,19 @@ from scheduler.protocol import (
     JobRequest,
     Message,
     Options,
+    Placement,
     check_model_name,
 )
 from scheduler.protocol import parse_request as _parse
 from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
-from scheduler.store.celery_app import ask_unload, make_app, send_job
+from scheduler.store.celery_app import ask_unload, make_app, send_job, task_message
 from scheduler.store.connection import connect, resolve_redis_url
+from scheduler.store.hops import note as note_hops
+from scheduler.store.placement_state import PlacementState
 from scheduler.store.readers import ClusterReader
+from scheduler.store.routes import FastPath
 
 _ALIVE_CACHE_S = 1.0
 Messages = list[Message] | list[dict[str, Any]]
@@ -63,6 +71,13 @@ class Client:
         self.app = make_app(self.redis_url, self.settings)
         self.state = ClusterReader(self.r)
         self._alive_until = 0.0
+        self._placement_state = PlacementState(self.r)
+        claim_ttl_s = int(max(self.settings.result_ttl_s, self.settings.stream_ttl_s))
+        self.fast = (
+            FastPath(self.r, self.settings.device_ttl_s, claim_ttl_s, self.settings.stream_ttl_s)
+            if self.settings.fast_path
+            else None
+        )
 
     def close(self) -> None:
         self.r.close()
@@ -108,9 +123,35 @@ class Client:
             }
         )
         self._check_alive()
-        self._claim_id(request)
-        self.place(request)
+        if not (self.fast is not None and self._send_fast(request)):
+            self._claim_id(request)
+            self.place(request)
         return Job(self, request)
+
+    def _send_fast(self, request: JobRequest) -> bool:
+        """Send the job straight to its runner's queue when that is resident with a free
+        slot (scheduler/store/routes.py); False when placement must place it."""
+        assert self.fast is not None
+
+        def message(queue: str, placement: Placement) -> str:
+            sent = placement.model_dump(mode="json")
+            return task_message(self.app, keys.TASK_RUN, request, request.id, queue, sent)
+
+        try:
+            warnings = list(filter(None, [format_warning(request)]))
+            placement = self.fast.send(request, message, warnings)
+        except ValueError:
+            raise self._taken(request.id) from None
+        if placement is None:
+            return False
+        # after sending, as placement does: the request counted for the eviction order
+        with contextlib.suppress(redis.RedisError):
+            pipe = self.r.pipeline(transaction=False)
+            self._placement_state.count_request(request.model, time.time(), pipe)
+            hops = {"submitted": request.submitted_at, "sent": time.time()}
+            note_hops(pipe, request.id, self.settings.stream_ttl_s, hops)
+            pipe.execute()
+        return True
 
     def place(self, request: JobRequest) -> None:
         """Send a job to placement (again, when its message was lost: it places a job once)."""
@@ -304,10 +345,14 @@ class Client:
             ex=max(self.settings.result_ttl_s, self.settings.stream_ttl_s),
         )
         if not claimed:
-            raise InvalidRequest(
-                f"job id {request.id!r} is already taken by a job submitted earlier; "
-                "choose another id, or leave it out and one is made for you"
-            )
+            raise self._taken(request.id)
+
+    @staticmethod
+    def _taken(job_id: str) -> InvalidRequest:
+        return InvalidRequest(
+            f"job id {job_id!r} is already taken by a job submitted earlier; "
+            "choose another id, or leave it out and one is made for you"
+        )
 
     def _check_alive(self) -> None:
         now = time.monotonic()

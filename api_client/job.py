@@ -24,6 +24,8 @@ from scheduler.protocol import GenerateResponse, JobRequest
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.cancel import ReaderLease
+from scheduler.store.hops import ordered as ordered_hops
+from scheduler.store.hops import read as read_hops
 from scheduler.store.streams import read_chunks
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class Job:
         self.id = request.id
         self.resend = resend  # False for a handle without the job's whole request
         self._sent_at = 0.0  # when check() last sent it to placement again
+        self.first_read_at = 0.0  # when a reader here had its first chunk (hops.py)
 
     def __repr__(self) -> str:
         return f"Job(id={self.id!r}, model={self.request.model!r})"
@@ -95,6 +98,7 @@ class Job:
         lease = self.reader_lease(cancel_on_close)
         try:
             for chunk in read_chunks(self.client.r, self.id, wait, after, lease, self.check):
+                self.first_read_at = self.first_read_at or time.time()
                 if chunk.get("done"):
                     done = True
                     error = chunk.get("error")
@@ -149,6 +153,15 @@ class Job:
         if handle.state == "REVOKED":  # the reason was stored with the state
             raise JobCancelled(str(value) or f"job {self.id} was cancelled")
         return cast(dict[str, Any], value)
+
+    def hops(self) -> dict[str, float]:
+        """When the job passed each hop on its way to its first chunk (wall-clock seconds,
+        in path order: ``scheduler.store.hops.HOPS``); complete once its result is stored.
+        ``first_chunk_read`` is there when it was read through this handle."""
+        found = read_hops(self.client.r, self.id)
+        if self.first_read_at:
+            found["first_chunk_read"] = self.first_read_at
+        return ordered_hops(found)
 
     def reader_lease(self, cancel_on_close: bool) -> ReaderLease | None:
         """A reader that cancels on close also cancels if its process dies: its lease

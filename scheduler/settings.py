@@ -100,6 +100,12 @@ class Settings(BaseSettings):
         description="Send Celery task events, so that Flower shows each job and its live "
         "state; off saves a few Redis messages per job.",
     )
+    fast_path: bool = Field(
+        True,
+        description="A job whose model is resident with a free slot goes from its client "
+        "straight to the runner's device queue (placement's checks made atomically in "
+        "Redis); off sends every job through the placement service.",
+    )
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Device heartbeat period.")
     device_ttl_s: float = Field(
         10.0, gt=0, description="A device without a heartbeat for this long is dropped."

@@ -132,13 +132,21 @@ def test_a_keys_id_is_the_tenant_of_its_jobs_and_its_weight_their_share(
     app = make_app(stack.settings, require_keys=True)
     gateway: Gateway = app.state.gateway
     placed: list[JobRequest] = []
-    place = gateway.client.sync.place
+    sync = gateway.client.sync
+    place, fast = sync.place, sync._send_fast
 
-    def spy(request: JobRequest) -> None:
+    def spy(request: JobRequest) -> None:  # through placement
         placed.append(request)
         place(request)
 
-    monkeypatch.setattr(gateway.client.sync, "place", spy)
+    def fast_spy(request: JobRequest) -> bool:  # or straight to a resident runner
+        sent = fast(request)
+        if sent:
+            placed.append(request)
+        return sent
+
+    monkeypatch.setattr(sync, "place", spy)
+    monkeypatch.setattr(sync, "_send_fast", fast_spy)
     auth = {"Authorization": f"Bearer {token}"}
     body = {"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
     with serving(app) as base:

@@ -12,6 +12,7 @@ from scheduler.gguf.metadata import read_model_info
 from scheduler.gguf.registry import Registry
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
+from scheduler.store.hops import wall
 from workers.chat import render
 from workers.chunks import ChunkPublisher
 from workers.devices import tensor_split
@@ -61,6 +62,8 @@ def generate(
     ticker = Ticker(progress, lambda text: publisher.publish({"response": text}))
     share = (req.tenant, req.priority, req.weight)
     stats = runner.generate(prompt, req.options, ticker, cancelled, req.format, share)
+    if stats.admitted_ns:
+        publisher.admitted_at = wall(stats.admitted_ns)
     if stats.done_reason == "cancel":
         raise JobCancelled(f"job {req.id} was cancelled after {stats.eval_count} generated tokens")
     return stats.ollama_fields()

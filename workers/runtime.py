@@ -23,6 +23,7 @@ from scheduler.loops import LoopHealth, start_loop
 from scheduler.protocol import JobRequest, Placement, SentJob, parse_placement, parse_request
 from scheduler.settings import Settings
 from scheduler.store.cancel import CancelWatcher, cancelled_before_start
+from scheduler.store.hops import note as note_hops
 from scheduler.store.stats import count
 from scheduler.store.streams import error_chunk
 from scheduler.store.worker_state import WorkerState
@@ -155,7 +156,7 @@ class WorkerRuntime:
 
         ``progress(state, **fields)`` hears of LOADING and GENERATING (with a token count,
         at most once a second): Flower shows them as the task's state."""
-        received = time.perf_counter_ns()
+        received, received_at = time.perf_counter_ns(), time.time()
         req = parse_request(job)
         placement = parse_placement(sent)
         # a job delivered as Redis goes away waits for it to come back (if its device was
@@ -251,10 +252,13 @@ class WorkerRuntime:
                 self._running.pop(req.id, None)
             self._disowned.discard(req.id)
 
+            hops = dict(publisher.hops(), worker_received=received_at)
+
             def bookkeeping() -> None:  # one round trip: the in-flight record, the counters
                 pipe = self.r.pipeline(transaction=False)
                 self.state.done_with(placement.device_id, req.id, placement.id, pipe)
                 count(pipe, req.model, **tally)
+                note_hops(pipe, req.id, ttl_s, hops)
                 pipe.execute()
 
             # through an outage too: else its slot stays taken in placement's view

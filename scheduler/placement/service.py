@@ -45,7 +45,9 @@ from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
 from scheduler.store.celery_app import ask_unload, send_job
+from scheduler.store.hops import note as note_hops
 from scheduler.store.placement_state import PlacementState
+from scheduler.store.routes import Route, publish_route
 from scheduler.store.streams import error_chunk, publish_final
 
 log = logging.getLogger("ggufq.placement")
@@ -144,7 +146,7 @@ class PlacementService:
 
     def place(self, job: Any) -> dict[str, Any]:
         """Place a newly submitted job: send it to a device, park it, or refuse it."""
-        started = time.perf_counter_ns()
+        started, at = time.perf_counter_ns(), time.time()
         try:
             req = parse_request(job if isinstance(job, dict) else {"malformed": job})
         except GgufqError as exc:
@@ -160,10 +162,17 @@ class PlacementService:
             log.warning("job %s was delivered again; it is placed once", req.id)
             return {"duplicate": req.id}
         outcome = self._attempt(req, started, score, errors=0, new=True)
-        # counted after sending, off the job's path to its first token; the eviction order
-        # uses it (decision branch 10)
+        hops = dict(outcome.pop("hops", {}), submitted=req.submitted_at, placement_received=at)
+        route = outcome.pop("route", ())
+        # after sending, off the job's path to its first token: its request counted (the
+        # eviction order uses it: decision branch 10), its hops, its route (the fast path)
         with contextlib.suppress(redis.RedisError):
-            self.state.count_request(req.model, time.time())
+            pipe = self.r.pipeline(transaction=False)
+            self.state.count_request(req.model, time.time(), pipe)
+            note_hops(pipe, req.id, self.settings.stream_ttl_s, hops)
+            if route and self.settings.fast_path:
+                publish_route(pipe, req, route[0])
+            pipe.execute()
         return outcome
 
     def retry_parked(self) -> int:
@@ -290,7 +299,11 @@ class PlacementService:
                     )
                     if prefix:
                         self.affinity.put(prefix, assigned.runner_id)
-                    return self._send(req, placement, snap)
+                    decided = time.time()
+                    outcome = self._send(req, placement, snap)
+                    route = self._route(req, assigned, placement, snap, needs.config_key)
+                    hops = {"decided": decided, "sent": time.time()}
+                    return dict(outcome, hops=hops, route=(route,))
                 case Wait(reason):
                     if isinstance(decision, Park):
                         log.info("job %s parked: %s", req.id, reason)
@@ -313,6 +326,32 @@ class PlacementService:
             self.state.unsend(record)  # the job parks, its runner forgets it
             raise
         return {"device": placement.device_id, "runner": placement.runner_id}
+
+    def _route(
+        self,
+        req: JobRequest,
+        assigned: Assigned,
+        placement: Placement,
+        snap: Snapshot,
+        config_key: str,
+    ) -> Route | None:
+        """The route for jobs shaped as ``req``: the runner it went to, when that is the one
+        runner of its model and configuration and spans one device (else None)."""
+        devices = assigned.device_ids
+        for runner in snap.runners:
+            if runner.id == assigned.runner_id:
+                devices = list(runner.devices)
+            elif runner.model == req.model and runner.config_key == config_key:
+                return None  # replicas: placement chooses among them
+        if len(devices) != 1:
+            return None
+        return Route(
+            runner_id=assigned.runner_id,
+            device_id=devices[0],
+            worker=next(d.worker for d in snap.devices if d.id == devices[0]),
+            config=placement.config,
+            warnings=[w for w in placement.warnings if w != format_warning(req)],
+        )
 
     def _runner_fields(
         self, model: str, config_key: str, config: RunnerConfig, shape: Shape, load: Load

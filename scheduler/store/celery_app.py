@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import uuid
 from typing import Any
 
 from celery import Celery
@@ -71,12 +74,50 @@ def send_job(
 ) -> None:
     """Send a job's task with a short readable repr (Flower shows it; Celery's own repr of a
     large prompt costs milliseconds per send)."""
-    prompt = req.prompt if len(req.prompt) <= 40 else req.prompt[:39] + "…"
     app.send_task(
         task,
         args=[req.model_dump(mode="json"), *extra],
         task_id=task_id,
         queue=queue,
-        argsrepr=f"(model={req.model!r}, job={req.id}, prompt={prompt!r})",
+        argsrepr=_argsrepr(req),
         kwargsrepr="{}",
     )
+
+
+def task_message(
+    app: Celery, task: str, req: JobRequest, task_id: str, queue: str, *extra: Any
+) -> str:
+    """The queue item :func:`send_job` would push onto ``queue``'s Redis list (Celery's
+    message, in kombu's Redis envelope), for a script that pushes it itself in the same
+    atomic step as its other writes (the fast path: scheduler/store/routes.py)."""
+    message = app.amqp.as_task_v2(
+        task_id,
+        task,
+        args=[req.model_dump(mode="json"), *extra],
+        kwargs={},
+        argsrepr=_argsrepr(req),
+        kwargsrepr="{}",
+    )
+    body = json.dumps(list(message.body)).encode()
+    properties = dict(
+        message.properties,
+        delivery_mode=2,
+        priority=0,
+        body_encoding="base64",
+        delivery_tag=str(uuid.uuid4()),
+        delivery_info={"exchange": "", "routing_key": queue},
+    )
+    return json.dumps(
+        {
+            "body": base64.b64encode(body).decode(),
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": message.headers,
+            "properties": properties,
+        }
+    )
+
+
+def _argsrepr(req: JobRequest) -> str:
+    prompt = req.prompt if len(req.prompt) <= 40 else req.prompt[:39] + "…"
+    return f"(model={req.model!r}, job={req.id}, prompt={prompt!r})"

@@ -56,6 +56,16 @@ def job_submitted(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:submitted"
 
 
+def route(shape: str) -> str:
+    # string: the one runner that serves jobs of this shape (scheduler/store/routes.py)
+    return f"{PREFIX}:route:{shape}"
+
+
+def job_hops(job_id: str) -> str:
+    # hash: hop name → wall-clock time the job passed it (scheduler/store/hops.py)
+    return f"{PREFIX}:job:{job_id}:hops"
+
+
 def job_placed(job_id: str) -> str:
     # string: set by the placement process that takes the job's submission message
     return f"{PREFIX}:job:{job_id}:placed"

@@ -108,8 +108,9 @@ class PlacementState:
         again after its visibility timeout, and a reader sends a lost one again)."""
         return claim_once(self.r, keys.job_placed(job_id), delivery, ttl_s)
 
-    def count_request(self, model: str, now: float) -> None:
-        self._demand(keys=[keys.DEMAND], args=[model, now, DEMAND_TAU_S])
+    def count_request(self, model: str, now: float, pipe: Any = None) -> None:
+        """One more request for ``model`` (queued on ``pipe`` when given)."""
+        self._demand(keys=[keys.DEMAND], args=[model, now, DEMAND_TAU_S], client=pipe)
 
     # -- devices ---------------------------------------------------------------------------
     def reap(self, now: float, device_ttl_s: float) -> list[str]:

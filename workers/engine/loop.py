@@ -333,6 +333,7 @@ class Engine:
             prompt_eval_duration_ns=first - job.admitted_ns if job.generated else 0,
             eval_count=job.generated,
             eval_duration_ns=now - first,
+            admitted_ns=job.admitted_ns,
         )
         self._retire(job)
 

@@ -25,6 +25,7 @@ class GenerationStats:
     prompt_eval_duration_ns: int
     eval_count: int
     eval_duration_ns: int
+    admitted_ns: int = 0  # perf_counter_ns when the job got its slot
 
     def ollama_fields(self) -> dict[str, Any]:
         """The final record's fields under Ollama's names."""

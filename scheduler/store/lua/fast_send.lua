@@ -1,0 +1,44 @@
+-- The fast path: a client sends a job straight to the queue of a runner that is resident
+-- with a free slot, as placement would have (scheduler/store/routes.py). Nothing is
+-- written unless every check holds; then all of it is, at once.
+-- KEYS[1]  ggufq:route:<...>          (string) the runner placement named for such jobs
+-- KEYS[2]  ggufq:runner:<id>          (hash)
+-- KEYS[3]  ggufq:heartbeats           (sorted set)
+-- KEYS[4]  ggufq:parked               (sorted set)
+-- KEYS[5]  ggufq.placement            (list) placement's queues: jobs waiting there go first
+-- KEYS[6]  ggufq.placement.batch      (list)
+-- KEYS[7]  ggufq:job:<id>:submitted   (string) the job id's claim
+-- KEYS[8]  ggufq:job:<id>:placed      (string) the job's placement claim
+-- KEYS[9]  ggufq:inflight:<dev>       (hash)
+-- KEYS[10] ggufq:job:<id>:owner       (string)
+-- KEYS[11] the device's Celery queue  (list)
+-- ARGV: route (as the client read it), device id, now, device ttl, claim ttl, submitted at,
+--       placement claim, job id, in-flight record, placement id, owner ttl, message,
+--       route ttl
+-- Returns 1 when sent; 0 when the normal path must place it (the route changed, the runner
+-- is not ready or has no free slot, its device is silent, or jobs wait); -1 when the job
+-- id is taken.
+local route = redis.call('GET', KEYS[1])
+if route ~= ARGV[1] then return 0 end
+local runner = redis.call('HMGET', KEYS[2], 'state', 'in_flight', 'num_parallel')
+if not runner[1] then
+  redis.call('DEL', KEYS[1])  -- the runner is gone: so is its route
+  return 0
+end
+if runner[1] ~= 'ready' or tonumber(runner[2] or 0) >= tonumber(runner[3] or 0) then
+  return 0
+end
+local beat = redis.call('ZSCORE', KEYS[3], ARGV[2])
+if not beat or tonumber(beat) < tonumber(ARGV[3]) - tonumber(ARGV[4]) then return 0 end
+if redis.call('ZCARD', KEYS[4]) > 0 then return 0 end
+if redis.call('LLEN', KEYS[5]) > 0 or redis.call('LLEN', KEYS[6]) > 0 then return 0 end
+if not redis.call('SET', KEYS[7], ARGV[6], 'NX', 'EX', ARGV[5]) then return -1 end
+redis.call('SET', KEYS[8], ARGV[7], 'EX', ARGV[5])
+redis.call('HINCRBY', KEYS[2], 'in_flight', 1)
+redis.call('HSET', KEYS[2], 'last_used', ARGV[3], 'expires_at', -1)
+changed(KEYS[2])
+redis.call('HSET', KEYS[9], ARGV[8], ARGV[9])
+redis.call('SET', KEYS[10], ARGV[10], 'EX', ARGV[11])
+redis.call('LPUSH', KEYS[11], ARGV[12])
+redis.call('EXPIRE', KEYS[1], ARGV[13])
+return 1

@@ -1,0 +1,167 @@
+"""The fast path: a job whose runner is resident with a free slot goes from its client
+straight to the runner's device queue, skipping placement's queue and its Celery hop.
+
+Placement publishes a **route** for each shape of request it has placed (model, embedding
+or not, the num_ctx and num_parallel the request asks for) while one runner serves that
+shape. A client reads the route (cached for a second or two) and runs ``lua/fast_send.lua``,
+which re-checks in Redis, atomically, what placement's decision would: the route still
+names the runner, it is ready, it has a free slot, its device beats, and no job waits
+(parked, or in placement's queues, which it must not overtake). Then it does what
+placement does: takes the slot, claims the job's placement, records the job as sent (so
+that the lost-message sweep and orphan recovery know it) and pushes its Celery message.
+Anything else, and the job takes the normal path. Jobs pinned to a device, asking for GPU
+layers, loading replicas or re-placed never take it, nor does a model with several
+replicas (placement's choice among them, by prefix affinity, stays with placement).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import redis
+from pydantic import BaseModel, ConfigDict
+
+from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
+from scheduler.store import keys
+from scheduler.store.scripts import script
+
+ROUTE_TTL_S = 600  # a route not used for this long goes (each use renews it)
+CACHE_S = 2.0  # how long a client trusts the route it read (the script checks it anyway)
+
+
+class Route(BaseModel):
+    """What placement published for one shape of request: the runner that serves it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    runner_id: str
+    device_id: str
+    worker: str
+    config: RunnerConfig
+    warnings: list[str] = []
+
+
+def shape(req: JobRequest) -> str | None:
+    """The shape of a request that decides its runner, or None for a job that only
+    placement may place."""
+    o = req.options
+    if req.device or req.avoid or req.attempt or req.replicas or o.num_gpu != -1:
+        return None
+    if req.kind == "generate" and not req.prompt:
+        return None  # a load or an unload: placement's
+    kind = "embed" if req.kind == "embed" else "generate"
+    return f"{req.model}|{kind}|{o.num_ctx or 0}|{o.num_parallel or 0}"
+
+
+def publish_route(pipe: Any, req: JobRequest, route: Route | None) -> None:
+    """Queue on ``pipe``: ``route`` now serves jobs shaped as ``req`` (None: no single
+    runner does, so such jobs go through placement)."""
+    name = shape(req)
+    if name is None:
+        return
+    if route is None:
+        pipe.delete(keys.route(name))
+    else:
+        pipe.set(keys.route(name), route.model_dump_json(), ex=ROUTE_TTL_S)
+
+
+class FastPath:
+    """A client's side of the fast path (one per client; safe across its threads)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        device_ttl_s: float,
+        claim_ttl_s: int,
+        owner_ttl_s: int,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.r = client
+        self.device_ttl_s, self.claim_ttl_s, self.owner_ttl_s = (
+            device_ttl_s,
+            claim_ttl_s,
+            owner_ttl_s,
+        )
+        self.clock = clock
+        self._send = script(client, "fast_send")
+        self._routes: dict[str, tuple[float, bytes]] = {}  # shape → (until, route)
+
+    def route(self, name: str) -> bytes | None:
+        now = self.clock()
+        cached = self._routes.get(name)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        raw = self.r.get(keys.route(name))
+        if not isinstance(raw, bytes):  # not kept: placement may publish it any moment
+            return None
+        self._routes[name] = (now + CACHE_S, raw)
+        return raw
+
+    def send(
+        self, req: JobRequest, message: Any, more_warnings: list[str] | None = None
+    ) -> Placement | None:
+        """Send ``req`` to its runner's queue if the fast path holds, with ``message(queue,
+        placement)`` making the Celery message and ``more_warnings`` for the job (beside
+        the route's); None when the normal path must place it. Raises ValueError when the
+        job id is taken."""
+        more_warnings = more_warnings or []
+        started = time.perf_counter_ns()
+        name = shape(req)
+        raw = None if name is None else self.route(name)
+        if name is None or raw is None:
+            return None
+        route = Route.model_validate_json(raw)
+        warnings = [*route.warnings, *more_warnings]
+        placement = Placement(
+            id=uuid.uuid4().hex[:12],
+            runner_id=route.runner_id,
+            device_id=route.device_id,
+            config=route.config,
+            warnings=warnings,
+            placement_ns=time.perf_counter_ns() - started,
+        )
+        now = time.time()
+        record = SentJob(job=req, placement=placement, worker=route.worker, sent_at=now)
+        queue = keys.device_queue(route.device_id, req.priority)
+        claim = f"fast:{placement.id}"
+        args = [
+            raw,
+            route.device_id,
+            now,
+            self.device_ttl_s,
+            self.claim_ttl_s,
+            req.submitted_at,
+            claim,
+            req.id,
+            record.model_dump_json(),
+            placement.id,
+            self.owner_ttl_s,
+            message(queue, placement),
+            ROUTE_TTL_S,
+        ]
+        job_keys = [
+            keys.route(name),
+            keys.runner(route.runner_id),
+            keys.HEARTBEATS,
+            keys.PARKED,
+            keys.placement_queue("interactive"),
+            keys.placement_queue("batch"),
+            keys.job_submitted(req.id),
+            keys.job_placed(req.id),
+            keys.inflight(route.device_id),
+            keys.job_owner(req.id),
+            queue,
+        ]
+        try:
+            sent = int(self._send(keys=job_keys, args=args))
+        except redis.RedisError:
+            # its reply was lost: the claim tells whether it ran (Redis away: this raises)
+            sent = int(self.r.get(keys.job_placed(req.id)) == claim.encode())
+        if sent < 0:
+            raise ValueError(req.id)
+        if not sent:
+            self._routes.pop(name, None)  # read it afresh next time
+            return None
+        return placement
