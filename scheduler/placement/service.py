@@ -336,19 +336,21 @@ class PlacementService:
         config_key: str,
     ) -> Route | None:
         """The route for jobs shaped as ``req``: the runner it went to, when that is the one
-        runner of its model and configuration and spans one device (else None)."""
-        devices = assigned.device_ids
+        runner of its model and configuration and spans one device (else None). Called
+        after the job is sent, so it must not raise (the job would be placed again)."""
+        devices = assigned.device_ids or [assigned.device_id]
         for runner in snap.runners:
             if runner.id == assigned.runner_id:
                 devices = list(runner.devices)
             elif runner.model == req.model and runner.config_key == config_key:
                 return None  # replicas: placement chooses among them
-        if len(devices) != 1:
+        worker = next((d.worker for d in snap.devices if d.id == devices[0]), None)
+        if len(devices) != 1 or worker is None:
             return None
         return Route(
             runner_id=assigned.runner_id,
             device_id=devices[0],
-            worker=next(d.worker for d in snap.devices if d.id == devices[0]),
+            worker=worker,
             config=placement.config,
             warnings=[w for w in placement.warnings if w != format_warning(req)],
         )
