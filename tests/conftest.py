@@ -8,16 +8,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import redis
 
 from api_client import Client
+from scheduler.cluster import DeviceInfo
 from scheduler.gguf.registry import demo_installed
 from scheduler.local.embedded import EmbeddedRedis, free_port
 from scheduler.local.stack import LocalStack
+from scheduler.placement.service import PlacementService
 from scheduler.settings import Settings
+from scheduler.store.celery_app import make_app
+from scheduler.store.worker_state import WorkerState
 from tests.tinymodel import write_tiny_llama, write_unknown_arch
 
 HOST = "testhost"
@@ -93,6 +98,22 @@ def db(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
     yield client
     client.flushdb()
     client.close()
+
+
+@contextmanager
+def placement_on_db1(
+    redis_server: EmbeddedRedis, db: redis.Redis, models_dir: Path, state: Path, device: DeviceInfo
+) -> Iterator[PlacementService]:
+    """A placement service and Celery app on database 1 of the session's Redis, with one
+    registered ``device`` that beats "forever" (no worker runs there)."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/1"
+    settings = settings_from(stack_env(models_dir, state), url)
+    app = make_app(url, settings)
+    WorkerState(db).register_device(device, now=1e12)
+    try:
+        yield PlacementService(settings, db, app)
+    finally:
+        app.close()
 
 
 @pytest.fixture()

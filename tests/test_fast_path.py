@@ -21,10 +21,9 @@ from scheduler.placement.service import PlacementService
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
 from scheduler.store import keys
-from scheduler.store.celery_app import make_app, task_message
+from scheduler.store.celery_app import task_message
 from scheduler.store.routes import FastPath, shape
-from scheduler.store.worker_state import WorkerState
-from tests.conftest import settings_from, stack_env
+from tests.conftest import placement_on_db1
 
 GIB = 1 << 30
 DEVICE = "vgpu:fp:0"
@@ -35,13 +34,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated setex:Depreca
 def service(
     redis_server: EmbeddedRedis, db: redis.Redis, models_dir: Path, tmp_path: Path
 ) -> Iterator[PlacementService]:
-    url = redis_server.url.rsplit("/", 1)[0] + "/1"
-    settings = settings_from(stack_env(models_dir, tmp_path / "state"), url)
-    app = make_app(url, settings)
     device = DeviceInfo(DEVICE, "fp", "w@fp", "v", "vgpu", 4 * GIB, 4 * GIB, True)
-    WorkerState(db).register_device(device, now=1e12)  # beats "forever" for these tests
-    yield PlacementService(settings, db, app)
-    app.close()
+    with placement_on_db1(redis_server, db, models_dir, tmp_path / "state", device) as service:
+        yield service
 
 
 def fast_send(service: PlacementService, db: redis.Redis, req: JobRequest) -> Placement | None:
@@ -112,6 +107,18 @@ def test_the_fast_path_steps_aside_and_writes_nothing_when_placement_must_decide
     assert not db.exists(keys.job_submitted(req.id), keys.job_placed(req.id))
     shape_key = keys.route(str(shape(req)))
     assert bool(db.exists(shape_key)) == (obstacle != "gone")  # a dead runner's route goes
+
+
+def test_a_route_that_does_not_parse_sends_jobs_through_placement_until_it_is_rewritten(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    placed_first(service, db)
+    req = JobRequest(model="tiny", prompt="second", options={"num_parallel": 2})
+    db.set(keys.route(str(shape(req))), b"\xff not a route")
+    assert fast_send(service, db, req) is None
+    assert not db.exists(keys.job_submitted(req.id), keys.job_placed(req.id))
+    assert "device" in service.place(req.model_dump(mode="json"))  # placement's way...
+    assert db.get(keys.route(str(shape(req)))).startswith(b"{")  # ...writes it afresh
 
 
 def test_a_taken_job_id_is_refused_on_the_fast_path_too(

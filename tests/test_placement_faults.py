@@ -19,9 +19,7 @@ from scheduler.placement import service as service_module
 from scheduler.placement.service import MAX_PLACEMENT_ERRORS, PlacementService
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
-from scheduler.store.celery_app import make_app
-from scheduler.store.worker_state import WorkerState
-from tests.conftest import settings_from, stack_env
+from tests.conftest import placement_on_db1
 
 GIB = 1 << 30
 # Celery's Redis result backend still calls redis-py's deprecated setex
@@ -32,13 +30,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated setex:Depreca
 def service(
     redis_server: EmbeddedRedis, db: redis.Redis, models_dir: Path, tmp_path: Path
 ) -> Iterator[PlacementService]:
-    url = redis_server.url.rsplit("/", 1)[0] + "/1"
-    settings = settings_from(stack_env(models_dir, tmp_path / "state"), url)
-    app = make_app(url, settings)
     device = DeviceInfo("vgpu:fh:0", "fh", "w@fh", "v", "vgpu", 4 * GIB, 4 * GIB, True)
-    WorkerState(db).register_device(device, now=1e12)  # beats "forever" for these tests
-    yield PlacementService(settings, db, app)
-    app.close()
+    with placement_on_db1(redis_server, db, models_dir, tmp_path / "state", device) as service:
+        yield service
 
 
 def final_error(db: redis.Redis, job_id: str) -> dict[str, str]:

@@ -301,7 +301,7 @@ class PlacementService:
                         self.affinity.put(prefix, assigned.runner_id)
                     decided = time.time()
                     outcome = self._send(req, placement, snap)
-                    route = self._route(req, assigned, placement, snap, needs.config_key)
+                    route = self._route(req, assigned, placement, snap, needs.config_key, warning)
                     hops = {"decided": decided, "sent": time.time()}
                     return dict(outcome, hops=hops, route=(route,))
                 case Wait(reason):
@@ -334,10 +334,12 @@ class PlacementService:
         placement: Placement,
         snap: Snapshot,
         config_key: str,
+        warning: str | None,
     ) -> Route | None:
         """The route for jobs shaped as ``req``: the runner it went to, when that is the one
-        runner of its model and configuration and spans one device (else None). Called
-        after the job is sent, so it must not raise (the job would be placed again)."""
+        runner of its model and configuration and spans one device (else None), with the
+        num_ctx ``warning`` its jobs share. Called after the job is sent, so it must not
+        raise (the job would be placed again)."""
         devices = assigned.device_ids or [assigned.device_id]
         for runner in snap.runners:
             if runner.id == assigned.runner_id:
@@ -352,7 +354,7 @@ class PlacementService:
             device_id=devices[0],
             worker=worker,
             config=placement.config,
-            warnings=[w for w in placement.warnings if w != format_warning(req)],
+            warnings=[warning] if warning else [],
         )
 
     def _runner_fields(

@@ -16,6 +16,7 @@ replicas (placement's choice among them, by prefix affinity, stays with placemen
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -27,6 +28,7 @@ from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
 from scheduler.store.scripts import script
 
+log = logging.getLogger(__name__)
 ROUTE_TTL_S = 600  # a route not used for this long goes (each use renews it)
 CACHE_S = 2.0  # how long a client trusts the route it read (the script checks it anyway)
 
@@ -112,7 +114,12 @@ class FastPath:
         raw = None if name is None else self.route(name)
         if name is None or raw is None:
             return None
-        route = Route.model_validate_json(raw)
+        try:
+            route = Route.model_validate_json(raw)
+        except ValueError:  # not a route (written by hand, or by another version)
+            log.warning("ignoring the route for %s, which does not parse", name)
+            self._routes.pop(name, None)
+            return None
         warnings = [*route.warnings, *more_warnings]
         placement = Placement(
             id=uuid.uuid4().hex[:12],

@@ -27,23 +27,22 @@ log = logging.getLogger(__name__)
 
 def add_chunk(
     pipe: Any, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
-) -> None:
-    """Queue on a pipeline the script that records and publishes one chunk (lua/append.lua):
-    written only while the job's owner is ``fence`` (a placement id; "" always writes)."""
+) -> Any:
+    """The script that records and publishes one chunk (lua/append.lua), queued on a
+    pipeline or run at once on a client (then its answer: 1 written, 0 fenced off, -1
+    already there): written only while the job's owner is ``fence`` (a placement id; ""
+    always writes)."""
     payload = json.dumps(dict(chunk, seq=seq))
     job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
-    _appender(pipe)(keys=job_keys, args=[fence, seq, payload, ttl_s], client=pipe)
+    return _appender(pipe)(keys=job_keys, args=[fence, seq, payload, ttl_s], client=pipe)
 
 
 def write_chunk(
     client: redis.Redis, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
 ) -> int:
-    """Record and publish one chunk now, in one round trip (:func:`add_chunk` outside a
-    pipeline, which would first ask Redis whether its scripts are loaded); the script's
-    answer: 1 written, 0 fenced off, -1 already there."""
-    payload = json.dumps(dict(chunk, seq=seq))
-    job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
-    return int(_appender(client)(keys=job_keys, args=[fence, seq, payload, ttl_s], client=client))
+    """:func:`add_chunk` now, in one round trip (a pipeline would first ask Redis whether
+    its scripts are loaded)."""
+    return int(add_chunk(client, job_id, seq, chunk, ttl_s, fence))
 
 
 _APPEND: list[Any] = []  # the registered script, made on first use
