@@ -91,7 +91,7 @@ def test_stale_device_refuses_reservations_and_is_reaped(db: redis.Redis) -> Non
     job = JobRequest(model="m", prompt="p")
     placed = Placement(id="p1", runner_id="r0", device_id="vgpu:h:0", config=RunnerConfig(512))
     state.sent("vgpu:h:0", SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
-    state.started(job.id, now=110.0)
+    assert state.start("vgpu:h:0", job.id, "p1", "delivery", ttl_s=60, now=110.0) is False
     db.lpush(keys.device_queue("vgpu:h:0"), b"its message")
     assert state.reap(now=120.0, device_ttl_s=10) == ["vgpu:h:0"]
     # the job is an orphan for placement, no longer "running" nor owned by its placement,
@@ -103,6 +103,28 @@ def test_stale_device_refuses_reservations_and_is_reaped(db: redis.Redis) -> Non
     assert db.smembers(keys.RUNNERS) == {b"r1"}
     snap = state.snapshot(now=120.0, device_ttl_s=10)
     assert [d.id for d in snap.devices] == ["vgpu:h:1"] and [r.id for r in snap.runners] == ["r1"]
+
+
+def test_a_job_starts_once_and_only_on_its_placement(db: redis.Redis) -> None:
+    # one round trip (lua/start.lua) decides whether a delivered job runs here
+    state = ClusterState(db)
+    state.register_device(vgpu(0), now=100.0)
+    job = JobRequest(model="m", prompt="p")
+    placed = Placement(id="p1", runner_id="r0", device_id="vgpu:h:0", config=RunnerConfig(512))
+    state.sent("vgpu:h:0", SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
+    assert state.start("vgpu:h:0", job.id, "p0", "d1", ttl_s=60, now=101.0) is None  # re-placed
+    assert not db.hexists(keys.RUNNING, job.id)
+    assert state.start("vgpu:h:0", job.id, "p1", "d1", ttl_s=60, now=101.0) is False
+    assert db.hget(keys.RUNNING, job.id) == b"101.0"
+    # the same delivery asking again (its reply was lost) still runs it; another does not
+    assert state.start("vgpu:h:0", job.id, "p1", "d1", ttl_s=60, now=101.5) is False
+    assert state.start("vgpu:h:0", job.id, "p1", "d2", ttl_s=60, now=102.0) is None
+    # a cancel asked while it waited in the queue comes back with the start
+    db.set(keys.cancel_flag(job.id), 1)
+    assert state.start("vgpu:h:0", job.id, "p1", "d1", ttl_s=60, now=103.0) is True
+    # a record that does not parse is nobody's: the job is not run here
+    db.hset(keys.inflight("vgpu:h:0"), "other", b"{not json")
+    assert state.start("vgpu:h:0", "other", "p1", "d1", ttl_s=60, now=104.0) is None
 
 
 def test_a_jobs_end_is_counted_once_however_often_it_is_written(db: redis.Redis) -> None:

@@ -162,17 +162,15 @@ class WorkerRuntime:
         # a job delivered as Redis goes away waits for it to come back (if its device was
         # dropped meanwhile, it is not this device's any more)
         delivery = uuid.uuid4().hex
-        owned = patiently(
-            lambda: (
-                self.state.owns(placement.device_id, req.id, placement.id)
-                and self.state.start_once(
-                    req.id, placement.id, self.settings.stream_ttl_s, delivery
-                )
+        ttl_s = self.settings.stream_ttl_s
+        cancelled_now = patiently(
+            lambda: self.state.start(
+                placement.device_id, req.id, placement.id, delivery, ttl_s, self.clock()
             ),
             f"starting job {req.id}",
             math.inf,  # before the try below: giving up here would leak the job's slot
         )
-        if owned is False:
+        if cancelled_now is None:
             # the device was dropped meanwhile (this worker was stopped or lost its Redis
             # connection) and placement re-placed or failed the job
             # (or this is a second delivery: it runs once, elsewhere in this pool)
@@ -181,10 +179,9 @@ class WorkerRuntime:
         with self._jobs_lock:
             self._running[req.id] = placement
         runner_id = placement.runner_id
-        ttl_s = self.settings.stream_ttl_s
         publisher = ChunkPublisher(self.r, req.id, ttl_s, self.chunks, fence=placement.id)
         base = {"model": req.model, "job_id": req.id, "device": placement.device_id}
-        watched = self.cancels.watch(req.id)
+        watched = self.cancels.watch(req.id, cancelled_now)
 
         def cancelled() -> bool:
             return watched() or req.id in self._disowned
@@ -193,11 +190,6 @@ class WorkerRuntime:
         try:
             if cancelled():
                 raise cancelled_before_start(req.id)  # while it waited in the queue
-            patiently(
-                lambda: self.state.started(req.id, self.clock()),
-                f"starting job {req.id}",
-                self.settings.device_ttl_s,
-            )
             if runner_id not in self.runners:
                 progress("loading", device=placement.device_id)
             runner, load_ns = self._runner_for(req, placement)

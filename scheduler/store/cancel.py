@@ -35,8 +35,8 @@ def request_cancel(client: redis.Redis, job_id: str, ttl_s: int) -> None:
 
 def is_cancelled(client: redis.Redis, job_id: str) -> bool:
     """Asked to cancel, or its reader (one that cancels when it goes away) died."""
-    flag, wanted, reader = client.mget(_watch_keys(job_id))
-    return _cancelled(flag, wanted, reader)
+    flag, wanted, reader = client.mget(watch_keys(job_id))
+    return cancelled_by(flag, wanted, reader)
 
 
 READER_LEASE_S = 30.0  # a reader renews its lease at least every third of this
@@ -73,11 +73,13 @@ class ReaderLease:
         pipe.delete(keys.job_reader(self.job_id), keys.job_reader_wanted(self.job_id))
 
 
-def _watch_keys(job_id: str) -> list[str]:
+def watch_keys(job_id: str) -> list[str]:
+    """The keys whose values (:func:`cancelled_by`) say whether a job is to end."""
     return [keys.cancel_flag(job_id), keys.job_reader_wanted(job_id), keys.job_reader(job_id)]
 
 
-def _cancelled(flag: object, wanted: object, reader: object) -> bool:
+def cancelled_by(flag: object, wanted: object, reader: object) -> bool:
+    """Whether the values of :func:`watch_keys` say the job is to end."""
     return bool(flag) or (bool(wanted) and not reader)
 
 
@@ -105,11 +107,13 @@ class CancelWatcher:
     def stop(self) -> None:
         self._stop.set()
 
-    def watch(self, job_id: str) -> Callable[[], bool]:
-        """Start watching a job; returns the check its loop calls."""
+    def watch(self, job_id: str, cancelled: bool | None = None) -> Callable[[], bool]:
+        """Start watching a job; returns the check its loop calls. ``cancelled`` is what
+        Redis said just now (read it when None); a cancel that lands between that reading
+        and this call is found by the next re-check."""
         with self._lock:
             self._watched.add(job_id)
-        if is_cancelled(self.r, job_id):
+        if is_cancelled(self.r, job_id) if cancelled is None else cancelled:
             with self._lock:
                 self._cancelled.add(job_id)
         return lambda: job_id in self._cancelled
@@ -141,11 +145,11 @@ class CancelWatcher:
             watched = sorted(self._watched - self._cancelled)
         if not watched:
             return
-        values = self.r.mget([key for job_id in watched for key in _watch_keys(job_id)])
+        values = self.r.mget([key for job_id in watched for key in watch_keys(job_id)])
         gone = {
             job_id
             for i, job_id in enumerate(watched)
-            if _cancelled(values[3 * i], values[3 * i + 1], values[3 * i + 2])
+            if cancelled_by(values[3 * i], values[3 * i + 1], values[3 * i + 2])
         }
         for job_id in gone:
             log.info("job %s is cancelled (asked, or its reader went away)", job_id)

@@ -11,8 +11,9 @@ import redis
 from scheduler.cluster import DeviceInfo
 from scheduler.protocol import SentJob
 from scheduler.store import keys
+from scheduler.store.cancel import cancelled_by, watch_keys
 from scheduler.store.placement_state import reap
-from scheduler.store.records import claim_once, text
+from scheduler.store.records import text
 from scheduler.store.scripts import flatten, script
 
 
@@ -27,6 +28,7 @@ class WorkerState:
         self._touch = script(client, "touch")
         self._heartbeat = script(client, "heartbeat")
         self._done_with = script(client, "done_with")
+        self._start = script(client, "start")
 
     # -- devices -------------------------------------------------------------------------
     def register_device(self, dev: DeviceInfo, now: float) -> None:
@@ -107,29 +109,33 @@ class WorkerState:
         self.announce({"event": "runner_unloaded", "runner": runner_id})
 
     # -- jobs ------------------------------------------------------------------------------
-    def owns(self, device_id: str, job_id: str, placement_id: str) -> bool:
-        """Whether this placement of the job is still the device's: not re-placed after the
-        device was dropped (a re-placement, even onto the same device, has a new id)."""
-        raw = self.r.hget(keys.inflight(device_id), job_id)
-        try:  # only the id matters here (as in lua/done_with.lua): no need to parse a prompt
-            return raw is not None and json.loads(raw)["placement"]["id"] == placement_id
-        except (ValueError, KeyError, TypeError):
-            return False
+    def start(
+        self, device_id: str, job_id: str, placement_id: str, delivery: str, ttl_s: int, now: float
+    ) -> bool | None:
+        """Start a delivered job in one round trip (lua/start.lua): None when it is not this
+        delivery's to run (re-placed after its device was dropped, or another delivery of the
+        message has its one run), else whether it is already to be cancelled. ``delivery``
+        is an id of this delivery, so that trying again after a lost reply still finds the
+        run ours."""
+        answer = self._start(
+            keys=[
+                keys.inflight(device_id),
+                keys.job_start(job_id, placement_id),
+                keys.RUNNING,
+                *watch_keys(job_id),
+            ],
+            args=[job_id, placement_id, delivery, ttl_s, now],
+        )
+        if not int(answer[0]):
+            return None
+        _, flag, wanted, reader = answer
+        return cancelled_by(flag, wanted, reader)
 
     def job_owner(self, job_id: str) -> str | None:
         """The placement id that runs the job now, "orphaned", or None (the key is gone:
         Redis lost its data, or the job ended long ago)."""
         raw = self.r.get(keys.job_owner(job_id))
         return None if raw is None else text(raw)
-
-    def start_once(self, job_id: str, placement_id: str, ttl_s: int, delivery: str) -> bool:
-        """Claim the one run of this placement of the job for ``delivery`` (an id of this
-        delivery, so that trying again after a lost reply still finds it ours); False when
-        another delivery took it (the broker redelivered a message, or duplicated one)."""
-        return claim_once(self.r, keys.job_start(job_id, placement_id), delivery, ttl_s)
-
-    def started(self, job_id: str, now: float) -> None:
-        self.r.hset(keys.RUNNING, job_id, now)
 
     def done_with(self, device_id: str, job_id: str, placement_id: str, pipe: Any) -> None:
         """Queue on ``pipe``: the job ended (its worker sends this with its counters)."""

@@ -1,0 +1,24 @@
+-- A worker starts a job it was delivered, in one step: the job must still be this
+-- placement's (not re-placed after its device was dropped), and this delivery must be the
+-- one run of it (a redelivered or duplicated message finds the claim another's).
+-- KEYS[1] ggufq:inflight:<dev>          (hash) job id -> {job, placement, ...} as JSON
+-- KEYS[2] ggufq:job:<id>:start:<pid>    the claim of the one run: the delivery's id
+-- KEYS[3] ggufq:running                 (hash) job id -> time it started
+-- KEYS[4..6] the job's cancel flag, reader-wanted and reader keys (scheduler/store/cancel.py)
+-- ARGV: job id, placement id, delivery id, claim ttl (s), now
+-- Returns {0} when the job is not this delivery's to run, else {1, flag, wanted, reader}.
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then
+  return {0}
+end
+local ok, record = pcall(cjson.decode, raw)
+if not ok or type(record) ~= 'table' or type(record['placement']) ~= 'table'
+    or record['placement']['id'] ~= ARGV[2] then
+  return {0}
+end
+redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[4])
+if redis.call('GET', KEYS[2]) ~= ARGV[3] then
+  return {0}
+end
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[5])
+return {1, redis.call('GET', KEYS[4]), redis.call('GET', KEYS[5]), redis.call('GET', KEYS[6])}
