@@ -27,6 +27,7 @@ from scheduler.store.cancel import ReaderLease
 from scheduler.store.hops import ordered as ordered_hops
 from scheduler.store.hops import read as read_hops
 from scheduler.store.streams import read_chunks
+from scheduler.store.subscriber import Subscriber
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class JobHost(Protocol):
     app: Celery
     timeout: float
     settings: Settings
+    subscriber: Subscriber  # the process's one pub/sub connection for job channels
 
     def cancel(self, job_id: str) -> None: ...
 
@@ -97,7 +99,10 @@ class Job:
         done = False
         lease = self.reader_lease(cancel_on_close)
         try:
-            for chunk in read_chunks(self.client.r, self.id, wait, after, lease, self.check):
+            chunks = read_chunks(
+                self.client.r, self.id, wait, after, lease, self.check, self.client.subscriber
+            )
+            for chunk in chunks:
                 self.first_read_at = self.first_read_at or time.time()
                 if chunk.get("done"):
                     done = True
