@@ -40,7 +40,7 @@ from scheduler.store.hops import note as note_hops
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.readers import ClusterReader
 from scheduler.store.routes import FastPath
-from scheduler.store.subscriber import Subscriber
+from scheduler.store.subscriptions import Subscriptions
 
 _ALIVE_CACHE_S = 1.0
 Messages = list[Message] | list[dict[str, Any]]
@@ -69,7 +69,7 @@ class Client:
         self.timeout = timeout
         self.tenant, self.weight = tenant, weight
         self.r = connect(self.redis_url)
-        self.subscriber = Subscriber(self.r)  # connects on the first stream read
+        self.subscriptions = Subscriptions(self.r)
         self.app = make_app(self.redis_url, self.settings)
         self.state = ClusterReader(self.r)
         self._alive_until = 0.0
@@ -82,7 +82,7 @@ class Client:
         )
 
     def close(self) -> None:
-        self.subscriber.close()
+        self.subscriptions.close()
         self.r.close()
         self.app.close()
 

@@ -27,7 +27,7 @@ from scheduler.store.cancel import ReaderLease
 from scheduler.store.hops import ordered as ordered_hops
 from scheduler.store.hops import read as read_hops
 from scheduler.store.streams import read_chunks
-from scheduler.store.subscriber import Subscriber
+from scheduler.store.subscriptions import Subscriptions
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class JobHost(Protocol):
     app: Celery
     timeout: float
     settings: Settings
-    subscriber: Subscriber  # the process's one pub/sub connection for job channels
+    subscriptions: Subscriptions  # pub/sub connections for job channels, used again
 
     def cancel(self, job_id: str) -> None: ...
 
@@ -100,7 +100,7 @@ class Job:
         lease = self.reader_lease(cancel_on_close)
         try:
             chunks = read_chunks(
-                self.client.r, self.id, wait, after, lease, self.check, self.client.subscriber
+                self.client.r, self.id, wait, after, lease, self.check, self.client.subscriptions
             )
             for chunk in chunks:
                 self.first_read_at = self.first_read_at or time.time()

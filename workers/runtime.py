@@ -163,6 +163,9 @@ class WorkerRuntime:
         # dropped meanwhile, it is not this device's any more)
         delivery = uuid.uuid4().hex
         ttl_s = self.settings.stream_ttl_s
+        # watched before the start reads its cancel flags: a cancel broadcast between the
+        # two is not lost
+        self.cancels.watch(req.id, cancelled=False)
         cancelled_now = patiently(
             lambda: self.state.start(
                 placement.device_id, req.id, placement.id, delivery, ttl_s, self.clock()
@@ -175,6 +178,9 @@ class WorkerRuntime:
             # connection) and placement re-placed or failed the job
             # (or this is a second delivery: it runs once, elsewhere in this pool)
             log.warning("job %s is no longer this device's: not running it here", req.id)
+            with self._jobs_lock:  # unless another delivery of it runs here
+                if req.id not in self._running:
+                    self.cancels.forget(req.id)
             raise NotOwned(req.id)
         with self._jobs_lock:
             self._running[req.id] = placement

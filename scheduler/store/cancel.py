@@ -109,8 +109,8 @@ class CancelWatcher:
 
     def watch(self, job_id: str, cancelled: bool | None = None) -> Callable[[], bool]:
         """Start watching a job; returns the check its loop calls. ``cancelled`` is what
-        Redis said just now (read it when None); a cancel that lands between that reading
-        and this call is found by the next re-check."""
+        Redis says (read here when None): the job is to be watched before it is read, so
+        that a broadcast in between is not lost."""
         with self._lock:
             self._watched.add(job_id)
         if is_cancelled(self.r, job_id) if cancelled is None else cancelled:

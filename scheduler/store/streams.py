@@ -20,7 +20,7 @@ from scheduler.errors import ChunksLost, GgufqError, JobCancelled
 from scheduler.store import keys
 from scheduler.store.cancel import ReaderLease
 from scheduler.store.scripts import script
-from scheduler.store.subscriber import Subscriber
+from scheduler.store.subscriptions import Subscriptions
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 log = logging.getLogger(__name__)
@@ -191,20 +191,20 @@ def read_chunks(
     after_seq: int = 0,
     lease: ReaderLease | None = None,
     on_quiet: Callable[[], None] | None = None,
-    subscriber: Subscriber | None = None,
+    subscriptions: Subscriptions | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Yield the chunks of a job from ``after_seq + 1`` on, until the final one, renewing
     ``lease`` (if given) while it reads.
 
     Raises TimeoutError when no chunk arrives for ``timeout_s`` seconds. ``on_quiet`` is
     called after each quiet spell (the job's handle checks that it is not lost there).
-    The channel is followed through ``subscriber``, the process's shared connection,
-    when given, else through a connection of its own.
+    The channel is followed through a connection taken from ``subscriptions`` (and given
+    back) when given, else through a connection of its own.
     """
     order = ChunkOrder(job_id, timeout_s, after_seq)
     pubsub: Any
-    if subscriber is not None:
-        pubsub = subscriber.open(keys.job_channel(job_id))
+    if subscriptions is not None:
+        pubsub = subscriptions.open(keys.job_channel(job_id))
     else:
         pubsub = client.pubsub()
         pubsub.subscribe(keys.job_channel(job_id))
