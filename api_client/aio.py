@@ -30,6 +30,7 @@ from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Mess
 from scheduler.settings import Settings
 from scheduler.store.connection import CLIENT_OPTIONS
 from scheduler.store.streams import aread_chunks
+from scheduler.store.subscriptions import AsyncSubscriptions
 
 
 class AsyncJob:
@@ -69,7 +70,10 @@ class AsyncJob:
         lease = self.job.reader_lease(cancel_on_close)
         try:
             check = partial(asyncio.to_thread, self.job.check)
-            async for chunk in aread_chunks(self.client.r, self.id, wait, after, lease, check):
+            chunks = aread_chunks(
+                self.client.r, self.id, wait, after, lease, check, self.client.subscriptions
+            )
+            async for chunk in chunks:
                 self.job.first_read_at = self.job.first_read_at or time.time()
                 if chunk.get("done"):
                     done = True
@@ -146,8 +150,10 @@ class AsyncClient:
         self.settings = self.sync.settings
         self.timeout = timeout
         self.r = redis.asyncio.Redis.from_url(self.redis_url, **CLIENT_OPTIONS)
+        self.subscriptions = AsyncSubscriptions(self.r)
 
     async def close(self) -> None:
+        await self.subscriptions.aclose()
         await self.r.aclose()
         await asyncio.to_thread(self.sync.close)
 

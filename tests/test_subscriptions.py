@@ -3,17 +3,19 @@ connection and a restart of Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import redis
+import redis.asyncio
 
 from scheduler.local.embedded import EmbeddedRedis
 from scheduler.store import keys
-from scheduler.store.streams import read_chunks
-from scheduler.store.subscriptions import Subscriptions
+from scheduler.store.streams import aread_chunks, read_chunks
+from scheduler.store.subscriptions import AsyncSubscriptions, Subscriptions
 from workers.chunks import ChunkPublisher
 
 
@@ -137,3 +139,41 @@ def test_idle_connections_survive_a_restart_of_redis(tmp_path: Path) -> None:
         pool.close()
         client.close()
         server.stop()
+
+
+def test_async_readers_use_kept_connections_and_get_only_their_chunks(
+    redis_server: EmbeddedRedis, db: redis.Redis
+) -> None:
+    for n in range(4):
+        finished_job(db, f"async-{n}", [f"w{n}"])
+
+    async def main() -> tuple[list[list[str]], int, int]:
+        client = redis.asyncio.Redis(port=redis_server.port, db=1)
+        pool = AsyncSubscriptions(client)
+        try:
+
+            async def texts(job_id: str) -> list[str]:
+                chunks = aread_chunks(client, job_id, 20, subscriptions=pool)
+                return [c["response"] async for c in chunks]
+
+            got = [await texts("async-0")]
+            after_one = connections(db)
+            got += [await texts(f"async-{n}") for n in range(1, 4)]
+            # a connection given back carries nothing of its last channel
+            first = await pool.open(keys.job_channel("old"))
+            await client.publish(keys.job_channel("old"), "late")
+            await first.aclose()
+            second = await pool.open(keys.job_channel("new"))
+            message = await second.get_message(timeout=5)
+            assert message is not None and message["type"] == "subscribe"
+            assert message["channel"] == keys.job_channel("new").encode()
+            assert await second.get_message(timeout=0.2) is None
+            await second.aclose()
+            return got, after_one, connections(db)
+        finally:
+            await pool.aclose()
+            await client.aclose()
+
+    got, after_one, after_all = asyncio.run(main())
+    assert got == [[f"w{n}", ""] for n in range(4)]
+    assert after_all == after_one  # no connection per job

@@ -20,7 +20,7 @@ from scheduler.errors import ChunksLost, GgufqError, JobCancelled
 from scheduler.store import keys
 from scheduler.store.cancel import ReaderLease
 from scheduler.store.scripts import script
-from scheduler.store.subscriptions import Subscriptions
+from scheduler.store.subscriptions import AsyncSubscriptions, Subscriptions
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 log = logging.getLogger(__name__)
@@ -234,14 +234,19 @@ async def aread_chunks(
     after_seq: int = 0,
     lease: ReaderLease | None = None,
     on_quiet: Callable[[], Awaitable[None]] | None = None,
+    subscriptions: AsyncSubscriptions | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """:func:`read_chunks` on redis.asyncio: subscribe, backfill with XRANGE, then follow.
 
     Raises TimeoutError when no chunk arrives for ``timeout_s`` seconds.
     """
     order = ChunkOrder(job_id, timeout_s, after_seq)
-    pubsub = client.pubsub()
-    await pubsub.subscribe(keys.job_channel(job_id))
+    pubsub: Any
+    if subscriptions is not None:
+        pubsub = await subscriptions.open(keys.job_channel(job_id))
+    else:
+        pubsub = client.pubsub()
+        await pubsub.subscribe(keys.job_channel(job_id))
     try:
         while not order.done:
             if lease is not None and lease.due(time.monotonic()):

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import redis
+import redis.asyncio
 
 Message = dict[str, Any]
 
@@ -49,18 +50,49 @@ class Subscription:
         self.pool.give_back(self)
 
 
-class Subscriptions:
-    """The idle pub/sub connections of one Redis client (after a fork, the child's own)."""
+class _Idle:
+    """The idle connections of one client (after a fork, the child's own)."""
 
     KEEP = 16  # idle connections kept at most; more are closed
     UNSUBSCRIBE_WAIT_S = 2.0  # a connection whose unsubscription is not confirmed is closed
 
-    def __init__(self, client: redis.Redis) -> None:
-        self.client = client
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: list[Any] = []
         self._pid = os.getpid()
         self._closed = False
+
+    def _keeps(self) -> bool:
+        return not self._closed and self._pid == os.getpid()
+
+    def _take(self) -> Any:
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's sockets are not ours
+                self._idle, self._pid = [], os.getpid()
+            return self._idle.pop() if self._idle and not self._closed else None
+
+    def _keep(self, pubsub: Any) -> bool:
+        """Keep ``pubsub`` (unsubscribed) for the next reader; False when it must close."""
+        with self._lock:
+            if self._keeps() and len(self._idle) < self.KEEP:
+                self._idle.append(pubsub)
+                return True
+        return False
+
+    def _let_go(self) -> list[Any]:
+        """Stop keeping: the idle connections, for the caller to close."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        return idle if self._pid == os.getpid() else []
+
+
+class Subscriptions(_Idle):
+    """Kept pub/sub connections of one Redis client."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        super().__init__()
+        self.client = client
 
     def open(self, channel: str) -> Subscription:
         """A subscription to ``channel``: its confirmation comes as its first message.
@@ -84,30 +116,18 @@ class Subscriptions:
         """Unsubscribe, and keep the connection for the next reader once Redis confirms it
         (close it on any doubt: an error, a timeout, more to read than expected)."""
         pubsub = sub.pubsub
-        if self._keeps() and _unsubscribed(pubsub, sub.channel, self.UNSUBSCRIBE_WAIT_S):
-            with self._lock:
-                if self._keeps() and len(self._idle) < self.KEEP:
-                    self._idle.append(pubsub)
-                    return
-        pubsub.close()
+        try:
+            clean = self._keeps() and _unsubscribed(pubsub, sub.channel, self.UNSUBSCRIBE_WAIT_S)
+        except BaseException:  # interrupted (Ctrl-C): no doubt left open
+            pubsub.close()
+            raise
+        if not (clean and self._keep(pubsub)):
+            pubsub.close()
 
     def close(self) -> None:
         """Close the idle connections; those in use close when their readers give them back."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        if self._pid == os.getpid():
-            for pubsub in idle:
-                pubsub.close()
-
-    def _keeps(self) -> bool:
-        return not self._closed and self._pid == os.getpid()
-
-    def _take(self) -> Any:
-        with self._lock:
-            if self._pid != os.getpid():  # a forked child: the parent's sockets are not ours
-                self._idle, self._pid = [], os.getpid()
-            return self._idle.pop() if self._idle and not self._closed else None
+        for pubsub in self._let_go():
+            pubsub.close()
 
 
 def _unsubscribed(pubsub: Any, channel: bytes, wait_s: float) -> bool:
@@ -118,6 +138,85 @@ def _unsubscribed(pubsub: Any, channel: bytes, wait_s: float) -> bool:
         deadline = time.monotonic() + wait_s
         while (left := deadline - time.monotonic()) > 0:
             message = pubsub.get_message(timeout=left)
+            if message is not None and message.get("type") == "unsubscribe":
+                return not pubsub.subscribed
+        return False
+    except (redis.RedisError, OSError, RuntimeError):
+        return False
+
+
+class AsyncSubscription:
+    """:class:`Subscription` on redis.asyncio."""
+
+    def __init__(self, pool: AsyncSubscriptions, pubsub: Any, channel: bytes, kept: bool) -> None:
+        self.pool, self.pubsub, self.channel = pool, pubsub, channel
+        self.kept = kept
+
+    async def get_message(self, timeout: float | None) -> Message | None:
+        try:
+            message: Message | None = await self.pubsub.get_message(timeout=timeout)
+        except redis.ConnectionError:
+            if not self.kept:
+                raise
+            self.kept = False  # closed while idle: once, on a new connection
+            await self.pubsub.aclose()
+            self.pubsub = self.pool.client.pubsub()
+            await self.pubsub.subscribe(self.channel)
+            return None
+        if message is not None:
+            self.kept = False
+        return message
+
+    async def aclose(self) -> None:
+        await self.pool.give_back(self)
+
+
+class AsyncSubscriptions(_Idle):
+    """:class:`Subscriptions` of a redis.asyncio client (used from its event loop)."""
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        super().__init__()
+        self.client = client
+
+    async def open(self, channel: str) -> AsyncSubscription:
+        kept = self._take()
+        if kept is not None:
+            try:
+                await kept.subscribe(channel)
+                return AsyncSubscription(self, kept, channel.encode(), kept=True)
+            except redis.RedisError:
+                await kept.aclose()
+        pubsub = self.client.pubsub()
+        try:
+            await pubsub.subscribe(channel)
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return AsyncSubscription(self, pubsub, channel.encode(), kept=False)
+
+    async def give_back(self, sub: AsyncSubscription) -> None:
+        pubsub = sub.pubsub
+        try:
+            wait_s = self.UNSUBSCRIBE_WAIT_S
+            clean = self._keeps() and await _aunsubscribed(pubsub, sub.channel, wait_s)
+        except BaseException:  # the reading task was cancelled meanwhile
+            await pubsub.aclose()
+            raise
+        if not (clean and self._keep(pubsub)):
+            await pubsub.aclose()
+
+    async def aclose(self) -> None:
+        for pubsub in self._let_go():
+            await pubsub.aclose()
+
+
+async def _aunsubscribed(pubsub: Any, channel: bytes, wait_s: float) -> bool:
+    """:func:`_unsubscribed` on redis.asyncio."""
+    try:
+        await pubsub.unsubscribe(channel)
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            message = await pubsub.get_message(timeout=left)
             if message is not None and message.get("type") == "unsubscribe":
                 return not pubsub.subscribed
         return False
