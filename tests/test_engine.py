@@ -576,3 +576,16 @@ def test_a_prompt_that_extends_a_cached_one_answers_as_if_evaluated_whole(
     assert runner.engine.reused_tokens > 2 * len(runner.engine.tokenize(first))
     assert reused.text == fresh.text == again.text
     assert reused.prompt_eval_count == fresh.prompt_eval_count
+
+
+def test_the_loop_accounts_for_its_steps(runner_factory: Callable[..., Runner]) -> None:
+    # what bench/step_split.py reports: every step counted, its parts within its whole
+    runner = runner_factory(2)
+    before = runner.engine.times.copy()
+    emitted: list[str] = []
+    stats = runner.generate(PROMPTS[0], Options(num_predict=12, **GREEDY), emitted.append)
+    spent = runner.engine.times.since(before)
+    assert spent.tokens == stats.eval_count == 12 and spent.steps >= 12
+    assert spent.decode_ns > 0 and spent.sample_ns > 0 and spent.emit_ns > 0 and emitted
+    assert spent.decode_ns + spent.sample_ns + spent.emit_ns <= spent.step_ns
+    assert spent.bookkeeping_ns >= 0

@@ -15,6 +15,9 @@ the sampler chain, parsing a grammar), hand it to the loop and block until it en
 ``cancelled`` is polled at the start of every step, so a cancelled job leaves its slot
 before the next decode; one cancelled while waiting never starts.
 
+:class:`StepTimes` adds up where the loop's time goes (llama_decode, sampling, the stream
+writes, and the rest), for ``bench/step_split.py`` and whoever asks ``Engine.times``.
+
 This module owns the loop (:class:`Engine`) and a job's state in it (:class:`Job`); the
 parts it drives are its sibling modules (see :mod:`workers.engine`).
 """
@@ -26,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from scheduler.errors import GgufqError, InvalidRequest, JobFailed
 from scheduler.protocol import Options, RunnerConfig
@@ -47,6 +50,36 @@ DECODE_ERRORS = {
     2: "decoding was aborted",
     -1: "the batch was invalid",
 }
+
+
+@dataclass
+class StepTimes:
+    """The decode loop's time, summed over its steps (nanoseconds of perf_counter_ns).
+
+    A step runs from the loop's wake-up to the end of its batch: ``decode_ns`` is
+    llama_decode and the wait for its result (a GPU computes asynchronously),
+    ``sample_ns`` picking every sequence's next token, ``emit_ns`` handing text to the
+    jobs' ``on_text`` (the stream writes), and :attr:`bookkeeping_ns` the rest: admission,
+    cancellation checks, the batch layout, detokenizing, stop strings, retiring jobs.
+    Only the decode thread adds to it: plain ints, no allocation per token."""
+
+    steps: int = 0
+    tokens: int = 0  # tokens sampled
+    step_ns: int = 0
+    decode_ns: int = 0
+    sample_ns: int = 0
+    emit_ns: int = 0
+
+    @property
+    def bookkeeping_ns(self) -> int:
+        return self.step_ns - self.decode_ns - self.sample_ns - self.emit_ns
+
+    def since(self, earlier: StepTimes) -> StepTimes:
+        """What was added after ``earlier`` (a copy taken then with :meth:`copy`)."""
+        return StepTimes(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
+
+    def copy(self) -> StepTimes:
+        return StepTimes(*(getattr(self, f.name) for f in fields(self)))
 
 
 @dataclass(eq=False)
@@ -122,6 +155,7 @@ class Engine:
         self._prep = threading.Lock()  # held while a caller uses the model outside the loop
         self._closing = False
         self._step_no = 0
+        self.times = StepTimes()
         self._thread = threading.Thread(target=self._run, name=f"decode-{self.name}", daemon=True)
         self._thread.start()
 
@@ -211,10 +245,12 @@ class Engine:
 
     # -- the decode loop ------------------------------------------------------------------
     def _run(self) -> None:
+        times = self.times
         while True:
             with self._cond:
                 while not (self._active or self._admission.waiting or self._closing):
                     self._cond.wait()
+                started = time.perf_counter_ns()
                 if self._closing:
                     break
                 gone = self._admission.take_cancelled(_is_cancelled)
@@ -233,6 +269,8 @@ class Engine:
                 log.exception("decode step failed on %s", self.name)
                 for job in list(self._active):
                     self._fail(job, f"the decode loop failed ({exc!r})")
+            times.step_ns += time.perf_counter_ns() - started
+            times.steps += 1
         self._shutdown()
 
     def _step(self) -> None:
@@ -243,15 +281,22 @@ class Engine:
         if n == 0:
             return
         self._batch.n_tokens = n
+        times = self.times
+        decoding = time.perf_counter_ns()
         rc = self._L.llama_decode(self.ctx, self._batch)
+        if rc == 0:  # a GPU returns before it is done: wait here, not in the first sample
+            self._L.llama_synchronize(self.ctx)
+        now = time.perf_counter_ns()
+        times.decode_ns += now - decoding
         if rc != 0:
             self._decode_failed(rc, n, in_batch)
             return
-        now = time.perf_counter_ns()
         # sample every sequence before publishing any text: each ctypes call and numpy's
         # argmax lets go of the GIL, and a chunk handed over mid-loop wakes the chunk
         # writer, which then holds the GIL while llama.cpp's threads wait for this loop
         sampled = [job.sampler.sample(self.ctx, idx) for job, idx in outputs]
+        times.sample_ns += time.perf_counter_ns() - now
+        times.tokens += len(sampled)
         for (job, _idx), token in zip(outputs, sampled, strict=True):
             self._advance(job, token, now)
 
@@ -306,7 +351,7 @@ class Engine:
             return
         text, stopped = job.stops.feed(job.utf8.feed(piece))
         try:
-            job.emit(text)
+            self._emit(job, text)
         except Exception as exc:
             self._fail(job, f"the consumer of its text failed ({exc!r})")
             return
@@ -317,11 +362,21 @@ class Engine:
         else:
             job.next_token = token
 
+    def _emit(self, job: Job, text: str) -> None:
+        """``job.emit``, its time counted as the stream writes' (:class:`StepTimes`)."""
+        if not text:
+            return
+        started = time.perf_counter_ns()
+        try:
+            job.emit(text)
+        finally:
+            self.times.emit_ns += time.perf_counter_ns() - started
+
     def _end(self, job: Job, reason: str, now: int, flush: bool = True) -> None:
         if flush and reason != "cancel":
             try:
                 tail, _ = job.stops.feed(job.utf8.flush())
-                job.emit(tail + job.stops.flush())
+                self._emit(job, tail + job.stops.flush())
             except Exception as exc:
                 self._fail(job, f"the consumer of its text failed ({exc!r})")
                 return

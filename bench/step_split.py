@@ -1,0 +1,265 @@
+"""The decode loop's time per step, split: llama_decode, sampling, bookkeeping, stream writes.
+
+For each parallel count P (default 1, 4, 8) a fresh process loads the worker's engine
+(``workers.engine.loop.Engine``) with P slots and the context placement loads
+(``RunnerConfig.for_generation``, flash attention as GGUFQ_FLASH_ATTENTION says), then keeps
+all P slots busy for ``--seconds``: P threads each run job after job (a short prompt, T new
+tokens). Each job streams its text as a worker's does: ``workers.generation.Ticker`` →
+``ChunkPublisher`` → the ``ChunkWriter`` thread into a private redis-server (``--no-redis``:
+into nothing). The engine's own counters (``Engine.times``, ``StepTimes``) give the split:
+
+  decode       llama_decode and the wait for its result (the model's own cost)
+  sample       picking every sequence's next token
+  stream       handing text to the jobs' on_text: the chunk publisher, and a job's first
+               chunk written to Redis from the decode thread
+  bookkeeping  the rest: admission, cancellation checks, batch layout, detokenizing,
+               stop strings, retiring jobs
+
+"python" is a step's time outside llama_decode (sample + stream + bookkeeping) over the
+whole step: the issue's target is at most 10 % on a GPU, where a step of a 1B model takes
+a few milliseconds. Prints a table, then one JSON line.
+
+    python bench/step_split.py [--parallel 1,4,8] [--tokens 32] [--seconds 5]
+                               [--model PATH] [--sampler greedy|default] [--no-redis]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+NUM_CTX = 2048
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain why the sky is blue.",
+    "List three uses of a paperclip.",
+    "Describe a market in the morning.",
+    "What makes a good cup of tea?",
+    "Tell me about the moon.",
+    "Write a poem about a river.",
+    "How does a bicycle stay upright?",
+]
+
+
+@dataclass
+class Row:
+    parallel: int
+    jobs: int
+    steps: int
+    tokens: int
+    seconds: float
+    step_ns: int
+    decode_ns: int
+    sample_ns: int
+    stream_ns: int
+    bookkeeping_ns: int
+
+    def ms(self, ns: int) -> float:
+        return ns / max(1, self.steps) / 1e6
+
+    @property
+    def python_share(self) -> float:
+        return (self.step_ns - self.decode_ns) / max(1, self.step_ns)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "parallel": self.parallel,
+            "jobs": self.jobs,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "tokens_per_step": self.tokens / max(1, self.steps),
+            "tok_s": self.tokens / self.seconds,
+            "step_ms": self.ms(self.step_ns),
+            "decode_ms": self.ms(self.decode_ns),
+            "sample_ms": self.ms(self.sample_ns),
+            "stream_ms": self.ms(self.stream_ns),
+            "bookkeeping_ms": self.ms(self.bookkeeping_ns),
+            "python_share": self.python_share,
+        }
+
+
+def measure(
+    path: str,
+    parallel: int,
+    tokens: int,
+    seconds: float,
+    sampler: str,
+    redis_url: str | None,
+    gpu_layers: int,
+) -> Row:
+    """One row, in the calling process: load, warm, keep P slots busy, read the counters."""
+    import redis
+
+    from scheduler.protocol import Options, RunnerConfig
+    from scheduler.settings import get_settings
+    from workers.chunks import ChunkPublisher, ChunkWriter
+    from workers.engine.loop import Engine
+    from workers.generation import Ticker
+
+    settings = get_settings()
+    config = RunnerConfig.for_generation(NUM_CTX, parallel, settings.flash_attention)
+    engine = Engine(path, config, n_gpu_layers=gpu_layers, name=f"step-split-{parallel}")
+    client = redis.Redis.from_url(redis_url) if redis_url else None
+    writer = (
+        ChunkWriter(client, settings.helper_nice, settings.stream_interval_s) if client else None
+    )
+    greedy = {"temperature": 0, "repeat_penalty": 1.0} if sampler == "greedy" else {}
+    options = Options(num_predict=tokens, seed=1, **greedy)  # type: ignore[arg-type]
+
+    def job(prompt: str) -> None:
+        if client is None:
+            engine.generate(prompt, options, lambda _text: None)
+            return
+        publisher = ChunkPublisher(client, uuid.uuid4().hex, 600, writer)
+        ticker = Ticker(lambda *_a, **_k: None, lambda text: publisher.publish({"response": text}))
+        engine.generate(prompt, options, ticker)
+        publisher.flush()  # as a worker does after a job, outside the decode loop
+
+    job(PROMPTS[0])  # warm: the first step builds graphs
+    done = [0] * parallel
+    deadline = [0.0]
+
+    def slot(i: int) -> None:
+        n = 0
+        while time.perf_counter() < deadline[0]:
+            job(PROMPTS[(i + n * parallel) % len(PROMPTS)])
+            n += 1
+        done[i] = n
+
+    before = engine.times.copy()
+    started = time.perf_counter()
+    deadline[0] = started + seconds
+    threads = [threading.Thread(target=slot, args=(i,)) for i in range(parallel)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - started
+    spent = engine.times.since(before)
+    engine.close()
+    if writer is not None:
+        writer.close()
+    return Row(
+        parallel=parallel,
+        jobs=sum(done),
+        steps=spent.steps,
+        tokens=spent.tokens,
+        seconds=took,
+        step_ns=spent.step_ns,
+        decode_ns=spent.decode_ns,
+        sample_ns=spent.sample_ns,
+        stream_ns=spent.emit_ns,
+        bookkeeping_ns=spent.bookkeeping_ns,
+    )
+
+
+def fresh(*args: Any) -> Row:
+    """A row in a new process: llama.cpp's OpenMP threads belong to the thread that called
+    it, and a process that used several decode threads runs the next one slower
+    (bench/batch_throughput.py's ``fresh``)."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(measure, args)
+
+
+def print_table(rows: list[Row]) -> None:
+    head = ["P", "jobs", "steps", "tok/step", "tok/s", "step ms", "decode", "sample"]
+    head += ["stream", "bookkeeping", "python"]
+    print(
+        f"{head[0]:>3}{head[1]:>6}{head[2]:>7}{head[3]:>9}{head[4]:>8}{head[5]:>9}"
+        f"{head[6]:>9}{head[7]:>8}{head[8]:>8}{head[9]:>12}{head[10]:>8}"
+    )
+    for row in rows:
+        s = row.summary()
+        print(
+            f"{row.parallel:3d}{row.jobs:6d}{row.steps:7d}{s['tokens_per_step']:9.2f}"
+            f"{s['tok_s']:8.1f}{s['step_ms']:9.3f}{s['decode_ms']:9.3f}{s['sample_ms']:8.3f}"
+            f"{s['stream_ms']:8.3f}{s['bookkeeping_ms']:12.3f}{row.python_share:8.1%}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--parallel", default="1,4,8", help="comma-separated slot counts")
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens per job")
+    parser.add_argument("--seconds", type=float, default=5.0, help="time each row runs")
+    parser.add_argument("--model", help="a GGUF file (default: the demo model)")
+    parser.add_argument(
+        "--sampler",
+        choices=["greedy", "default"],
+        default="greedy",
+        help="greedy (temperature 0, no penalties: the argmax path) or the default options "
+        "(temperature 0.8, top-k 40, top-p 0.9, repeat penalty 1.1: llama.cpp's chain)",
+    )
+    parser.add_argument("--no-redis", action="store_true", help="stream into nothing")
+    parser.add_argument(
+        "--gpu-layers",
+        type=int,
+        default=-1,
+        help="n_gpu_layers: -1 = all (none without a GPU build), 0 = the CPU only",
+    )
+    args = parser.parse_args()
+
+    from scheduler.local.embedded import EmbeddedRedis
+
+    if args.model:
+        path = str(Path(args.model).resolve())
+    else:
+        from scheduler.gguf.registry import demo_model_path
+
+        path = str(demo_model_path())
+    counts = [int(p) for p in args.parallel.split(",") if p]
+    server = None if args.no_redis else EmbeddedRedis(Path(tempfile.mkdtemp(prefix="ggufq-split-")))
+    url = server.start() if server else None
+    try:
+        rows = []
+        for p in counts:
+            rows.append(
+                fresh(path, p, args.tokens, args.seconds, args.sampler, url, args.gpu_layers)
+            )
+            print(f"P={p}: {rows[-1].steps} steps in {rows[-1].seconds:.1f} s", flush=True)
+    finally:
+        if server:
+            server.stop()
+    print(
+        f"\n{Path(path).name}, {args.tokens} new tokens a job, {args.sampler} sampling, "
+        f"streams {'into Redis' if url else 'into nothing'}, {os.cpu_count()} cores; "
+        "ms are per step (means), python = a step's time outside llama_decode"
+    )
+    print_table(rows)
+    targets = {str(r.parallel): r.python_share <= 0.10 for r in rows}
+    print(
+        "target (python ≤ 10 % of a step, for a GPU): "
+        + ", ".join(f"P={p} {'met' if ok else 'NOT met'}" for p, ok in targets.items())
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "step_split",
+                "model": Path(path).name,
+                "tokens": args.tokens,
+                "seconds": args.seconds,
+                "sampler": args.sampler,
+                "redis": bool(url),
+                "gpu_layers": args.gpu_layers,
+                "cores": os.cpu_count(),
+                "rows": [r.summary() for r in rows],
+                "python_share_le_10pct": targets,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
