@@ -87,10 +87,12 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def sequential(path: str, texts: list[str], tokens: int) -> Run:
+def sequential(path: str, texts: list[str], tokens: int, **llama: Any) -> Run:
+    """One prompt after another through llama-cpp-python (``llama``: more Llama arguments,
+    such as ``n_gpu_layers`` for bench/gpu/throughput.py)."""
     from llama_cpp import Llama, StoppingCriteriaList
 
-    llm = Llama(model_path=path, n_ctx=NUM_CTX, n_batch=512, verbose=False)
+    llm = Llama(model_path=path, n_ctx=NUM_CTX, n_batch=512, verbose=False, **llama)
     llm.create_completion("Hello", max_tokens=4, temperature=0)  # warm
     run = Run("sequential", note=f"llama-cpp-python create_completion, n_ctx {NUM_CTX}")
     started = time.perf_counter()
@@ -285,17 +287,27 @@ def through_system(
     return run
 
 
-def llama_server(binary: str, path: str, texts: list[str], tokens: int, parallel: int) -> Run:
+def llama_server(
+    binary: str,
+    path: str,
+    texts: list[str],
+    tokens: int,
+    parallel: int,
+    extra: tuple[str, ...] = (),
+    start_s: float = 120,
+) -> Run:
+    """The same prompts through llama-server's own HTTP server (``extra``: more of its
+    arguments, such as bench/gpu/throughput.py's offload and flash attention)."""
     port = 18000 + os.getpid() % 1000
     proc = subprocess.Popen(
         [binary, "-m", path, "--port", str(port), "--parallel", str(parallel)]
-        + ["-c", str(NUM_CTX * parallel), "--log-disable"],
+        + ["-c", str(NUM_CTX * parallel), *extra, "--log-disable"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}/completion"
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", 120)
+        _wait_http(f"http://127.0.0.1:{port}/health", start_s)
 
         def one(i: int, start: float) -> tuple[float, int, str]:
             body = {"prompt": texts[i], "n_predict": tokens, "temperature": 0, "stream": True}
@@ -316,7 +328,7 @@ def llama_server(binary: str, path: str, texts: list[str], tokens: int, parallel
             return (first or time.perf_counter()) - start, count, "".join(parts)
 
         run = all_at_once("server", texts, one)
-        run.note = f"llama-server --parallel {parallel}"
+        run.note = " ".join(["llama-server --parallel", str(parallel), *extra])
         return run
     finally:
         proc.terminate()

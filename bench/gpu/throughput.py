@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -52,36 +49,10 @@ def gpu_build() -> bool:
 
 
 def sequential(path: str, texts: list[str], tokens: int) -> bt.Run:
-    from llama_cpp import Llama, StoppingCriteriaList
-
     from scheduler.settings import get_settings
 
     flash = get_settings().flash_attention
-    llm = Llama(model_path=path, n_ctx=NUM_CTX, n_gpu_layers=-1, flash_attn=flash, verbose=False)
-    llm.create_completion("Hello", max_tokens=4, temperature=0)  # warm
-    run = bt.Run("sequential", note=f"llama-cpp-python create_completion, n_ctx {NUM_CTX}")
-    started = time.perf_counter()
-    for prompt in texts:
-        first: list[float] = []
-
-        def seen(_ids: Any, _logits: Any, first: list[float] = first) -> bool:
-            if not first:
-                first.append(time.perf_counter())
-            return False
-
-        out: Any = llm.create_completion(
-            prompt,
-            max_tokens=tokens,
-            temperature=0,
-            repeat_penalty=1.0,
-            stopping_criteria=StoppingCriteriaList([seen]),
-        )
-        run.ttft_s.append((first[0] if first else time.perf_counter()) - started)
-        run.tokens.append(out["usage"]["completion_tokens"])
-        run.texts.append(out["choices"][0]["text"])
-    run.wall_s = time.perf_counter() - started
-    llm.close()
-    return run
+    return bt.sequential(path, texts, tokens, n_gpu_layers=-1, flash_attn=flash)
 
 
 def engine(path: str, texts: list[str], tokens: int, parallel: int) -> bt.Run:
@@ -161,42 +132,9 @@ def system(path: str, texts: list[str], tokens: int, parallel: int) -> bt.Run:
 def server(binary: str, path: str, texts: list[str], tokens: int, parallel: int) -> bt.Run:
     from scheduler.settings import get_settings
 
-    port = 18000 + os.getpid() % 1000
     flash = "on" if get_settings().flash_attention else "off"
-    proc = subprocess.Popen(
-        [binary, "-m", path, "--port", str(port), "--parallel", str(parallel)]
-        + ["-c", str(NUM_CTX * parallel), "-ngl", "999", "-fa", flash, "--log-disable"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}/completion"
-    try:
-        bt._wait_http(f"http://127.0.0.1:{port}/health", 300)
-
-        def one(i: int, start: float) -> tuple[float, int, str]:
-            body = {"prompt": texts[i], "n_predict": tokens, "temperature": 0, "stream": True}
-            body |= {"repeat_penalty": 1.0, "cache_prompt": False}
-            request = urllib.request.Request(url, json.dumps(body).encode(), method="POST")
-            request.add_header("Content-Type", "application/json")
-            first, count, parts = None, 0, []
-            with urllib.request.urlopen(request, timeout=600) as resp:
-                for line in resp:
-                    if not line.startswith(b"data: "):
-                        continue
-                    if first is None:
-                        first = time.perf_counter()
-                    data = json.loads(line[6:])
-                    parts.append(data.get("content", ""))
-                    if data.get("stop"):
-                        count = data.get("tokens_predicted", 0)
-            return (first or time.perf_counter()) - start, count, "".join(parts)
-
-        run = bt.all_at_once("server", texts, one)
-        run.note = f"llama-server --parallel {parallel} -ngl 999 -fa {flash}"
-        return run
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    extra = ("-ngl", "999", "-fa", flash)
+    return bt.llama_server(binary, path, texts, tokens, parallel, extra, start_s=300)
 
 
 def columns(args: argparse.Namespace, parallel: int) -> list[bt.Run]:
