@@ -79,6 +79,7 @@ class Run:
             "tok_s": self.tok_s,
             "ttft_p50_s": statistics.median(self.ttft_s),
             "ttft_p90_s": pct(self.ttft_s, 0.9),
+            "ttft_p99_s": pct(self.ttft_s, 0.99),
         }
 
 
@@ -375,13 +376,14 @@ def one_round(path: str, texts: list[str], args: argparse.Namespace, skip: set[s
 
 def print_round(runs: list[Run], args: argparse.Namespace) -> None:
     base = runs[0]
-    print(f"{'':12}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'ratio':>8}{'TTFT p50':>10}{'p90':>8}")
+    head = f"{'':12}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'ratio':>8}{'TTFT p50':>10}{'p90':>8}"
+    print(head + f"{'p99':>8}")
     for run in runs:
         s = run.summary()
         print(
             f"{run.name:12}{s['tokens']:8d}{s['wall_s']:9.1f}{s['tok_s']:9.1f}"
             f"{run.tok_s / base.tok_s:8.2f}{s['ttft_p50_s']:10.2f}{s['ttft_p90_s']:8.2f}"
-            f"   {run.note}"
+            f"{s['ttft_p99_s']:8.2f}   {run.note}"
         )
     same = {
         r.name: sum(a == b for a, b in zip(base.texts, r.texts, strict=True))
@@ -403,6 +405,16 @@ def ratios(rounds: list[list[Run]], name: str, against: str) -> list[float]:
         by = {r.name: r for r in runs}
         if name in by and against in by:
             out.append(by[name].tok_s / by[against].tok_s)
+    return out
+
+
+def ttft_p99_ratios(rounds: list[list[Run]], name: str) -> list[float]:
+    """Per round, ``name``'s p99 time to first token over llama-server's."""
+    out = []
+    for runs in rounds:
+        by = {r.name: r.summary()["ttft_p99_s"] for r in runs}
+        if name in by and "server" in by:
+            out.append(by[name] / by["server"])
     return out
 
 
@@ -456,6 +468,9 @@ def main() -> None:
             "ttft_p50_s_median": statistics.median(
                 r.summary()["ttft_p50_s"] for runs in rounds for r in runs if r.name == name
             ),
+            # issue 19's "64 concurrent requests" target: p99 time to first token against
+            # llama-server's in the same round (≤ 1.5 ×)
+            "ttft_p99_x_server": ttft_p99_ratios(rounds, name),
         }
         seq = f"{med_seq:14.2f}" if med_seq is not None else f"{'—':>14}"
         srv = f"{med_srv:10.2f}" if med_srv is not None else f"{'—':>10}"

@@ -243,3 +243,28 @@ def test_sigkill_worker_mid_job(two_hosts: Hosts) -> None:
         assert runner.devices.keys() == {"vgpu:h1:0"}
         (device,) = client.devices()
         assert device.reserved == runner.bytes
+
+
+def test_a_job_sent_on_the_fast_path_has_an_outcome_when_its_worker_is_killed(
+    two_hosts: Hosts,
+) -> None:
+    """The fast path writes placement's records, so recovery treats its jobs alike: a job
+    that streamed ends with an error, and the next job is not sent to the dead device."""
+    st, victim, settings = two_hosts
+    with Client(st.redis_url, settings=settings, timeout=60) as client:
+        assert wait_for(lambda: len(client.devices()) == 2, timeout=60)
+        client.generate("slow", "warm", options=SHORT)  # loads on h2; publishes its route
+        job = client.submit("slow", "a", options=LONG)
+        assert client.r.get(keys.job_placed(job.id)).startswith(b"fast:")
+        for seen, _chunk in enumerate(job.stream(cancel_on_close=False), 1):
+            if seen == 3:
+                break
+        victim.send_signal(signal.SIGKILL)
+        with pytest.raises(JobFailed, match=r"worker ggufq-vgpu0@h2 \(vgpu:h2:0\) stopped"):
+            job.result(timeout=60)
+        assert finals(client, job.id) == 1
+        # the route to the dead device's runner no longer takes jobs: this one goes
+        # through placement, to the other host
+        after = client.submit("slow", "b", options=SHORT)
+        assert after.result(timeout=60).device == "vgpu:h1:0"
+        assert not client.r.get(keys.job_placed(after.id)).startswith(b"fast:")
