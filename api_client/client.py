@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -214,10 +215,12 @@ class Client:
         resume: bool = False,
         retries: int = 2,
         on_progress: Callable[[BatchSummary], object] | None = None,
+        stop: threading.Event | None = None,
     ) -> BatchSummary:
         """Run many prompts (or chats) with at most ``concurrency`` jobs in flight; rows
         come back in input order, written to ``output`` (JSONL) as they complete. See
-        :func:`api_client.batch.run_batch`."""
+        :func:`api_client.batch.run_batch` (``stop``, set from elsewhere, ends it as
+        Ctrl-C does, raising BatchStopped)."""
         return run_batch(
             self,
             model,
@@ -230,6 +233,7 @@ class Client:
             resume=resume,
             retries=retries,
             on_progress=on_progress,
+            stop=stop,
         )
 
     def embed(

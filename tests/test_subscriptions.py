@@ -18,9 +18,15 @@ from scheduler.store.streams import aread_chunks, read_chunks
 from scheduler.store.subscriptions import AsyncSubscriptions, Subscriptions
 from workers.chunks import ChunkPublisher
 
+NAME = "subscriptions-test"  # the name of this test's connections, among the session's
+
 
 def connections(client: redis.Redis) -> int:
-    return len(client.client_list())
+    return sum(1 for c in client.client_list() if c.get("name") == NAME)
+
+
+def named(redis_server: EmbeddedRedis) -> redis.Redis:
+    return redis.Redis(port=redis_server.port, db=1, client_name=NAME)
 
 
 def soon(check: Callable[[], bool], within_s: float = 10.0) -> bool:
@@ -43,20 +49,25 @@ def texts(client: redis.Redis, job_id: str, pool: Subscriptions) -> list[str]:
     return [c["response"] for c in read_chunks(client, job_id, 20, subscriptions=pool)]
 
 
-def test_readers_one_after_another_use_one_connection(db: redis.Redis) -> None:
-    pool = Subscriptions(db)
+def test_readers_one_after_another_use_one_connection(
+    redis_server: EmbeddedRedis, db: redis.Redis
+) -> None:
+    mine = named(redis_server)
+    pool = Subscriptions(mine)
     try:
         for n in range(6):
             finished_job(db, f"job-{n}", [f"w{n}"])
-        assert texts(db, "job-0", pool) == ["w0", ""]
+        assert texts(mine, "job-0", pool) == ["w0", ""]
         after_one = connections(db)
-        assert [texts(db, f"job-{n}", pool) for n in range(1, 6)] == [
+        assert after_one >= 1
+        assert [texts(mine, f"job-{n}", pool) for n in range(1, 6)] == [
             [f"w{n}", ""] for n in range(1, 6)
         ]
         assert connections(db) == after_one  # no connection per job
         assert int(db.pubsub_numsub(keys.job_channel("job-5"))[0][1]) == 0  # let go
     finally:
         pool.close()
+        mine.close()
 
 
 def test_readers_at_once_each_get_their_own_jobs_chunks(db: redis.Redis) -> None:
@@ -148,7 +159,7 @@ def test_async_readers_use_kept_connections_and_get_only_their_chunks(
         finished_job(db, f"async-{n}", [f"w{n}"])
 
     async def main() -> tuple[list[list[str]], int, int]:
-        client = redis.asyncio.Redis(port=redis_server.port, db=1)
+        client = redis.asyncio.Redis(port=redis_server.port, db=1, client_name=NAME)
         pool = AsyncSubscriptions(client)
         try:
 
@@ -158,6 +169,7 @@ def test_async_readers_use_kept_connections_and_get_only_their_chunks(
 
             got = [await texts("async-0")]
             after_one = connections(db)
+            assert after_one >= 1
             got += [await texts(f"async-{n}") for n in range(1, 4)]
             # a connection given back carries nothing of its last channel
             first = await pool.open(keys.job_channel("old"))

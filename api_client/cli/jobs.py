@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
+from api_client.batch import BatchStopped
 from api_client.batch_files import BatchSummary
 from api_client.client import Client
 from scheduler.errors import GgufqError
@@ -149,13 +152,24 @@ def cmd_batch(args: argparse.Namespace) -> int:
         nonlocal summary
         summary = now
 
+    # Ctrl-C only asks the batch to stop (it looks every half second): a KeyboardInterrupt
+    # raised where it lands could land in a finalizer, where Python drops it; a second
+    # Ctrl-C interrupts at once
+    stop = kwargs["stop"] = threading.Event()
+
+    def interrupted(*_: object) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    main = threading.current_thread() is threading.main_thread()  # where signals are set
+    before = signal.signal(signal.SIGINT, interrupted) if main else None
     with Client() as client:
         try:
             if args.json:
                 summary = client.batch(args.model, args.input, on_progress=seen, **kwargs)
             else:
                 summary = _batch_with_bar(client, args, kwargs, seen)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, BatchStopped):
             written = summary.finished if summary else 0
             print(
                 f"interrupted: {written} rows are in {args.output}; the jobs in flight were "
@@ -163,6 +177,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 130
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, before)
     if args.json:
         print(json.dumps(summary.as_dict()))
     else:
