@@ -11,6 +11,7 @@ confirmed its unsubscription, so no message of one job reaches the next job's re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -184,8 +185,9 @@ class AsyncSubscriptions(_Idle):
             try:
                 await kept.subscribe(channel)
                 return AsyncSubscription(self, kept, channel.encode(), kept=True)
-            except redis.RedisError:
-                await kept.aclose()
+            except (redis.RedisError, OSError, RuntimeError):  # closed, or another loop's
+                with contextlib.suppress(Exception):
+                    await kept.aclose()
         pubsub = self.client.pubsub()
         try:
             await pubsub.subscribe(channel)
