@@ -168,6 +168,8 @@ class BatchRun:
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> BatchSummary:
         file: IO[str] | None = None
+        if self.stop is not None and self.stop.is_set():  # before the output is touched
+            raise BatchStopped("stopped before the first row")
         if self.output is not None:
             self.output.parent.mkdir(parents=True, exist_ok=True)
             file = self.output.open("a" if self.resume else "w", encoding="utf-8")

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from api_client import (
     NoWorkers,
     ServerBusy,
 )
-from api_client.batch import is_transient
+from api_client.batch import BatchStopped, is_transient
 from api_client.batch_files import read_rows
 from scheduler.local.stack import LocalStack
 from tests.conftest import ggufq, stack_env, wait_for
@@ -233,3 +234,17 @@ def test_cli_batch_reports_failed_rows(cli_env: dict[str, str], tmp_path: Path) 
     summary = json.loads(done.stdout)
     assert (summary["done"], summary["failed"], summary["output"]) == (2, 1, str(out))
     assert [r["id"] for r in output_rows(out)] == ["q1", "q2", "q3"]
+
+
+def test_a_batch_stopped_before_it_starts_leaves_its_output_as_it_was(
+    client: Client, tmp_path: Path
+) -> None:
+    # Ctrl-C while the CLI is still starting only sets the stop flag: the rows of an
+    # earlier run (the user forgot --resume) must not be truncated by opening the file
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "0"}\n')
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(BatchStopped):
+        client.batch("tiny", [{"prompt": "x"}], output=out, stop=stop)
+    assert out.read_text() == '{"id": "0"}\n'

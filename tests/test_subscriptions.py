@@ -189,3 +189,26 @@ def test_async_readers_use_kept_connections_and_get_only_their_chunks(
     got, after_one, after_all = asyncio.run(main())
     assert got == [[f"w{n}", ""] for n in range(4)]
     assert after_all == after_one  # no connection per job
+
+
+def test_a_reader_gets_only_its_channels_messages_and_waits_its_whole_timeout(
+    db: redis.Redis,
+) -> None:
+    pool = Subscriptions(db)
+    try:
+        sub = pool.open(keys.job_channel("mine"))
+        first = sub.get_message(timeout=5)
+        assert first is not None and first["type"] == "subscribe"
+        sub.pubsub.subscribe("not-a-job-channel")  # another channel on the same connection
+        db.publish("not-a-job-channel", "stray")
+        db.publish(keys.job_channel("mine"), "chunk")
+        message = sub.get_message(timeout=5)
+        assert message is not None and message["data"] == b"chunk"
+        started = time.monotonic()
+        db.publish("not-a-job-channel", "stray again")
+        assert sub.get_message(timeout=0.5) is None
+        assert time.monotonic() - started >= 0.45  # not cut short by the stray message
+        sub.pubsub.unsubscribe("not-a-job-channel")
+        sub.close()
+    finally:
+        pool.close()

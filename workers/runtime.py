@@ -166,21 +166,23 @@ class WorkerRuntime:
         # watched before the start reads its cancel flags: a cancel broadcast between the
         # two is not lost
         self.cancels.watch(req.id, cancelled=False)
-        cancelled_now = patiently(
-            lambda: self.state.start(
-                placement.device_id, req.id, placement.id, delivery, ttl_s, self.clock()
-            ),
-            f"starting job {req.id}",
-            math.inf,  # before the try below: giving up here would leak the job's slot
-        )
+        try:
+            cancelled_now = patiently(
+                lambda: self.state.start(
+                    placement.device_id, req.id, placement.id, delivery, ttl_s, self.clock()
+                ),
+                f"starting job {req.id}",
+                math.inf,  # before the try below: giving up here would leak the job's slot
+            )
+        except BaseException:  # Redis refused the script (out of memory, read-only)
+            self._unwatch(req.id)
+            raise
         if cancelled_now is None:
             # the device was dropped meanwhile (this worker was stopped or lost its Redis
             # connection) and placement re-placed or failed the job
             # (or this is a second delivery: it runs once, elsewhere in this pool)
             log.warning("job %s is no longer this device's: not running it here", req.id)
-            with self._jobs_lock:  # unless another delivery of it runs here
-                if req.id not in self._running:
-                    self.cancels.forget(req.id)
+            self._unwatch(req.id)
             raise NotOwned(req.id)
         with self._jobs_lock:
             self._running[req.id] = placement
@@ -245,8 +247,8 @@ class WorkerRuntime:
             tally = {"failed": 1}
             raise error from None
         finally:
-            self.cancels.forget(req.id)
-            with self._jobs_lock:
+            with self._jobs_lock:  # together: a second delivery checks _running to unwatch
+                self.cancels.forget(req.id)
                 self._running.pop(req.id, None)
             self._disowned.discard(req.id)
 
@@ -264,6 +266,12 @@ class WorkerRuntime:
             self.backlog.run(
                 f"counting job {req.id} off", lambda: self._job_ended(req.id, placement)
             )
+
+    def _unwatch(self, job_id: str) -> None:
+        """Stop watching a job that does not run here, unless another delivery of it does."""
+        with self._jobs_lock:
+            if job_id not in self._running:
+                self.cancels.forget(job_id)
 
     def _job_ended(self, job_id: str, placement: Placement) -> None:
         """Count the job off its runner (once, however often this is tried); the runner's

@@ -161,9 +161,13 @@ def cmd_batch(args: argparse.Namespace) -> int:
         stop.set()
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    main = threading.current_thread() is threading.main_thread()  # where signals are set
-    before = signal.signal(signal.SIGINT, interrupted) if main else None
     with Client() as client:
+        # only where Python delivers signals, and not where SIGINT is ignored (started in
+        # the background by a script)
+        ours = threading.current_thread() is threading.main_thread() and (
+            signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+        )
+        before = signal.signal(signal.SIGINT, interrupted) if ours else None
         try:
             if args.json:
                 summary = client.batch(args.model, args.input, on_progress=seen, **kwargs)
@@ -178,8 +182,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
             )
             return 130
         finally:
-            if main:
-                signal.signal(signal.SIGINT, before)
+            if ours:
+                signal.signal(signal.SIGINT, before or signal.default_int_handler)
     if args.json:
         print(json.dumps(summary.as_dict()))
     else:

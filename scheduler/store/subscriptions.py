@@ -23,6 +23,26 @@ import redis.asyncio
 Message = dict[str, Any]
 
 
+EARLY_TRIES = 4  # reads within one wait that may end early before the wait gives up
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _over(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def _ours(message: Message | None, channel: bytes) -> bool:
+    """Whether ``message`` is for the reader of ``channel`` (a message or its subscription's
+    confirmation), not a stray reply or another channel's."""
+    if message is None:
+        return False
+    found = message.get("channel")
+    return (found.encode() if isinstance(found, str) else found) == channel
+
+
 class Subscription:
     """One reader's subscription to one channel."""
 
@@ -31,6 +51,17 @@ class Subscription:
         self.kept = kept  # on a kept connection, not yet seen to work
 
     def get_message(self, timeout: float | None) -> Message | None:
+        """The next message of this channel, or None once ``timeout`` has passed (a reply
+        that is nobody's message, such as a late health-check answer, does not end the
+        wait early)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in range(EARLY_TRIES):
+            message = self._read(_left(deadline))
+            if _ours(message, self.channel) or _over(deadline):
+                return message
+        return None
+
+    def _read(self, timeout: float | None) -> Message | None:
         try:
             message: Message | None = self.pubsub.get_message(timeout=timeout)
         except redis.ConnectionError:
@@ -154,6 +185,15 @@ class AsyncSubscription:
         self.kept = kept
 
     async def get_message(self, timeout: float | None) -> Message | None:
+        """See :meth:`Subscription.get_message`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in range(EARLY_TRIES):
+            message = await self._read(_left(deadline))
+            if _ours(message, self.channel) or _over(deadline):
+                return message
+        return None
+
+    async def _read(self, timeout: float | None) -> Message | None:
         try:
             message: Message | None = await self.pubsub.get_message(timeout=timeout)
         except redis.ConnectionError:
@@ -185,9 +225,11 @@ class AsyncSubscriptions(_Idle):
             try:
                 await kept.subscribe(channel)
                 return AsyncSubscription(self, kept, channel.encode(), kept=True)
-            except (redis.RedisError, OSError, RuntimeError):  # closed, or another loop's
+            except BaseException as exc:  # closed, another loop's, or the task cancelled
                 with contextlib.suppress(Exception):
                     await kept.aclose()
+                if not isinstance(exc, (redis.RedisError, OSError, RuntimeError)):
+                    raise
         pubsub = self.client.pubsub()
         try:
             await pubsub.subscribe(channel)
