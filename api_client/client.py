@@ -142,8 +142,8 @@ class Client:
             return task_message(self.app, keys.TASK_RUN, request, request.id, queue, sent)
 
         try:
-            warnings = list(filter(None, [format_warning(request)]))
-            placement = self.fast.send(request, message, warnings)
+            warning = format_warning(request)
+            placement = self.fast.send(request, message, [warning] if warning else [])
         except ValueError:
             raise self._taken(request.id) from None
         if placement is None:

@@ -40,8 +40,9 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 NUM_CTX = 2048
 SUBJECTS = (
     "cat dog robot ship tree king river cloud moon car lighthouse baker violin desert "
@@ -349,7 +350,7 @@ def _wait_http(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
-def fresh(column: Callable[..., Run], *args: Any) -> Run:
+def fresh(column: Callable[..., T], *args: Any) -> T:
     """Run a column in a new process. llama.cpp's CPU backend uses OpenMP, whose worker
     threads belong to the thread that called it: once a process holds more of them than
     cores (a context used from the main thread, then the engine's decode thread), libgomp
@@ -398,23 +399,14 @@ def print_round(runs: list[Run], args: argparse.Namespace) -> None:
     )
 
 
-def ratios(rounds: list[list[Run]], name: str, against: str) -> list[float]:
-    """Per round, ``name``'s tokens/s over ``against``'s (only rounds that ran both)."""
+def ratios(rounds: list[list[Run]], name: str, against: str, figure: str = "tok_s") -> list[float]:
+    """Per round, ``name``'s ``figure`` (of :meth:`Run.summary`) over ``against``'s (only
+    rounds that ran both)."""
     out = []
     for runs in rounds:
-        by = {r.name: r for r in runs}
+        by = {r.name: r.summary()[figure] for r in runs}
         if name in by and against in by:
-            out.append(by[name].tok_s / by[against].tok_s)
-    return out
-
-
-def ttft_p99_ratios(rounds: list[list[Run]], name: str) -> list[float]:
-    """Per round, ``name``'s p99 time to first token over llama-server's."""
-    out = []
-    for runs in rounds:
-        by = {r.name: r.summary()["ttft_p99_s"] for r in runs}
-        if name in by and "server" in by:
-            out.append(by[name] / by["server"])
+            out.append(by[name] / by[against])
     return out
 
 
@@ -470,7 +462,7 @@ def main() -> None:
             ),
             # issue 19's "64 concurrent requests" target: p99 time to first token against
             # llama-server's in the same round (≤ 1.5 ×)
-            "ttft_p99_x_server": ttft_p99_ratios(rounds, name),
+            "ttft_p99_x_server": ratios(rounds, name, "server", "ttft_p99_s"),
         }
         seq = f"{med_seq:14.2f}" if med_seq is not None else f"{'—':>14}"
         srv = f"{med_srv:10.2f}" if med_srv is not None else f"{'—':>10}"

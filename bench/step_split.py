@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -36,9 +35,15 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: batch_throughput
+
+import batch_throughput as bt  # noqa: E402
+
+if TYPE_CHECKING:
+    from workers.engine.loop import StepTimes
 
 NUM_CTX = 2048
 PROMPTS = [
@@ -57,35 +62,34 @@ PROMPTS = [
 class Row:
     parallel: int
     jobs: int
-    steps: int
-    tokens: int
     seconds: float
-    step_ns: int
-    decode_ns: int
-    sample_ns: int
-    stream_ns: int
-    bookkeeping_ns: int
+    times: StepTimes  # what the loop's counters added during the row
+
+    @property
+    def steps(self) -> int:
+        return self.times.steps
 
     def ms(self, ns: int) -> float:
         return ns / max(1, self.steps) / 1e6
 
     @property
     def python_share(self) -> float:
-        return (self.step_ns - self.decode_ns) / max(1, self.step_ns)
+        return (self.times.step_ns - self.times.decode_ns) / max(1, self.times.step_ns)
 
     def summary(self) -> dict[str, Any]:
+        t = self.times
         return {
             "parallel": self.parallel,
             "jobs": self.jobs,
-            "steps": self.steps,
-            "tokens": self.tokens,
-            "tokens_per_step": self.tokens / max(1, self.steps),
-            "tok_s": self.tokens / self.seconds,
-            "step_ms": self.ms(self.step_ns),
-            "decode_ms": self.ms(self.decode_ns),
-            "sample_ms": self.ms(self.sample_ns),
-            "stream_ms": self.ms(self.stream_ns),
-            "bookkeeping_ms": self.ms(self.bookkeeping_ns),
+            "steps": t.steps,
+            "tokens": t.tokens,
+            "tokens_per_step": t.tokens / max(1, t.steps),
+            "tok_s": t.tokens / self.seconds,
+            "step_ms": self.ms(t.step_ns),
+            "decode_ms": self.ms(t.decode_ns),
+            "sample_ms": self.ms(t.sample_ns),
+            "stream_ms": self.ms(t.emit_ns),
+            "bookkeeping_ms": self.ms(t.bookkeeping_ns),
             "python_share": self.python_share,
         }
 
@@ -151,26 +155,12 @@ def measure(
     engine.close()
     if writer is not None:
         writer.close()
-    return Row(
-        parallel=parallel,
-        jobs=sum(done),
-        steps=spent.steps,
-        tokens=spent.tokens,
-        seconds=took,
-        step_ns=spent.step_ns,
-        decode_ns=spent.decode_ns,
-        sample_ns=spent.sample_ns,
-        stream_ns=spent.emit_ns,
-        bookkeeping_ns=spent.bookkeeping_ns,
-    )
+    return Row(parallel=parallel, jobs=sum(done), seconds=took, times=spent)
 
 
 def fresh(*args: Any) -> Row:
-    """A row in a new process: llama.cpp's OpenMP threads belong to the thread that called
-    it, and a process that used several decode threads runs the next one slower
-    (bench/batch_throughput.py's ``fresh``)."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(measure, args)
+    """A row in a new process (bench/batch_throughput.py's ``fresh`` says why)."""
+    return bt.fresh(measure, *args)
 
 
 def print_table(rows: list[Row]) -> None:

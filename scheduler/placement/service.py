@@ -162,16 +162,17 @@ class PlacementService:
             log.warning("job %s was delivered again; it is placed once", req.id)
             return {"duplicate": req.id}
         outcome = self._attempt(req, started, score, errors=0, new=True)
+        sent = "route" in outcome  # with its hops and route (None: no single runner)
+        route = outcome.pop("route", None)
         hops = dict(outcome.pop("hops", {}), submitted=req.submitted_at, placement_received=at)
-        route = outcome.pop("route", ())
         # after sending, off the job's path to its first token: its request counted (the
         # eviction order uses it: decision branch 10), its hops, its route (the fast path)
         with contextlib.suppress(redis.RedisError):
             pipe = self.r.pipeline(transaction=False)
             self.state.count_request(req.model, time.time(), pipe)
             note_hops(pipe, req.id, self.settings.stream_ttl_s, hops)
-            if route and self.settings.fast_path:
-                publish_route(pipe, req, route[0])
+            if sent and self.settings.fast_path:
+                publish_route(pipe, req, route)
             pipe.execute()
         return outcome
 
@@ -303,7 +304,7 @@ class PlacementService:
                     outcome = self._send(req, placement, snap)
                     route = self._route(req, assigned, placement, snap, needs.config_key, warning)
                     hops = {"decided": decided, "sent": time.time()}
-                    return dict(outcome, hops=hops, route=(route,))
+                    return dict(outcome, hops=hops, route=route)
                 case Wait(reason):
                     if isinstance(decision, Park):
                         log.info("job %s parked: %s", req.id, reason)

@@ -101,7 +101,7 @@ class _Idle:
         with self._lock:
             if self._pid != os.getpid():  # a forked child: the parent's sockets are not ours
                 self._idle, self._pid = [], os.getpid()
-            return self._idle.pop() if self._idle and not self._closed else None
+            return self._idle.pop() if self._idle else None  # none once closed
 
     def _keep(self, pubsub: Any) -> bool:
         """Keep ``pubsub`` (unsubscribed) for the next reader; False when it must close."""

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from scheduler.errors import GgufqError, InvalidRequest, JobFailed
 from scheduler.protocol import Options, RunnerConfig
@@ -79,7 +79,7 @@ class StepTimes:
         return StepTimes(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
 
     def copy(self) -> StepTimes:
-        return StepTimes(*(getattr(self, f.name) for f in fields(self)))
+        return replace(self)
 
 
 @dataclass(eq=False)
