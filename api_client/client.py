@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, overload
-
-import redis
 
 from api_client.batch import run_batch
 from api_client.batch_files import BatchInput, BatchSummary
@@ -37,8 +34,6 @@ from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
 from scheduler.store.celery_app import ask_unload, make_app, send_job, task_message
 from scheduler.store.connection import connect, resolve_redis_url
-from scheduler.store.hops import note as note_hops
-from scheduler.store.placement_state import PlacementState
 from scheduler.store.readers import ClusterReader
 from scheduler.store.routes import FastPath
 from scheduler.store.subscriptions import Subscriptions
@@ -74,7 +69,6 @@ class Client:
         self.app = make_app(self.redis_url, self.settings)
         self.state = ClusterReader(self.r)
         self._alive_until = 0.0
-        self._placement_state = PlacementState(self.r)
         claim_ttl_s = int(max(self.settings.result_ttl_s, self.settings.stream_ttl_s))
         self.fast = (
             FastPath(self.r, self.settings.device_ttl_s, claim_ttl_s, self.settings.stream_ttl_s)
@@ -126,8 +120,9 @@ class Client:
                 **(extra or {}),
             }
         )
-        self._check_alive()
+        # the fast path checks its runner's device is alive itself: no other look first
         if not (self.fast is not None and self._send_fast(request)):
+            self._check_alive()
             self._claim_id(request)
             self.place(request)
         return Job(self, request)
@@ -146,16 +141,7 @@ class Client:
             placement = self.fast.send(request, message, [warning] if warning else [])
         except ValueError:
             raise self._taken(request.id) from None
-        if placement is None:
-            return False
-        # after sending, as placement does: the request counted for the eviction order
-        with contextlib.suppress(redis.RedisError):
-            pipe = self.r.pipeline(transaction=False)
-            self._placement_state.count_request(request.model, time.time(), pipe)
-            hops = {"submitted": request.submitted_at, "sent": time.time()}
-            note_hops(pipe, request.id, self.settings.stream_ttl_s, hops)
-            pipe.execute()
-        return True
+        return placement is not None
 
     def place(self, request: JobRequest) -> None:
         """Send a job to placement (again, when its message was lost: it places a job once)."""

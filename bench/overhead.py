@@ -32,7 +32,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def direct_once(engine: Any) -> tuple[float, float, int]:
+def direct_once(engine: Any) -> tuple[float, float, int, float]:
     from scheduler.protocol import Options
 
     started = time.perf_counter()
@@ -44,22 +44,24 @@ def direct_once(engine: Any) -> tuple[float, float, int]:
 
     stats = engine.generate(PROMPT, Options(**OPTIONS), on_text)
     ended = time.perf_counter()
-    return ended - started, (first[0] if first else ended) - started, stats.eval_count
+    first_step = stats.prompt_eval_duration_ns / 1e6
+    return ended - started, (first[0] if first else ended) - started, stats.eval_count, first_step
 
 
-def system_once(client: Any) -> tuple[float, float, int, dict[str, float]]:
+def system_once(client: Any) -> tuple[float, float, int, float, dict[str, float]]:
     started = time.perf_counter()
     first = None
-    eval_count = 0
+    eval_count, first_step = 0, 0.0
     job = client.submit(MODEL, PROMPT, options=OPTIONS)
     for chunk in job.stream():
         if first is None:
             first = time.perf_counter()
         if chunk.done:
             eval_count = chunk.eval_count or 0
+            first_step = (chunk.prompt_eval_duration or 0) / 1e6
     ended = time.perf_counter()
     job.result()  # the worker's hops are written before its result is stored
-    return ended - started, (first or ended) - started, eval_count, job.hops()
+    return ended - started, (first or ended) - started, eval_count, first_step, job.hops()
 
 
 def summary(rows: list[tuple[Any, ...]]) -> dict[str, float]:
@@ -119,8 +121,8 @@ def main() -> None:
         for _ in range(3):  # warm both
             system_once(client)
             direct_once(engine)
-        direct: list[tuple[float, float, int]] = []
-        system: list[tuple[float, float, int, dict[str, float]]] = []
+        direct: list[tuple[float, float, int, float]] = []
+        system: list[tuple[float, float, int, float, dict[str, float]]] = []
         for i in range(args.requests):  # ABBA order: neither side always runs second
             if i % 2:
                 system.append(system_once(client))
@@ -151,7 +153,7 @@ def main() -> None:
 
     per_hop: dict[str, list[float]] = {}
     for row in system:
-        for name, gap in gaps_ms(row[3]).items():
+        for name, gap in gaps_ms(row[4]).items():
             per_hop.setdefault(name, []).append(gap)
     hops = {name: statistics.median(gaps) for name, gaps in per_hop.items()}
     print("\nmedian time between the hops of a ggufq job (ms):")
@@ -159,8 +161,18 @@ def main() -> None:
         print(f"  {name:48}{gap:9.2f}   p95 {pct(per_hop[name], 0.95):8.2f}")
     print("slowest ggufq requests, end to end, with their hops (ms):")
     for row in sorted(system, key=lambda r: -r[0])[:3]:
-        steps = ", ".join(f"{k} {v:.1f}" for k, v in gaps_ms(row[3]).items())
+        steps = ", ".join(f"{k} {v:.1f}" for k, v in gaps_ms(row[4]).items())
         print(f"  {row[0] * 1000:8.1f}: {steps}")
+    # the model's own first step (admitted → first token) in each: a gap between them is
+    # time the system's other work took from the decode on a busy CPU
+    first_step = {
+        "direct": statistics.median(r[3] for r in direct),
+        "ggufq": statistics.median(r[3] for r in system),
+    }
+    print(
+        f"first decode step (admitted→first token) p50: direct {first_step['direct']:.2f} ms, "
+        f"ggufq {first_step['ggufq']:.2f} ms"
+    )
     print(
         f"requests: {args.requests} each, interleaved ABBA; tokens per request: direct "
         f"{direct[0][2]}, ggufq {system[0][2]}; fast path {'on' if fast else 'off'}"
@@ -181,6 +193,7 @@ def main() -> None:
         "added": added,
         "paired_added": paired,
         "hops_ms_p50": hops,
+        "first_step_ms_p50": first_step,
         "ratio_latency_p50": s["latency_p50_ms"] / d["latency_p50_ms"],
         "targets": verdict,
         "target_met": all(verdict.values()),

@@ -64,9 +64,16 @@ def test_a_job_for_a_ready_runner_with_a_free_slot_is_sent_at_once_as_placement_
     service: PlacementService, db: redis.Redis
 ) -> None:
     runner_id = placed_first(service, db)
+    demand = float(db.hget(keys.DEMAND, "tiny").split(b":")[0])
     req = JobRequest(model="tiny", prompt="second", options={"num_parallel": 2})
     placement = fast_send(service, db, req)
     assert placement is not None and placement.runner_id == runner_id
+    # counted for the eviction order as placement counts a job, in the same step, with
+    # the client's hops
+    assert float(db.hget(keys.DEMAND, "tiny").split(b":")[0]) > demand + 0.99
+    hops = {k.decode(): float(v) for k, v in db.hgetall(keys.job_hops(req.id)).items()}
+    assert hops["submitted"] == req.submitted_at and hops["sent"] >= req.submitted_at
+    assert 0 < db.ttl(keys.job_hops(req.id)) <= 60
     assert db.hget(keys.runner(runner_id), "in_flight") == b"2"
     record = json.loads(db.hget(keys.inflight(DEVICE), req.id))
     assert record["placement"]["id"] == placement.id and record["worker"] == "w@fp"
@@ -104,7 +111,7 @@ def test_the_fast_path_steps_aside_and_writes_nothing_when_placement_must_decide
     assert db.hget(keys.runner(runner_id), "in_flight") == before
     assert not db.hexists(keys.inflight(DEVICE), req.id)
     assert db.llen(keys.device_queue(DEVICE)) == 0
-    assert not db.exists(keys.job_submitted(req.id), keys.job_placed(req.id))
+    assert not db.exists(keys.job_submitted(req.id), keys.job_placed(req.id), keys.job_hops(req.id))
     shape_key = keys.route(str(shape(req)))
     assert bool(db.exists(shape_key)) == (obstacle != "gone")  # a dead runner's route goes
 

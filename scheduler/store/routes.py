@@ -8,7 +8,8 @@ which re-checks in Redis, atomically, what placement's decision would: the route
 names the runner, it is ready, it has a free slot, its device beats, and no job waits
 (parked, or in placement's queues, which it must not overtake). Then it does what
 placement does: takes the slot, claims the job's placement, records the job as sent (so
-that the lost-message sweep and orphan recovery know it) and pushes its Celery message.
+that the lost-message sweep and orphan recovery know it), pushes its Celery message,
+counts the model's demand and notes the job's first hops, all in that one round trip.
 Anything else, and the job takes the normal path. Jobs pinned to a device, asking for GPU
 layers, loading replicas or re-placed never take it, nor does a model with several
 replicas (placement's choice among them, by prefix affinity, stays with placement).
@@ -24,6 +25,7 @@ from typing import Any
 import redis
 from pydantic import BaseModel, ConfigDict
 
+from scheduler.cluster import DEMAND_TAU_S
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
 from scheduler.store.scripts import script
@@ -147,6 +149,8 @@ class FastPath:
             self.owner_ttl_s,
             message(queue, placement),
             ROUTE_TTL_S,
+            req.model,
+            DEMAND_TAU_S,
         ]
         job_keys = [
             keys.route(name),
@@ -160,6 +164,8 @@ class FastPath:
             keys.inflight(route.device_id),
             keys.job_owner(req.id),
             queue,
+            keys.DEMAND,
+            keys.job_hops(req.id),
         ]
         try:
             sent = int(self._send(keys=job_keys, args=args))

@@ -13,8 +13,10 @@ import redis
 @cache
 def _lua_source(name: str) -> str:
     folder = resources.files("scheduler.store").joinpath("lua")
-    # every script logs the keys it changes (placement's snapshot cache reads that log)
-    return folder.joinpath("_changes.lua").read_text() + folder.joinpath(f"{name}.lua").read_text()
+    # the preludes: every script logs the keys it changes (placement's snapshot cache reads
+    # that log), and may count a model's demand
+    preludes = [folder.joinpath(f"_{part}.lua").read_text() for part in ("changes", "demand")]
+    return "".join(preludes) + folder.joinpath(f"{name}.lua").read_text()
 
 
 def script(client: redis.Redis, name: str) -> Any:

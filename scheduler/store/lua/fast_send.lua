@@ -12,9 +12,11 @@
 -- KEYS[9]  ggufq:inflight:<dev>       (hash)
 -- KEYS[10] ggufq:job:<id>:owner       (string)
 -- KEYS[11] the device's Celery queue  (list)
+-- KEYS[12] ggufq:demand               (hash) counted as placement counts a job it sends
+-- KEYS[13] ggufq:job:<id>:hops        (hash) the client's hops: submitted, sent
 -- ARGV: route (as the client read it), device id, now, device ttl, claim ttl, submitted at,
---       placement claim, job id, in-flight record, placement id, owner ttl, message,
---       route ttl
+--       placement claim, job id, in-flight record, placement id, owner ttl (also the
+--       hops'), message, route ttl, model, demand tau
 -- Returns 1 when sent; 0 when the normal path must place it (the route changed, the runner
 -- is not ready or has no free slot, its device is silent, or jobs wait); -1 when the job
 -- id is taken.
@@ -41,4 +43,8 @@ redis.call('HSET', KEYS[9], ARGV[8], ARGV[9])
 redis.call('SET', KEYS[10], ARGV[10], 'EX', ARGV[11])
 redis.call('LPUSH', KEYS[11], ARGV[12])
 redis.call('EXPIRE', KEYS[1], ARGV[13])
+count_demand(KEYS[12], ARGV[14], ARGV[3], ARGV[15])
+local t = redis.call('TIME')  -- sent: now, as the message is in the queue
+redis.call('HSET', KEYS[13], 'submitted', ARGV[6], 'sent', t[1] .. '.' .. string.format('%06d', t[2]))
+redis.call('EXPIRE', KEYS[13], ARGV[11])
 return 1

@@ -1,0 +1,14 @@
+-- Demand, a prelude: one more request for a model, the old count decayed
+-- (score = score*exp(-dt/tau) + 1), in ggufq:demand (hash) model -> "score:last_time".
+local function count_demand(key, model, now, tau)
+  local raw = redis.call('HGET', key, model)
+  now, tau = tonumber(now), tonumber(tau)
+  local score = 0
+  if raw then
+    local s, t = string.match(raw, '([^:]+):([^:]+)')
+    local dt = now - tonumber(t)
+    if dt < 0 then dt = 0 end
+    score = tonumber(s) * math.exp(-dt / tau)
+  end
+  redis.call('HSET', key, model, string.format('%.6f:%.3f', score + 1, now))
+end
