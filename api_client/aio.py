@@ -29,6 +29,7 @@ from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Message, Options
 from scheduler.settings import Settings
 from scheduler.store.connection import CLIENT_OPTIONS
+from scheduler.store.routes import AsyncFastPath
 from scheduler.store.streams import aread_chunks
 from scheduler.store.subscriptions import AsyncSubscriptions
 
@@ -151,6 +152,12 @@ class AsyncClient:
         self.timeout = timeout
         self.r = redis.asyncio.Redis.from_url(self.redis_url, **CLIENT_OPTIONS)
         self.subscriptions = AsyncSubscriptions(self.r)
+        fast = self.sync.fast
+        self.fast = (
+            None
+            if fast is None
+            else AsyncFastPath(self.r, fast.device_ttl_s, fast.claim_ttl_s, fast.owner_ttl_s)
+        )
 
     async def close(self) -> None:
         await self.subscriptions.aclose()
@@ -176,9 +183,11 @@ class AsyncClient:
         format: Literal["json"] | dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
     ) -> AsyncJob:
-        """Submit a job; returns its handle once sent (see :meth:`Client.submit`)."""
-        job = await asyncio.to_thread(
-            self.sync.submit,
+        """Submit a job; returns its handle once sent (see :meth:`Client.submit`). A job
+        for a resident runner with a free slot goes on the fast path from this event loop;
+        the normal path's sending (Celery's) runs in a thread."""
+        sync = self.sync
+        request = sync.request(
             model,
             prompt,
             options=options,
@@ -188,7 +197,17 @@ class AsyncClient:
             format=format,
             extra=extra,
         )
-        return AsyncJob(self, job)
+        if not (self.fast is not None and await self._send_fast(request)):
+            await asyncio.to_thread(sync.send_to_placement, request)
+        return AsyncJob(self, Job(sync, request))
+
+    async def _send_fast(self, request: JobRequest) -> bool:
+        assert self.fast is not None
+        message, warnings = self.sync.fast_parts(request)
+        try:
+            return await self.fast.send(request, message, warnings) is not None
+        except ValueError:
+            raise self.sync.taken(request.id) from None
 
     @overload
     async def generate(

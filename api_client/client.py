@@ -103,10 +103,37 @@ class Client:
         """Submit a job and return its handle at once. ``format`` ("json" or a JSON schema)
         constrains the output through a grammar; ``extra`` carries further request fields
         (``kind``, ``input``, ``truncate``)."""
+        request = self.request(
+            model,
+            prompt,
+            options=options,
+            keep_alive=keep_alive,
+            priority=priority,
+            device=device,
+            format=format,
+            extra=extra,
+        )
+        if not (self.fast is not None and self._send_fast(request)):
+            self.send_to_placement(request)
+        return Job(self, request)
+
+    def request(
+        self,
+        model: str,
+        prompt: str = "",
+        *,
+        options: Options | dict[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+        priority: Literal["interactive", "batch"] = "interactive",
+        device: str | None = None,
+        format: Literal["json"] | dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> JobRequest:
+        """The job :meth:`submit` sends, checked (raises InvalidRequest), not sent."""
         check_model_name(model)
         if isinstance(options, Options):
             options = options.model_dump(exclude_unset=True)
-        request = _parse(
+        return _parse(
             {
                 "model": model,
                 "prompt": prompt,
@@ -120,28 +147,35 @@ class Client:
                 **(extra or {}),
             }
         )
-        # the fast path checks its runner's device is alive itself: no other look first
-        if not (self.fast is not None and self._send_fast(request)):
-            self._check_alive()
-            self._claim_id(request)
-            self.place(request)
-        return Job(self, request)
 
-    def _send_fast(self, request: JobRequest) -> bool:
-        """Send the job straight to its runner's queue when that is resident with a free
-        slot (scheduler/store/routes.py); False when placement must place it."""
-        assert self.fast is not None
+    def send_to_placement(self, request: JobRequest) -> None:
+        """The normal path: claim the job's id and send it to placement (raises NoWorkers
+        when nothing would serve it). The fast path checks its runner's device is alive
+        itself: this look is for the jobs that take this path."""
+        self._check_alive()
+        self._claim_id(request)
+        self.place(request)
+
+    def fast_parts(self, request: JobRequest) -> tuple[Callable[[str, Placement], str], list[str]]:
+        """What the fast path sends for ``request`` beside its route: the Celery message
+        (made for a queue and a placement), and the job's warnings."""
 
         def message(queue: str, placement: Placement) -> str:
             sent = placement.model_dump(mode="json")
             return task_message(self.app, keys.TASK_RUN, request, request.id, queue, sent)
 
+        warning = format_warning(request)
+        return message, [warning] if warning else []
+
+    def _send_fast(self, request: JobRequest) -> bool:
+        """Send the job straight to its runner's queue when that is resident with a free
+        slot (scheduler/store/routes.py); False when placement must place it."""
+        assert self.fast is not None
+        message, warnings = self.fast_parts(request)
         try:
-            warning = format_warning(request)
-            placement = self.fast.send(request, message, [warning] if warning else [])
+            return self.fast.send(request, message, warnings) is not None
         except ValueError:
-            raise self._taken(request.id) from None
-        return placement is not None
+            raise self.taken(request.id) from None
 
     def place(self, request: JobRequest) -> None:
         """Send a job to placement (again, when its message was lost: it places a job once)."""
@@ -338,10 +372,10 @@ class Client:
             ex=max(self.settings.result_ttl_s, self.settings.stream_ttl_s),
         )
         if not claimed:
-            raise self._taken(request.id)
+            raise self.taken(request.id)
 
     @staticmethod
-    def _taken(job_id: str) -> InvalidRequest:
+    def taken(job_id: str) -> InvalidRequest:
         return InvalidRequest(
             f"job id {job_id!r} is already taken by a job submitted earlier; "
             "choose another id, or leave it out and one is made for you"

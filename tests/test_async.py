@@ -91,6 +91,12 @@ def test_async_generate_stream_and_result(
         job = await c.submit("tiny", "The sky is", options=GREEDY)
         assert (await job.result()).response == expected.response
         assert await job.status() == "SUCCESS"
+        # the runner was resident with a free slot: sent from the event loop, on the fast
+        # path, as the sync client would have
+        assert (await c.r.get(keys.job_placed(job.id))).startswith(b"fast:")
+        assert "placement_received" not in await job.hops()
+        with pytest.raises(InvalidRequest, match="already taken"):
+            await c.submit("tiny", "again", extra={"id": job.id})
         # a late reader, then one that drops and resumes after the last seq it saw
         late = [ch async for ch in job.stream()]
         assert text_of(late) == expected.response

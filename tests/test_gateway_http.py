@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -131,28 +132,21 @@ def test_a_keys_id_is_the_tenant_of_its_jobs_and_its_weight_their_share(
     key, token = KeyStore(r).create("tenant", weight=3)
     app = make_app(stack.settings, require_keys=True)
     gateway: Gateway = app.state.gateway
-    placed: list[JobRequest] = []
+    made: list[JobRequest] = []
     sync = gateway.client.sync
-    place, fast = sync.place, sync._send_fast
+    request = sync.request
 
-    def spy(request: JobRequest) -> None:  # through placement
-        placed.append(request)
-        place(request)
+    def spy(*args: Any, **kwargs: Any) -> JobRequest:  # the job either path then sends
+        made.append(request(*args, **kwargs))
+        return made[-1]
 
-    def fast_spy(request: JobRequest) -> bool:  # or straight to a resident runner
-        sent = fast(request)
-        if sent:
-            placed.append(request)
-        return sent
-
-    monkeypatch.setattr(sync, "place", spy)
-    monkeypatch.setattr(sync, "_send_fast", fast_spy)
+    monkeypatch.setattr(sync, "request", spy)
     auth = {"Authorization": f"Bearer {token}"}
     body = {"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
     with serving(app) as base:
         answer = httpx.post(f"{base}/api/generate", json=body, headers=auth, timeout=60)
     assert answer.status_code == 200 and answer.json()["done"]
-    assert [(job.tenant, job.weight) for job in placed] == [(key.id, 3.0)]
+    assert [(job.tenant, job.weight) for job in made] == [(key.id, 3.0)]
 
 
 def test_metrics_count_requests_by_route_and_status(url: str) -> None:

@@ -20,9 +20,11 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import redis
+import redis.asyncio
 from pydantic import BaseModel, ConfigDict
 
 from scheduler.cluster import DEMAND_TAU_S
@@ -71,64 +73,57 @@ def publish_route(pipe: Any, req: JobRequest, route: Route | None) -> None:
         pipe.set(keys.route(name), route.model_dump_json(), ex=ROUTE_TTL_S)
 
 
-class FastPath:
-    """A client's side of the fast path (one per client; safe across its threads)."""
+@dataclass(frozen=True)
+class Attempt:
+    """One fast-path send, ready to run: the script's keys and arguments, the placement it
+    makes, and the claim that tells afterwards whether it ran."""
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        device_ttl_s: float,
-        claim_ttl_s: int,
-        owner_ttl_s: int,
-        clock: Any = time.monotonic,
-    ) -> None:
-        self.r = client
+    name: str
+    placement: Placement
+    keys: list[str]
+    args: list[Any]
+    claim: bytes
+
+
+class _Routes:
+    """What both sides of the fast path share, without I/O: the cached routes, the script's
+    arguments, the reading of its answer."""
+
+    def __init__(self, device_ttl_s: float, claim_ttl_s: int, owner_ttl_s: int, clock: Any) -> None:
         self.device_ttl_s, self.claim_ttl_s, self.owner_ttl_s = (
             device_ttl_s,
             claim_ttl_s,
             owner_ttl_s,
         )
         self.clock = clock
-        self._send = script(client, "fast_send")
         self._routes: dict[str, tuple[float, bytes]] = {}  # shape → (until, route)
 
-    def route(self, name: str) -> bytes | None:
-        now = self.clock()
-        cached = self._routes.get(name)
-        if cached is not None and cached[0] > now:
-            return cached[1]
-        raw = self.r.get(keys.route(name))
+    def cached(self, name: str) -> bytes | None:
+        found = self._routes.get(name)
+        return found[1] if found is not None and found[0] > self.clock() else None
+
+    def remember(self, name: str, raw: object) -> bytes | None:
         if not isinstance(raw, bytes):  # not kept: placement may publish it any moment
             return None
-        self._routes[name] = (now + CACHE_S, raw)
+        self._routes[name] = (self.clock() + CACHE_S, raw)
         return raw
 
-    def send(
-        self, req: JobRequest, message: Any, more_warnings: list[str] | None = None
-    ) -> Placement | None:
-        """Send ``req`` to its runner's queue if the fast path holds, with ``message(queue,
-        placement)`` making the Celery message and ``more_warnings`` for the job (beside
-        the route's); None when the normal path must place it. Raises ValueError when the
-        job id is taken."""
-        more_warnings = more_warnings or []
+    def attempt(
+        self, req: JobRequest, name: str, raw: bytes, message: Any, more_warnings: list[str]
+    ) -> Attempt | None:
         started = time.perf_counter_ns()
-        name = shape(req)
-        raw = None if name is None else self.route(name)
-        if name is None or raw is None:
-            return None
         try:
             route = Route.model_validate_json(raw)
         except ValueError:  # not a route (written by hand, or by another version)
             log.warning("ignoring the route for %s, which does not parse", name)
             self._routes.pop(name, None)
             return None
-        warnings = [*route.warnings, *more_warnings]
         placement = Placement(
             id=uuid.uuid4().hex[:12],
             runner_id=route.runner_id,
             device_id=route.device_id,
             config=route.config,
-            warnings=warnings,
+            warnings=[*route.warnings, *more_warnings],
             placement_ns=time.perf_counter_ns() - started,
         )
         now = time.time()
@@ -167,14 +162,88 @@ class FastPath:
             keys.DEMAND,
             keys.job_hops(req.id),
         ]
+        return Attempt(name, placement, job_keys, args, claim.encode())
+
+    def outcome(self, attempt: Attempt, sent: int) -> Placement | None:
+        if sent < 0:
+            raise ValueError("the job id is taken")
+        if not sent:
+            self._routes.pop(attempt.name, None)  # read it afresh next time
+            return None
+        return attempt.placement
+
+
+class FastPath(_Routes):
+    """A client's side of the fast path (one per client; safe across its threads)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        device_ttl_s: float,
+        claim_ttl_s: int,
+        owner_ttl_s: int,
+        clock: Any = time.monotonic,
+    ) -> None:
+        super().__init__(device_ttl_s, claim_ttl_s, owner_ttl_s, clock)
+        self.r = client
+        self._send = script(client, "fast_send")
+
+    def route(self, name: str) -> bytes | None:
+        return self.cached(name) or self.remember(name, self.r.get(keys.route(name)))
+
+    def send(
+        self, req: JobRequest, message: Any, more_warnings: list[str] | None = None
+    ) -> Placement | None:
+        """Send ``req`` to its runner's queue if the fast path holds, with ``message(queue,
+        placement)`` making the Celery message and ``more_warnings`` for the job (beside
+        the route's); None when the normal path must place it. Raises ValueError when the
+        job id is taken."""
+        name = shape(req)
+        raw = None if name is None else self.route(name)
+        if name is None or raw is None:
+            return None
+        attempt = self.attempt(req, name, raw, message, more_warnings or [])
+        if attempt is None:
+            return None
         try:
-            sent = int(self._send(keys=job_keys, args=args))
+            sent = int(self._send(keys=attempt.keys, args=attempt.args))
         except redis.RedisError:
             # its reply was lost: the claim tells whether it ran (Redis away: this raises)
-            sent = int(self.r.get(keys.job_placed(req.id)) == claim.encode())
-        if sent < 0:
-            raise ValueError(req.id)
-        if not sent:
-            self._routes.pop(name, None)  # read it afresh next time
+            sent = int(self.r.get(keys.job_placed(req.id)) == attempt.claim)
+        return self.outcome(attempt, sent)
+
+
+class AsyncFastPath(_Routes):
+    """:class:`FastPath` on redis.asyncio (one per client, used from its event loop)."""
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        device_ttl_s: float,
+        claim_ttl_s: int,
+        owner_ttl_s: int,
+        clock: Any = time.monotonic,
+    ) -> None:
+        super().__init__(device_ttl_s, claim_ttl_s, owner_ttl_s, clock)
+        self.r = client
+        self._send = script(client, "fast_send")
+
+    async def route(self, name: str) -> bytes | None:
+        return self.cached(name) or self.remember(name, await self.r.get(keys.route(name)))
+
+    async def send(
+        self, req: JobRequest, message: Any, more_warnings: list[str] | None = None
+    ) -> Placement | None:
+        """See :meth:`FastPath.send`."""
+        name = shape(req)
+        raw = None if name is None else await self.route(name)
+        if name is None or raw is None:
             return None
-        return placement
+        attempt = self.attempt(req, name, raw, message, more_warnings or [])
+        if attempt is None:
+            return None
+        try:
+            sent = int(await self._send(keys=attempt.keys, args=attempt.args))
+        except redis.RedisError:
+            sent = int(await self.r.get(keys.job_placed(req.id)) == attempt.claim)
+        return self.outcome(attempt, sent)

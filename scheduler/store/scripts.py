@@ -8,6 +8,7 @@ from importlib import resources
 from typing import Any
 
 import redis
+import redis.asyncio
 
 
 @cache
@@ -19,8 +20,9 @@ def _lua_source(name: str) -> str:
     return "".join(preludes) + folder.joinpath(f"{name}.lua").read_text()
 
 
-def script(client: redis.Redis, name: str) -> Any:
-    """The script ``lua/<name>.lua`` registered on ``client`` (loaded on first call)."""
+def script(client: redis.Redis | redis.asyncio.Redis, name: str) -> Any:
+    """The script ``lua/<name>.lua`` registered on ``client`` (loaded on first call; a
+    redis.asyncio client's is awaited)."""
     return client.register_script(_lua_source(name))
 
 
