@@ -198,16 +198,24 @@ class AsyncClient:
             extra=extra,
         )
         if not (self.fast is not None and await self._send_fast(request)):
-            await asyncio.to_thread(sync.send_to_placement, request)
+            await self._send_to_placement(request)
         return AsyncJob(self, Job(sync, request))
 
     async def _send_fast(self, request: JobRequest) -> bool:
         assert self.fast is not None
-        message, warnings = self.sync.fast_parts(request)
+        return await self.fast.send(request, *self.sync.fast_parts(request)) is not None
+
+    async def _send_to_placement(self, request: JobRequest) -> None:
+        """Celery's sending, in a thread; a caller that leaves meanwhile (the awaiting task
+        cancelled) lets it finish, then cancels the job it sent, which nobody would read."""
+        sending = asyncio.ensure_future(asyncio.to_thread(self.sync.send_to_placement, request))
         try:
-            return await self.fast.send(request, message, warnings) is not None
-        except ValueError:
-            raise self.sync.taken(request.id) from None
+            await asyncio.shield(sending)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await sending  # not sent (an error): nothing to cancel
+                await asyncio.to_thread(self.sync.cancel, request.id)
+            raise
 
     @overload
     async def generate(

@@ -12,10 +12,7 @@ from api_client.batch import run_batch
 from api_client.batch_files import BatchInput, BatchSummary
 from api_client.job import Job
 from scheduler.cluster import DeviceView, JobView, RunnerView
-from scheduler.errors import (
-    InvalidRequest,
-    NoWorkers,
-)
+from scheduler.errors import NoWorkers, job_id_taken
 from scheduler.gguf.registry import Registry
 from scheduler.placement.needs import format_warning
 from scheduler.placement.parking import ParkedJobs
@@ -171,11 +168,7 @@ class Client:
         """Send the job straight to its runner's queue when that is resident with a free
         slot (scheduler/store/routes.py); False when placement must place it."""
         assert self.fast is not None
-        message, warnings = self.fast_parts(request)
-        try:
-            return self.fast.send(request, message, warnings) is not None
-        except ValueError:
-            raise self.taken(request.id) from None
+        return self.fast.send(request, *self.fast_parts(request)) is not None
 
     def place(self, request: JobRequest) -> None:
         """Send a job to placement (again, when its message was lost: it places a job once)."""
@@ -365,21 +358,14 @@ class Client:
     def _claim_id(self, request: JobRequest) -> None:
         """A job id belongs to the job first submitted with it: reusing one would read
         (or cancel) another job's stream and result."""
-        claimed = self.r.set(
-            keys.job_submitted(request.id),
-            request.submitted_at,
-            nx=True,
-            ex=max(self.settings.result_ttl_s, self.settings.stream_ttl_s),
-        )
-        if not claimed:
-            raise self.taken(request.id)
-
-    @staticmethod
-    def taken(job_id: str) -> InvalidRequest:
-        return InvalidRequest(
-            f"job id {job_id!r} is already taken by a job submitted earlier; "
-            "choose another id, or leave it out and one is made for you"
-        )
+        key = keys.job_submitted(request.id)
+        ttl_s = max(self.settings.result_ttl_s, self.settings.stream_ttl_s)
+        if self.r.set(key, request.submitted_at, nx=True, ex=ttl_s):
+            return
+        # taken: by this very request when redis-py sent the SET again after losing its reply
+        found = self.r.get(key)
+        if not (isinstance(found, bytes) and float(found) == request.submitted_at):
+            raise job_id_taken(request.id)
 
     def _check_alive(self) -> None:
         now = time.monotonic()

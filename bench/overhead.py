@@ -163,15 +163,16 @@ def main() -> None:
     for row in sorted(system, key=lambda r: -r[0])[:3]:
         steps = ", ".join(f"{k} {v:.1f}" for k, v in gaps_ms(row[4]).items())
         print(f"  {row[0] * 1000:8.1f}: {steps}")
-    # the model's own first step (admitted → first token) in each: a gap between them is
-    # time the system's other work took from the decode on a busy CPU
+    # the model's own time to first token (admitted → first token: the prompt's last tokens
+    # and the first sample) in each: a gap between them is time the system's other work
+    # took from llama.cpp on a busy CPU
     first_step = {
         "direct": statistics.median(r[3] for r in direct),
         "ggufq": statistics.median(r[3] for r in system),
     }
     print(
-        f"first decode step (admitted→first token) p50: direct {first_step['direct']:.2f} ms, "
-        f"ggufq {first_step['ggufq']:.2f} ms"
+        "model's own time to first token (admitted→first token) p50: "
+        f"direct {first_step['direct']:.2f} ms, ggufq {first_step['ggufq']:.2f} ms"
     )
     print(
         f"requests: {args.requests} each, interleaved ABBA; tokens per request: direct "

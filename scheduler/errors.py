@@ -27,6 +27,14 @@ class InvalidRequest(GgufqError):
     code = "invalid_request"
 
 
+def job_id_taken(job_id: str) -> InvalidRequest:
+    """The error of a job submitted with the id of a job submitted earlier."""
+    return InvalidRequest(
+        f"job id {job_id!r} is already taken by a job submitted earlier; "
+        "choose another id, or leave it out and one is made for you"
+    )
+
+
 class ModelNotFound(GgufqError):
     """The model name is not in the registry."""
 

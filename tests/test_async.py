@@ -19,7 +19,9 @@ from api_client import (
     JobCancelled,
     ModelNotFound,
 )
+from api_client.job import Job
 from scheduler.local.stack import LocalStack
+from scheduler.protocol import JobRequest
 from scheduler.settings import Settings
 from scheduler.store import keys
 from tests.conftest import wait_for
@@ -82,12 +84,13 @@ def test_async_generate_stream_and_result(
     expected = client.generate("tiny", "The sky is", options=GREEDY)
 
     async def body(c: AsyncClient) -> None:
-        result = await c.generate("tiny", "The sky is", options=GREEDY)
-        assert result.response == expected.response and result.eval_count
         chunks = [
             ch async for ch in await c.generate("tiny", "The sky is", stream=True, options=GREEDY)
         ]
         assert text_of(chunks) == expected.response
+        # a result is stored once its slot is free again (the stream's end may come first)
+        result = await c.generate("tiny", "The sky is", options=GREEDY)
+        assert result.response == expected.response and result.eval_count
         job = await c.submit("tiny", "The sky is", options=GREEDY)
         assert (await job.result()).response == expected.response
         assert await job.status() == "SUCCESS"
@@ -104,6 +107,59 @@ def test_async_generate_stream_and_result(
         assert [(c.seq, c.response) for c in resumed] == [(c.seq, c.response) for c in late[1:]]
 
     run(stack, settings, body)
+
+
+def test_an_async_submit_cancelled_as_its_job_goes_out_cancels_the_job(
+    stack: LocalStack, settings: Settings, client: Client
+) -> None:
+    """A caller that leaves (its task cancelled) while the fast path's script runs gets no
+    handle: the job, sent, would run for nobody, so it is cancelled."""
+    client.generate("tiny", "warm", options={"num_predict": 2})  # resident: the fast path
+
+    async def body(c: AsyncClient) -> None:
+        assert c.fast is not None
+        send = c.fast._send
+
+        async def sent_then_left(**kw: object) -> object:
+            await send(**kw)
+            raise asyncio.CancelledError  # its reply never read: the caller left
+
+        c.fast._send = sent_then_left
+        with pytest.raises(asyncio.CancelledError):
+            await c.submit("tiny", "left behind", options=LONG, extra={"id": "left-behind"})
+
+    run(stack, settings, body)
+    assert client.r.get(keys.job_placed("left-behind")).startswith(b"fast:")
+    with pytest.raises(JobCancelled):
+        Job(client, JobRequest(id="left-behind", model="tiny")).result(timeout=30)
+
+
+def test_an_async_submit_cancelled_while_celery_sends_its_job_cancels_the_job(
+    stack: LocalStack, settings: Settings, client: Client
+) -> None:
+    """The same on the normal path, whose sending runs in a thread: it finishes, and the
+    job it sent is cancelled."""
+
+    async def body(c: AsyncClient) -> None:
+        send = c.sync.send_to_placement
+
+        def slow_send(request: JobRequest) -> None:
+            time.sleep(0.5)  # the caller leaves meanwhile
+            send(request)
+
+        c.sync.send_to_placement = slow_send  # type: ignore[method-assign]
+        options = {**LONG, "num_gpu": 0}  # asks for GPU layers: placement's to place
+        submit = asyncio.ensure_future(
+            c.submit("tiny", "left behind", options=options, extra={"id": "left-placed"})
+        )
+        await asyncio.sleep(0.2)
+        submit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+
+    run(stack, settings, body)
+    with pytest.raises(JobCancelled):
+        Job(client, JobRequest(id="left-placed", model="tiny")).result(timeout=30)
 
 
 def test_async_jobs_run_concurrently(stack: LocalStack, settings: Settings) -> None:

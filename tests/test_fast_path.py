@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from api_client import Client
+from api_client.job import Job
 from scheduler.cluster import DeviceInfo
 from scheduler.errors import InvalidRequest
 from scheduler.local.embedded import EmbeddedRedis
@@ -23,6 +24,7 @@ from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.celery_app import task_message
 from scheduler.store.routes import FastPath, shape
+from scheduler.store.scripts import script
 from tests.conftest import placement_on_db1
 
 GIB = 1 << 30
@@ -92,6 +94,37 @@ def test_a_job_for_a_ready_runner_with_a_free_slot_is_sent_at_once_as_placement_
     assert not db.exists(keys.job_submitted(third.id), keys.job_placed(third.id))
 
 
+def test_the_same_attempt_run_again_after_a_lost_reply_is_sent_once(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    """redis-py sends a script again when its reply was lost: the second run of the same
+    attempt answers "sent" (not "id taken", which would fail a submit whose job runs), and
+    changes nothing."""
+    runner_id = placed_first(service, db)
+    req = JobRequest(model="tiny", prompt="second", options={"num_parallel": 2})
+    fast = FastPath(db, device_ttl_s=60, claim_ttl_s=60, owner_ttl_s=60)
+    name = shape(req)
+    assert name is not None
+    raw = fast.route(name)
+    assert raw is not None
+
+    def message(queue: str, placement: Placement) -> str:
+        sent = placement.model_dump(mode="json")
+        return task_message(service.app, keys.TASK_RUN, req, req.id, queue, sent)
+
+    attempt = fast.attempt(req, name, raw, message, [])
+    assert attempt is not None
+    run = script(db, "fast_send")
+    assert [run(keys=attempt.keys, args=attempt.args) for _ in range(2)] == [1, 1]
+    assert db.hget(keys.runner(runner_id), "in_flight") == b"2"  # the first job's and this
+    assert db.llen(keys.device_queue(DEVICE)) == 1
+    # another attempt for the same id (with a slot free for it) is refused, as before
+    db.hincrby(keys.runner(runner_id), "in_flight", -1)
+    other = fast.attempt(req, name, raw, message, [])
+    assert other is not None
+    assert run(keys=other.keys, args=other.args) == -1
+
+
 @pytest.mark.parametrize("obstacle", ["loading", "parked", "queued", "silent", "gone"])
 def test_the_fast_path_steps_aside_and_writes_nothing_when_placement_must_decide(
     service: PlacementService, db: redis.Redis, obstacle: str
@@ -134,7 +167,7 @@ def test_a_taken_job_id_is_refused_on_the_fast_path_too(
     placed_first(service, db)
     req = JobRequest(model="tiny", prompt="second", options={"num_parallel": 2})
     db.set(keys.job_submitted(req.id), 1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequest, match="already taken"):
         fast_send(service, db, req)
 
 
@@ -181,3 +214,9 @@ def test_a_resident_model_serves_through_the_fast_path_end_to_end(
         assert "placement_received" in slow.hops()
     with pytest.raises(InvalidRequest, match="already taken"):
         client.submit("tiny", "again", extra={"id": job.id})
+    # the normal path's claim of an id, sent again by redis-py after a lost reply, finds
+    # the id claimed by this very request: its own, not taken
+    again = client.request("tiny", "", options={"num_predict": 2})  # a load: placement's
+    client.r.set(keys.job_submitted(again.id), again.submitted_at)
+    client.send_to_placement(again)
+    assert Job(client, again).result().done_reason == "load"

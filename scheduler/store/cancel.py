@@ -28,9 +28,14 @@ def cancelled_before_start(job_id: str) -> JobCancelled:
 
 def request_cancel(client: redis.Redis, job_id: str, ttl_s: int) -> None:
     pipe = client.pipeline()
+    queue_cancel(pipe, job_id, ttl_s)
+    pipe.execute()
+
+
+def queue_cancel(pipe: Any, job_id: str, ttl_s: int) -> None:
+    """Queue on a pipeline (sync or asyncio) the flag that cancels a job, and its broadcast."""
     pipe.set(keys.cancel_flag(job_id), 1, ex=ttl_s)
     pipe.publish(keys.CANCELS, job_id)
-    pipe.execute()
 
 
 def is_cancelled(client: redis.Redis, job_id: str) -> bool:

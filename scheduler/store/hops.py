@@ -16,7 +16,7 @@ import redis
 from scheduler.store import keys
 
 # the hops in the order a job passes them (a job that skips placement's queue, on the fast
-# path, is "decided" and "sent" by its client)
+# path, has no placement_received nor decided: its client notes sent, as it runs the script)
 HOPS = (
     "submitted",  # the client made the request
     "placement_received",  # placement took its message off the queue

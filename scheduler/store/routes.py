@@ -17,6 +17,7 @@ replicas (placement's choice among them, by prefix affinity, stays with placemen
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -28,8 +29,10 @@ import redis.asyncio
 from pydantic import BaseModel, ConfigDict
 
 from scheduler.cluster import DEMAND_TAU_S
+from scheduler.errors import job_id_taken
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
+from scheduler.store.cancel import queue_cancel
 from scheduler.store.scripts import script
 
 log = logging.getLogger(__name__)
@@ -126,9 +129,10 @@ class _Routes:
             warnings=[*route.warnings, *more_warnings],
             placement_ns=time.perf_counter_ns() - started,
         )
-        now = time.time()
-        record = SentJob(job=req, placement=placement, worker=route.worker, sent_at=now)
         queue = keys.device_queue(route.device_id, req.priority)
+        sending = message(queue, placement)
+        now = time.time()  # the moment it is sent, as near as the client can tell
+        record = SentJob(job=req, placement=placement, worker=route.worker, sent_at=now)
         claim = f"fast:{placement.id}"
         args = [
             raw,
@@ -142,7 +146,7 @@ class _Routes:
             record.model_dump_json(),
             placement.id,
             self.owner_ttl_s,
-            message(queue, placement),
+            sending,
             ROUTE_TTL_S,
             req.model,
             DEMAND_TAU_S,
@@ -164,9 +168,9 @@ class _Routes:
         ]
         return Attempt(name, placement, job_keys, args, claim.encode())
 
-    def outcome(self, attempt: Attempt, sent: int) -> Placement | None:
+    def outcome(self, req: JobRequest, attempt: Attempt, sent: int) -> Placement | None:
         if sent < 0:
-            raise ValueError("the job id is taken")
+            raise job_id_taken(req.id)
         if not sent:
             self._routes.pop(attempt.name, None)  # read it afresh next time
             return None
@@ -196,8 +200,8 @@ class FastPath(_Routes):
     ) -> Placement | None:
         """Send ``req`` to its runner's queue if the fast path holds, with ``message(queue,
         placement)`` making the Celery message and ``more_warnings`` for the job (beside
-        the route's); None when the normal path must place it. Raises ValueError when the
-        job id is taken."""
+        the route's); None when the normal path must place it. Raises InvalidRequest when
+        the job id is taken."""
         name = shape(req)
         raw = None if name is None else self.route(name)
         if name is None or raw is None:
@@ -210,7 +214,7 @@ class FastPath(_Routes):
         except redis.RedisError:
             # its reply was lost: the claim tells whether it ran (Redis away: this raises)
             sent = int(self.r.get(keys.job_placed(req.id)) == attempt.claim)
-        return self.outcome(attempt, sent)
+        return self.outcome(req, attempt, sent)
 
 
 class AsyncFastPath(_Routes):
@@ -246,4 +250,18 @@ class AsyncFastPath(_Routes):
             sent = int(await self._send(keys=attempt.keys, args=attempt.args))
         except redis.RedisError:
             sent = int(await self.r.get(keys.job_placed(req.id)) == attempt.claim)
-        return self.outcome(attempt, sent)
+        except asyncio.CancelledError:
+            # the caller left while the script ran: a job it sent would have no reader
+            await asyncio.shield(self._withdraw(req.id, attempt.claim))
+            raise
+        return self.outcome(req, attempt, sent)
+
+    async def _withdraw(self, job_id: str, claim: bytes) -> None:
+        """Cancel the job if this attempt sent it (best effort: Redis may be away)."""
+        try:
+            if await self.r.get(keys.job_placed(job_id)) == claim:
+                pipe = self.r.pipeline(transaction=False)
+                queue_cancel(pipe, job_id, self.owner_ttl_s)
+                await pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("could not cancel job %s, sent as its submitter left: %s", job_id, exc)

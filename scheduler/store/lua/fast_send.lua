@@ -17,9 +17,12 @@
 -- ARGV: route (as the client read it), device id, now, device ttl, claim ttl, submitted at,
 --       placement claim, job id, in-flight record, placement id, owner ttl (also the
 --       hops'), message, route ttl, model, demand tau
--- Returns 1 when sent; 0 when the normal path must place it (the route changed, the runner
+-- Returns 1 when sent (also when this attempt's claim is there already: it ran, and its
+-- reply was lost); 0 when the normal path must place it (the route changed, the runner
 -- is not ready or has no free slot, its device is silent, or jobs wait); -1 when the job
 -- id is taken.
+-- this very attempt ran already (redis-py sent it again after losing the reply): sent
+if redis.call('GET', KEYS[8]) == ARGV[7] then return 1 end
 local route = redis.call('GET', KEYS[1])
 if route ~= ARGV[1] then return 0 end
 local runner = redis.call('HMGET', KEYS[2], 'state', 'in_flight', 'num_parallel')
@@ -44,7 +47,6 @@ redis.call('SET', KEYS[10], ARGV[10], 'EX', ARGV[11])
 redis.call('LPUSH', KEYS[11], ARGV[12])
 redis.call('EXPIRE', KEYS[1], ARGV[13])
 count_demand(KEYS[12], ARGV[14], ARGV[3], ARGV[15])
-local t = redis.call('TIME')  -- sent: now, as the message is in the queue
-redis.call('HSET', KEYS[13], 'submitted', ARGV[6], 'sent', t[1] .. '.' .. string.format('%06d', t[2]))
+redis.call('HSET', KEYS[13], 'submitted', ARGV[6], 'sent', ARGV[3])
 redis.call('EXPIRE', KEYS[13], ARGV[11])
 return 1
