@@ -121,12 +121,11 @@ class Client:
         *,
         options: Options | dict[str, Any] | None = None,
         keep_alive: str | float | None = None,
-        priority: Literal["interactive", "batch"] = "interactive",
-        device: str | None = None,
-        format: Literal["json"] | dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        **fields: Any,
     ) -> JobRequest:
-        """The job :meth:`submit` sends, checked (raises InvalidRequest), not sent."""
+        """The job :meth:`submit` sends (its keyword arguments), checked (raises
+        InvalidRequest), not sent."""
         check_model_name(model)
         if isinstance(options, Options):
             options = options.model_dump(exclude_unset=True)
@@ -136,11 +135,10 @@ class Client:
                 "prompt": prompt,
                 "options": options or {},
                 "keep_alive_s": keep_alive,
-                "priority": priority,
-                "device": device,
-                "format": format,
+                "priority": "interactive",
                 "tenant": self.tenant,
                 "weight": self.weight,
+                **fields,
                 **(extra or {}),
             }
         )

@@ -112,8 +112,17 @@ class _Routes:
         return raw
 
     def attempt(
-        self, req: JobRequest, name: str, raw: bytes, message: Any, more_warnings: list[str]
+        self,
+        req: JobRequest,
+        name: str | None,
+        raw: bytes | None,
+        message: Any,
+        more_warnings: list[str] | None,
     ) -> Attempt | None:
+        """What sending ``req`` by the route ``raw`` takes (None: no route, or one that
+        does not parse)."""
+        if name is None or raw is None:
+            return None
         started = time.perf_counter_ns()
         try:
             route = Route.model_validate_json(raw)
@@ -126,7 +135,7 @@ class _Routes:
             runner_id=route.runner_id,
             device_id=route.device_id,
             config=route.config,
-            warnings=[*route.warnings, *more_warnings],
+            warnings=[*route.warnings, *(more_warnings or [])],
             placement_ns=time.perf_counter_ns() - started,
         )
         queue = keys.device_queue(route.device_id, req.priority)
@@ -204,9 +213,7 @@ class FastPath(_Routes):
         the job id is taken."""
         name = shape(req)
         raw = None if name is None else self.route(name)
-        if name is None or raw is None:
-            return None
-        attempt = self.attempt(req, name, raw, message, more_warnings or [])
+        attempt = self.attempt(req, name, raw, message, more_warnings)
         if attempt is None:
             return None
         try:
@@ -241,9 +248,7 @@ class AsyncFastPath(_Routes):
         """See :meth:`FastPath.send`."""
         name = shape(req)
         raw = None if name is None else await self.route(name)
-        if name is None or raw is None:
-            return None
-        attempt = self.attempt(req, name, raw, message, more_warnings or [])
+        attempt = self.attempt(req, name, raw, message, more_warnings)
         if attempt is None:
             return None
         try:
