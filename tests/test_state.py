@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -240,6 +241,35 @@ def test_a_first_chunk_redis_does_not_take_at_once_goes_through_the_writer_threa
         assert recorded_soon(db, "job6") == ["first"]  # the thread wrote it, at once
         assert writer._now_paused_until > time.monotonic()  # and takes the next jobs' too
         assert not writer.write_now(Pending("job7", 1, {"response": "x"}, 60))
+    finally:
+        writer.close()
+
+
+class LostReplies(redis.Redis):
+    """A client whose scripts run but whose answers never come (a reply lost on the way,
+    or later than the writer waits)."""
+
+    def evalsha(self, *args: Any, **kwargs: Any) -> Any:
+        super().evalsha(*args, **kwargs)
+        raise redis.TimeoutError("the answer was lost")
+
+
+def test_a_first_chunk_whose_answer_was_lost_keeps_the_text_after_it(db: redis.Redis) -> None:
+    """The first chunk landed but its answer did not: the writer thread's copy is refused
+    as a duplicate, so text published after it must not have joined it."""
+    writer = ChunkWriter(db, interval_s=600.0)
+    writer._now = LostReplies(connection_pool=db.connection_pool)
+    try:
+        pub = ChunkPublisher(db, "job8", ttl_s=60, writer=writer)
+        pub.publish({"response": "first"})
+        pub.publish({"response": " second"})
+        pub.publish({"response": " third"})
+        pub.publish({"response": "", "done": True})
+        assert writer.flush(timeout_s=10)
+        chunks = list(read_chunks(db, "job8", 5))
+        assert "".join(c["response"] for c in chunks) == "first second third"
+        assert [c["seq"] for c in chunks] == list(range(1, len(chunks) + 1))
+        assert chunks[-1]["done"]
     finally:
         writer.close()
 

@@ -243,6 +243,12 @@ class ChunkPublisher:
                     self._pending = None
                     self._first = pending if first else None
                     return
+                # its write may have landed though its answer did not: the copy the thread
+                # writes is then refused whole as a duplicate, so it must stay as it was
+                # (text joined to it would be lost); the next text makes a chunk of its own
+                again = self.writer.put(self.job_id, 1, chunk, self.ttl_s, self.fence)
+                self._pending, self._first = None, again if first else None
+                return
             self._pending = self.writer.put(self.job_id, self.seq, chunk, self.ttl_s, self.fence)
             if first:
                 self._first = self._pending
