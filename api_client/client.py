@@ -360,9 +360,8 @@ class Client:
         ttl_s = max(self.settings.result_ttl_s, self.settings.stream_ttl_s)
         if self.r.set(key, request.submitted_at, nx=True, ex=ttl_s):
             return
-        # taken: by this very request when redis-py sent the SET again after losing its reply
-        found = self.r.get(key)
-        if not (isinstance(found, bytes) and float(found) == request.submitted_at):
+        # taken, unless by this very request (its SET sent again after its reply was lost)
+        if self.r.get(key) != repr(request.submitted_at).encode():
             raise job_id_taken(request.id)
 
     def _check_alive(self) -> None:

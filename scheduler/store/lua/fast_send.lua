@@ -21,7 +21,7 @@
 -- reply was lost); 0 when the normal path must place it (the route changed, the runner
 -- is not ready or has no free slot, its device is silent, or jobs wait); -1 when the job
 -- id is taken.
--- this very attempt ran already (redis-py sent it again after losing the reply): sent
+-- this very attempt ran already (sent again after its reply was lost): sent
 if redis.call('GET', KEYS[8]) == ARGV[7] then return 1 end
 local route = redis.call('GET', KEYS[1])
 if route ~= ARGV[1] then return 0 end
