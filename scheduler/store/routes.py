@@ -252,11 +252,13 @@ class AsyncFastPath(_Routes):
         if attempt is None:
             return None
         try:
-            sent = int(await self._send(keys=attempt.keys, args=attempt.args))
-        except redis.RedisError:
-            sent = int(await self.r.get(keys.job_placed(req.id)) == attempt.claim)
+            try:
+                sent = int(await self._send(keys=attempt.keys, args=attempt.args))
+            except redis.RedisError:
+                sent = int(await self.r.get(keys.job_placed(req.id)) == attempt.claim)
         except asyncio.CancelledError:
-            # the caller left while the script ran: a job it sent would have no reader
+            # the caller left while the script ran, or while its claim was read after a
+            # lost reply: a job it sent would have no reader
             await asyncio.shield(self._withdraw(req.id, attempt.claim))
             raise
         return self.outcome(req, attempt, sent)
