@@ -121,10 +121,11 @@ class Settings(BaseSettings):
         60,
         gt=0,
         description="How long the Redis broker waits before handing an unacknowledged "
-        "message out again. Processes take only what they start and acknowledge it as "
-        "they start it, so a message unacknowledged this long was lost with a connection "
-        "(Redis went away as it was delivered); a job is placed once and starts once "
-        "however often it is delivered.",
+        "message of placement's queue out again. Placement takes only what it starts and "
+        "acknowledges it as it starts it, so a message unacknowledged this long was lost "
+        "with a connection (Redis went away as it was delivered); a job is placed once and "
+        "starts once however often it is delivered. (Workers record no unacknowledged "
+        "messages: placement sends a lost one again.)",
     )
     broker_restore_interval_s: int = Field(
         10,

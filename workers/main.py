@@ -33,7 +33,7 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
     # gpu:<host>:<n> is CUDA device n for llama.cpp (before CUDA starts in this process)
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     redis_url = resolve_redis_url(settings)
-    app = make_app(redis_url, settings)
+    app = make_app(redis_url, settings, stash_unacked=False)  # see make_app
     host = settings.host_id
     devices = detect_devices(host, "", virtual_sizes, use_gpus)
     label = "+".join(d.id.split(":", 1)[0] + d.id.rsplit(":", 1)[-1] for d in devices)

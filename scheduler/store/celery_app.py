@@ -15,7 +15,15 @@ from scheduler.store import keys
 from scheduler.store.transport import Transport
 
 
-def make_app(redis_url: str, settings: Settings) -> Celery:
+def make_app(redis_url: str, settings: Settings, *, stash_unacked: bool = True) -> Celery:
+    """``stash_unacked=False`` (workers): a message taken off a queue is not recorded in
+    Redis as unacknowledged. kombu's record costs a round trip as each message arrives and
+    another as it is acknowledged, both on a job's way to its first token, and a device
+    queue's messages do not need it: placement's in-flight record of every job it sent
+    already brings one back that no worker started (``Recovery.lost_sends`` sends it
+    again, ``Recovery.orphans`` re-places the jobs of a dropped device), and the start
+    claim runs it once however often it is delivered. The placement queue keeps the
+    record: it is all that brings back a submission whose placement process died."""
     app = Celery("ggufq", broker=redis_url, backend=redis_url, set_as_current=False)
     app.conf.update(
         task_serializer="json",
@@ -52,6 +60,7 @@ def make_app(redis_url: str, settings: Settings) -> Celery:
             "visibility_timeout": settings.broker_visibility_timeout_s,
             "unacked_restore_interval": settings.broker_restore_interval_s,
             "unacked_restore_throttle": 1,
+            "ack_emulation": stash_unacked,
         },
         enable_utc=True,
     )
