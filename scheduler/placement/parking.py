@@ -23,6 +23,8 @@ from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.fairness import fair_order
 from scheduler.protocol import JobRequest, parse_request
 from scheduler.store import keys
+from scheduler.store.records import take
+from scheduler.store.scripts import script
 
 _BATCH_OFFSET = 1e12  # every batch job sorts after every interactive one
 
@@ -55,6 +57,7 @@ def _readable(raw: bytes | None) -> JobRequest | None:
 class ParkedJobs:
     def __init__(self, client: redis.Redis) -> None:
         self.r = client
+        self._take = script(client, "take")
 
     def park(self, req: JobRequest, score: float, errors: int = 0) -> None:
         """Add (or put back, at its old place) a job that cannot run yet; ``errors`` counts
@@ -68,9 +71,7 @@ class ParkedJobs:
     def claim(self, job_id: str) -> Claimed | None:
         """Take a parked job out for a retry; None when another placer took it first.
         Raises InvalidRequest when its record does not parse (the job is out of the queue)."""
-        if not self.r.zrem(keys.PARKED, job_id):
-            return None
-        raw = cast(bytes | None, self.r.getdel(keys.parked_job(job_id)))
+        raw = take(self._take, "parked", job_id)
         if raw is None:
             return None
         try:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -16,6 +17,21 @@ from scheduler.settings import Settings
 # errors that mean Redis is away (down, restarting, loading its data, unreachable), not
 # that a command is wrong: what waits for Redis tries again on these
 REDIS_AWAY = (redis.ConnectionError, redis.TimeoutError)
+T = TypeVar("T")
+
+
+def again_if_lost(do: Callable[[], T], tries: int = 2) -> T:
+    """``do()``, a Redis call that does the same when made twice (a claim by token, a
+    script that checks what it already did), made again at once when its reply does not
+    come: the call may have run all the same, and only asking again tells. This project's
+    clients never resend a command themselves (a pool's connections retry 0 times). The
+    last error is raised: Redis is away, and the caller's own way of waiting takes over."""
+    for _ in range(tries - 1):
+        try:
+            return do()
+        except REDIS_AWAY:
+            pass
+    return do()
 
 
 def runtime_file(settings: Settings) -> Path:

@@ -105,6 +105,11 @@ def parked_job(job_id: str) -> str:
     return f"{PREFIX}:parked:{job_id}"  # string: the parked job's JSON
 
 
+def taken(what: str, job_id: str) -> str:
+    # hash: token, record: a parked job or orphan taken out, kept for its taker to ask again
+    return f"{PREFIX}:taken:{what}:{job_id}"
+
+
 def device_queue(device_id: str, priority: str = "interactive") -> str:
     """The Celery queue of a device: ``gpu:host:0`` → ``ggufq.gpu.host.0`` (+ ``.batch``)."""
     base = f"{PREFIX}." + device_id.replace(":", ".")

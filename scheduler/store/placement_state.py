@@ -11,12 +11,14 @@ import redis
 from scheduler.cluster import DEMAND_TAU_S, Snapshot
 from scheduler.protocol import SentJob
 from scheduler.store import keys
+from scheduler.store.connection import again_if_lost
 from scheduler.store.records import (
     claim_once,
     decayed_demand,
     decoded,
     device_from_hash,
     runner_from_hash,
+    take,
     text,
 )
 from scheduler.store.scripts import flatten, script
@@ -31,6 +33,7 @@ class PlacementState:
         self._demand = script(client, "demand")
         self._unsend = script(client, "unsend")
         self._recount = script(client, "recount")
+        self._take = script(client, "take")
 
     def snapshot(self, now: float, device_ttl_s: float) -> Snapshot:
         """Every live device and runner, read afresh (the snapshot cache is the fast path)."""
@@ -84,16 +87,18 @@ class PlacementState:
         device_keys = []
         for device_id in device_ids:
             device_keys += [keys.device(device_id), keys.reservations(device_id)]
-        ok, _free = self._reserve(
-            keys=[keys.RUNNERS, keys.runner(runner_id), *device_keys],
-            args=[
-                runner_id,
-                now,
-                device_ttl_s,
-                len(device_ids),
-                *reservations.values(),
-                *flatten(record),
-            ],
+        ok, _free = again_if_lost(  # the runner id is new: a second call finds its first
+            lambda: self._reserve(
+                keys=[keys.RUNNERS, keys.runner(runner_id), *device_keys],
+                args=[
+                    runner_id,
+                    now,
+                    device_ttl_s,
+                    len(device_ids),
+                    *reservations.values(),
+                    *flatten(record),
+                ],
+            )
         )
         return bool(ok)
 
@@ -132,15 +137,17 @@ class PlacementState:
         """Undo :meth:`sent` and the commit before it, for a job that could not be sent."""
         placement, created = record.placement, bool(record.placement.device_ids)
         held = [keys.reservations(d) for d in placement.device_ids] if created else []
-        self._unsend(
-            keys=[
-                keys.inflight(placement.device_id),
-                keys.job_owner(record.job.id),
-                keys.RUNNERS,
-                keys.runner(placement.runner_id),
-                *held,
-            ],
-            args=[record.job.id, placement.runner_id, int(created)],
+        again_if_lost(  # the script counts the job off only while its record is there
+            lambda: self._unsend(
+                keys=[
+                    keys.inflight(placement.device_id),
+                    keys.job_owner(record.job.id),
+                    keys.RUNNERS,
+                    keys.runner(placement.runner_id),
+                    *held,
+                ],
+                args=[record.job.id, placement.runner_id, int(created)],
+            )
         )
 
     def device_ids(self) -> list[str]:
@@ -205,11 +212,7 @@ class PlacementState:
     def claim_orphan(self, job_id: str) -> bytes | None:
         """Take an orphan's record (JSON of a SentJob) to handle it; None when another
         placement process took it."""
-        pipe = self.r.pipeline()
-        pipe.hget(keys.ORPHANS, job_id)
-        pipe.hdel(keys.ORPHANS, job_id)
-        raw, removed = pipe.execute()
-        return cast(bytes, raw) if raw and removed else None
+        return take(self._take, "orphan", job_id)
 
     # -- liveness --------------------------------------------------------------------------
     def placement_beat(self, name: str, now: float, ttl_s: float, failing: str = "") -> None:

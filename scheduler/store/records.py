@@ -1,14 +1,20 @@
 """Redis hashes to typed records: the one place that knows how devices, runners and demand
-are stored field by field; and once-only claims (a job's placement, a placement's start)."""
+are stored field by field; and once-only claims (a job's placement, a placement's start,
+a parked job or orphan taken out to handle)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import uuid
+from typing import Any, Literal, cast
 
 import redis
 
 from scheduler.cluster import DeviceState, DeviceView, RunnerState, RunnerView, decayed
+from scheduler.store import keys
+from scheduler.store.connection import again_if_lost
+
+TAKEN_KEPT_S = 60  # how long a taken record waits for its taker to ask again
 
 
 def text(value: bytes | str) -> str:
@@ -113,3 +119,19 @@ def claim_once(client: redis.Redis, key: str, owner: str, ttl_s: int) -> bool:
     pipe.set(key, owner, nx=True, ex=ttl_s)
     pipe.get(key)
     return bool(pipe.execute()[1] == owner.encode())
+
+
+def take(take_script: Any, what: Literal["orphan", "parked"], job_id: str) -> bytes | None:
+    """Take a job's record out of the orphans or the parked queue (``take_script``:
+    lua/take.lua) to handle it; None when another taker has it. A reply lost on the way is
+    asked for again under the same token, so the record is neither lost with it nor handed
+    to two takers."""
+    queue = keys.ORPHANS if what == "orphan" else keys.PARKED
+    token = uuid.uuid4().hex
+    raw = again_if_lost(
+        lambda: take_script(
+            keys=[queue, keys.parked_job(job_id), keys.taken(what, job_id)],
+            args=[job_id, token, TAKEN_KEPT_S, what],
+        )
+    )
+    return cast(bytes, raw) if raw else None

@@ -8,7 +8,10 @@
 -- ARGV: runner_id, now, device_ttl_s, n devices, n byte counts, then field/value pairs
 --       for the runner hash
 -- Returns {1, 0} on success, {0, i} when device i (1-based) cannot hold its part now.
+-- Safe to run twice (its reply was lost): runner ids are new on every call, so the runner
+-- already there is this call's.
 local runner_id = ARGV[1]
+if redis.call('SISMEMBER', KEYS[1], runner_id) == 1 then return {1, 0} end
 local now, ttl, n = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 for i = 1, n do
   local dev = redis.call('HMGET', KEYS[1 + 2 * i], 'total', 'free', 'heartbeat')

@@ -7,8 +7,9 @@
 -- KEYS[4] ggufq:runner:<id>      (hash)
 -- KEYS[5..] ggufq:resv:<dev>     (hash) each device a created runner holds memory on
 -- ARGV: job id, runner id, created (1: the runner was created for this job)
--- Returns 1.
-redis.call('HDEL', KEYS[1], ARGV[1])
+-- Returns 1. Safe to run twice (its reply was lost): the runner counts the job off only
+-- while the job's record is there to remove.
+local recorded = redis.call('HDEL', KEYS[1], ARGV[1]) == 1
 redis.call('DEL', KEYS[2])
 if ARGV[3] == '1' then
   for i = 5, #KEYS do
@@ -17,7 +18,7 @@ if ARGV[3] == '1' then
   end
   redis.call('DEL', KEYS[4])
   redis.call('SREM', KEYS[3], ARGV[2])
-elseif redis.call('HINCRBY', KEYS[4], 'in_flight', -1) < 0 then
+elseif recorded and redis.call('HINCRBY', KEYS[4], 'in_flight', -1) < 0 then
   redis.call('HSET', KEYS[4], 'in_flight', 0)
 end
 changed(KEYS[4])

@@ -1,0 +1,117 @@
+"""A Redis reply lost on the way (a timeout, a dropped connection) after the command ran:
+placement's claims and scripts, asked again, do what one call does, on a real redis-server
+(database 1, away from the stack). Without that, a taken orphan or parked job was a job
+never run nor ended, and a runner reserved or a job counted off twice leaked or
+over-admitted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from redis.client import Pipeline
+
+from scheduler.placement.parking import ParkedJobs
+from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
+from scheduler.store import keys
+from scheduler.store.placement_state import PlacementState
+from scheduler.store.worker_state import WorkerState
+from tests.test_state import GIB, vgpu
+
+
+class LosesReplies(redis.Redis):
+    """A client whose next ``lose`` calls (commands, scripts or pipelines) run in Redis but
+    whose replies never arrive. Loading a script is never lost: it is not the call."""
+
+    lose = 0
+
+    def _maybe_lose(self) -> None:
+        if self.lose > 0:
+            self.lose -= 1
+            raise redis.TimeoutError("the reply was lost")
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        result = super().execute_command(*args, **options)
+        if not str(args[0]).upper().startswith("SCRIPT"):
+            self._maybe_lose()
+        return result
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        outer = self
+
+        class Losing(Pipeline):
+            def execute(self, raise_on_error: bool = True) -> Any:
+                result = super().execute(raise_on_error)
+                outer._maybe_lose()
+                return result
+
+        return Losing(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
+
+def losing(db: redis.Redis, lose: int = 1) -> LosesReplies:
+    client = LosesReplies(connection_pool=db.connection_pool)
+    client.lose = lose
+    return client
+
+
+def sent_job(device_id: str, runner_id: str, device_ids: list[str] | None = None) -> SentJob:
+    return SentJob(
+        job=JobRequest(model="m", prompt="hello", submitted_at=1.0),
+        placement=Placement(
+            id="p1",
+            runner_id=runner_id,
+            device_id=device_id,
+            device_ids=device_ids or [],
+            config=RunnerConfig.for_generation(256, 1, False),
+        ),
+        worker="w@h",
+    )
+
+
+def test_an_orphan_taken_as_its_reply_is_lost_is_handled_by_its_taker_alone(
+    db: redis.Redis,
+) -> None:
+    record = sent_job("vgpu:h:0", "r1")
+    db.hset(keys.ORPHANS, record.job.id, record.model_dump_json())
+    taker = losing(db)
+    assert PlacementState(taker).claim_orphan(record.job.id) == record.model_dump_json().encode()
+    assert taker.lose == 0  # the first reply was lost, the second call answered
+    assert not db.hexists(keys.ORPHANS, record.job.id)
+    assert PlacementState(db).claim_orphan(record.job.id) is None  # no second taker
+
+
+def test_a_parked_job_taken_as_its_reply_is_lost_is_retried_by_its_taker_alone(
+    db: redis.Redis,
+) -> None:
+    job = JobRequest(model="m", prompt="hello", submitted_at=1.0)
+    ParkedJobs(db).park(job, score=5.0, errors=1)
+    taker = losing(db)
+    claimed = ParkedJobs(taker).claim(job.id)
+    assert claimed is not None and taker.lose == 0
+    assert (claimed.job.id, claimed.score, claimed.errors) == (job.id, 5.0, 1)
+    assert ParkedJobs(db).ids() == [] and not db.exists(keys.parked_job(job.id))
+    assert ParkedJobs(db).claim(job.id) is None
+    ParkedJobs(db).park(job, score=6.0)  # parked again later: taken again, by anyone
+    assert ParkedJobs(db).claim(job.id) is not None
+
+
+def test_a_runner_reserved_as_its_reply_is_lost_is_reserved_once(db: redis.Redis) -> None:
+    WorkerState(db).register_device(vgpu(0), now=100.0)
+    placer = PlacementState(losing(db))
+    assert placer.reserve("r1", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
+    assert db.hgetall(keys.reservations("vgpu:h:0")) == {b"r1": str(GIB).encode()}
+    assert db.smembers(keys.RUNNERS) == {b"r1"}
+    assert db.hget(keys.runner("r1"), "in_flight") == b"1"
+
+
+def test_a_job_taken_back_as_its_reply_is_lost_is_counted_off_once(db: redis.Redis) -> None:
+    WorkerState(db).register_device(vgpu(0), now=100.0)
+    state = PlacementState(db)
+    assert state.reserve("r1", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
+    assert state.assign("r1", now=100.0)  # a second job for it: two in flight
+    record = sent_job("vgpu:h:0", "r1")  # the second job: the runner was not created for it
+    state.sent("vgpu:h:0", record, ttl_s=60)
+    PlacementState(losing(db)).unsend(record)
+    assert db.hget(keys.runner("r1"), "in_flight") == b"1"  # not 0: the first job still runs
+    assert not db.hexists(keys.inflight("vgpu:h:0"), record.job.id)
+    assert not db.exists(keys.job_owner(record.job.id))
