@@ -6,14 +6,18 @@ over-admitted."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import redis
+import redis.asyncio
 from redis.client import Pipeline
 
+from scheduler.local.embedded import EmbeddedRedis
 from scheduler.placement.parking import ParkedJobs
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
+from scheduler.store.connection import CLIENT_OPTIONS, connect
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.worker_state import WorkerState
 from tests.test_state import GIB, vgpu
@@ -115,3 +119,22 @@ def test_a_job_taken_back_as_its_reply_is_lost_is_counted_off_once(db: redis.Red
     assert db.hget(keys.runner("r1"), "in_flight") == b"1"  # not 0: the first job still runs
     assert not db.hexists(keys.inflight("vgpu:h:0"), record.job.id)
     assert not db.exists(keys.job_owner(record.job.id))
+
+
+def test_this_projects_clients_never_resend_a_command_themselves(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """What is asked again after a lost reply is chosen here (``again_if_lost``, only for
+    calls that do the same twice): a client that resent every command by itself would run
+    a non-repeatable one twice. A redis-py upgrade that changes its default fails here."""
+    sync: Any = connect(redis_server.url).connection_pool.make_connection()
+    assert sync.retry.get_retries() == 0
+
+    async def async_retries() -> int:
+        client = redis.asyncio.Redis.from_url(redis_server.url, **CLIENT_OPTIONS)
+        try:
+            return int(client.connection_pool.make_connection().retry.get_retries())
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(async_retries()) == 0
