@@ -207,7 +207,10 @@ def _quick_client(client: redis.Redis, timeout_s: float) -> redis.Redis:
 
 
 class ChunkPublisher:
-    """Publishes the chunks of one job, in order: directly, or through a ChunkWriter."""
+    """Publishes the chunks of one job, in order: directly, or through a ChunkWriter.
+
+    One that :meth:`holds` keeps what it is given until :meth:`release` (the job is this
+    run's: publish it all) or :meth:`discard` (it is not: publish nothing, ever)."""
 
     def __init__(
         self,
@@ -228,11 +231,38 @@ class ChunkPublisher:
         # when the job got its slot, when its first text was published, and when that was
         # in Redis (scheduler/store/hops.py)
         self.admitted_at = self.first_token_at = self.first_written_at = 0.0
+        self._lock = threading.Lock()  # the decode thread publishes, the job's thread too
+        self._held: list[tuple[dict[str, Any], bool]] | None = None
+        self._discarded = False
+
+    def hold(self) -> None:
+        with self._lock:
+            if not self._discarded and self._held is None:
+                self._held = []
+
+    def release(self, publish_held: bool = True) -> None:
+        with self._lock:
+            held, self._held = self._held or [], None
+            for chunk, first in held if publish_held else ():
+                self._publish(chunk, first)
+
+    def discard(self) -> None:
+        with self._lock:
+            self._held, self._discarded = None, True
 
     def publish(self, chunk: dict[str, Any]) -> None:
-        first = not self.first_token_at and bool(chunk.get("response"))
-        if first:
-            self.first_token_at = time.time()
+        with self._lock:
+            first = not self.first_token_at and bool(chunk.get("response"))
+            if first:
+                self.first_token_at = time.time()
+            if self._discarded:
+                return
+            if self._held is not None:
+                self._held.append((chunk, first))
+                return
+            self._publish(chunk, first)
+
+    def _publish(self, chunk: dict[str, Any], first: bool) -> None:
         if self.writer is not None:
             if self.writer.extend(self._pending, chunk):
                 return

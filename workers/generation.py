@@ -56,12 +56,13 @@ def generate(
     cancelled: Callable[[], bool],
     prompt: str,
     progress: Progress,
+    meanwhile: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     if not isinstance(runner, Runner):
         raise JobFailed(f"runner {runner.id} is loaded for embeddings; it cannot generate")
     ticker = Ticker(progress, lambda text: publisher.publish({"response": text}))
     share = (req.tenant, req.priority, req.weight)
-    stats = runner.generate(prompt, req.options, ticker, cancelled, req.format, share)
+    stats = runner.generate(prompt, req.options, ticker, cancelled, req.format, share, meanwhile)
     if stats.admitted_ns:
         publisher.admitted_at = wall(stats.admitted_ns)
     if stats.done_reason == "cancel":
@@ -107,16 +108,21 @@ def produce(
     publisher: ChunkPublisher,
     cancelled: Callable[[], bool],
     progress: Progress,
+    meanwhile: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
-    """What the job is for: vectors, generated text (streamed), or just a loaded runner."""
+    """What the job is for: vectors, generated text (streamed), or just a loaded runner.
+    ``meanwhile()`` runs once before any of it is published: while the first step of
+    generated text runs, before anything else."""
     out: dict[str, Any]
     warnings = list(placement.warnings)
     if req.kind == "embed":
+        meanwhile()
         out = embed(req, runner)
     elif req.kind == "chat" or req.prompt:
         prompt = chat_prompt(req, registry, warnings) if req.kind == "chat" else req.prompt
-        out = generate(req, runner, publisher, cancelled, prompt, progress)
+        out = generate(req, runner, publisher, cancelled, prompt, progress, meanwhile)
     else:
+        meanwhile()
         out = {"response": "", "done_reason": "load" if runner.keep_alive_s else "unload"}
     if req.kind == "chat":
         out["message"] = {"role": "assistant", "content": out["response"]}

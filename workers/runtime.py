@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import redis
@@ -36,6 +37,10 @@ from workers.membership import Membership
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
+
+
+def _nothing() -> None:
+    pass
 
 
 def _silent(state: str, **fields: Any) -> None:
@@ -159,55 +164,50 @@ class WorkerRuntime:
         received, received_at = time.perf_counter_ns(), time.time()
         req = parse_request(job)
         placement = parse_placement(sent)
-        # a job delivered as Redis goes away waits for it to come back (if its device was
-        # dropped meanwhile, it is not this device's any more)
-        delivery = uuid.uuid4().hex
-        ttl_s = self.settings.stream_ttl_s
+        runner_id = placement.runner_id
+        publisher = ChunkPublisher(
+            self.r, req.id, self.settings.stream_ttl_s, self.chunks, fence=placement.id
+        )
+        base = {"model": req.model, "job_id": req.id, "device": placement.device_id}
         # watched before the start reads its cancel flags: a cancel broadcast between the
         # two is not lost
-        self.cancels.watch(req.id, cancelled=False)
-        try:
-            cancelled_now = patiently(
-                lambda: self.state.start(
-                    placement.device_id, req.id, placement.id, delivery, ttl_s, self.clock()
-                ),
-                f"starting job {req.id}",
-                math.inf,  # before the try below: giving up here would leak the job's slot
-            )
-        except BaseException:  # Redis refused the script (out of memory, read-only)
-            self._unwatch(req.id)
-            raise
-        if cancelled_now is None:
-            # the device was dropped meanwhile (this worker was stopped or lost its Redis
-            # connection) and placement re-placed or failed the job
-            # (or this is a second delivery: it runs once, elsewhere in this pool)
-            log.warning("job %s is no longer this device's: not running it here", req.id)
-            self._unwatch(req.id)
-            raise NotOwned(req.id)
-        with self._jobs_lock:
-            self._running[req.id] = placement
-        runner_id = placement.runner_id
-        publisher = ChunkPublisher(self.r, req.id, ttl_s, self.chunks, fence=placement.id)
-        base = {"model": req.model, "job_id": req.id, "device": placement.device_id}
-        watched = self.cancels.watch(req.id, cancelled_now)
+        watched = self.cancels.watch(req.id, cancelled=False)
+        start = StartClaim(self, req, placement, publisher)
 
         def cancelled() -> bool:
             return watched() or req.id in self._disowned
 
-        tally: dict[str, float] = {}  # the job's counters (scheduler/placement/metrics.py)
-        try:
-            if cancelled():
-                raise cancelled_before_start(req.id)  # while it waited in the queue
-            if runner_id not in self.runners:
-                progress("loading", device=placement.device_id)
-            runner, load_ns = self._runner_for(req, placement)
+        def begin(runner: AnyRunner) -> None:
+            start.make()
+            if cancelled():  # while it waited in the queue: its first step goes unseen
+                start.unseen = True
+                raise cancelled_before_start(req.id)
+            publisher.release()
             runner.keep_alive_s = effective_keep_alive(req.keep_alive_s, runner.keep_alive_s)
             self._schedule_expiry(runner_id, None)
+
+        # text on a resident runner: its start is claimed while its first step runs, off
+        # its way to the first token (StartClaim holds the text until then)
+        early = runner_id in self.runners and (req.kind == "chat" or bool(req.prompt))
+        meanwhile = _nothing
+        tally: dict[str, float] = {}  # the job's counters (scheduler/placement/metrics.py)
+        try:
+            if early:
+                publisher.hold()
+            else:
+                self._start_now(start, cancelled, progress)
+            runner, load_ns = self._runner_for(req, placement)
+            if early:
+                meanwhile = partial(begin, runner)
+            else:
+                begin(runner)
             final: dict[str, Any] = dict(
                 base, created_at=self.clock(), done=True, load_duration=load_ns
             )
             final.update(
-                produce(req, runner, placement, self.registry, publisher, cancelled, progress)
+                produce(
+                    req, runner, placement, self.registry, publisher, cancelled, progress, meanwhile
+                )
             )
             final["total_duration"] = time.perf_counter_ns() - received + placement.placement_ns
             # vectors travel in the result only: the stream's final chunk has the stats
@@ -220,52 +220,79 @@ class WorkerRuntime:
             }
             return final
         except HandBack as exc:
+            if not start.ours():
+                raise NotOwned(req.id) from None
             log.warning("handing job %s back to placement: %s", req.id, exc)
-            self.state.hand_back(
-                SentJob(
-                    job=req,
-                    placement=placement,
-                    worker=self.worker_name,
-                    avoid=[placement.device_id],
-                )
+            sent_job = SentJob(
+                job=req, placement=placement, worker=self.worker_name, avoid=[placement.device_id]
             )
+            self.state.hand_back(sent_job)
             raise
         except NotOwned:
             raise
-        except GgufqError as exc:
-            if req.id in self._disowned:
-                raise NotOwned(req.id) from None  # its new run, or placement, writes the end
-            publisher.publish(error_chunk(req.model, req.id, exc, device=base["device"]))
-            publisher.flush()
-            tally = {"cancelled" if isinstance(exc, JobCancelled) else "failed": 1}
-            raise
         except Exception as exc:
-            log.exception("job %s failed", req.id)
-            error = JobFailed(f"job {req.id} failed on {placement.device_id}: {exc}")
-            publisher.publish(error_chunk(req.model, req.id, error, device=base["device"]))
-            publisher.flush()
-            tally = {"failed": 1}
-            raise error from None
+            if not start.ours() or (isinstance(exc, GgufqError) and req.id in self._disowned):
+                raise NotOwned(req.id) from None  # its new run, or placement, writes the end
+            tally = {"cancelled" if isinstance(exc, JobCancelled) else "failed": 1}
+            raise self._failed(req, placement, publisher, exc) from None
         finally:
-            with self._jobs_lock:  # together: a second delivery checks _running to unwatch
-                self.cancels.forget(req.id)
-                self._running.pop(req.id, None)
-            self._disowned.discard(req.id)
+            if start.owned:
+                self._ended(req, placement, publisher, tally, received_at)
+            else:
+                self._unwatch(req.id)
 
-            hops = dict(publisher.hops(), worker_received=received_at)
+    def _start_now(
+        self, start: StartClaim, cancelled: Callable[[], bool], progress: Progress
+    ) -> None:
+        """Claim a job's start before its runner is loaded (a job that is not this
+        delivery's loads nothing), and tell Flower when it loads."""
+        start.make()
+        if cancelled():
+            raise cancelled_before_start(start.req.id)  # while it waited in the queue
+        if start.placement.runner_id not in self.runners:
+            progress("loading", device=start.placement.device_id)
 
-            def bookkeeping() -> None:  # one round trip: the in-flight record, the counters
-                pipe = self.r.pipeline(transaction=False)
-                self.state.done_with(placement.device_id, req.id, placement.id, pipe)
-                count(pipe, req.model, **tally)
-                note_hops(pipe, req.id, ttl_s, hops)
-                pipe.execute()
+    def _failed(
+        self, req: JobRequest, placement: Placement, publisher: ChunkPublisher, exc: Exception
+    ) -> Exception:
+        """The error a job this delivery runs ends with when ``exc`` stopped it (a JobFailed
+        for what is not a GgufqError), published as its last chunk."""
+        if isinstance(exc, GgufqError):
+            error = exc
+        else:
+            log.error("job %s failed", req.id, exc_info=exc)
+            error = JobFailed(f"job {req.id} failed on {placement.device_id}: {exc}")
+        publisher.publish(error_chunk(req.model, req.id, error, device=placement.device_id))
+        publisher.flush()
+        return error
 
-            # through an outage too: else its slot stays taken in placement's view
-            self.backlog.run(f"ending job {req.id}", bookkeeping)
-            self.backlog.run(
-                f"counting job {req.id} off", lambda: self._job_ended(req.id, placement)
-            )
+    def _ended(
+        self,
+        req: JobRequest,
+        placement: Placement,
+        publisher: ChunkPublisher,
+        tally: dict[str, float],
+        received_at: float,
+    ) -> None:
+        """A job this delivery ran ended: its in-flight record, counters and hops go to
+        Redis, and its runner counts it off."""
+        with self._jobs_lock:  # together: a second delivery checks _running to unwatch
+            self.cancels.forget(req.id)
+            self._running.pop(req.id, None)
+        self._disowned.discard(req.id)
+        ttl_s = self.settings.stream_ttl_s
+        hops = dict(publisher.hops(), worker_received=received_at)
+
+        def bookkeeping() -> None:  # one round trip: the in-flight record, the counters
+            pipe = self.r.pipeline(transaction=False)
+            self.state.done_with(placement.device_id, req.id, placement.id, pipe)
+            count(pipe, req.model, **tally)
+            note_hops(pipe, req.id, ttl_s, hops)
+            pipe.execute()
+
+        # through an outage too: else its slot stays taken in placement's view
+        self.backlog.run(f"ending job {req.id}", bookkeeping)
+        self.backlog.run(f"counting job {req.id} off", lambda: self._job_ended(req.id, placement))
 
     def _unwatch(self, job_id: str) -> None:
         """Stop watching a job that does not run here, unless another delivery of it does."""
@@ -405,3 +432,67 @@ class WorkerRuntime:
     @property
     def worker_name(self) -> str:
         return self.devices[0].worker if self.devices else ""
+
+
+class StartClaim:
+    """Whether one delivery of a job runs it: the job's start claim (lua/start.lua), made
+    once, before the job's runner is loaded or, on a resident runner, while its first step
+    runs. Text a held publisher was given waits for the claim: it is published once the
+    job is this delivery's, and never when it is not (its run is cancelled, it ends nothing
+    here: another delivery, or placement, owns it)."""
+
+    def __init__(
+        self,
+        runtime: WorkerRuntime,
+        req: JobRequest,
+        placement: Placement,
+        publisher: ChunkPublisher,
+    ) -> None:
+        self.runtime, self.req, self.placement, self.publisher = runtime, req, placement, publisher
+        # a job delivered as Redis goes away waits for it to come back (if its device was
+        # dropped meanwhile, it is not this device's any more)
+        self.delivery = uuid.uuid4().hex
+        self.owned = False
+        self.unseen = False  # what it published before it was claimed is never published
+
+    def make(self) -> None:
+        """Claim the job's run for this delivery (once); raises NotOwned if it is not."""
+        if self.owned:
+            return
+        rt, req, placement = self.runtime, self.req, self.placement
+        # Redis refusing the script (out of memory, read-only) raises: asked again, by
+        # ours(), before the job's error is published
+        cancelled_now = patiently(
+            lambda: rt.state.start(
+                placement.device_id,
+                req.id,
+                placement.id,
+                self.delivery,
+                rt.settings.stream_ttl_s,
+                rt.clock(),
+            ),
+            f"starting job {req.id}",
+            math.inf,  # giving up here would leak the job's slot
+        )
+        if cancelled_now is None:
+            # the device was dropped meanwhile (this worker was stopped or lost its Redis
+            # connection) and placement re-placed or failed the job
+            # (or this is a second delivery: it runs once, elsewhere in this pool)
+            log.warning("job %s is no longer this device's: not running it here", req.id)
+            self.publisher.discard()
+            raise NotOwned(req.id)
+        with rt._jobs_lock:
+            rt._running[req.id] = placement
+        self.owned = True
+        rt.cancels.watch(req.id, cancelled_now)
+
+    def ours(self) -> bool:
+        """Whether the job is this delivery's, claimed now if it was not yet (it failed
+        before its first step): then what it published so far goes out (called once its
+        run ended: nothing is published for it meanwhile)."""
+        try:
+            self.make()
+        except NotOwned:
+            return False
+        self.publisher.release(publish_held=not self.unseen)
+        return True

@@ -168,17 +168,31 @@ class Engine:
         cancelled: Callable[[], bool] = lambda: False,
         format: Format = None,
         share: Share = ("default", "interactive", 1.0),
+        meanwhile: Callable[[], None] = lambda: None,
     ) -> GenerationStats:
         """Run one job to its end (blocking); raises JobFailed, InvalidRequest. Waiting
-        jobs take free slots in fair order of their ``share`` (scheduler/fairness.py)."""
+        jobs take free slots in fair order of their ``share`` (scheduler/fairness.py).
+        ``meanwhile()`` runs in the caller's thread once the job is queued, while its first
+        step may already run; if it raises, the job is cancelled, and the error raised
+        once the job has ended."""
         grammar = grammar_for(format)
         with self._prep:  # close() waits for this: the model stays alive while in use here
             job = self._prepare(prompt, options, on_text, cancelled, grammar)
             job.share = share
-            if job.budget <= 0:
+            queued = job.budget > 0
+            if queued:
+                self._submit(job)
+            else:
                 job.sampler.free()
-                return GenerationStats("", "length", len(job.tokens), 0, 0, 0)
-            self._submit(job)
+        try:
+            meanwhile()
+        except BaseException:
+            if queued:
+                job.cancelled = _always  # it ends at its next step
+                job.done.wait()
+            raise
+        if not queued:
+            return GenerationStats("", "length", len(job.tokens), 0, 0, 0)
         job.done.wait()
         if job.error is not None:
             raise job.error
@@ -445,6 +459,10 @@ class Engine:
             waiting = self._admission.drain()
         for job in [*self._active, *waiting]:
             self._fail(job, f"the runner of {self.name!r} was unloaded")
+
+
+def _always() -> bool:
+    return True
 
 
 def _is_cancelled(job: Job) -> bool:

@@ -1,0 +1,104 @@
+"""A worker's start of a job on a resident runner, claimed while the job's first step
+runs: a delivery that is not the job's one run publishes nothing and ends nothing, a job
+cancelled in the queue shows no text. A real worker runtime on the tiny model and a real
+Redis (database 1); no Celery: deliveries are calls of ``run_job``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from scheduler.errors import JobCancelled
+from scheduler.gguf.registry import Registry
+from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
+from scheduler.settings import Settings
+from scheduler.store import keys
+from scheduler.store.cancel import request_cancel
+from scheduler.store.placement_state import PlacementState
+from tests.test_state import GIB, vgpu
+from workers.runtime import NotOwned, WorkerRuntime
+
+DEVICE = vgpu(0)
+CONFIG = RunnerConfig.for_generation(256, 2, False)
+OPTIONS = {"temperature": 0, "num_predict": 4, "seed": 1}
+
+
+@pytest.fixture()
+def runtime(db: redis.Redis, models_dir: Path) -> Iterator[WorkerRuntime]:
+    rt = WorkerRuntime(Settings(cpu_threads=1), db, [DEVICE], Registry(models_dir))
+    rt.state.register_device(DEVICE, now=1e12)
+    fields = {"model": "tiny"}
+    assert PlacementState(db).reserve("r", {DEVICE.id: GIB}, fields, 1e12, 10)
+    try:
+        yield rt
+    finally:
+        for runner_id in list(rt.runners):
+            rt.runners.pop(runner_id).close()
+        rt.chunks.close()
+
+
+def deliver(
+    db: redis.Redis, rt: WorkerRuntime, job: JobRequest, placement_id: str = "p1"
+) -> dict[str, Any]:
+    """Deliver a job placed on runner r as ``placement_id`` (recorded as sent as p1)."""
+    placement = Placement(id="p1", runner_id="r", device_id=DEVICE.id, config=CONFIG)
+    if not db.hexists(keys.inflight(DEVICE.id), job.id):
+        PlacementState(db).sent(DEVICE.id, SentJob(job=job, placement=placement, worker="w"), 60)
+    sent = placement.model_copy(update={"id": placement_id}).model_dump(mode="json")
+    return rt.run_job(job.model_dump(mode="json"), sent)
+
+
+def stream(db: redis.Redis, job_id: str) -> list[dict[str, Any]]:
+    return [json.loads(f[b"c"]) for _id, f in db.xrange(keys.job_chunks(job_id))]
+
+
+def job(prompt: str) -> JobRequest:
+    return JobRequest(model="tiny", prompt=prompt, options=OPTIONS, submitted_at=1.0)
+
+
+def test_a_second_delivery_on_a_resident_runner_publishes_nothing(
+    db: redis.Redis, runtime: WorkerRuntime
+) -> None:
+    first = job("once")
+    assert deliver(db, runtime, first)["eval_count"] == 4  # loads the runner: claimed first
+    assert "r" in runtime.runners
+    second = job("twice")
+    final = deliver(db, runtime, second)  # resident: claimed while its first step ran
+    assert final["eval_count"] == 4
+    chunks = stream(db, second.id)
+    assert [c["seq"] for c in chunks] == list(range(1, len(chunks) + 1))
+    assert chunks[-1]["done"] and chunks[0].get("response")
+    with pytest.raises(NotOwned):
+        deliver(db, runtime, second)  # the same placement delivered again: its run is taken
+    assert stream(db, second.id) == chunks  # not a chunk more
+    assert not runtime._running and second.id not in runtime.cancels._watched
+    assert deliver(db, runtime, job("after"))["eval_count"] == 4  # the runner serves on
+
+
+def test_a_job_placed_elsewhere_meanwhile_publishes_nothing_here(
+    db: redis.Redis, runtime: WorkerRuntime
+) -> None:
+    deliver(db, runtime, job("load it"))
+    moved = job("moved")
+    with pytest.raises(NotOwned):
+        deliver(db, runtime, moved, placement_id="p-old")  # its record names another run
+    assert stream(db, moved.id) == []
+    assert db.hexists(keys.inflight(DEVICE.id), moved.id)  # its run, not this one, ends it
+
+
+def test_a_job_cancelled_in_the_queue_shows_no_text_on_a_resident_runner(
+    db: redis.Redis, runtime: WorkerRuntime
+) -> None:
+    deliver(db, runtime, job("load it"))
+    gone = job("cancelled before it started")
+    request_cancel(db, gone.id, 60)
+    with pytest.raises(JobCancelled, match="before"):
+        deliver(db, runtime, gone)
+    chunks = stream(db, gone.id)
+    assert len(chunks) == 1 and chunks[0]["done"] and "error" in chunks[0]
+    assert not db.hexists(keys.inflight(DEVICE.id), gone.id)  # its end was written
