@@ -161,10 +161,11 @@ def test_malformed_messages_on_every_queue_and_channel_stop_nothing(two_hosts: H
 
 
 def test_no_job_runs_twice_when_the_broker_redelivers_quickly(tmp_path: Path) -> None:
-    """A visibility timeout of 1 s: the Redis broker hands a message that a worker took but
-    did not acknowledge within a second to a worker again (kombu looks every second here).
-    Two threads and one slot: a holds the slot, b waits for it in the second thread,
-    and c would wait in the worker's buffer, unacknowledged, long enough to come back."""
+    """A visibility timeout of 1 s (kombu looks every second here): workers keep no record
+    of the messages they took, so none comes back to run twice, and placement's sweep
+    sends a job again only when it finds it neither queued nor started. Two threads and one
+    slot: a holds the slot, b waits for it in the second thread, and c waits in the queue
+    (a worker takes no more than it can start)."""
     models = tmp_path / "models"
     models.mkdir()
     write_slow_model(models / "slow.gguf")
