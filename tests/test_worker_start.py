@@ -6,6 +6,7 @@ Redis (database 1); no Celery: deliveries are calls of ``run_job``."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from scheduler.errors import JobCancelled
+from scheduler.errors import InvalidRequest, JobCancelled
 from scheduler.gguf.registry import Registry
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.settings import Settings
@@ -102,3 +103,31 @@ def test_a_job_cancelled_in_the_queue_shows_no_text_on_a_resident_runner(
     chunks = stream(db, gone.id)
     assert len(chunks) == 1 and chunks[0]["done"] and "error" in chunks[0]
     assert not db.hexists(keys.inflight(DEVICE.id), gone.id)  # its end was written
+
+
+def test_a_job_on_a_resident_runner_starts_while_another_runner_loads(
+    db: redis.Redis, runtime: WorkerRuntime
+) -> None:
+    """Another runner's load holds the worker's load lock for seconds: a job for a resident
+    runner neither waits for it nor stays unclaimed meanwhile (placement would send it
+    again, taking it for lost)."""
+    deliver(db, runtime, job("load it"))
+    quick = job("while another loads")
+    ended: list[dict[str, Any]] = []
+    with runtime._load_lock:  # another runner loading
+        thread = threading.Thread(target=lambda: ended.append(deliver(db, runtime, quick)))
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive() and ended[0]["eval_count"] == 4
+    assert db.exists(keys.job_start(quick.id, "p1"))
+
+
+def test_a_job_failing_before_its_first_step_still_sets_its_runners_keep_alive(
+    db: redis.Redis, runtime: WorkerRuntime
+) -> None:
+    deliver(db, runtime, job("load it"))
+    too_long = job("word " * 400).model_copy(update={"keep_alive_s": 0.0})
+    with pytest.raises(InvalidRequest, match="num_ctx"):
+        deliver(db, runtime, too_long)
+    assert stream(db, too_long.id)[-1]["done"]  # its error is its last chunk
+    assert "r" not in runtime.runners  # keep_alive 0: unloaded as the job ended

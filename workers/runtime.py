@@ -183,23 +183,23 @@ class WorkerRuntime:
                 start.unseen = True
                 raise cancelled_before_start(req.id)
             publisher.release()
-            runner.keep_alive_s = effective_keep_alive(req.keep_alive_s, runner.keep_alive_s)
-            self._schedule_expiry(runner_id, None)
+            start.settle(runner)
 
         # text on a resident runner: its start is claimed while its first step runs, off
-        # its way to the first token (StartClaim holds the text until then)
-        early = runner_id in self.runners and (req.kind == "chat" or bool(req.prompt))
+        # its way to the first token (StartClaim holds the text until then); looked up
+        # without the load lock, which another runner's load holds for seconds
+        resident = self.runners.get(runner_id) if req.kind == "chat" or req.prompt else None
         meanwhile = _nothing
         tally: dict[str, float] = {}  # the job's counters (scheduler/placement/metrics.py)
         try:
-            if early:
+            if resident is not None:
                 publisher.hold()
-            else:
-                self._start_now(start, cancelled, progress)
-            runner, load_ns = self._runner_for(req, placement)
-            if early:
+                progress = start.gate(progress)
+                runner, load_ns = resident, 0
                 meanwhile = partial(begin, runner)
-            else:
+            else:  # claimed before its runner is loaded: one not this delivery's loads nothing
+                self._start_now(start, cancelled, progress)
+                runner, load_ns = self._runner_for(req, placement)
                 begin(runner)
             final: dict[str, Any] = dict(
                 base, created_at=self.clock(), done=True, load_duration=load_ns
@@ -220,7 +220,7 @@ class WorkerRuntime:
             }
             return final
         except HandBack as exc:
-            if not start.ours():
+            if not start.ours(resident):
                 raise NotOwned(req.id) from None
             log.warning("handing job %s back to placement: %s", req.id, exc)
             sent_job = SentJob(
@@ -231,7 +231,9 @@ class WorkerRuntime:
         except NotOwned:
             raise
         except Exception as exc:
-            if not start.ours() or (isinstance(exc, GgufqError) and req.id in self._disowned):
+            if not start.ours(resident) or (
+                isinstance(exc, GgufqError) and req.id in self._disowned
+            ):
                 raise NotOwned(req.id) from None  # its new run, or placement, writes the end
             tally = {"cancelled" if isinstance(exc, JobCancelled) else "failed": 1}
             raise self._failed(req, placement, publisher, exc) from None
@@ -454,6 +456,7 @@ class StartClaim:
         self.delivery = uuid.uuid4().hex
         self.owned = False
         self.unseen = False  # what it published before it was claimed is never published
+        self.settled = False
 
     def make(self) -> None:
         """Claim the job's run for this delivery (once); raises NotOwned if it is not."""
@@ -486,13 +489,34 @@ class StartClaim:
         self.owned = True
         rt.cancels.watch(req.id, cancelled_now)
 
-    def ours(self) -> bool:
+    def gate(self, progress: Progress) -> Progress:
+        """``progress``, told only once the job is this delivery's (Flower shows another
+        delivery's task as the job's)."""
+
+        def gated(state: str, **fields: Any) -> None:
+            if self.owned:
+                progress(state, **fields)
+
+        return gated
+
+    def settle(self, runner: AnyRunner) -> None:
+        """The job is this delivery's and out of the queue: its keep_alive applies to its
+        runner, whose expiry waits for its end (once)."""
+        if self.settled:
+            return
+        self.settled = True
+        runner.keep_alive_s = effective_keep_alive(self.req.keep_alive_s, runner.keep_alive_s)
+        self.runtime._schedule_expiry(self.placement.runner_id, None)
+
+    def ours(self, resident: AnyRunner | None = None) -> bool:
         """Whether the job is this delivery's, claimed now if it was not yet (it failed
-        before its first step): then what it published so far goes out (called once its
-        run ended: nothing is published for it meanwhile)."""
+        before its first step on its ``resident`` runner): then what it published so far
+        goes out (called once its run ended: nothing is published for it meanwhile)."""
         try:
             self.make()
         except NotOwned:
             return False
         self.publisher.release(publish_held=not self.unseen)
+        if resident is not None and not self.unseen:
+            self.settle(resident)
         return True
