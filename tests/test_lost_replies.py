@@ -9,16 +9,18 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import redis
 import redis.asyncio
 from redis.client import Pipeline
 
 from scheduler.local.embedded import EmbeddedRedis
-from scheduler.placement.parking import ParkedJobs
+from scheduler.placement.parking import HeldJobs, ParkedJobs
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
 from scheduler.store.connection import CLIENT_OPTIONS, connect
 from scheduler.store.placement_state import PlacementState
+from scheduler.store.records import TakeUnsure
 from scheduler.store.worker_state import WorkerState
 from tests.test_state import GIB, vgpu
 
@@ -138,3 +140,33 @@ def test_this_projects_clients_never_resend_a_command_themselves(
             await client.aclose()
 
     assert asyncio.run(async_retries()) == 0
+
+
+def test_an_orphan_taken_as_redis_goes_away_is_put_back_once_it_answers(
+    db: redis.Redis,
+) -> None:
+    record = sent_job("vgpu:h:0", "r1")
+    db.hset(keys.ORPHANS, record.job.id, record.model_dump_json())
+    with pytest.raises(TakeUnsure) as unsure:
+        PlacementState(losing(db, lose=2)).claim_orphan(record.job.id)  # no answer, twice
+    assert not db.hexists(keys.ORPHANS, record.job.id)  # it was taken all the same
+    held = HeldJobs(ParkedJobs(db), limit=10)
+    held.hold_take(unsure.value)
+    held.park_all(claim=lambda *_: True)  # Redis answers again
+    assert PlacementState(db).claim_orphan(record.job.id) == record.model_dump_json().encode()
+    assert len(held) == 0
+
+
+def test_a_parked_job_taken_as_redis_goes_away_is_parked_again_at_its_place(
+    db: redis.Redis,
+) -> None:
+    job = JobRequest(model="m", prompt="hello", submitted_at=1.0)
+    ParkedJobs(db).park(job, score=5.0, errors=1)
+    with pytest.raises(TakeUnsure) as unsure:
+        ParkedJobs(losing(db, lose=2)).claim(job.id)
+    assert ParkedJobs(db).ids() == []
+    held = HeldJobs(ParkedJobs(db), limit=10)
+    held.hold_take(unsure.value)
+    held.park_all(claim=lambda *_: True)
+    claimed = ParkedJobs(db).claim(job.id)
+    assert claimed is not None and (claimed.score, claimed.errors) == (5.0, 1)

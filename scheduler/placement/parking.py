@@ -23,7 +23,7 @@ from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.fairness import fair_order
 from scheduler.protocol import JobRequest, parse_request
 from scheduler.store import keys
-from scheduler.store.records import take
+from scheduler.store.records import Taken, TakeUnsure, take
 from scheduler.store.scripts import script
 
 _BATCH_OFFSET = 1e12  # every batch job sorts after every interactive one
@@ -145,9 +145,16 @@ class HeldJobs:
         self._jobs: dict[str, tuple[JobRequest, float, int, str]] = {}
         self._orphans: dict[str, bytes] = {}  # job id → its SentJob record, as read
         self._failures: dict[str, tuple[str, GgufqError]] = {}  # job id → model, error
+        self._takes: dict[tuple[Taken, str], str] = {}  # (what, job id) → the take's token
+        self._take = script(parked.r, "take")
 
     def __len__(self) -> int:
-        return len(self._jobs) + len(self._orphans) + len(self._failures)
+        return len(self._jobs) + len(self._orphans) + len(self._failures) + len(self._takes)
+
+    def hold_take(self, unsure: TakeUnsure) -> None:
+        """Keep the token of a take Redis did not answer: asked again with it by
+        :meth:`park_all`, and what it took, if anything, put back in its queue."""
+        self._takes[(unsure.what, unsure.job_id)] = unsure.token
 
     def hold_failure(self, job_id: str, model: str, error: GgufqError) -> None:
         """Keep a job's end (its error) that Redis did not take, whole or in part: written
@@ -181,6 +188,11 @@ class HeldJobs:
         for job_id, raw in list(self._orphans.items()):
             self.parked.r.hset(keys.ORPHANS, job_id, raw)
             del self._orphans[job_id]
+        for (what, job_id), token in list(self._takes.items()):
+            taken = take(self._take, what, job_id, token)
+            if taken is not None:
+                self._put_back(what, job_id, taken)
+            del self._takes[(what, job_id)]
         parked = 0
         for job_id, (req, score, errors, delivery) in list(self._jobs.items()):
             if not delivery or claim(job_id, delivery):
@@ -190,3 +202,18 @@ class HeldJobs:
         if parked:
             log.warning("parked %d jobs held through a Redis outage", parked)
         return parked
+
+    def _put_back(self, what: Taken, job_id: str, raw: bytes) -> None:
+        """A record a take took as Redis went away, back in its queue, as it was."""
+        log.warning("putting %s job %s back: Redis went away as it was taken", what, job_id)
+        if what == "orphan":
+            self.parked.r.hset(keys.ORPHANS, job_id, raw)
+            return
+        try:
+            score = float(json.loads(raw)["score"])
+        except (ValueError, KeyError, TypeError):
+            score = 0.0  # unreadable: listed first, and its next take fails it
+        pipe = self.parked.r.pipeline(transaction=False)
+        pipe.set(keys.parked_job(job_id), raw)
+        pipe.zadd(keys.PARKED, {job_id: score})
+        pipe.execute()

@@ -47,6 +47,7 @@ from scheduler.store.cancel import cancelled_before_start, is_cancelled
 from scheduler.store.celery_app import ask_unload, send_job
 from scheduler.store.hops import note as note_hops
 from scheduler.store.placement_state import PlacementState
+from scheduler.store.records import TakeUnsure
 from scheduler.store.routes import Route, publish_route
 from scheduler.store.streams import error_chunk, publish_final
 
@@ -188,6 +189,9 @@ class PlacementService:
                 continue
             try:
                 claimed = self.parked.claim(job_id)
+            except TakeUnsure as unsure:  # perhaps taken: asked again once Redis is back
+                self.held.hold_take(unsure)
+                raise
             except GgufqError as exc:  # its record does not parse: fail it alone
                 self.fail(job_id, "", exc)
                 moved += 1
@@ -423,6 +427,9 @@ class PlacementService:
         """End a parked job that was asked to cancel; False if it is not parked here."""
         try:
             claimed = self.parked.claim(job_id)
+        except TakeUnsure as unsure:  # perhaps taken: asked again once Redis is back
+            self.held.hold_take(unsure)
+            raise
         except GgufqError:
             claimed = None
         if claimed is None:

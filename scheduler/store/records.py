@@ -12,9 +12,20 @@ import redis
 
 from scheduler.cluster import DeviceState, DeviceView, RunnerState, RunnerView, decayed
 from scheduler.store import keys
-from scheduler.store.connection import again_if_lost
+from scheduler.store.connection import REDIS_AWAY, again_if_lost
 
-TAKEN_KEPT_S = 60  # how long a taken record waits for its taker to ask again
+# how long a taken record waits for its taker to ask again: through an outage, too
+TAKEN_KEPT_S = 3600
+Taken = Literal["orphan", "parked"]
+
+
+class TakeUnsure(redis.ConnectionError):
+    """Redis did not answer a take: the record may be taken under ``token``, and only the
+    taker asking again with it once Redis answers gets it back (``HeldJobs.hold_take``)."""
+
+    def __init__(self, what: Taken, job_id: str, token: str, cause: Exception) -> None:
+        super().__init__(f"taking {what} job {job_id}: {cause}")
+        self.what, self.job_id, self.token = what, job_id, token
 
 
 def text(value: bytes | str) -> str:
@@ -121,17 +132,21 @@ def claim_once(client: redis.Redis, key: str, owner: str, ttl_s: int) -> bool:
     return bool(pipe.execute()[1] == owner.encode())
 
 
-def take(take_script: Any, what: Literal["orphan", "parked"], job_id: str) -> bytes | None:
+def take(take_script: Any, what: Taken, job_id: str, token: str = "") -> bytes | None:
     """Take a job's record out of the orphans or the parked queue (``take_script``:
     lua/take.lua) to handle it; None when another taker has it. A reply lost on the way is
     asked for again under the same token, so the record is neither lost with it nor handed
-    to two takers."""
+    to two takers; TakeUnsure when Redis does not answer that either. ``token``: a take
+    asked again after one."""
     queue = keys.ORPHANS if what == "orphan" else keys.PARKED
-    token = uuid.uuid4().hex
-    raw = again_if_lost(
-        lambda: take_script(
-            keys=[queue, keys.parked_job(job_id), keys.taken(what, job_id)],
-            args=[job_id, token, TAKEN_KEPT_S, what],
+    token = token or uuid.uuid4().hex
+    try:
+        raw = again_if_lost(
+            lambda: take_script(
+                keys=[queue, keys.parked_job(job_id), keys.taken(what, job_id)],
+                args=[job_id, token, TAKEN_KEPT_S, what],
+            )
         )
-    )
+    except REDIS_AWAY as exc:
+        raise TakeUnsure(what, job_id, token, exc) from exc
     return cast(bytes, raw) if raw else None
