@@ -83,6 +83,7 @@ def test_an_orphan_taken_as_its_reply_is_lost_is_handled_by_its_taker_alone(
     assert PlacementState(taker).claim_orphan(record.job.id) == record.model_dump_json().encode()
     assert taker.lose == 0  # the first reply was lost, the second call answered
     assert not db.hexists(keys.ORPHANS, record.job.id)
+    assert not db.exists(keys.taken("orphan", record.job.id))  # answered: not kept
     assert PlacementState(db).claim_orphan(record.job.id) is None  # no second taker
 
 

@@ -4,6 +4,7 @@ a parked job or orphan taken out to handle)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from typing import Any, Literal, cast
@@ -149,4 +150,7 @@ def take(take_script: Any, what: Taken, job_id: str, token: str = "") -> bytes |
         )
     except REDIS_AWAY as exc:
         raise TakeUnsure(what, job_id, token, exc) from exc
+    if raw:  # the answer came: nothing will ask again (kept an hour, were this lost)
+        with contextlib.suppress(*REDIS_AWAY):
+            take_script.registered_client.delete(keys.taken(what, job_id))
     return cast(bytes, raw) if raw else None
