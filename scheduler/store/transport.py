@@ -10,7 +10,9 @@ Redis that goes away:
   sweep gives them back;
 - a consumer that lost Redis tries again every quarter second, up to one second apart
   (Celery's default waits 2, 4, 6 … s, so a worker came back up to 6 s after Redis did);
-- a channel publishes through one Redis client, not a new one per message.
+- a channel publishes through one Redis client, not a new one per message;
+- a worker's task events (Flower's) go out a moment after they are made, not at once: a
+  job's "received" and "started" events were published while its first step ran.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kombu.transport import redis as kombu_redis
 log = logging.getLogger("ggufq.transport")
 _NOT_A_MESSAGE = (ValueError, TypeError, KeyError, AttributeError)
 RECONNECT = {"interval_start": 0.25, "interval_step": 0.25, "interval_max": 1.0}
+EVENTS_AFTER_S = 0.05  # past a short job's first token
 
 
 class QoS(kombu_redis.QoS):
@@ -72,6 +75,21 @@ class Transport(kombu_redis.Transport):
 
 
 class Consumer(CeleryConsumer):  # type: ignore[misc]
+    _events_due = False
+
+    def on_send_event_buffered(self) -> None:
+        if self.hub is not None:  # from any thread: the loop's own thread sets the timer
+            self.hub.call_soon(self._events_later)
+
+    def _events_later(self) -> None:
+        if not self._events_due:
+            self._events_due = True
+            self.hub.call_later(EVENTS_AFTER_S, self._events_now)
+
+    def _events_now(self) -> None:
+        self._events_due = False
+        self._flush_events()
+
     def ensure_connected(self, conn: Any) -> Any:
         conn.ensure_connection = partial(conn.ensure_connection, **RECONNECT)
         return super().ensure_connected(conn)
