@@ -94,7 +94,9 @@ def test_flower_shows_workers_queues_and_jobs(flower: str, slow_stack: LocalStac
         done = client.submit("slow", "blue", options={**LONG, "num_predict": 4})
         done.result()
     finished = flower + f"/api/task/info/{done.id}"
-    assert wait_for(lambda: get(finished)["state"] == "SUCCESS")  # events arrive a bit later
+    # events arrive a bit later (a worker sends them 50 ms after they are made): until then
+    # Flower does not know the task
+    assert wait_for(lambda: answers(finished) and get(finished)["state"] == "SUCCESS")
     task = get(finished)
     assert task["name"] == "ggufq.run"
     assert task["worker"] == WORKER

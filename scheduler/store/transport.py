@@ -18,6 +18,7 @@ Redis that goes away:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -75,19 +76,21 @@ class Transport(kombu_redis.Transport):
 
 
 class Consumer(CeleryConsumer):  # type: ignore[misc]
-    _events_due = False
+    _events_due_at = 0.0  # when the flush set last is due; 0: none is set
 
     def on_send_event_buffered(self) -> None:
         if self.hub is not None:  # from any thread: the loop's own thread sets the timer
             self.hub.call_soon(self._events_later)
 
     def _events_later(self) -> None:
-        if not self._events_due:
-            self._events_due = True
-            self.hub.call_later(EVENTS_AFTER_S, self._events_now)
+        now = time.monotonic()
+        if self._events_due_at and now < self._events_due_at + 1.0:
+            return  # one is set (one lost with the loop's timers, as Redis went away, is not)
+        self._events_due_at = now + EVENTS_AFTER_S
+        self.hub.call_later(EVENTS_AFTER_S, self._events_now)
 
     def _events_now(self) -> None:
-        self._events_due = False
+        self._events_due_at = 0.0
         self._flush_events()
 
     def ensure_connected(self, conn: Any) -> Any:
