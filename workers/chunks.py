@@ -237,8 +237,7 @@ class ChunkPublisher:
 
     def hold(self) -> None:
         with self._lock:
-            if not self._discarded and self._held is None:
-                self._held = []
+            self._held = []
 
     def release(self, publish_held: bool = True) -> None:
         with self._lock:

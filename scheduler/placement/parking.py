@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import cast
 
@@ -57,7 +58,7 @@ def _readable(raw: bytes | None) -> JobRequest | None:
 class ParkedJobs:
     def __init__(self, client: redis.Redis) -> None:
         self.r = client
-        self._take = script(client, "take")
+        self.take_script = script(client, "take")  # lua/take.lua (HeldJobs asks again with it)
 
     def park(self, req: JobRequest, score: float, errors: int = 0) -> None:
         """Add (or put back, at its old place) a job that cannot run yet; ``errors`` counts
@@ -71,7 +72,7 @@ class ParkedJobs:
     def claim(self, job_id: str) -> Claimed | None:
         """Take a parked job out for a retry; None when another placer took it first.
         Raises InvalidRequest when its record does not parse (the job is out of the queue)."""
-        raw = take(self._take, "parked", job_id)
+        raw = take(self.take_script, "parked", job_id)
         if raw is None:
             return None
         try:
@@ -146,7 +147,6 @@ class HeldJobs:
         self._orphans: dict[str, bytes] = {}  # job id → its SentJob record, as read
         self._failures: dict[str, tuple[str, GgufqError]] = {}  # job id → model, error
         self._takes: dict[tuple[Taken, str], str] = {}  # (what, job id) → the take's token
-        self._take = script(parked.r, "take")
 
     def __len__(self) -> int:
         return len(self._jobs) + len(self._orphans) + len(self._failures) + len(self._takes)
@@ -155,6 +155,16 @@ class HeldJobs:
         """Keep the token of a take Redis did not answer: asked again with it by
         :meth:`park_all`, and what it took, if anything, put back in its queue."""
         self._takes[(unsure.what, unsure.job_id)] = unsure.token
+
+    @contextmanager
+    def takes(self) -> Iterator[None]:
+        """Around taking parked jobs or orphans: a take Redis did not answer is held
+        (:meth:`hold_take`) and raised on."""
+        try:
+            yield
+        except TakeUnsure as unsure:
+            self.hold_take(unsure)
+            raise
 
     def hold_failure(self, job_id: str, model: str, error: GgufqError) -> None:
         """Keep a job's end (its error) that Redis did not take, whole or in part: written
@@ -189,7 +199,7 @@ class HeldJobs:
             self.parked.r.hset(keys.ORPHANS, job_id, raw)
             del self._orphans[job_id]
         for (what, job_id), token in list(self._takes.items()):
-            taken = take(self._take, what, job_id, token)
+            taken = take(self.parked.take_script, what, job_id, token)
             if taken is not None:
                 self._put_back(what, job_id, taken)
             del self._takes[(what, job_id)]

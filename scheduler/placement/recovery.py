@@ -20,7 +20,6 @@ from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
 from scheduler.store.celery_app import send_job
 from scheduler.store.placement_state import PlacementState
-from scheduler.store.records import TakeUnsure
 from scheduler.store.streams import progress
 
 log = logging.getLogger("ggufq.placement")
@@ -65,11 +64,8 @@ class Recovery:
         with an error that says what happened. Returns how many were handled."""
         handled = 0
         for job_id in self.state.orphans():
-            try:
+            with self.held.takes():  # one Redis did not answer: asked again once it is back
                 raw = self.state.claim_orphan(job_id)
-            except TakeUnsure as unsure:  # perhaps taken: asked again once Redis is back
-                self.held.hold_take(unsure)
-                raise
             if raw is None:
                 continue  # another placement process handles it
             handled += 1

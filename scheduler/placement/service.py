@@ -47,7 +47,6 @@ from scheduler.store.cancel import cancelled_before_start, is_cancelled
 from scheduler.store.celery_app import ask_unload, send_job
 from scheduler.store.hops import note as note_hops
 from scheduler.store.placement_state import PlacementState
-from scheduler.store.records import TakeUnsure
 from scheduler.store.routes import Route, publish_route
 from scheduler.store.streams import error_chunk, publish_final
 
@@ -188,10 +187,8 @@ class PlacementService:
             if req is not None and _config_of(req) in blocked:
                 continue
             try:
-                claimed = self.parked.claim(job_id)
-            except TakeUnsure as unsure:  # perhaps taken: asked again once Redis is back
-                self.held.hold_take(unsure)
-                raise
+                with self.held.takes():  # one Redis did not answer: asked again once it is back
+                    claimed = self.parked.claim(job_id)
             except GgufqError as exc:  # its record does not parse: fail it alone
                 self.fail(job_id, "", exc)
                 moved += 1
@@ -426,10 +423,8 @@ class PlacementService:
     def cancel_parked(self, job_id: str) -> bool:
         """End a parked job that was asked to cancel; False if it is not parked here."""
         try:
-            claimed = self.parked.claim(job_id)
-        except TakeUnsure as unsure:  # perhaps taken: asked again once Redis is back
-            self.held.hold_take(unsure)
-            raise
+            with self.held.takes():
+                claimed = self.parked.claim(job_id)
         except GgufqError:
             claimed = None
         if claimed is None:

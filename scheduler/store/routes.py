@@ -90,9 +90,18 @@ class Attempt:
 
 class _Routes:
     """What both sides of the fast path share, without I/O: the cached routes, the script's
-    arguments, the reading of its answer."""
+    arguments, the reading of its answer (``client``, sync or asyncio, is the sides')."""
 
-    def __init__(self, device_ttl_s: float, claim_ttl_s: int, owner_ttl_s: int, clock: Any) -> None:
+    def __init__(
+        self,
+        client: Any,
+        device_ttl_s: float,
+        claim_ttl_s: int,
+        owner_ttl_s: int,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.r = client
+        self._send = script(client, "fast_send")
         self.device_ttl_s, self.claim_ttl_s, self.owner_ttl_s = (
             device_ttl_s,
             claim_ttl_s,
@@ -189,17 +198,7 @@ class _Routes:
 class FastPath(_Routes):
     """A client's side of the fast path (one per client; safe across its threads)."""
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        device_ttl_s: float,
-        claim_ttl_s: int,
-        owner_ttl_s: int,
-        clock: Any = time.monotonic,
-    ) -> None:
-        super().__init__(device_ttl_s, claim_ttl_s, owner_ttl_s, clock)
-        self.r = client
-        self._send = script(client, "fast_send")
+    r: redis.Redis
 
     def route(self, name: str) -> bytes | None:
         return self.cached(name) or self.remember(name, self.r.get(keys.route(name)))
@@ -227,17 +226,7 @@ class FastPath(_Routes):
 class AsyncFastPath(_Routes):
     """:class:`FastPath` on redis.asyncio (one per client, used from its event loop)."""
 
-    def __init__(
-        self,
-        client: redis.asyncio.Redis,
-        device_ttl_s: float,
-        claim_ttl_s: int,
-        owner_ttl_s: int,
-        clock: Any = time.monotonic,
-    ) -> None:
-        super().__init__(device_ttl_s, claim_ttl_s, owner_ttl_s, clock)
-        self.r = client
-        self._send = script(client, "fast_send")
+    r: redis.asyncio.Redis
 
     async def route(self, name: str) -> bytes | None:
         return self.cached(name) or self.remember(name, await self.r.get(keys.route(name)))
