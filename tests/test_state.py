@@ -245,6 +245,52 @@ def test_a_first_chunk_redis_does_not_take_at_once_goes_through_the_writer_threa
         writer.close()
 
 
+class CountsRoundTrips(redis.Redis):
+    """A client that notes each command its pipelines send on their own, before the
+    pipeline (redis-py asks SCRIPT EXISTS there for the scripts a pipeline runs)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.asked: list[str] = []
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        pipe = super().pipeline(transaction, shard_hint)
+        immediate = pipe.immediate_execute_command
+
+        def noted(*args: Any, **options: Any) -> Any:
+            self.asked.append(str(args[0]))
+            return immediate(*args, **options)
+
+        pipe.immediate_execute_command = noted
+        return pipe
+
+
+def test_the_writer_batches_chunks_in_one_round_trip_and_reloads_a_lost_script(
+    db: redis.Redis,
+) -> None:
+    """A batch of chunks is one round trip: the writer does not ask Redis first whether
+    its script is loaded. A Redis that lost it (restarted) gets it again, and nothing is
+    lost or doubled."""
+    spy = CountsRoundTrips(connection_pool=db.connection_pool)
+    writer = ChunkWriter(spy, interval_s=600.0)
+    try:
+        pub = ChunkPublisher(spy, "job9", ttl_s=60, writer=writer)
+        pub.publish({"response": "a"})
+        assert recorded_soon(db, "job9") == ["a"]
+        for text in ("b", "c"):
+            pub.publish({"response": text})
+            assert writer.flush(timeout_s=10)
+        db.script_flush()  # as after a restart of Redis without its scripts
+        pub.publish({"response": "d"})
+        pub.publish({"response": "", "done": True})
+        assert writer.flush(timeout_s=10)
+        assert recorded(db, "job9") == ["a", "b", "c", "d", ""]
+        assert [c["seq"] for c in read_chunks(db, "job9", 5)] == [1, 2, 3, 4, 5]
+        assert spy.asked == []  # no SCRIPT EXISTS before the batches
+    finally:
+        writer.close()
+
+
 class LostReplies(redis.Redis):
     """A client whose scripts run but whose answers never come (a reply lost on the way,
     or later than the writer waits)."""

@@ -10,10 +10,11 @@ import time
 from typing import Any
 
 import redis
+from redis.exceptions import NoScriptError
 
 from scheduler.local.procs import lower_thread_priority
 from scheduler.store.connection import REDIS_AWAY
-from scheduler.store.streams import add_chunk, write_chunk
+from scheduler.store.streams import add_chunk, load_appender, queue_chunk, write_chunk
 
 log = logging.getLogger(__name__)
 
@@ -181,19 +182,25 @@ class ChunkWriter:
             time.sleep(min(0.1 * tries, 0.5))
 
     def _try_write(self, chunks: list[Pending]) -> tuple[str | None, bool]:
-        """Write ``chunks`` once: (None, _) when done, else (the problem, whether it is
-        that Redis is away)."""
-        pipe = self.r.pipeline(transaction=False)
-        for c in chunks:
-            add_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
+        """Write ``chunks`` once (twice when Redis had lost the script): (None, _) when
+        done, else (the problem, whether it is that Redis is away)."""
         try:
-            results = pipe.execute(raise_on_error=False)
+            results = self._pipeline(chunks)
+            if any(isinstance(r, NoScriptError) for r in results):
+                load_appender(self.r)  # restarted without it: none of them ran
+                results = self._pipeline(chunks)
         except REDIS_AWAY as exc:
             return str(exc), True
         except redis.RedisError as exc:
             return str(exc), False
         failed = [r for r in results if isinstance(r, Exception)]
         return (str(failed[0]), False) if failed else (None, False)
+
+    def _pipeline(self, chunks: list[Pending]) -> list[Any]:
+        pipe = self.r.pipeline(transaction=False)
+        for c in chunks:
+            queue_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
+        return list(pipe.execute(raise_on_error=False))
 
 
 def _quick_client(client: redis.Redis, timeout_s: float) -> redis.Redis:

@@ -46,6 +46,24 @@ def write_chunk(
     return int(add_chunk(client, job_id, seq, chunk, ttl_s, fence))
 
 
+def queue_chunk(
+    pipe: Any, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
+) -> None:
+    """:func:`add_chunk` queued on a pipeline by the script's hash alone, so the pipeline
+    runs without first asking Redis whether the script is loaded (redis-py's SCRIPT EXISTS,
+    a round trip before each pipeline). A Redis that lost it (restarted) answers
+    NoScriptError for each: :func:`load_appender`, then run them again (append.lua
+    skips a chunk that is there already)."""
+    payload = json.dumps(dict(chunk, seq=seq))
+    job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
+    pipe.evalsha(_appender(pipe).sha, len(job_keys), *job_keys, fence, seq, payload, ttl_s)
+
+
+def load_appender(client: redis.Redis) -> None:
+    """Load the script :func:`queue_chunk` runs into Redis."""
+    client.script_load(_appender(client).script)
+
+
 _APPEND: list[Any] = []  # the registered script, made on first use
 
 
