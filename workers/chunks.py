@@ -14,7 +14,7 @@ from redis.exceptions import NoScriptError
 
 from scheduler.local.procs import lower_thread_priority
 from scheduler.store.connection import REDIS_AWAY
-from scheduler.store.streams import add_chunk, load_appender, queue_chunk, write_chunk
+from scheduler.store.streams import load_appender, queue_chunk, write_chunk
 
 log = logging.getLogger(__name__)
 
@@ -290,9 +290,7 @@ class ChunkPublisher:
                 self._first = self._pending
             return
         self.seq += 1
-        pipe = self.r.pipeline(transaction=False)
-        add_chunk(pipe, self.job_id, self.seq, chunk, self.ttl_s, self.fence)
-        pipe.execute()
+        write_chunk(self.r, self.job_id, self.seq, chunk, self.ttl_s, self.fence)
         if first:
             self.first_written_at = time.time()
 

@@ -26,37 +26,35 @@ Entries = list[tuple[bytes, dict[bytes, bytes]]]
 log = logging.getLogger(__name__)
 
 
-def add_chunk(
-    pipe: Any, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
-) -> Any:
-    """The script that records and publishes one chunk (lua/append.lua), queued on a
-    pipeline or run at once on a client (then its answer: 1 written, 0 fenced off, -1
-    already there): written only while the job's owner is ``fence`` (a placement id; ""
-    always writes)."""
+def _append_call(
+    job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str
+) -> tuple[list[str], list[Any]]:
+    """lua/append.lua's keys and arguments for one chunk: written only while the job's
+    owner is ``fence`` (a placement id; "" always writes)."""
     payload = json.dumps(dict(chunk, seq=seq))
     job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
-    return _appender(pipe)(keys=job_keys, args=[fence, seq, payload, ttl_s], client=pipe)
+    return job_keys, [fence, seq, payload, ttl_s]
 
 
 def write_chunk(
     client: redis.Redis, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
 ) -> int:
-    """:func:`add_chunk` now, in one round trip (a pipeline would first ask Redis whether
-    its scripts are loaded)."""
-    return int(add_chunk(client, job_id, seq, chunk, ttl_s, fence))
+    """Record and publish one chunk (lua/append.lua) in one round trip; its answer: 1
+    written, 0 fenced off, -1 already there."""
+    job_keys, args = _append_call(job_id, seq, chunk, ttl_s, fence)
+    return int(_appender(client)(keys=job_keys, args=args, client=client))
 
 
 def queue_chunk(
     pipe: Any, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
 ) -> None:
-    """:func:`add_chunk` queued on a pipeline by the script's hash alone, so the pipeline
+    """:func:`write_chunk` queued on a pipeline by the script's hash alone, so the pipeline
     runs without first asking Redis whether the script is loaded (redis-py's SCRIPT EXISTS,
     a round trip before each pipeline). A Redis that lost it (restarted) answers
     NoScriptError for each: :func:`load_appender`, then run them again (append.lua
     skips a chunk that is there already)."""
-    payload = json.dumps(dict(chunk, seq=seq))
-    job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
-    pipe.evalsha(_appender(pipe).sha, len(job_keys), *job_keys, fence, seq, payload, ttl_s)
+    job_keys, args = _append_call(job_id, seq, chunk, ttl_s, fence)
+    pipe.evalsha(_appender(pipe).sha, len(job_keys), *job_keys, *args)
 
 
 def load_appender(client: redis.Redis) -> None:
@@ -103,9 +101,7 @@ def publish_final(client: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s
     stream = keys.job_chunks(job_id)
     last = cast(list[tuple[bytes, Any]], client.xrevrange(stream, count=1))
     seq = int(last[0][0].decode().split("-")[1]) if last else 0
-    pipe = client.pipeline(transaction=False)
-    add_chunk(pipe, job_id, seq + 1, dict(chunk, done=True), ttl_s)
-    pipe.execute()
+    write_chunk(client, job_id, seq + 1, dict(chunk, done=True), ttl_s)
 
 
 class ChunkOrder:
