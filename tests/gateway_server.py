@@ -11,6 +11,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from api_client.gateway import make_app
+from api_client.gateway.writes import GatewayProtocol
 from scheduler.local.embedded import free_port
 from scheduler.settings import Settings
 
@@ -26,7 +27,9 @@ def running_gateway(settings: Settings, require_keys: bool = False) -> Iterator[
 def serving(app: ASGIApp) -> Iterator[str]:
     """The base URL of ``app`` served by uvicorn while the block runs."""
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", http=GatewayProtocol
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"gateway-{port}", daemon=True)
     thread.start()

@@ -13,6 +13,7 @@ import logging
 import uvicorn
 
 from api_client.gateway.app import make_app
+from api_client.gateway.writes import GatewayProtocol
 from scheduler.settings import Settings, get_settings
 
 
@@ -42,7 +43,9 @@ def serve(host: str | None = None, port: int | None = None, log_level: str = "in
         port,
         "required" if keys_required(settings, host) else "off",
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(
+        app, host=host, port=port, log_level=log_level, access_log=False, http=GatewayProtocol
+    )
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
