@@ -11,6 +11,7 @@ copy, delete and blobs say that models come from GGUFQ_MODELS_DIR.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -54,6 +55,7 @@ NDJSON = "application/x-ndjson"
 Body = TypeVar("Body", GenerateRequest, ChatRequest)
 
 
+@functools.cache  # the installed version does not change under a running process
 def ggufq_version() -> str:
     try:
         return package_version("ggufq")
