@@ -1,12 +1,12 @@
-"""The gateway's HTTP connections send what one turn of the event loop wrote as one write.
+"""The gateway's HTTP connections send a response's head together with its first body part.
 
 uvicorn writes a response's head as soon as the app starts the response, and each body
 part as it comes. A streamed answer's head and first line are therefore two writes, two
 TCP segments, and two wake-ups of the client: on a machine whose cores are busy decoding,
-the first wakes the client, which can take the core before the second is written (a tenth
-of a millisecond at the median, up to 3 ms at p90, on the first token's path; bench/README
-has the numbers). Holding writes until the loop's turn ends joins the head with the first
-line, and a short answer's head with its body, without delaying anything past that turn.
+the first wakes the client, which can take the core before the second is written (up to
+3 ms at p90 on the first token's path; bench/README has the numbers). So the head is held
+until the first body part, which goes out with it in one write, or until the event loop's
+turn ends (a response that starts and waits), whichever comes first. Nothing else is held.
 """
 
 from __future__ import annotations
@@ -17,34 +17,41 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
-class CoalescedWrites(asyncio.Transport):
-    """A transport that holds writes until the end of the event loop's turn, then sends
-    them as one. Everything else goes to the transport it wraps; closing it sends what is
-    held first, aborting it drops what is held."""
+class HeldHead(asyncio.Transport):
+    """A transport that, once :meth:`hold_next` arms it, holds the next write until the
+    write after it (then both go out as one) or the end of the event loop's turn. Every
+    other call goes to the transport it wraps; closing sends what is held first, aborting
+    drops it."""
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
         self._transport = transport
         self._loop = loop
-        self._held: list[bytes] = []
+        self._armed = False
+        self._held = b""
+
+    def hold_next(self) -> None:
+        self._armed = True
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
             return
-        if not self._held:
+        if self._held:  # the head's first body part: both in one write
+            data, self._held = self._held + bytes(data), b""
+        elif self._armed:
+            self._armed = False
+            self._held = bytes(data)
             self._loop.call_soon(self._flush)
-        self._held.append(bytes(data))
+            return
+        self._transport.write(data)
 
     def writelines(self, list_of_data: Any) -> None:
         for data in list_of_data:
             self.write(data)
 
     def _flush(self) -> None:
-        if not self._held:
-            return
-        data = b"".join(self._held)
-        self._held.clear()
-        if not self._transport.is_closing():  # the client left: nobody to send it to
+        data, self._held = self._held, b""
+        if data and not self._transport.is_closing():  # closing: nobody to send it to
             self._transport.write(data)
 
     def close(self) -> None:
@@ -52,7 +59,7 @@ class CoalescedWrites(asyncio.Transport):
         self._transport.close()
 
     def abort(self) -> None:
-        self._held.clear()
+        self._held = b""
         self._transport.abort()
 
     def write_eof(self) -> None:
@@ -85,14 +92,22 @@ class CoalescedWrites(asyncio.Transport):
         return self._transport.get_protocol()
 
     def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(map(len, self._held))
+        return self._transport.get_write_buffer_size() + len(self._held)
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         self._transport.set_write_buffer_limits(high, low)
 
 
 class GatewayProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol on a transport that coalesces each turn's writes."""
+    """uvicorn's httptools protocol whose responses' heads wait for their first body part
+    (:class:`HeldHead`)."""
+
+    transport: HeldHead
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(CoalescedWrites(transport, asyncio.get_running_loop()))
+        super().connection_made(HeldHead(transport, asyncio.get_running_loop()))
+
+    def on_headers_complete(self) -> None:
+        if self.cycle is None or self.cycle.response_complete:  # not a pipelined request
+            self.transport.hold_next()  # its response's head, the next thing written
+        super().on_headers_complete()
