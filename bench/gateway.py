@@ -30,8 +30,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+from paired import against, median_ci
 
 PROMPT = "The capital of France is"
 OPTIONS = {"temperature": 0, "num_predict": 16, "seed": 1}
@@ -90,7 +92,7 @@ with open(sys.argv[3], "a", buffering=1) as out:
 
 def shares(
     pairs: list[tuple[Run, Run]], submitted: dict[str, float], published: dict[str, float]
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """The gateway's own share of the added time to first token, per pair, leaving out the
     cluster's time between a job's submission and its first chunk (which varies by
     milliseconds from job to job and swamps a sub-millisecond difference): the request
@@ -116,6 +118,7 @@ def shares(
         "added_ttft_own_ms_p50": statistics.median(both),
         "added_ttft_own_ms_p25": statistics.quantiles(both, n=4)[0] if len(both) > 1 else both[0],
         "added_ttft_own_ms_p75": statistics.quantiles(both, n=4)[2] if len(both) > 1 else both[0],
+        "added_ttft_own_ms_ci95": median_ci(both),
     }
 
 
@@ -220,12 +223,17 @@ def main() -> None:
     own = shares(pairs, submitted, published)
     added_ttft, added_e2e = statistics.median(ttft_diffs), statistics.median(e2e_diffs)
     ttft_q = statistics.quantiles(ttft_diffs, n=4)
+    ttft_ci = median_ci(ttft_diffs)
     print(f"model {model}, {args.requests} requests each way, interleaved ABBA")
     print(f"{'':24}{'client':>10}{'gateway':>10}{'added':>10}")
     print(f"{'ttft p50 ms':24}{med(direct, 0):10.2f}{med(via, 0):10.2f}{added_ttft:10.2f}")
     print(f"{'end to end p50 ms':24}{med(direct, 1):10.2f}{med(via, 1):10.2f}{added_e2e:10.2f}")
     print("(added = paired median of gateway minus client)")
     print(f"added ttft quartiles ms: {ttft_q[0]:.2f} .. {ttft_q[2]:.2f}")
+    print(
+        f"added ttft p50, 95 % interval: {ttft_ci[0]:.2f} .. {ttft_ci[1]:.2f} ms "
+        f"(target <= 2 ms: {against(ttft_ci, 2.0)})"
+    )
     if own:
         print("the gateway's own share, the cluster's time from submission to first chunk")
         print("left out (paired medians, ms):")
@@ -241,6 +249,8 @@ def main() -> None:
             f"{own['added_ttft_own_ms_p75']:.2f}; what was left out, submission to first "
             f"chunk, differs by {own['added_cluster_ms_p50']:.2f})"
         )
+        low, high = own["added_ttft_own_ms_ci95"]
+        print(f"  both, p50's 95 % interval: {low:.2f} .. {high:.2f} ms")
     for n, value in rps.items():
         print(f"short requests/s through one gateway, {n:2} clients: {value:8.1f}")
     print("llama-server's own HTTP server: not measured (no binary given)")
@@ -259,6 +269,7 @@ def main() -> None:
                 "added_e2e_ms_p50": added_e2e,
                 "added_ttft_ms_p25": ttft_q[0],
                 "added_ttft_ms_p75": ttft_q[2],
+                "added_ttft_ms_ci95": ttft_ci,
                 **own,
             }
         )

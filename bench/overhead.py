@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from paired import against, median_ci
+
 PROMPT = "The capital of France is"
 OPTIONS = {"temperature": 0, "num_predict": 16, "seed": 1}
 MODEL = "gemma3-270m"
@@ -144,12 +146,22 @@ def main() -> None:
         "ttft_ms": statistics.median((b[1] - a[1]) * 1000 for a, b in pairs),
         "ttft_p95_ms": pct([(b[1] - a[1]) * 1000 for a, b in pairs], 0.95),
     }
+    intervals = {
+        "latency_ms_ci95": median_ci([(b[0] - a[0]) * 1000 for a, b in pairs]),
+        "ttft_ms_ci95": median_ci([(b[1] - a[1]) * 1000 for a, b in pairs]),
+    }
     print(f"{'':22}{'direct':>12}{'ggufq':>12}{'added':>12}")
     for key in d:
         print(f"{key:22}{d[key]:12.1f}{s[key]:12.1f}{added[key]:12.1f}")
     print(f"{'paired added':22}{'latency p50':>12}{paired['latency_ms']:12.2f}")
     print(f"{'':22}{'ttft p50':>12}{paired['ttft_ms']:12.2f}")
     print(f"{'':22}{'ttft p95':>12}{paired['ttft_p95_ms']:12.2f}")
+    for name, target in (("latency_ms", 10.0), ("ttft_ms", 5.0)):
+        low, high = intervals[f"{name}_ci95"]
+        print(
+            f"  paired {name} p50, 95 % interval: {low:.2f} .. {high:.2f} "
+            f"(target <= {target:g}: {against([low, high], target)})"
+        )
 
     per_hop: dict[str, list[float]] = {}
     for row in system:
@@ -192,7 +204,7 @@ def main() -> None:
         "direct": d,
         "ggufq": s,
         "added": added,
-        "paired_added": paired,
+        "paired_added": {**paired, **intervals},
         "hops_ms_p50": hops,
         "first_step_ms_p50": first_step,
         "ratio_latency_p50": s["latency_p50_ms"] / d["latency_p50_ms"],
