@@ -14,7 +14,9 @@ chunk, which varies from job to job; the quartiles printed beside the median say
 to trust it. So the gateway's own share is measured too, with that time left out: the
 request side (from the request's start to the moment the job is made, which Redis records)
 and the response side (from the first chunk's publication, as a subscriber of its own sees
-it, to the client's first line).
+it, to the client's first line). Both include the HTTP client's own work (httpx) and one
+more process wake-up each way; the gateway process's own time, what a proxy's "overhead"
+usually means (LiteLLM's, for one), is read from its Server-Timing header.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -46,6 +49,7 @@ class Run:
     job: str
     started_at: float  # wall clock, to set beside the times other processes record
     first_at: float
+    server_ms: float | None = None  # the gateway's own time before its first byte
 
 
 def client_once(client, model: str) -> Run:  # type: ignore[no-untyped-def]
@@ -64,11 +68,13 @@ def gateway_once(http: httpx.Client, model: str) -> Run:
     first, first_at = None, 0.0
     with http.stream("POST", "/api/generate", json=body) as response:
         job = response.headers.get("x-ggufq-job", "")
+        timing = re.search(r"gateway;dur=([0-9.]+)", response.headers.get("server-timing", ""))
         for line in response.iter_lines():
             if first is None and json.loads(line).get("response"):
                 first, first_at = time.perf_counter(), time.time()
     ended = time.perf_counter()
-    return Run((first or ended) - started, ended - started, job, wall, first_at)
+    server_ms = float(timing.group(1)) if timing else None
+    return Run((first or ended) - started, ended - started, job, wall, first_at, server_ms)
 
 
 # A process of its own that notes when each job's first chunk is published (as seen by a
@@ -251,6 +257,14 @@ def main() -> None:
         )
         low, high = own["added_ttft_own_ms_ci95"]
         print(f"  both, p50's 95 % interval: {low:.2f} .. {high:.2f} ms")
+    server = [r.server_ms for r in via if r.server_ms is not None]
+    server_p50 = statistics.median(server) if server else None
+    if server:
+        print(
+            "the gateway process's own time before the first byte (its Server-Timing header: "
+            f"request in until the job is made, first chunk until the answer begins): p50 "
+            f"{server_p50:.3f} ms, p90 {statistics.quantiles(server, n=10)[-1]:.3f} ms"
+        )
     for n, value in rps.items():
         print(f"short requests/s through one gateway, {n:2} clients: {value:8.1f}")
     print("llama-server's own HTTP server: not measured (no binary given)")
@@ -270,6 +284,7 @@ def main() -> None:
                 "added_ttft_ms_p25": ttft_q[0],
                 "added_ttft_ms_p75": ttft_q[2],
                 "added_ttft_ms_ci95": ttft_ci,
+                "gateway_server_ms_p50": server_p50,
                 **own,
             }
         )

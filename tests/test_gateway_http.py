@@ -4,6 +4,8 @@ disconnects cancels its job, API keys and their limits, and the metrics."""
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,21 @@ def test_sse_framing(url: str) -> None:
     assert data[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     comments = [e for e in events if e.startswith(":")]
     assert set(comments) <= {": keep-alive"}
+
+
+def test_a_stream_says_what_the_gateway_and_the_cluster_took_before_its_first_byte(
+    url: str,
+) -> None:
+    body = {"model": "tiny", "prompt": "the sky is", "raw": True, "options": {"num_predict": 4}}
+    started = time.time()
+    with httpx.stream("POST", f"{url}/api/generate", json=body, timeout=60) as response:
+        head_at = time.time()
+        header = response.headers["server-timing"]
+        assert json.loads(list(response.iter_lines())[-1])["done"]
+    parts = {name: float(ms) for name, ms in re.findall(r"(\w+);dur=([0-9.]+)", header)}
+    assert set(parts) == {"gateway", "cluster"}, header  # both there, neither negative
+    assert 0 < parts["gateway"] < parts["gateway"] + parts["cluster"]
+    assert parts["gateway"] + parts["cluster"] <= (head_at - started) * 1000
 
 
 def test_keepalive_records_between_chunks_parse_as_empty(url: str, slow: str) -> None:

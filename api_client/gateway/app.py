@@ -61,6 +61,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
+        scope.setdefault("state", {})["arrived"] = time.time()  # for Server-Timing
         seen: dict[str, Any] = {"status": 500, "ttfb": None}
 
         async def counted(message: Message) -> None:

@@ -14,7 +14,9 @@ An error before anything was sent is raised, so that the app answers it with its
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 from starlette.requests import Request
@@ -51,12 +53,39 @@ async def or_cancel_on_disconnect(request: Request, work: Awaitable[Any], job: A
             task.cancel()
 
 
+@dataclass
+class ServerTiming:
+    """A streamed answer's Server-Timing header: ``gateway``, the gateway's own time before
+    the first byte (from the request's arrival until its job was made, and from the job's
+    first chunk until the answer began), and ``cluster``, the time between (the job sent,
+    placed and run to its first chunk). A keep-alive that begins the answer before any
+    chunk leaves the second part of ``gateway`` out. Wall clock, in milliseconds."""
+
+    arrived: float | None  # the request's arrival (the app's Guard notes it)
+    made: float  # the job's submitted_at
+    first_chunk: float | None = None
+
+    def header(self) -> tuple[bytes, bytes]:
+        now = time.time()
+        first = now if self.first_chunk is None else self.first_chunk
+        own = (now - first) + (0.0 if self.arrived is None else self.made - self.arrived)
+        value = f"gateway;dur={own * 1000:.3f}, cluster;dur={(first - self.made) * 1000:.3f}"
+        return b"server-timing", value.encode()
+
+
 class _Output:
     """The response's sends, one at a time (the reading task and the keep-alive task both
     send), and when the last one went out."""
 
-    def __init__(self, send: Send, head: dict[str, Any], keepalive: bytes, every_s: float):
-        self.send, self.head = send, head
+    def __init__(
+        self,
+        send: Send,
+        head: dict[str, Any],
+        keepalive: bytes,
+        every_s: float,
+        timing: ServerTiming,
+    ):
+        self.send, self.head, self.timing = send, head, timing
         self.keepalive, self.every_s = keepalive, every_s
         self.started = self.ended = False
         self.lock = asyncio.Lock()
@@ -69,7 +98,8 @@ class _Output:
                 return
             if not self.started:
                 self.started = True
-                await self.send(self.head)
+                headers = [*self.head["headers"], self.timing.header()]
+                await self.send({**self.head, "headers": headers})
             for frame in frames:
                 await self.send({"type": "http.response.body", "body": frame, "more_body": True})
             if not more:
@@ -113,7 +143,8 @@ class JobStreamResponse(Response):
         gone = asyncio.Event()
 
         head = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
-        out = _Output(send, head, self.keepalive, self.keepalive_s)
+        timing = ServerTiming(scope.get("state", {}).get("arrived"), self.job.request.submitted_at)
+        out = _Output(send, head, self.keepalive, self.keepalive_s, timing)
 
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -155,6 +186,7 @@ class JobStreamResponse(Response):
                 return exc
             except Exception as exc:  # Redis gone mid-stream: an error the caller can read
                 return self._lost(exc)
+            out.timing.first_chunk = out.timing.first_chunk or time.time()
             await out.frames(self.encode(chunk), more=not chunk.done)
 
     def _lost(self, exc: Exception) -> JobFailed:
