@@ -26,7 +26,7 @@ from paired import against, median_ci
 
 PROMPT = "The capital of France is"
 OPTIONS = {"temperature": 0, "num_predict": 16, "seed": 1}
-MODEL = "gemma3-270m"
+DEMO = "gemma3-270m"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -50,11 +50,11 @@ def direct_once(engine: Any) -> tuple[float, float, int, float]:
     return ended - started, (first[0] if first else ended) - started, stats.eval_count, first_step
 
 
-def system_once(client: Any) -> tuple[float, float, int, float, dict[str, float]]:
+def system_once(client: Any, model: str) -> tuple[float, float, int, float, dict[str, float]]:
     started = time.perf_counter()
     first = None
     eval_count, first_step = 0, 0.0
-    job = client.submit(MODEL, PROMPT, options=OPTIONS)
+    job = client.submit(model, PROMPT, options=OPTIONS)
     for chunk in job.stream():
         if first is None:
             first = time.perf_counter()
@@ -86,6 +86,9 @@ def main() -> None:
     parser.add_argument(
         "--no-fast-path", action="store_true", help="GGUFQ_FAST_PATH=0: every job via placement"
     )
+    parser.add_argument(
+        "--model-file", type=Path, help="a GGUF file (default: the demo model, gemma3-270m)"
+    )
     args = parser.parse_args()
 
     from api_client import Client
@@ -96,7 +99,8 @@ def main() -> None:
     from scheduler.store.hops import gaps_ms
     from workers.engine.loop import Engine
 
-    path = demo_model_path()
+    path = args.model_file or demo_model_path()
+    model = path.stem if args.model_file else DEMO
     state = Path(tempfile.mkdtemp(prefix="ggufq-bench-"))
     events, fast = not args.no_events, not args.no_fast_path
     settings = Settings(
@@ -112,26 +116,36 @@ def main() -> None:
         "GGUFQ_TASK_EVENTS": str(int(events)),
         "GGUFQ_FAST_PATH": str(int(fast)),
     }
+    if args.model_file:
+        (state / "models").mkdir()
+        (state / "models" / path.name).symlink_to(path.resolve())
     with LocalStack(settings, log_dir=state / "logs", extra_env=env) as stack:
         client = Client(stack.redis_url, settings=settings)
-        system_once(client)  # loads the runner: its configuration is the baseline's
-        runner = next(r for r in client.ps() if r.model == MODEL)
+        system_once(client, model)  # loads the runner: its configuration is the baseline's
+        runner = next(r for r in client.ps() if r.model == model)
         config = RunnerConfig.for_generation(
             runner.context_length, runner.num_parallel, settings.flash_attention
         )
-        engine = Engine(str(path), config, n_threads=settings.cpu_threads or None, name=MODEL)
+        # on the runner's devices as the runner is (a GPU machine: every layer offloaded)
+        engine = Engine(
+            str(path),
+            config,
+            n_gpu_layers=runner.n_gpu_layers,
+            n_threads=settings.cpu_threads or None,
+            name=model,
+        )
         for _ in range(3):  # warm both
-            system_once(client)
+            system_once(client, model)
             direct_once(engine)
         direct: list[tuple[float, float, int, float]] = []
         system: list[tuple[float, float, int, float, dict[str, float]]] = []
         for i in range(args.requests):  # ABBA order: neither side always runs second
             if i % 2:
-                system.append(system_once(client))
+                system.append(system_once(client, model))
                 direct.append(direct_once(engine))
             else:
                 direct.append(direct_once(engine))
-                system.append(system_once(client))
+                system.append(system_once(client, model))
         engine.close()
         client.close()
 

