@@ -59,7 +59,8 @@ class ServerTiming:
     the first byte (from the request's arrival until its job was made, and from the job's
     first chunk until the answer began), and ``cluster``, the time between (the job sent,
     placed and run to its first chunk). A keep-alive that begins the answer before any
-    chunk leaves the second part of ``gateway`` out. Wall clock, in milliseconds."""
+    chunk leaves the second part of ``gateway`` out and ends ``cluster`` there (it says
+    so in its ``desc``). Wall clock, in milliseconds."""
 
     arrived: float | None  # the request's arrival (the app's Guard notes it)
     made: float  # the job's submitted_at
@@ -69,8 +70,14 @@ class ServerTiming:
         now = time.time()
         first = now if self.first_chunk is None else self.first_chunk
         own = (now - first) + (0.0 if self.arrived is None else self.made - self.arrived)
-        value = f"gateway;dur={own * 1000:.3f}, cluster;dur={(first - self.made) * 1000:.3f}"
-        return b"server-timing", value.encode()
+        cluster = f"cluster;dur={_ms(first - self.made)}"
+        if self.first_chunk is None:
+            cluster += ';desc="until a keep-alive"'
+        return b"server-timing", f"gateway;dur={_ms(own)}, {cluster}".encode()
+
+
+def _ms(seconds: float) -> str:
+    return f"{max(0.0, seconds) * 1000:.3f}"  # a wall clock stepped back: 0, not negative
 
 
 class _Output:

