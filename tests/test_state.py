@@ -17,6 +17,7 @@ from scheduler.local.embedded import EmbeddedRedis
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
 from scheduler.store.placement_state import PlacementState
+from scheduler.store.scripts import execute
 from scheduler.store.streams import publish_final, read_chunks
 from scheduler.store.worker_state import WorkerState
 from workers.chunks import ChunkPublisher, ChunkWriter, Pending
@@ -289,6 +290,44 @@ def test_the_writer_batches_chunks_in_one_round_trip_and_reloads_a_lost_script(
         assert spy.asked == []  # no SCRIPT EXISTS before the batches
     finally:
         writer.close()
+
+
+def test_scripts_queued_by_hash_cost_no_round_trip_and_a_lost_one_runs_once_more(
+    db: redis.Redis,
+) -> None:
+    """A pipeline that runs scripts by hash (placement counting a request, a worker ending
+    a job) does not ask Redis first whether they are loaded. A Redis that lost them gets
+    them again and runs those commands once more, the pipeline's others only once; an
+    error still raises as from pipe.execute()."""
+    spy = CountsRoundTrips(connection_pool=db.connection_pool)
+    placement, worker = PlacementState(spy), WorkerState(spy)
+    db.hset(keys.RUNNING, mapping={"j1": 1.0, "j2": 1.0, "j3": 1.0})
+
+    def ended(job_id: str) -> list[Any]:
+        pipe = spy.pipeline(transaction=False)
+        placement.count_request("m", 100.0, pipe)
+        worker.done_with("vgpu:h:0", job_id, "p1", pipe)
+        pipe.incr("ggufq:test:other")
+        return execute(pipe)
+
+    reloaded = ["SCRIPT LOAD", "EVALSHA", "SCRIPT LOAD", "EVALSHA"]
+    ended("j1")  # a Redis that never saw them: loaded, and run
+    assert spy.asked == reloaded
+    spy.asked.clear()
+    ended("j2")
+    assert spy.asked == []  # loaded: the pipeline alone, no SCRIPT EXISTS before it
+    db.script_flush()  # as after a restart of Redis without its scripts
+    ended("j3")
+    assert spy.asked == reloaded
+    assert db.get("ggufq:test:other") == b"3"
+    assert db.hget(keys.DEMAND, "m") == b"3.000000:100.000"  # counted once per pipeline
+    assert not any(db.hexists(keys.RUNNING, j) for j in ("j1", "j2", "j3"))
+    pipe = spy.pipeline(transaction=False)
+    pipe.set("ggufq:test:text", "a")
+    pipe.incr("ggufq:test:text")
+    with pytest.raises(redis.ResponseError):
+        execute(pipe)
+    assert spy.connection_pool._in_use_connections == set()  # none kept by a pipeline
 
 
 class LostReplies(redis.Redis):

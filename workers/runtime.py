@@ -25,6 +25,7 @@ from scheduler.protocol import JobRequest, Placement, SentJob, parse_placement, 
 from scheduler.settings import Settings
 from scheduler.store.cancel import CancelWatcher, cancelled_before_start
 from scheduler.store.hops import note as note_hops
+from scheduler.store.scripts import execute
 from scheduler.store.stats import count
 from scheduler.store.streams import error_chunk
 from scheduler.store.worker_state import WorkerState
@@ -290,7 +291,7 @@ class WorkerRuntime:
             self.state.done_with(placement.device_id, req.id, placement.id, pipe)
             count(pipe, req.model, **tally)
             note_hops(pipe, req.id, ttl_s, hops)
-            pipe.execute()
+            execute(pipe)
 
         # through an outage too: else its slot stays taken in placement's view
         self.backlog.run(f"ending job {req.id}", bookkeeping)

@@ -48,6 +48,7 @@ from scheduler.store.celery_app import ask_unload, send_job
 from scheduler.store.hops import note as note_hops
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.routes import Route, publish_route
+from scheduler.store.scripts import execute
 from scheduler.store.streams import error_chunk, publish_final
 
 log = logging.getLogger("ggufq.placement")
@@ -173,7 +174,7 @@ class PlacementService:
             note_hops(pipe, req.id, self.settings.stream_ttl_s, hops)
             if sent and self.settings.fast_path:
                 publish_route(pipe, req, route)
-            pipe.execute()
+            execute(pipe)
         return outcome
 
     def retry_parked(self) -> int:

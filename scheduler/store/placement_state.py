@@ -21,7 +21,7 @@ from scheduler.store.records import (
     take,
     text,
 )
-from scheduler.store.scripts import flatten, script
+from scheduler.store.scripts import flatten, queue, script
 
 
 class PlacementState:
@@ -115,7 +115,10 @@ class PlacementState:
 
     def count_request(self, model: str, now: float, pipe: Any = None) -> None:
         """One more request for ``model`` (queued on ``pipe`` when given)."""
-        self._demand(keys=[keys.DEMAND], args=[model, now, DEMAND_TAU_S], client=pipe)
+        if pipe is None:
+            self._demand(keys=[keys.DEMAND], args=[model, now, DEMAND_TAU_S])
+        else:  # by its hash: run the pipeline with scripts.execute
+            queue(pipe, self._demand, [keys.DEMAND], [model, now, DEMAND_TAU_S])
 
     # -- devices ---------------------------------------------------------------------------
     def reap(self, now: float, device_ttl_s: float) -> list[str]:

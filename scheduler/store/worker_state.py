@@ -14,7 +14,7 @@ from scheduler.store import keys
 from scheduler.store.cancel import cancelled_by, watch_keys
 from scheduler.store.placement_state import reap
 from scheduler.store.records import text
-from scheduler.store.scripts import flatten, script
+from scheduler.store.scripts import flatten, queue, script
 
 
 class WorkerState:
@@ -138,9 +138,10 @@ class WorkerState:
         return None if raw is None else text(raw)
 
     def done_with(self, device_id: str, job_id: str, placement_id: str, pipe: Any) -> None:
-        """Queue on ``pipe``: the job ended (its worker sends this with its counters)."""
-        self._done_with(
-            keys=[keys.RUNNING, keys.inflight(device_id)], args=[job_id, placement_id], client=pipe
+        """Queue on ``pipe``: the job ended (its worker sends this with its counters; run
+        the pipeline with scripts.execute)."""
+        queue(
+            pipe, self._done_with, [keys.RUNNING, keys.inflight(device_id)], [job_id, placement_id]
         )
 
     def hand_back(self, record: SentJob) -> None:
