@@ -10,11 +10,11 @@ import time
 from typing import Any
 
 import redis
-from redis.exceptions import NoScriptError
 
 from scheduler.local.procs import lower_thread_priority
 from scheduler.store.connection import REDIS_AWAY
-from scheduler.store.streams import load_appender, queue_chunk, write_chunk
+from scheduler.store.scripts import execute
+from scheduler.store.streams import queue_chunk, write_chunk
 
 log = logging.getLogger(__name__)
 
@@ -182,13 +182,11 @@ class ChunkWriter:
             time.sleep(min(0.1 * tries, 0.5))
 
     def _try_write(self, chunks: list[Pending]) -> tuple[str | None, bool]:
-        """Write ``chunks`` once (twice when Redis had lost the script): (None, _) when
+        """Write ``chunks`` once (and append.lua's calls again when Redis had lost the
+        script, in the same call): (None, _) when
         done, else (the problem, whether it is that Redis is away)."""
         try:
             results = self._pipeline(chunks)
-            if any(isinstance(r, NoScriptError) for r in results):
-                load_appender(self.r)  # restarted without it: none of them ran
-                results = self._pipeline(chunks)
         except REDIS_AWAY as exc:
             return str(exc), True
         except redis.RedisError as exc:
@@ -200,7 +198,7 @@ class ChunkWriter:
         pipe = self.r.pipeline(transaction=False)
         for c in chunks:
             queue_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
-        return list(pipe.execute(raise_on_error=False))
+        return execute(pipe, raise_on_error=False)  # a script Redis lost: loaded, run again
 
 
 def _quick_client(client: redis.Redis, timeout_s: float) -> redis.Redis:

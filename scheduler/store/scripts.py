@@ -38,23 +38,33 @@ def queue(pipe: Any, registered: Any, keys: list[str], args: list[Any]) -> None:
     pipe.evalsha(registered.sha, len(keys), *keys, *args)
 
 
-def execute(pipe: Any) -> list[Any]:
-    """Run ``pipe`` (a non-transactional pipeline) as ``pipe.execute()`` does, except that a
-    script Redis does not have (it restarted without them) is loaded and that command
-    alone run again: it did not run, and the pipeline's other commands did."""
+def execute(pipe: Any, raise_on_error: bool = True) -> list[Any]:
+    """Run ``pipe`` (a non-transactional pipeline) as ``pipe.execute()`` does, except that
+    scripts Redis does not have (it restarted without them) are loaded and the commands
+    that ran them run again, in one more round trip: they did not run, and the pipeline's
+    other commands did."""
     commands = [args for args, _options in pipe.command_stack]
     results = list(pipe.execute(raise_on_error=False))
-    try:
-        for i, (command, result) in enumerate(zip(commands, results, strict=True)):
-            source = _SOURCES.get(command[1]) if command[0] == "EVALSHA" else None
-            if isinstance(result, redis.exceptions.NoScriptError) and source is not None:
-                pipe.immediate_execute_command("SCRIPT LOAD", source)
-                results[i] = pipe.immediate_execute_command(*command)
-    finally:
-        pipe.reset()  # the connection those took goes back to the pool
-    for result in results:
-        if isinstance(result, Exception):
-            raise result
+    again = [
+        i
+        for i, result in enumerate(results)
+        if isinstance(result, redis.exceptions.NoScriptError)
+        and commands[i][0] == "EVALSHA"
+        and commands[i][1] in _SOURCES
+    ]
+    if again:
+        lost = sorted({commands[i][1] for i in again})
+        for sha in lost:
+            pipe.execute_command("SCRIPT LOAD", _SOURCES[sha])
+        for i in again:
+            pipe.execute_command(*commands[i])
+        rerun = pipe.execute(raise_on_error=False)[len(lost) :]
+        for i, result in zip(again, rerun, strict=True):
+            results[i] = result
+    if raise_on_error:
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
     return results
 
 

@@ -19,7 +19,7 @@ import redis.asyncio
 from scheduler.errors import ChunksLost, GgufqError, JobCancelled
 from scheduler.store import keys
 from scheduler.store.cancel import ReaderLease
-from scheduler.store.scripts import script
+from scheduler.store.scripts import queue, script
 from scheduler.store.subscriptions import AsyncSubscriptions, Subscriptions
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
@@ -48,18 +48,10 @@ def write_chunk(
 def queue_chunk(
     pipe: Any, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
 ) -> None:
-    """:func:`write_chunk` queued on a pipeline by the script's hash alone, so the pipeline
-    runs without first asking Redis whether the script is loaded (redis-py's SCRIPT EXISTS,
-    a round trip before each pipeline). A Redis that lost it (restarted) answers
-    NoScriptError for each: :func:`load_appender`, then run them again (append.lua
-    skips a chunk that is there already)."""
+    """:func:`write_chunk` queued on a pipeline by the script's hash alone (run the pipeline
+    with :func:`scheduler.store.scripts.execute`; append.lua skips a chunk already there)."""
     job_keys, args = _append_call(job_id, seq, chunk, ttl_s, fence)
-    pipe.evalsha(_appender(pipe).sha, len(job_keys), *job_keys, *args)
-
-
-def load_appender(client: redis.Redis) -> None:
-    """Load the script :func:`queue_chunk` runs into Redis."""
-    client.script_load(_appender(client).script)
+    queue(pipe, _appender(pipe), job_keys, args)
 
 
 _APPEND: list[Any] = []  # the registered script, made on first use
