@@ -4,9 +4,12 @@ The same short request both ways (raw prompt, 16 new tokens, greedy), interleave
 that machine noise hits both alike: time to first token and end to end, and the paired
 median of what the gateway adds (its process beside the stack, as `ggufq up` runs it; the
 client side is httpx reading NDJSON). Then short requests per second through one gateway
-process with 1, 8 and 32 concurrent clients. Prints a table, then one JSON line.
+process with 1, 8 and 32 concurrent clients, and through llama-server's own HTTP server
+on the same file after the stack is gone, when its binary is given (same slots, context
+per slot, threads and flash attention; `/completion`, no prompt cache). Prints a table,
+then one JSON line.
 
-    python bench/gateway.py [--requests 100] [--model-file some.gguf]
+    python bench/gateway.py [--requests 100] [--model-file some.gguf] [--server PATH]
 
 On a small machine whose cores also run the model, the paired differences spread over
 several milliseconds, mostly in the cluster's time from a job's submission to its first
@@ -40,6 +43,8 @@ from paired import against, median_ci
 
 PROMPT = "The capital of France is"
 OPTIONS = {"temperature": 0, "num_predict": 16, "seed": 1}
+SLOTS = 8  # the runner's (GGUFQ_NUM_PARALLEL), and llama-server's --parallel
+LEVELS = (1, 8, 32)  # concurrent clients for requests per second
 
 
 @dataclass(frozen=True)
@@ -128,16 +133,17 @@ def shares(
     }
 
 
-async def throughput(base: str, model: str, clients: int, seconds: float) -> float:
-    body = {"model": model, "prompt": PROMPT, "raw": True, "stream": False}
-    body["options"] = {**OPTIONS, "num_predict": 1}
+async def throughput(
+    base: str, path: str, body: dict[str, Any], clients: int, seconds: float
+) -> float:
+    """Short requests per second: ``clients`` loops posting ``body`` to ``path``."""
     done = 0
     deadline = time.perf_counter() + seconds
 
     async def one(http: httpx.AsyncClient) -> None:
         nonlocal done
         while time.perf_counter() < deadline:
-            (await http.post("/api/generate", json=body)).raise_for_status()
+            (await http.post(path, json=body)).raise_for_status()
             done += 1
 
     limits = httpx.Limits(max_connections=clients)
@@ -147,11 +153,60 @@ async def throughput(base: str, model: str, clients: int, seconds: float) -> flo
         return done / (time.perf_counter() - started)
 
 
+def gateway_rps(base: str, model: str, seconds: float) -> dict[int, float]:
+    body = {"model": model, "prompt": PROMPT, "raw": True, "stream": False}
+    body["options"] = {**OPTIONS, "num_predict": 1}
+    return {n: asyncio.run(throughput(base, "/api/generate", body, n, seconds)) for n in LEVELS}
+
+
+def server_rps(binary: str, model_file: Path, seconds: float) -> dict[int, float]:
+    """The same short requests through llama-server's own HTTP server on the same file,
+    with the worker's slots, context per slot, threads and flash attention (and every
+    layer offloaded, as a GPU worker does; a CPU build ignores it)."""
+    from batch_throughput import _wait_http
+
+    from scheduler.local.embedded import free_port
+    from scheduler.settings import Settings
+    from workers.cpus import default_thread_counts
+
+    settings = Settings()
+    one_token, batch = default_thread_counts()
+    port = free_port()
+    command = [binary, "-m", str(model_file), "--port", str(port), "--parallel", str(SLOTS)]
+    command += ["-c", str(settings.num_ctx * SLOTS), "-t", str(one_token), "-tb", str(batch)]
+    command += ["-ngl", "999", "-fa", "on" if settings.flash_attention else "off"]
+    proc = subprocess.Popen(
+        [*command, "--log-disable"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", 300)
+        body = {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "seed": 1}
+        body |= {"stream": False, "cache_prompt": False}
+        base = f"http://127.0.0.1:{port}"
+        return {n: asyncio.run(throughput(base, "/completion", body, n, seconds)) for n in LEVELS}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def print_rps(rps: dict[int, float], llama_rps: dict[int, float]) -> None:
+    for n, value in rps.items():
+        beside = ""
+        if llama_rps:
+            beside = f"   llama-server {llama_rps[n]:8.1f}   ratio {value / llama_rps[n]:.2f}"
+        print(f"short requests/s through one gateway, {n:2} clients: {value:8.1f}{beside}")
+    if not llama_rps:
+        print("llama-server's own HTTP server: not measured (no binary given: --server PATH)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=100, help="pairs measured")
     parser.add_argument("--seconds", type=float, default=5.0, help="per concurrency level")
     parser.add_argument("--model-file", type=Path, help="a GGUF file (default: the demo model)")
+    parser.add_argument(
+        "--server", help="a llama-server binary: its requests/s beside the gateway's"
+    )
     args = parser.parse_args()
 
     from api_client import Client
@@ -171,7 +226,7 @@ def main() -> None:
         "GGUFQ_STATE_DIR": str(state),
         "GGUFQ_MODELS_DIR": str(state / "models"),
         "GGUFQ_HTTP_PORT": str(port),
-        "GGUFQ_NUM_PARALLEL": "8",
+        "GGUFQ_NUM_PARALLEL": str(SLOTS),
     }
     settings = Settings(redis_url=None, state_dir=state, models_dir=state / "models")
     base = f"http://127.0.0.1:{port}"
@@ -215,10 +270,12 @@ def main() -> None:
             for j, v in zip(jobs, client.r.mget([keys.job_submitted(j) for j in jobs]), strict=True)
             if v is not None
         }
-        rps = {n: asyncio.run(throughput(base, model, n, args.seconds)) for n in (1, 8, 32)}
+        rps = gateway_rps(base, model, args.seconds)
         http.close()
         client.close()
     shutil.rmtree(state, ignore_errors=True)
+    # after the stack is gone, so that neither competes with the other for the cores
+    llama_rps = server_rps(args.server, source, args.seconds) if args.server else {}
 
     def med(rows: list[Run], i: int) -> float:
         return statistics.median((r.ttft_s, r.e2e_s)[i] * 1000 for r in rows)
@@ -265,9 +322,7 @@ def main() -> None:
             f"request in until the job is made, first chunk until the answer begins): p50 "
             f"{server_p50:.3f} ms, p90 {statistics.quantiles(server, n=10)[-1]:.3f} ms"
         )
-    for n, value in rps.items():
-        print(f"short requests/s through one gateway, {n:2} clients: {value:8.1f}")
-    print("llama-server's own HTTP server: not measured (no binary given)")
+    print_rps(rps, llama_rps)
     print(
         json.dumps(
             {
@@ -279,6 +334,7 @@ def main() -> None:
                 "client_e2e_ms_p50": med(direct, 1),
                 "gateway_e2e_ms_p50": med(via, 1),
                 "rps": {str(n): v for n, v in rps.items()},
+                "server_rps": {str(n): v for n, v in llama_rps.items()},
                 "added_ttft_ms_p50": added_ttft,
                 "added_e2e_ms_p50": added_e2e,
                 "added_ttft_ms_p25": ttft_q[0],

@@ -192,7 +192,8 @@ if has bench; then
     --prompts "$PROMPTS" --tokens "$TOKENS" "${server[@]}"
   # issues 19 and 17's latency targets, on a machine with cores to spare beside the model
   bench overhead "$VPY" bench/overhead.py --model-file "$MODEL" --requests "$PAIRS"
-  bench gateway "$VPY" bench/gateway.py --model-file "$MODEL" --requests "$PAIRS" --seconds 3
+  bench gateway "$VPY" bench/gateway.py --model-file "$MODEL" --requests "$PAIRS" --seconds 3 \
+    "${server[@]}"
 fi
 
 log "results in $OUT"
