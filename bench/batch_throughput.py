@@ -309,7 +309,7 @@ def llama_server(
     )
     url = f"http://127.0.0.1:{port}/completion"
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", start_s)
+        wait_http(f"http://127.0.0.1:{port}/health", start_s)
 
         def one(i: int, start: float) -> tuple[float, int, str]:
             body = {"prompt": texts[i], "n_predict": tokens, "temperature": 0, "stream": True}
@@ -337,7 +337,7 @@ def llama_server(
         proc.wait(30)
 
 
-def _wait_http(url: str, timeout_s: float) -> None:
+def wait_http(url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -163,7 +163,7 @@ def server_rps(binary: str, model_file: Path, seconds: float) -> dict[int, float
     """The same short requests through llama-server's own HTTP server on the same file,
     with the worker's slots, context per slot, threads and flash attention (and every
     layer offloaded, as a GPU worker does; a CPU build ignores it)."""
-    from batch_throughput import _wait_http
+    from batch_throughput import wait_http
 
     from scheduler.local.embedded import free_port
     from scheduler.settings import Settings
@@ -179,7 +179,7 @@ def server_rps(binary: str, model_file: Path, seconds: float) -> dict[int, float
         [*command, "--log-disable"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", 300)
+        wait_http(f"http://127.0.0.1:{port}/health", 300)
         body = {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "seed": 1}
         body |= {"stream": False, "cache_prompt": False}
         base = f"http://127.0.0.1:{port}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 import uvloop
@@ -18,13 +18,25 @@ from tests.gateway_server import serving
 Loop = Callable[[], asyncio.AbstractEventLoop]
 
 
-async def _wrapped() -> tuple[HeldHead, socket.socket]:
-    """A HeldHead on one end of a socket pair, and the other end (non-blocking)."""
-    ours, peer = socket.socketpair()
-    peer.setblocking(False)
-    loop = asyncio.get_running_loop()
-    transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
-    return HeldHead(transport, loop), peer  # type: ignore[arg-type]
+def _on(loop: Loop, body: Callable[[HeldHead, socket.socket], Awaitable[None]]) -> None:
+    """Run ``body`` on ``loop`` with a HeldHead on one end of a socket pair (the event
+    loop's own transport under it) and the other end, non-blocking; both closed after."""
+
+    async def run() -> None:
+        ours, peer = socket.socketpair()
+        peer.setblocking(False)
+        transport, _ = await asyncio.get_running_loop().connect_accepted_socket(
+            asyncio.Protocol, ours
+        )
+        writes = HeldHead(transport, asyncio.get_running_loop())  # type: ignore[arg-type]
+        try:
+            await body(writes, peer)
+        finally:
+            writes.close()
+            peer.close()
+
+    with asyncio.Runner(loop_factory=loop) as runner:
+        runner.run(run())
 
 
 def _received(peer: socket.socket) -> bytes | None:
@@ -41,8 +53,7 @@ LOOPS = pytest.mark.parametrize("loop", [asyncio.new_event_loop, uvloop.new_even
 
 @LOOPS
 def test_the_held_write_goes_out_with_the_next_and_only_it_is_held(loop: Loop) -> None:
-    async def run() -> None:
-        writes, peer = await _wrapped()
+    async def body(writes: HeldHead, peer: socket.socket) -> None:
         writes.write(b"not held")  # not armed: straight through
         assert _received(peer) == b"not held"
 
@@ -54,17 +65,13 @@ def test_the_held_write_goes_out_with_the_next_and_only_it_is_held(loop: Loop) -
         assert _received(peer) == b"head|first line|"
         writes.write(b"second line")  # nothing held any more
         assert _received(peer) == b"second line"
-        peer.close()
-        writes.close()
 
-    with asyncio.Runner(loop_factory=loop) as runner:
-        runner.run(run())
+    _on(loop, body)
 
 
 @LOOPS
 def test_a_head_alone_goes_out_when_the_turn_ends_or_on_close(loop: Loop) -> None:
-    async def run() -> None:
-        writes, peer = await _wrapped()
+    async def body(writes: HeldHead, peer: socket.socket) -> None:
         writes.hold_next()
         writes.write(b"head, and the answer waits")
         assert _received(peer) is None
@@ -77,25 +84,20 @@ def test_a_head_alone_goes_out_when_the_turn_ends_or_on_close(loop: Loop) -> Non
         await asyncio.sleep(0.01)
         assert _received(peer) == b"last"
         assert _received(peer) == b""  # and then the end of the stream
-        peer.close()
 
-    with asyncio.Runner(loop_factory=loop) as runner:
-        runner.run(run())
+    _on(loop, body)
 
 
 @LOOPS
 def test_abort_drops_what_is_held(loop: Loop) -> None:
-    async def run() -> None:
-        writes, peer = await _wrapped()
+    async def body(writes: HeldHead, peer: socket.socket) -> None:
         writes.hold_next()
         writes.write(b"never sent")
         writes.abort()
         await asyncio.sleep(0.01)
         assert _received(peer) == b""  # the end of the stream, with nothing before it
-        peer.close()
 
-    with asyncio.Runner(loop_factory=loop) as runner:
-        runner.run(run())
+    _on(loop, body)
 
 
 async def _lines(scope: Scope, receive: Receive, send: Send) -> None:

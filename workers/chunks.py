@@ -182,9 +182,9 @@ class ChunkWriter:
             time.sleep(min(0.1 * tries, 0.5))
 
     def _try_write(self, chunks: list[Pending]) -> tuple[str | None, bool]:
-        """Write ``chunks`` once (and append.lua's calls again when Redis had lost the
-        script, in the same call): (None, _) when
-        done, else (the problem, whether it is that Redis is away)."""
+        """Write ``chunks`` once (append.lua's calls again, in the same call, when Redis
+        had lost the script): (None, _) when done, else (the problem, whether it is that
+        Redis is away)."""
         try:
             results = self._pipeline(chunks)
         except REDIS_AWAY as exc:

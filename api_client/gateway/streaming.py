@@ -66,8 +66,7 @@ class ServerTiming:
     made: float  # the job's submitted_at
     first_chunk: float | None = None
 
-    def header(self) -> tuple[bytes, bytes]:
-        now = time.time()
+    def header(self, now: float) -> tuple[bytes, bytes]:
         first = now if self.first_chunk is None else self.first_chunk
         own = (now - first) + (0.0 if self.arrived is None else self.made - self.arrived)
         cluster = f"cluster;dur={_ms(first - self.made)}"
@@ -105,7 +104,7 @@ class _Output:
                 return
             if not self.started:
                 self.started = True
-                headers = [*self.head["headers"], self.timing.header()]
+                headers = [*self.head["headers"], self.timing.header(time.time())]
                 await self.send({**self.head, "headers": headers})
             for frame in frames:
                 await self.send({"type": "http.response.body", "body": frame, "more_body": True})
