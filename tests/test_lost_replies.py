@@ -19,8 +19,8 @@ from scheduler.placement.parking import HeldJobs, ParkedJobs
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
 from scheduler.store.connection import CLIENT_OPTIONS, connect
+from scheduler.store.hands import Hands, TakeUnsure
 from scheduler.store.placement_state import PlacementState
-from scheduler.store.records import TakeUnsure
 from scheduler.store.worker_state import WorkerState
 from tests.test_state import GIB, vgpu
 
@@ -83,7 +83,7 @@ def test_an_orphan_taken_as_its_reply_is_lost_is_handled_by_its_taker_alone(
     assert PlacementState(taker).claim_orphan(record.job.id) == record.model_dump_json().encode()
     assert taker.lose == 0  # the first reply was lost, the second call answered
     assert not db.hexists(keys.ORPHANS, record.job.id)
-    assert not db.exists(keys.taken("orphan", record.job.id))  # answered: not kept
+    assert db.hlen(keys.IN_HAND) == 1  # held by its taker until it has handled it
     assert PlacementState(db).claim_orphan(record.job.id) is None  # no second taker
 
 
@@ -117,7 +117,7 @@ def test_a_job_taken_back_as_its_reply_is_lost_is_counted_off_once(db: redis.Red
     assert state.reserve("r1", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
     assert state.assign("r1", now=100.0)  # a second job for it: two in flight
     record = sent_job("vgpu:h:0", "r1")  # the second job: the runner was not created for it
-    state.sent("vgpu:h:0", record, ttl_s=60)
+    state.sent(record, ttl_s=60)
     PlacementState(losing(db)).unsend(record)
     assert db.hget(keys.runner("r1"), "in_flight") == b"1"  # not 0: the first job still runs
     assert not db.hexists(keys.inflight("vgpu:h:0"), record.job.id)
@@ -148,12 +148,14 @@ def test_an_orphan_taken_as_redis_goes_away_is_put_back_once_it_answers(
 ) -> None:
     record = sent_job("vgpu:h:0", "r1")
     db.hset(keys.ORPHANS, record.job.id, record.model_dump_json())
+    away = losing(db, lose=2)
     with pytest.raises(TakeUnsure) as unsure:
-        PlacementState(losing(db, lose=2)).claim_orphan(record.job.id)  # no answer, twice
+        PlacementState(away, Hands(away, "p1")).claim_orphan(record.job.id)  # no answer, twice
     assert not db.hexists(keys.ORPHANS, record.job.id)  # it was taken all the same
-    held = HeldJobs(ParkedJobs(db), limit=10)
+    held = HeldJobs(ParkedJobs(db, Hands(db, "p1")), limit=10)  # the same process, Redis back
     held.hold_take(unsure.value)
     held.park_all(claim=lambda *_: True)  # Redis answers again
+    assert db.hlen(keys.IN_HAND) == 0  # put back, and let go of
     assert PlacementState(db).claim_orphan(record.job.id) == record.model_dump_json().encode()
     assert len(held) == 0
 
@@ -163,11 +165,13 @@ def test_a_parked_job_taken_as_redis_goes_away_is_parked_again_at_its_place(
 ) -> None:
     job = JobRequest(model="m", prompt="hello", submitted_at=1.0)
     ParkedJobs(db).park(job, score=5.0, errors=1)
+    away = losing(db, lose=2)
     with pytest.raises(TakeUnsure) as unsure:
-        ParkedJobs(losing(db, lose=2)).claim(job.id)
+        ParkedJobs(away, Hands(away, "p1")).claim(job.id)
     assert ParkedJobs(db).ids() == []
-    held = HeldJobs(ParkedJobs(db), limit=10)
+    held = HeldJobs(ParkedJobs(db, Hands(db, "p1")), limit=10)
     held.hold_take(unsure.value)
     held.park_all(claim=lambda *_: True)
+    assert db.hlen(keys.IN_HAND) == 0
     claimed = ParkedJobs(db).claim(job.id)
     assert claimed is not None and (claimed.score, claimed.errors) == (5.0, 1)

@@ -5,6 +5,7 @@ A claimed job always ends sent, parked or failed, and leaves no reservation behi
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +43,14 @@ def final_error(db: redis.Redis, job_id: str) -> dict[str, str]:
     return last["error"]  # type: ignore[no-any-return]
 
 
+def orphan(db: redis.Redis, job: JobRequest) -> None:
+    """``job`` as an orphan: sent to a device since dropped, nothing of it streamed."""
+    config = RunnerConfig.for_generation(256, 1, False)
+    placement = Placement(id="p1", runner_id="r1", device_id="vgpu:fh:0", config=config)
+    record = SentJob(job=job, placement=placement, worker="w@gone")
+    db.hset(keys.ORPHANS, job.id, record.model_dump_json())
+
+
 def test_a_broker_error_after_reserving_parks_the_job_and_releases_what_it_held(
     service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -76,6 +85,16 @@ def test_a_parked_record_that_does_not_parse_fails_alone(
     assert service.parked.ids() == []
     assert final_error(db, "garbled")["code"] == "invalid_request"
     assert db.hexists(keys.inflight("vgpu:fh:0"), good.id)  # the good one was sent
+
+
+def test_a_parked_record_that_does_not_parse_ends_when_its_job_is_cancelled(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    db.set(keys.parked_job("garbled"), b"\xff not json")
+    db.zadd(keys.PARKED, {"garbled": 0.5})
+    assert service.cancel_parked("garbled")
+    assert final_error(db, "garbled")["code"] == "invalid_request"
+    assert service.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0
 
 
 def test_a_message_that_is_not_a_job_is_refused_not_fatal(
@@ -122,7 +141,7 @@ def test_a_submission_whose_claim_redis_missed_is_parked_once_it_is_claimed(
     for job in (held, taken):
         assert "held" in service.place(job.model_dump(mode="json"))
     monkeypatch.undo()
-    service.state.place_once(taken.id, "a later delivery of it", 60)
+    service.state.place_once(taken.id, "a later delivery of it", 60, "{}")
     assert service.park_held() == 1  # the other is placed by its later delivery
     assert [j.id for j in service.parked.jobs()] == [held.id]
 
@@ -149,17 +168,7 @@ def test_an_orphan_whose_handling_redis_interrupts_is_handled_once_it_is_back(
     service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job = JobRequest(model="no-such-model", prompt="hello", submitted_at=1.0)
-    record = SentJob(
-        job=job,
-        placement=Placement(
-            id="p1",
-            runner_id="r1",
-            device_id="vgpu:fh:0",
-            config=RunnerConfig.for_generation(256, 1, False),
-        ),
-        worker="w@gone",
-    )
-    db.hset(keys.ORPHANS, job.id, record.model_dump_json())
+    orphan(db, job)
 
     def redis_away(*_args: object, **_kwargs: object) -> None:
         raise redis.ConnectionError("Connection reset by peer")
@@ -225,3 +234,94 @@ def test_a_count_no_record_accounts_for_is_corrected_after_two_looks(
     recovery.lost_sends(["vgpu:fh:0"], 0.0)
     assert db.hget(keys.runner(runner_id), "in_flight") == b"0"
     assert float(db.hget(keys.runner(runner_id), "expires_at") or -1) > 0
+
+
+class Killed(BaseException):
+    """The placement process dies here: nothing after this line runs, nothing is caught."""
+
+
+def killed(*_args: object, **_kwargs: object) -> None:
+    raise Killed
+
+
+def another(service: PlacementService, db: redis.Redis) -> PlacementService:
+    """A second placement process beside ``service``, on the same Redis and device."""
+    return PlacementService(service.settings, db, service.app)
+
+
+def messages_for(db: redis.Redis, job_id: str) -> int:
+    return sum(job_id.encode() in m for m in db.lrange(keys.device_queue("vgpu:fh:0"), 0, -1))
+
+
+def test_a_submission_whose_placement_process_dies_mid_step_is_placed_by_another_once(
+    service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Placement acknowledges a submission as it starts it and claims its placement, so a
+    process killed before it sends, parks or ends the job would leave it to no one (its
+    reader sees it claimed and never sends it again): the job is held in hand instead, and
+    another placement process puts it back once the holder has been silent for the TTL."""
+    job = JobRequest(model="tiny", prompt="hello", submitted_at=1.0)
+    monkeypatch.setattr(service, "_attempt", killed)
+    with pytest.raises(Killed):
+        service.place(job.model_dump(mode="json"))
+    survivor, ttl = another(service, db), service.settings.device_ttl_s
+    assert survivor.recovery.dead_hands(time.time(), ttl) == 0  # taken just now: not yet
+    assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 1
+    assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0  # once
+    assert [j.id for j in survivor.parked.jobs()] == [job.id]
+    assert survivor.retry_parked() == 1
+    assert messages_for(db, job.id) == 1 and db.hlen(keys.IN_HAND) == 0
+    # a second delivery of the submission finds it placed
+    assert survivor.place(job.model_dump(mode="json")) == {"duplicate": job.id}
+
+
+def test_a_parked_job_taken_by_a_process_that_stalls_runs_once_and_leaks_no_slot(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    """The holder was only stalled (SIGSTOP, a long pause) past the TTL: what it does with
+    the job once it resumes finds the job swept from it, and does nothing."""
+    job = JobRequest(model="tiny", prompt="hi", submitted_at=1.0, options={"num_parallel": 4})
+    survivor, ttl = another(service, db), service.settings.device_ttl_s
+    survivor.parked.park(job, score=1.0)
+    claimed = service.parked.claim(job.id)  # taken out to retry; then the process stalls
+    assert claimed is not None and survivor.parked.ids() == []
+    assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 1
+    assert survivor.retry_parked() == 1
+    (runner_id,) = [r.decode() for r in db.smembers(keys.RUNNERS)]
+    outcome = service._attempt(claimed.job, time.perf_counter_ns(), 1.0, 0)  # it resumes
+    assert outcome == {"swept": job.id}
+    assert messages_for(db, job.id) == 1 and survivor.parked.ids() == []
+    # its commit counted the job on the runner: two looks correct the count to its record
+    survivor.recovery.lost_sends(["vgpu:fh:0"], 0.0)
+    survivor.recovery.lost_sends(["vgpu:fh:0"], 0.0)
+    assert db.hget(keys.runner(runner_id), "in_flight") == b"1"
+    assert db.hlen(keys.IN_HAND) == 0 and service.hands.token(job.id) == ""
+
+
+def test_an_orphan_whose_placement_process_dies_as_it_handles_it_is_re_placed_once(
+    service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = JobRequest(model="tiny", prompt="hello", submitted_at=1.0)
+    orphan(db, job)
+    monkeypatch.setattr(service.recovery, "_orphaned", killed)
+    with pytest.raises(Killed):
+        service.recover_orphans()
+    assert db.hlen(keys.ORPHANS) == 0
+    survivor, ttl = another(service, db), service.settings.device_ttl_s
+    assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 1
+    assert db.hexists(keys.ORPHANS, job.id)  # back among the orphans
+    assert survivor.recover_orphans() == 1
+    assert messages_for(db, job.id) == 1 and db.hlen(keys.IN_HAND) == 0
+
+
+def test_a_job_its_dying_placement_process_had_ended_is_not_put_back(
+    service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = JobRequest(model="no-such-model", prompt="hello", submitted_at=1.0)
+    monkeypatch.setattr(service.hands, "let_go", killed)  # dies as it lets go of it
+    with pytest.raises(Killed):
+        service.place(job.model_dump(mode="json"))
+    assert final_error(db, job.id)["code"] == "model_not_found"
+    survivor, ttl = another(service, db), service.settings.device_ttl_s
+    assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0
+    assert survivor.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0

@@ -92,7 +92,7 @@ def test_stale_device_refuses_reservations_and_is_reaped(db: redis.Redis) -> Non
     assert not state.reserve("late", {"vgpu:h:0": GIB}, {"model": "m"}, 120.0, 10)
     job = JobRequest(model="m", prompt="p")
     placed = Placement(id="p1", runner_id="r0", device_id="vgpu:h:0", config=RunnerConfig(512))
-    state.sent("vgpu:h:0", SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
+    state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
     assert state.start("vgpu:h:0", job.id, "p1", "delivery", ttl_s=60, now=110.0) is False
     db.lpush(keys.device_queue("vgpu:h:0"), b"its message")
     assert state.reap(now=120.0, device_ttl_s=10) == ["vgpu:h:0"]
@@ -113,7 +113,7 @@ def test_a_job_starts_once_and_only_on_its_placement(db: redis.Redis) -> None:
     state.register_device(vgpu(0), now=100.0)
     job = JobRequest(model="m", prompt="p")
     placed = Placement(id="p1", runner_id="r0", device_id="vgpu:h:0", config=RunnerConfig(512))
-    state.sent("vgpu:h:0", SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
+    state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
     assert state.start("vgpu:h:0", job.id, "p0", "d1", ttl_s=60, now=101.0) is None  # re-placed
     assert not db.hexists(keys.RUNNING, job.id)
     assert state.start("vgpu:h:0", job.id, "p1", "d1", ttl_s=60, now=101.0) is False

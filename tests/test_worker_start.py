@@ -49,7 +49,7 @@ def deliver(
     """Deliver a job placed on runner r as ``placement_id`` (recorded as sent as p1)."""
     placement = Placement(id="p1", runner_id="r", device_id=DEVICE.id, config=CONFIG)
     if not db.hexists(keys.inflight(DEVICE.id), job.id):
-        PlacementState(db).sent(DEVICE.id, SentJob(job=job, placement=placement, worker="w"), 60)
+        PlacementState(db).sent(SentJob(job=job, placement=placement, worker="w"), 60)
     sent = placement.model_copy(update={"id": placement_id}).model_dump(mode="json")
     return rt.run_job(job.model_dump(mode="json"), sent)
 

@@ -24,8 +24,7 @@ from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.fairness import fair_order
 from scheduler.protocol import JobRequest, parse_request
 from scheduler.store import keys
-from scheduler.store.records import Taken, TakeUnsure, take
-from scheduler.store.scripts import script
+from scheduler.store.hands import Hands, Taken, TakeUnsure, parked_record
 
 _BATCH_OFFSET = 1e12  # every batch job sorts after every interactive one
 
@@ -56,23 +55,23 @@ def _readable(raw: bytes | None) -> JobRequest | None:
 
 
 class ParkedJobs:
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, hands: Hands | None = None) -> None:
         self.r = client
-        self.take_script = script(client, "take")  # lua/take.lua (HeldJobs asks again with it)
+        self.hands = hands or Hands(client)  # the jobs this placement process handles
 
     def park(self, req: JobRequest, score: float, errors: int = 0) -> None:
-        """Add (or put back, at its old place) a job that cannot run yet; ``errors`` counts
-        the placements of it that failed unexpectedly (a broker error, a bug)."""
-        record = json.dumps({"job": req.model_dump(mode="json"), "score": score, "errors": errors})
-        pipe = self.r.pipeline(transaction=False)
-        pipe.set(keys.parked_job(req.id), record)
-        pipe.zadd(keys.PARKED, {req.id: score})
-        pipe.execute()
+        """Add (or put back, at its old place) a job that cannot run yet, and let go of it;
+        ``errors`` counts the placements of it that failed unexpectedly (a broker error, a
+        bug). Nothing when the job was swept from this process: it is another's now."""
+        record = parked_record(req.model_dump(mode="json"), score, errors)
+        if not self.hands.put_back("parked", req.id, record):
+            log.warning("job %s was put back by another placement process: left to it", req.id)
 
     def claim(self, job_id: str) -> Claimed | None:
-        """Take a parked job out for a retry; None when another placer took it first.
-        Raises InvalidRequest when its record does not parse (the job is out of the queue)."""
-        raw = take(self.take_script, "parked", job_id)
+        """Take a parked job out for a retry, in hand; None when another placer took it
+        first. Raises InvalidRequest when its record does not parse (the job is out of the
+        queue, still in hand: failing it lets go of it)."""
+        raw = self.hands.take("parked", job_id)
         if raw is None:
             return None
         try:
@@ -143,9 +142,10 @@ class HeldJobs:
 
     def __init__(self, parked: ParkedJobs, limit: int) -> None:
         self.parked, self.limit = parked, limit
-        self._jobs: dict[str, tuple[JobRequest, float, int, str]] = {}
-        self._orphans: dict[str, bytes] = {}  # job id → its SentJob record, as read
-        self._failures: dict[str, tuple[str, GgufqError]] = {}  # job id → model, error
+        # each with the token it is held in hand under (scheduler/store/hands.py)
+        self._jobs: dict[str, tuple[JobRequest, float, int, str, str]] = {}
+        self._orphans: dict[str, tuple[bytes, str]] = {}  # job id → its SentJob record, as read
+        self._failures: dict[str, tuple[str, GgufqError, str]] = {}  # job id → model, error
         self._takes: dict[tuple[Taken, str], str] = {}  # (what, job id) → the take's token
 
     def __len__(self) -> int:
@@ -169,61 +169,55 @@ class HeldJobs:
     def hold_failure(self, job_id: str, model: str, error: GgufqError) -> None:
         """Keep a job's end (its error) that Redis did not take, whole or in part: written
         again, whole, by :meth:`park_all` (a final chunk twice is harmless, none is not)."""
-        self._failures[job_id] = (model, error)
+        self._failures[job_id] = (model, error, self.parked.hands.hand_over(job_id))
 
     def hold_orphan(self, job_id: str, raw: bytes) -> None:
         """Keep an orphaned job's record taken from Redis (to re-place or end it) whose
         handling Redis interrupted; put back among the orphans by :meth:`park_all`."""
-        self._orphans[job_id] = raw
+        self._orphans[job_id] = (raw, self.parked.hands.hand_over(job_id))
 
     def hold(self, req: JobRequest, score: float, errors: int, delivery: str = "") -> bool:
         """Keep a job (False when ``limit`` jobs wait already). ``delivery`` is set when its
         claim (a placement's ``place_once``) is still to be made."""
+        token = self.parked.hands.hand_over(req.id)
         if len(self._jobs) >= self.limit:
             return False
-        self._jobs[req.id] = (req, score, errors, delivery)
+        self._jobs[req.id] = (req, score, errors, delivery, token)
         return True
 
     def park_all(
         self,
-        claim: Callable[[str, str], bool],
+        claim: Callable[[str, str, str], bool],
         fail: Callable[[str, str, GgufqError], None] = lambda *_: None,
     ) -> int:
         """Park the jobs held (raises while Redis is still away); a job whose claim
-        ``claim(job_id, delivery)`` finds taken is placed by another delivery of it, and is
-        let go. Returns how many were parked."""
-        for job_id, (model, error) in list(self._failures.items()):
+        ``claim(job_id, delivery, parked record)`` finds taken is placed by another delivery
+        of it, and is let go. Returns how many were parked."""
+        hands = self.parked.hands
+        for job_id, (model, error, token) in list(self._failures.items()):
+            hands.adopt(job_id, token)
             fail(job_id, model, error)
             del self._failures[job_id]
-        for job_id, raw in list(self._orphans.items()):
-            self.parked.r.hset(keys.ORPHANS, job_id, raw)
+        for job_id, (raw, token) in list(self._orphans.items()):
+            hands.adopt(job_id, token)
+            hands.put_back("orphan", job_id, raw)
             del self._orphans[job_id]
         for (what, job_id), token in list(self._takes.items()):
-            taken = take(self.parked.take_script, what, job_id, token)
+            taken = hands.take(what, job_id, token)
             if taken is not None:
-                self._put_back(what, job_id, taken)
+                log.warning("putting %s job %s back: Redis went away as it was taken", what, job_id)
+                hands.put_back(what, job_id, taken)
             del self._takes[(what, job_id)]
         parked = 0
-        for job_id, (req, score, errors, delivery) in list(self._jobs.items()):
-            if not delivery or claim(job_id, delivery):
+        for job_id, (req, score, errors, delivery, token) in list(self._jobs.items()):
+            hands.adopt(job_id, token)
+            record = parked_record(req.model_dump(mode="json"), score, errors)
+            if not delivery or claim(job_id, delivery, record):
                 self.parked.park(req, score, errors)
                 parked += 1
+            else:
+                hands.hand_over(job_id)
             del self._jobs[job_id]
         if parked:
             log.warning("parked %d jobs held through a Redis outage", parked)
         return parked
-
-    def _put_back(self, what: Taken, job_id: str, raw: bytes) -> None:
-        """A record a take took as Redis went away, back in its queue, as it was."""
-        log.warning("putting %s job %s back: Redis went away as it was taken", what, job_id)
-        if what == "orphan":
-            self.parked.r.hset(keys.ORPHANS, job_id, raw)
-            return
-        try:
-            score = float(json.loads(raw)["score"])
-        except (ValueError, KeyError, TypeError):
-            score = 0.0  # unreadable: listed first, and its next take fails it
-        pipe = self.parked.r.pipeline(transaction=False)
-        pipe.set(keys.parked_job(job_id), raw)
-        pipe.zadd(keys.PARKED, {job_id: score})
-        pipe.execute()

@@ -57,7 +57,8 @@ class Liveness:
 
     def _beat(self) -> None:
         """Say this service is alive (and which of its loops keep failing), drop devices
-        without a heartbeat, and re-place or fail their jobs."""
+        without a heartbeat, and re-place or fail their jobs; put back the jobs silent
+        placement processes had in hand."""
         service, settings = self.service, self.service.settings
         now = time.monotonic()
         failing = self.health.describe(now, 3 * settings.heartbeat_interval_s)
@@ -80,6 +81,9 @@ class Liveness:
             dropped = service.state.reap(time.time(), settings.device_ttl_s)
             if dropped:
                 log.warning("dropped devices without heartbeat: %s", ", ".join(dropped))
+            # and other placement processes a TTL: the jobs a silent one held are put back
+            if service.recovery.dead_hands(time.time(), settings.device_ttl_s):
+                service.retry_parked()
         service.recover_orphans()
         if now >= self._next_lost_sweep:
             self._next_lost_sweep = now + LOST_SWEEP_S

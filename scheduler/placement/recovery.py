@@ -87,6 +87,7 @@ class Recovery:
         req = record.job
         streamed, finished = progress(self.r, job_id)
         if finished:
+            self.state.hands.let_go(job_id)
             return  # it ended before its device was dropped
         where = f"{record.worker} ({record.placement.device_id})"
         if is_cancelled(self.r, job_id):
@@ -97,6 +98,32 @@ class Recovery:
             self.replace(req.model_copy(update={"attempt": 1, "avoid": avoid}))
         else:
             self.fail(job_id, req.model, JobFailed(lost_job_message(job_id, where, streamed)))
+
+    def dead_hands(self, now: float, ttl_s: float) -> int:
+        """Put back the jobs that placement processes silent for ``ttl_s`` (killed, or
+        stalled) had in hand: a submission or a parked job in the parked queue, an orphan
+        among the orphans, each once; a job that ended meanwhile is let go. Returns how many
+        were put back."""
+        hands, dead_before, back = self.state.hands, now - ttl_s, 0
+        for held in hands.others(dead_before):
+            _streamed, finished = progress(self.r, held.job_id)
+            outcome = hands.sweep(held, dead_before, finished)
+            if outcome == "put back":
+                what = "among the orphans" if held.what == "orphan" else "in the parked queue"
+                log.warning(
+                    "job %s was in the hands of %s, which stopped beating: put back %s",
+                    held.job_id,
+                    held.holder,
+                    what,
+                )
+                back += 1
+            elif outcome == "unreadable":
+                lost = JobFailed(
+                    f"job {held.job_id} was lost: placement process {held.holder} stopped "
+                    "as it handled it, and its record there cannot be read; submit it again"
+                )
+                self.fail(held.job_id, "", lost)
+        return back
 
     def lost_sends(self, device_ids: list[str], sent_before: float) -> int:
         """Send again the jobs sent to a live device before ``sent_before`` that no worker

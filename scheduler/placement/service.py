@@ -45,6 +45,7 @@ from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
 from scheduler.store.celery_app import ask_unload, send_job
+from scheduler.store.hands import Hands, parked_record
 from scheduler.store.hops import note as note_hops
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.routes import Route, publish_route
@@ -61,6 +62,11 @@ MAX_SHAPES = 512  # memory tables kept per (model file, configuration), oldest d
 
 class Parked(Exception):
     """The job was parked: it waits in Redis for capacity."""
+
+
+class SweptAway(Exception):
+    """Another placement process put the job back while this one held it (this one had
+    stalled past the TTL): it is that one's now, and nothing more is done with it here."""
 
 
 class LazySet(Collection[str]):
@@ -112,7 +118,9 @@ class PlacementService:
         self.settings = settings
         self.r = client
         self.app = app
-        self.state = PlacementState(client)
+        self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
+        self.hands = Hands(client, self.name)  # the jobs this process handles, in Redis
+        self.state = PlacementState(client, self.hands)
         self.ledger = RedisLedger(self.state, app, settings.device_ttl_s)
         self.defaults = Defaults(
             settings.num_ctx,
@@ -127,7 +135,7 @@ class PlacementService:
         self.affinity = AffinityMap()  # prompt prefix → the runner that served it last
         self.passes = FairPasses()  # tenants' turns among parked jobs, across retry rounds
         self.registry = Registry(settings.models_dir)
-        self.parked = ParkedJobs(client)
+        self.parked = ParkedJobs(client, self.hands)
         self.snapshots = SnapshotCache(client)
         self._shapes: dict[tuple[str, RunnerConfig], Shape] = {}
         self.held = HeldJobs(self.parked, MAX_HELD)  # through a Redis outage
@@ -139,7 +147,6 @@ class PlacementService:
         self.grace_until = 0.0
         # a placement claim lives as long as the submission's id (api_client's _claim_id)
         self._claim_ttl_s = int(max(settings.result_ttl_s, settings.stream_ttl_s))
-        self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
         # placements of this process run one at a time: the Celery task and the parked-job
         # waker both place, and the snapshot cache (its indexes are views into it) and the
         # memo dicts above are not safe to update from two threads at once
@@ -156,7 +163,8 @@ class PlacementService:
             return {"refused": exc.code, "reason": str(exc)}
         score, delivery = park_score(req, time.time()), uuid.uuid4().hex
         try:
-            first = self.state.place_once(req.id, delivery, self._claim_ttl_s)
+            record = parked_record(job, score)  # what it is put back as, if this process dies
+            first = self.state.place_once(req.id, delivery, self._claim_ttl_s, record)
         except redis.RedisError as exc:  # Redis away: whether it is ours is known later
             return self._hold(req, exc, score, 0, delivery)
         if not first:
@@ -217,6 +225,8 @@ class PlacementService:
             return self._place(req, started, None if new else score)
         except Parked as parked:
             return {"parked": str(parked)}
+        except SweptAway as swept:
+            return {"swept": str(swept)}
         except GgufqError as exc:
             self.fail_or_hold(req.id, req.model, exc)
             return {"refused": exc.code, "reason": str(exc)}
@@ -255,7 +265,10 @@ class PlacementService:
     def park_held(self) -> int:
         """Park the jobs held through a Redis outage (the liveness loop calls this once
         Redis answers again); returns how many were parked. Raises while Redis is away."""
-        claim = partial(self.state.place_once, ttl_s=self._claim_ttl_s)
+
+        def claim(job_id: str, delivery: str, record: str) -> bool:
+            return self.state.place_once(job_id, delivery, self._claim_ttl_s, record)
+
         return self.held.park_all(claim, self.fail)
 
     def _place(self, req: JobRequest, started: int, score: float | None = None) -> dict[str, Any]:
@@ -321,7 +334,10 @@ class PlacementService:
         """Record the job as sent to its device, then send it to the device's queue."""
         worker = next(d.worker for d in snap.devices if d.id == placement.device_id)
         record = SentJob(job=req, placement=placement, worker=worker, sent_at=time.time())
-        self.state.sent(placement.device_id, record, self.settings.stream_ttl_s)
+        if not self.state.sent(record, self.settings.stream_ttl_s):
+            log.warning("job %s was put back by another placement process: left to it", req.id)
+            self.state.unsend(record, written=False)  # a runner made for it goes
+            raise SweptAway(req.id)
         queue = keys.device_queue(placement.device_id, req.priority)
         try:
             send_job(self.app, keys.TASK_RUN, req, req.id, queue, placement.model_dump(mode="json"))
@@ -403,8 +419,13 @@ class PlacementService:
             self.held.hold_failure(job_id, model, exc)
 
     def fail(self, job_id: str, model: str, exc: GgufqError) -> None:
-        """End a job that will never run: a final error chunk and a FAILURE result."""
+        """End a job that will never run: a final error chunk and a FAILURE result; then let
+        go of it. Nothing when it was swept from this process: it is another's now."""
         if not job_id:
+            return
+        if not self.hands.mine(job_id):
+            log.warning("job %s was put back by another placement process: left to it", job_id)
+            self.hands.hand_over(job_id)
             return
         self.parked.drop(job_id)
         publish_final(self.r, job_id, error_chunk(model, job_id, exc), self.settings.stream_ttl_s)
@@ -412,6 +433,7 @@ class PlacementService:
             self.app.backend.mark_as_revoked(job_id, reason=str(exc))
         else:
             self.app.backend.mark_as_failure(job_id, exc)
+        self.hands.let_go(job_id)
 
     def recover_orphans(self) -> int:
         """Re-place or end the jobs of dropped devices (:meth:`Recovery.orphans`)."""
@@ -426,8 +448,9 @@ class PlacementService:
         try:
             with self.held.takes():
                 claimed = self.parked.claim(job_id)
-        except GgufqError:
-            claimed = None
+        except GgufqError as exc:  # its record does not parse: it ends all the same
+            self.fail(job_id, "", exc)
+            return True
         if claimed is None:
             return False
         self.fail(job_id, claimed.job.model, cancelled_before_start(job_id))

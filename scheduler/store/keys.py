@@ -17,6 +17,9 @@ CANCELS = f"{PREFIX}:cancels"  # pub/sub channel: ids of jobs asked to cancel
 RUNNING = f"{PREFIX}:running"  # hash: job id → time its worker started it
 STATS = f"{PREFIX}:stats"  # hash: "<counter>|<model>" → total (scheduler/placement/metrics.py)
 ORPHANS = f"{PREFIX}:orphans"  # hash: job id → in-flight record of a device that was dropped
+# hash: "<placement>|<job id>" → JSON token, what, at, record: a job a placement process
+# has in hand (scheduler/store/hands.py)
+IN_HAND = f"{PREFIX}:in_hand"
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
 PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service
 BATCH_SUFFIX = ".batch"  # batch jobs go to a sibling queue that workers drain second
@@ -105,9 +108,9 @@ def parked_job(job_id: str) -> str:
     return f"{PREFIX}:parked:{job_id}"  # string: the parked job's JSON
 
 
-def taken(what: str, job_id: str) -> str:
-    # hash: token, record: a parked job or orphan taken out, kept for its taker to ask again
-    return f"{PREFIX}:taken:{what}:{job_id}"
+def swept(token: str) -> str:
+    # string: a job in hand under this token was put back by another placement process
+    return f"{PREFIX}:swept:{token}"
 
 
 def device_queue(device_id: str, priority: str = "interactive") -> str:

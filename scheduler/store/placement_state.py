@@ -12,28 +12,27 @@ from scheduler.cluster import DEMAND_TAU_S, Snapshot
 from scheduler.protocol import SentJob
 from scheduler.store import keys
 from scheduler.store.connection import again_if_lost
+from scheduler.store.hands import Hands
 from scheduler.store.records import (
-    claim_once,
     decayed_demand,
     decoded,
     device_from_hash,
     runner_from_hash,
-    take,
     text,
 )
 from scheduler.store.scripts import flatten, queue, script
 
 
 class PlacementState:
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, hands: Hands | None = None) -> None:
         self.r = client
+        self.hands = hands or Hands(client)  # the jobs this placement process handles
         self._reserve = script(client, "reserve")
         self._assign = script(client, "assign")
         self._reap = script(client, "reap")
         self._demand = script(client, "demand")
         self._unsend = script(client, "unsend")
         self._recount = script(client, "recount")
-        self._take = script(client, "take")
 
     def snapshot(self, now: float, device_ttl_s: float) -> Snapshot:
         """Every live device and runner, read afresh (the snapshot cache is the fast path)."""
@@ -106,12 +105,13 @@ class PlacementState:
         """One more job for a loading or ready runner; False if it is unloading or gone."""
         return bool(self._assign(keys=[keys.runner(runner_id)], args=[now]))
 
-    def place_once(self, job_id: str, delivery: str, ttl_s: int) -> bool:
+    def place_once(self, job_id: str, delivery: str, ttl_s: int, record: str) -> bool:
         """Claim a submitted job's placement for ``delivery`` (an id of this delivery of its
-        message, so that a claim tried again after a lost reply is still found ours);
-        False when another delivery has it (the broker hands an unacknowledged message out
-        again after its visibility timeout, and a reader sends a lost one again)."""
-        return claim_once(self.r, keys.job_placed(job_id), delivery, ttl_s)
+        message, so that a claim tried again after a lost reply is still found ours) and
+        hold it in hand, its parked ``record`` ready (:class:`Hands`); False when another
+        delivery has it (the broker hands an unacknowledged message out again after its
+        visibility timeout, and a reader sends a lost one again)."""
+        return self.hands.claim(job_id, delivery, ttl_s, record)
 
     def count_request(self, model: str, now: float, pipe: Any = None) -> None:
         """One more request for ``model`` (queued on ``pipe`` when given)."""
@@ -127,17 +127,17 @@ class PlacementState:
         return reap(self._reap, now, device_ttl_s)
 
     # -- jobs sent to devices ----------------------------------------------------------------
-    def sent(self, device_id: str, record: SentJob, ttl_s: int) -> None:
-        """Record a job sent to a device's queue, before sending it: if the device is
-        dropped, placement finds the job among the orphans. The job's owner key names this
-        placement, so that a worker that stalled and came back knows it was re-placed."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hset(keys.inflight(device_id), record.job.id, record.model_dump_json())
-        pipe.set(keys.job_owner(record.job.id), record.placement.id, ex=ttl_s)
-        pipe.execute()
+    def sent(self, record: SentJob, ttl_s: int) -> bool:
+        """Record a job sent to its device's queue, before sending it, and let go of it: if
+        the device is dropped, placement finds the job among the orphans. The job's owner
+        key names this placement, so that a worker that stalled and came back knows it was
+        re-placed. False when the job was swept from this process (it had stalled)."""
+        return self.hands.sent(record, ttl_s)
 
-    def unsend(self, record: SentJob) -> None:
-        """Undo :meth:`sent` and the commit before it, for a job that could not be sent."""
+    def unsend(self, record: SentJob, written: bool = True) -> None:
+        """Undo :meth:`sent` and the commit before it, for a job that could not be sent;
+        ``written`` False: the commit only (the job was swept from this process before its
+        record was written, and a record of it there is another placement's)."""
         placement, created = record.placement, bool(record.placement.device_ids)
         held = [keys.reservations(d) for d in placement.device_ids] if created else []
         again_if_lost(  # the script counts the job off only while its record is there
@@ -149,7 +149,7 @@ class PlacementState:
                     keys.runner(placement.runner_id),
                     *held,
                 ],
-                args=[record.job.id, placement.runner_id, int(created)],
+                args=[record.job.id, placement.runner_id, int(created), int(written)],
             )
         )
 
@@ -215,7 +215,7 @@ class PlacementState:
     def claim_orphan(self, job_id: str) -> bytes | None:
         """Take an orphan's record (JSON of a SentJob) to handle it; None when another
         placement process took it."""
-        return take(self._take, "orphan", job_id)
+        return self.hands.take("orphan", job_id)
 
     # -- liveness --------------------------------------------------------------------------
     def placement_beat(self, name: str, now: float, ttl_s: float, failing: str = "") -> None:

@@ -1,32 +1,12 @@
 """Redis hashes to typed records: the one place that knows how devices, runners and demand
-are stored field by field; and once-only claims (a job's placement, a placement's start,
-a parked job or orphan taken out to handle)."""
+are stored field by field."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import uuid
-from typing import Any, Literal, cast
-
-import redis
+from typing import Any
 
 from scheduler.cluster import DeviceState, DeviceView, RunnerState, RunnerView, decayed
-from scheduler.store import keys
-from scheduler.store.connection import REDIS_AWAY, again_if_lost
-
-# how long a taken record waits for its taker to ask again: through an outage, too
-TAKEN_KEPT_S = 3600
-Taken = Literal["orphan", "parked"]
-
-
-class TakeUnsure(redis.ConnectionError):
-    """Redis did not answer a take: the record may be taken under ``token``, and only the
-    taker asking again with it once Redis answers gets it back (``HeldJobs.hold_take``)."""
-
-    def __init__(self, what: Taken, job_id: str, token: str, cause: Exception) -> None:
-        super().__init__(f"taking {what} job {job_id}: {cause}")
-        self.what, self.job_id, self.token = what, job_id, token
 
 
 def text(value: bytes | str) -> str:
@@ -121,36 +101,3 @@ def decayed_demand(raw: dict[str, str], now: float) -> dict[str, float]:
 
 def _devices(h: dict[str, str]) -> dict[str, int]:
     return {k: int(v) for k, v in json.loads(h.get("devices", "{}")).items()}
-
-
-def claim_once(client: redis.Redis, key: str, owner: str, ttl_s: int) -> bool:
-    """Claim ``key`` for ``owner`` (an id of one delivery of a message): True when it is
-    (now) ``owner``'s, so that a claim tried again after a lost reply is still found ours;
-    False when another owner has it."""
-    pipe = client.pipeline()  # MULTI: set if free, then read who has it
-    pipe.set(key, owner, nx=True, ex=ttl_s)
-    pipe.get(key)
-    return bool(pipe.execute()[1] == owner.encode())
-
-
-def take(take_script: Any, what: Taken, job_id: str, token: str = "") -> bytes | None:
-    """Take a job's record out of the orphans or the parked queue (``take_script``:
-    lua/take.lua) to handle it; None when another taker has it. A reply lost on the way is
-    asked for again under the same token, so the record is neither lost with it nor handed
-    to two takers; TakeUnsure when Redis does not answer that either. ``token``: a take
-    asked again after one."""
-    queue = keys.ORPHANS if what == "orphan" else keys.PARKED
-    token = token or uuid.uuid4().hex
-    try:
-        raw = again_if_lost(
-            lambda: take_script(
-                keys=[queue, keys.parked_job(job_id), keys.taken(what, job_id)],
-                args=[job_id, token, TAKEN_KEPT_S, what],
-            )
-        )
-    except REDIS_AWAY as exc:
-        raise TakeUnsure(what, job_id, token, exc) from exc
-    if raw:  # the answer came: nothing will ask again (kept an hour, were this lost)
-        with contextlib.suppress(*REDIS_AWAY):
-            take_script.registered_client.delete(keys.taken(what, job_id))
-    return cast(bytes, raw) if raw else None

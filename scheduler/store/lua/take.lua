@@ -1,15 +1,19 @@
 -- Take a job's record out of a queue for one taker (a placement process handling it),
--- once: the record leaves the queue and is kept under the taker's token for a while, so
--- that the same taker asking again (its reply was lost) gets it again and any other gets
--- nothing. A record taken and lost with its reply would be a job never run nor ended.
+-- once: the record leaves the queue and is held in hand under the taker's token, so that
+-- the same taker asking again (its reply was lost) gets it again and any other gets
+-- nothing; and, should the taker die with it, another placement process puts it back.
 -- KEYS[1] the queue: ggufq:parked (sorted set: job id) or ggufq:orphans (hash: job id ->
 --         record)
 -- KEYS[2] the record: ggufq:parked:<id> (string) for the parked queue, unused otherwise
--- KEYS[3] ggufq:taken:<what>:<id> (hash: token, record)
--- ARGV: job id, token, seconds to keep the taken record, 'orphan' or 'parked'
+-- KEYS[3] ggufq:in_hand (hash)
+-- ARGV: job id, field "<placement>|<job id>", token, 'orphan' or 'parked', now
 -- Returns the record, or false when it is not there (another taker has it).
-if redis.call('HGET', KEYS[3], 'token') == ARGV[2] then
-  return redis.call('HGET', KEYS[3], 'record')
+local held = redis.call('HGET', KEYS[3], ARGV[2])
+if held then
+  local ok, entry = pcall(cjson.decode, held)
+  if ok and type(entry) == 'table' and entry['token'] == ARGV[3] then
+    return entry['record']
+  end
 end
 local raw
 if ARGV[4] == 'orphan' then
@@ -22,6 +26,6 @@ else
   redis.call('DEL', KEYS[2])
   if not raw then return false end
 end
-redis.call('HSET', KEYS[3], 'token', ARGV[2], 'record', raw)
-redis.call('EXPIRE', KEYS[3], ARGV[3])
+local entry = {token = ARGV[3], what = ARGV[4], at = tonumber(ARGV[5]), record = raw}
+redis.call('HSET', KEYS[3], ARGV[2], cjson.encode(entry))
 return raw

@@ -1,0 +1,238 @@
+"""The jobs a placement process has in hand: a submission it claimed, a parked job or an
+orphan it took, until it sends, parks or ends it.
+
+Each is held in Redis (``ggufq:in_hand``) under a token, with the record it came with, so
+that a placement process that dies (or stalls past the TTL) mid-step loses nothing: any
+other one puts the job back where it came from (:meth:`Hands.sweep`), once, and marks the
+token swept, so that a holder that was only stalled does nothing more with it (its send and
+put-back scripts look, and it ends no job swept from it). The token of a job is kept for
+the thread that handles it: a placement process handles jobs on more than one thread, each
+from start to end on one (:meth:`Hands.hand_over` and :meth:`Hands.adopt` move one).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import redis
+
+from scheduler.protocol import SentJob
+from scheduler.store import keys
+from scheduler.store.connection import REDIS_AWAY, again_if_lost
+from scheduler.store.records import decoded
+from scheduler.store.scripts import script
+
+# how long a swept token is remembered: its holder, stalled, may come back this late
+SWEPT_KEPT_S = 3600
+Taken = Literal["orphan", "parked"]
+Swept = Literal["put back", "let go", "unreadable"]
+_SWEPT: dict[int, Swept] = {1: "put back", 2: "let go", -1: "unreadable"}
+
+
+class TakeUnsure(redis.ConnectionError):
+    """Redis did not answer a take: the record may be taken under ``token``, and only the
+    taker asking again with it once Redis answers gets it back (``HeldJobs.hold_take``)."""
+
+    def __init__(self, what: Taken, job_id: str, token: str, cause: Exception) -> None:
+        super().__init__(f"taking {what} job {job_id}: {cause}")
+        self.what, self.job_id, self.token = what, job_id, token
+
+
+def parked_record(job: dict[str, Any], score: float, errors: int = 0) -> str:
+    """A parked job's record: the job as submitted, its place in the queue, and how many of
+    its placements failed unexpectedly."""
+    return json.dumps({"job": job, "score": score, "errors": errors})
+
+
+def _queue(what: str) -> str:
+    return keys.ORPHANS if what == "orphan" else keys.PARKED
+
+
+@dataclass(frozen=True)
+class Held:
+    """A job another placement process holds, as :meth:`Hands.others` reads it."""
+
+    holder: str
+    job_id: str
+    token: str
+    what: str
+
+
+class Hands:
+    """The jobs one placement process (``name``, as it beats) has in hand."""
+
+    def __init__(self, client: redis.Redis, name: str = "") -> None:
+        self.r = client
+        self.name = name or f"placement-{uuid.uuid4().hex[:12]}"
+        self._local = threading.local()
+        self._place = script(client, "place")
+        self._take = script(client, "take")
+        self._sent = script(client, "sent")
+        self._put_back = script(client, "put_back")
+        self._let_go = script(client, "let_go")
+        self._sweep = script(client, "sweep")
+
+    def field(self, job_id: str) -> str:
+        return f"{self.name}|{job_id}"
+
+    # -- tokens, per thread -------------------------------------------------------------------
+    def _tokens(self) -> dict[str, str]:
+        tokens = getattr(self._local, "tokens", None)
+        if tokens is None:
+            tokens = self._local.tokens = {}
+        return cast(dict[str, str], tokens)
+
+    def token(self, job_id: str) -> str:
+        """The token this thread holds ``job_id`` under ('' when it does not hold it)."""
+        return self._tokens().get(job_id, "")
+
+    def hand_over(self, job_id: str) -> str:
+        """The token of a job this thread holds, no longer this thread's: to be kept with
+        the job (held through a Redis outage) and adopted by the thread that goes on."""
+        return self._tokens().pop(job_id, "")
+
+    def adopt(self, job_id: str, token: str) -> None:
+        if token:
+            self._tokens()[job_id] = token
+
+    # -- taking in hand ---------------------------------------------------------------------
+    def claim(self, job_id: str, delivery: str, ttl_s: int, record: str) -> bool:
+        """Claim a submission's placement for ``delivery`` (PlacementState.place_once) and
+        hold it, its ``record`` as :func:`parked_record` makes it; False when another
+        delivery has it."""
+        token = self.token(job_id) or uuid.uuid4().hex
+        self.adopt(job_id, token)
+        entry = json.dumps({"token": token, "what": "parked", "at": time.time(), "record": record})
+        owned = again_if_lost(  # the same delivery asking again finds the claim its own
+            lambda: self._place(
+                keys=[keys.job_placed(job_id), keys.IN_HAND],
+                args=[delivery, ttl_s, self.field(job_id), entry],
+            )
+        )
+        if not owned:
+            self.hand_over(job_id)
+        return bool(owned)
+
+    def take(self, what: Taken, job_id: str, token: str = "") -> bytes | None:
+        """Take a job's record out of the orphans or the parked queue (lua/take.lua) and
+        hold it; None when another taker has it. A reply lost on the way is asked for again
+        under the same token, so the record is neither lost with it nor handed to two
+        takers; TakeUnsure when Redis does not answer that either. ``token``: a take asked
+        again after one."""
+        token = token or uuid.uuid4().hex
+        self.adopt(job_id, token)
+        try:
+            raw = again_if_lost(
+                lambda: self._take(
+                    keys=[_queue(what), keys.parked_job(job_id), keys.IN_HAND],
+                    args=[job_id, self.field(job_id), token, what, time.time()],
+                )
+            )
+        except REDIS_AWAY as exc:
+            self.hand_over(job_id)
+            raise TakeUnsure(what, job_id, token, exc) from exc
+        if not raw:
+            self.hand_over(job_id)
+            return None
+        return cast(bytes, raw)
+
+    # -- letting go -------------------------------------------------------------------------
+    def sent(self, record: SentJob, ttl_s: int) -> bool:
+        """Record a job as sent to its device (lua/sent.lua) and let go of it; False when
+        another placement process swept it back from this one (it had stalled): it is not
+        to be sent."""
+        job_id, placement = record.job.id, record.placement
+        token, raw = self.hand_over(job_id), record.model_dump_json()
+        return bool(
+            again_if_lost(  # the same record written twice is written once
+                lambda: self._sent(
+                    keys=[
+                        keys.inflight(placement.device_id),
+                        keys.job_owner(job_id),
+                        keys.IN_HAND,
+                        keys.swept(token),
+                    ],
+                    args=[job_id, raw, placement.id, ttl_s, self.field(job_id), token],
+                )
+            )
+        )
+
+    def put_back(self, what: Taken, job_id: str, record: bytes | str) -> bool:
+        """Park a job this thread holds (or any job: held or not, it is parked) or put an
+        orphan back, and let go of it; False when it was swept from this process."""
+        token = self.hand_over(job_id)
+        return bool(
+            again_if_lost(  # the same record put back twice is there once
+                lambda: self._put_back(
+                    keys=[_queue(what), keys.parked_job(job_id), keys.IN_HAND, keys.swept(token)],
+                    args=[job_id, what, record, self.field(job_id), token],
+                )
+            )
+        )
+
+    def mine(self, job_id: str) -> bool:
+        """Whether this thread may end a job: it does not hold it, or holds it and it was
+        not swept from it."""
+        token = self.token(job_id)
+        return not token or not self.r.exists(keys.swept(token))
+
+    def let_go(self, job_id: str) -> None:
+        """Let go of a job this thread held and has ended."""
+        token = self.hand_over(job_id)
+        if token:
+            again_if_lost(
+                lambda: self._let_go(keys=[keys.IN_HAND], args=[self.field(job_id), token])
+            )
+
+    # -- the jobs of placement processes gone ------------------------------------------------
+    def others(self, dead_before: float) -> list[Held]:
+        """The jobs other placement processes hold that have not beaten since
+        ``dead_before`` (or are gone) and took them before it."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(keys.IN_HAND)
+        pipe.zrange(keys.PLACEMENT_ALIVE, 0, -1, withscores=True)
+        raw, beats = pipe.execute()
+        if not raw:
+            return []
+        alive = {name.decode() for name, beat in beats if beat >= dead_before}
+        found = []
+        for field, held in decoded(raw).items():
+            holder, _, job_id = field.rpartition("|")
+            if holder == self.name or holder in alive:
+                continue
+            try:
+                entry = json.loads(held)
+                token, what, at = str(entry["token"]), str(entry["what"]), float(entry["at"])
+            except (ValueError, KeyError, TypeError):
+                token, what, at = "", "parked", 0.0  # unreadable: the sweep ends its job
+            if at < dead_before:
+                found.append(Held(holder, job_id, token, what))
+        return found
+
+    def sweep(self, held: Held, dead_before: float, finished: bool) -> Swept | None:
+        """Put ``held`` back in its queue (let go of it only, when its job has ended), once,
+        if its holder is still silent; None when there was nothing to do."""
+        outcome = self._sweep(
+            keys=[
+                keys.IN_HAND,
+                keys.PLACEMENT_ALIVE,
+                _queue(held.what),
+                keys.parked_job(held.job_id),
+                keys.swept(held.token),
+            ],
+            args=[
+                f"{held.holder}|{held.job_id}",
+                held.token,
+                held.holder,
+                dead_before,
+                held.job_id,
+                SWEPT_KEPT_S,
+                int(finished),
+            ],
+        )
+        return _SWEPT.get(int(outcome))

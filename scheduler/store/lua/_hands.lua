@@ -1,0 +1,27 @@
+-- Jobs in hand, a prelude: a placement process holds each job it handles in ggufq:in_hand
+-- (field "<placement>|<job id>", JSON token, what, at, record) until it sends, parks or
+-- ends it (scheduler/store/hands.py).
+-- Touches, by name: nothing; the keys are the callers'.
+
+-- Let go of a job held under ``token`` (a held entry that does not parse goes too).
+local function let_go(in_hand, field, token)
+  local held = redis.call('HGET', in_hand, field)
+  if not held then return end
+  local ok, entry = pcall(cjson.decode, held)
+  if not ok or type(entry) ~= 'table' or entry['token'] == token then
+    redis.call('HDEL', in_hand, field)
+  end
+end
+
+-- A job's record back in its queue: ggufq:orphans (hash), or ggufq:parked (sorted set, by
+-- the record's score) with its record under ``record_key``.
+local function put_back(queue, record_key, what, job_id, raw)
+  if what == 'orphan' then
+    redis.call('HSET', queue, job_id, raw)
+    return
+  end
+  local ok, record = pcall(cjson.decode, raw)
+  local score = ok and type(record) == 'table' and tonumber(record['score']) or 0
+  redis.call('SET', record_key, raw)
+  redis.call('ZADD', queue, score, job_id)
+end

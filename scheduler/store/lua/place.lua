@@ -1,0 +1,14 @@
+-- Claim a submitted job's placement for one delivery of its message, and hold the job in
+-- hand while it is placed: a claim tried again after a lost reply is found ours; another
+-- delivery finds it taken. Held, the job is parked again by another placement process if
+-- this one dies before it sends, parks or ends it.
+-- KEYS[1] ggufq:job:<id>:placed (string: the delivery's id)
+-- KEYS[2] ggufq:in_hand (hash)
+-- ARGV: delivery id, claim ttl (s), field "<placement>|<job id>", entry (JSON)
+-- Returns 1 when the job is this delivery's, else 0.
+redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+return 1

@@ -1,0 +1,17 @@
+-- Record a job as sent to a device's queue, before it is sent, and let go of it: from now
+-- on the device's records account for it (a dropped device's jobs become orphans; a lost
+-- message is sent again). Nothing when another placement process swept the job back from
+-- this one (it had stalled): it is someone else's now.
+-- KEYS[1] ggufq:inflight:<dev> (hash: job id -> SentJob JSON)
+-- KEYS[2] ggufq:job:<id>:owner (string: the placement's id)
+-- KEYS[3] ggufq:in_hand (hash)
+-- KEYS[4] ggufq:swept:<token>
+-- ARGV: job id, record, placement id, owner ttl (s), field "<placement>|<job id>", token
+-- Returns 1 when it was recorded, 0 when it was swept.
+if ARGV[6] ~= '' and redis.call('EXISTS', KEYS[4]) == 1 then
+  return 0
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
+let_go(KEYS[3], ARGV[5], ARGV[6])
+return 1
