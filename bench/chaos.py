@@ -90,6 +90,7 @@ FAULTS = [
     Fault("worker-stall", "worker SIGSTOP past the TTL, SIGCONT", "return"),
     Fault("worker-restart", "worker SIGKILL, restarted at once (same host)", "death"),
     Fault("placement-kill", "placement SIGKILL, another started", "death"),
+    Fault("placement-stall", "placement SIGSTOP past the TTL, another started, SIGCONT", "return"),
     Fault("redis-restart", "Redis restart with its data", "return"),
     Fault("redis-wipe", "Redis restart without data", "return"),
     Fault("redis-outage", "Redis down N s, back on the same port and dir", "return"),
@@ -107,6 +108,7 @@ EXPECT = {
     "worker-stall": _WORKER_DIES,
     "worker-restart": _WORKER_DIES,
     "placement-kill": {"A": {"completed"}, "B": {"completed"}, "C": {"completed"}},
+    "placement-stall": {"A": {"completed"}, "B": {"completed"}, "C": {"completed"}},
     "client-dies": _CANCELLED,
     "malformed": _CANCELLED,  # the bench cancels A after the garbage: the watchers still hear
 }
@@ -633,6 +635,23 @@ class Trial:
             self.res.note(f"new placement beat {time.monotonic() - spawned:.1f} s after start")
         else:
             self.res.note("the new placement service did not beat within 60 s")
+
+    def fault_placement_stall(self) -> None:
+        """Placement stops mid-burst for longer than the TTL while another one serves, then
+        resumes: the jobs it held were put back by the other, and it must do nothing more
+        with them. It is killed two heartbeats later (the stack runs one placement)."""
+        proc = self.cl.placement
+        assert proc is not None
+        self.burst(2)
+        time.sleep(self.rng.uniform(0.0, 0.05))
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            self.cl.start_placement()
+            time.sleep(self.cl.ttl_s + 4 * self.cl.hb_s)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        time.sleep(2 * self.cl.hb_s)
+        self.kill(proc)
 
     def placement_names(self) -> set[bytes]:
         try:

@@ -106,20 +106,22 @@ def test_a_message_that_is_not_a_job_is_refused_not_fatal(
 
 
 def test_a_job_redis_drops_mid_placement_is_held_then_parked_when_it_is_back(
-    service: PlacementService, monkeypatch: pytest.MonkeyPatch
+    service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def redis_away(*_args: object, **_kwargs: object) -> None:
         raise redis.ConnectionError("Error 111 connecting to 127.0.0.1. Connection refused.")
 
     monkeypatch.setattr(service_module, "send_job", redis_away)
-    monkeypatch.setattr(service.parked, "park", redis_away)
+    monkeypatch.setattr(service.hands, "_put_back", redis_away)  # parking it fails too
     job = JobRequest(model="tiny", prompt="hello", submitted_at=1.0)
     assert "held" in service.place(job.model_dump(mode="json"))
     with pytest.raises(redis.ConnectionError):
         service.park_held()  # still away: kept
+    assert db.hlen(keys.IN_HAND) == 1  # still in this process's hands, in Redis too
     monkeypatch.undo()
     assert service.park_held() == 1
     assert [j.id for j in service.parked.jobs()] == [job.id]
+    assert db.hlen(keys.IN_HAND) == 0  # parked: let go of, under the token it was held by
     assert service.park_held() == 0
 
 
@@ -325,3 +327,17 @@ def test_a_job_its_dying_placement_process_had_ended_is_not_put_back(
     survivor, ttl = another(service, db), service.settings.device_ttl_s
     assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0
     assert survivor.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0
+
+
+def test_a_job_its_dying_placement_process_had_sent_is_not_put_back(
+    service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = JobRequest(model="tiny", prompt="hello", submitted_at=1.0)
+    monkeypatch.setattr(service.hands, "let_go", killed)  # dies right after sending it
+    with pytest.raises(Killed):
+        service.place(job.model_dump(mode="json"))
+    assert messages_for(db, job.id) == 1 and db.hlen(keys.IN_HAND) == 1
+    survivor, ttl = another(service, db), service.settings.device_ttl_s
+    assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0  # let go of only
+    assert survivor.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0
+    assert messages_for(db, job.id) == 1

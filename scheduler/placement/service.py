@@ -180,6 +180,8 @@ class PlacementService:
             pipe = self.r.pipeline(transaction=False)
             self.state.count_request(req.model, time.time(), pipe)
             note_hops(pipe, req.id, self.settings.stream_ttl_s, hops)
+            if sent:
+                self.hands.let_go(req.id, pipe)  # its device's records account for it
             if sent and self.settings.fast_path:
                 publish_route(pipe, req, route)
             execute(pipe)
@@ -207,6 +209,8 @@ class PlacementService:
             outcome = self._attempt(
                 claimed.job, time.perf_counter_ns(), claimed.score, claimed.errors
             )
+            if "device" in outcome:
+                self.hands.let_go(job_id)  # its device's records account for it
             if "parked" in outcome:
                 blocked.add(_config_of(claimed.job))
             else:
@@ -441,7 +445,8 @@ class PlacementService:
 
     def _replace(self, req: JobRequest) -> None:
         score = park_score(req, time.time())
-        self._attempt(req, time.perf_counter_ns(), score, errors=0, new=True)
+        if "device" in self._attempt(req, time.perf_counter_ns(), score, errors=0, new=True):
+            self.hands.let_go(req.id)  # its device's records account for it
 
     def cancel_parked(self, job_id: str) -> bool:
         """End a parked job that was asked to cancel; False if it is not parked here."""

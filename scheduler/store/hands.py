@@ -25,7 +25,7 @@ from scheduler.protocol import SentJob
 from scheduler.store import keys
 from scheduler.store.connection import REDIS_AWAY, again_if_lost
 from scheduler.store.records import decoded
-from scheduler.store.scripts import script
+from scheduler.store.scripts import queue, script
 
 # how long a swept token is remembered: its holder, stalled, may come back this late
 SWEPT_KEPT_S = 3600
@@ -93,7 +93,9 @@ class Hands:
 
     def hand_over(self, job_id: str) -> str:
         """The token of a job this thread holds, no longer this thread's: to be kept with
-        the job (held through a Redis outage) and adopted by the thread that goes on."""
+        the job (held through a Redis outage) and adopted by the thread that goes on. A
+        script that lets go of a job (send, put back, let go) hands its token over only
+        once Redis answered it, so that a job held after a failed one keeps its token."""
         return self._tokens().pop(job_id, "")
 
     def adopt(self, job_id: str, token: str) -> None:
@@ -143,37 +145,38 @@ class Hands:
 
     # -- letting go -------------------------------------------------------------------------
     def sent(self, record: SentJob, ttl_s: int) -> bool:
-        """Record a job as sent to its device (lua/sent.lua) and let go of it; False when
-        another placement process swept it back from this one (it had stalled): it is not
-        to be sent."""
+        """Record a job as sent to its device (lua/sent.lua), still in hand, marked sent: let
+        go of it once its message is sent (:meth:`let_go`); False when another placement
+        process swept it back from this one (it had stalled): it is not to be sent."""
         job_id, placement = record.job.id, record.placement
-        token, raw = self.hand_over(job_id), record.model_dump_json()
-        return bool(
-            again_if_lost(  # the same record written twice is written once
-                lambda: self._sent(
-                    keys=[
-                        keys.inflight(placement.device_id),
-                        keys.job_owner(job_id),
-                        keys.IN_HAND,
-                        keys.swept(token),
-                    ],
-                    args=[job_id, raw, placement.id, ttl_s, self.field(job_id), token],
-                )
+        token, raw = self.token(job_id), record.model_dump_json()
+        done = again_if_lost(  # the same record written twice is written once
+            lambda: self._sent(
+                keys=[
+                    keys.inflight(placement.device_id),
+                    keys.job_owner(job_id),
+                    keys.IN_HAND,
+                    keys.swept(token),
+                ],
+                args=[job_id, raw, placement.id, ttl_s, self.field(job_id), token],
             )
         )
+        if not done:
+            self.hand_over(job_id)
+        return bool(done)
 
     def put_back(self, what: Taken, job_id: str, record: bytes | str) -> bool:
         """Park a job this thread holds (or any job: held or not, it is parked) or put an
         orphan back, and let go of it; False when it was swept from this process."""
-        token = self.hand_over(job_id)
-        return bool(
-            again_if_lost(  # the same record put back twice is there once
-                lambda: self._put_back(
-                    keys=[_queue(what), keys.parked_job(job_id), keys.IN_HAND, keys.swept(token)],
-                    args=[job_id, what, record, self.field(job_id), token],
-                )
+        token = self.token(job_id)
+        done = again_if_lost(  # the same record put back twice is there once
+            lambda: self._put_back(
+                keys=[_queue(what), keys.parked_job(job_id), keys.IN_HAND, keys.swept(token)],
+                args=[job_id, what, record, self.field(job_id), token],
             )
         )
+        self.hand_over(job_id)
+        return bool(done)
 
     def mine(self, job_id: str) -> bool:
         """Whether this thread may end a job: it does not hold it, or holds it and it was
@@ -181,13 +184,18 @@ class Hands:
         token = self.token(job_id)
         return not token or not self.r.exists(keys.swept(token))
 
-    def let_go(self, job_id: str) -> None:
-        """Let go of a job this thread held and has ended."""
-        token = self.hand_over(job_id)
-        if token:
-            again_if_lost(
-                lambda: self._let_go(keys=[keys.IN_HAND], args=[self.field(job_id), token])
-            )
+    def let_go(self, job_id: str, pipe: Any = None) -> None:
+        """Let go of a job this thread held and has sent or ended (queued on ``pipe``, run
+        with scripts.execute, when given: a job sent is not put back even if this fails)."""
+        token = self.token(job_id)
+        if not token:
+            return
+        args = [self.field(job_id), token]
+        if pipe is not None:
+            queue(pipe, self._let_go, [keys.IN_HAND], args)
+        else:
+            again_if_lost(lambda: self._let_go(keys=[keys.IN_HAND], args=args))
+        self.hand_over(job_id)
 
     # -- the jobs of placement processes gone ------------------------------------------------
     def others(self, dead_before: float) -> list[Held]:
@@ -215,8 +223,8 @@ class Hands:
         return found
 
     def sweep(self, held: Held, dead_before: float, finished: bool) -> Swept | None:
-        """Put ``held`` back in its queue (let go of it only, when its job has ended), once,
-        if its holder is still silent; None when there was nothing to do."""
+        """Put ``held`` back in its queue (let go of it only, when its job has ended or was
+        sent), once, if its holder is still silent; None when there was nothing to do."""
         outcome = self._sweep(
             keys=[
                 keys.IN_HAND,
@@ -224,6 +232,7 @@ class Hands:
                 _queue(held.what),
                 keys.parked_job(held.job_id),
                 keys.swept(held.token),
+                keys.job_owner(held.job_id),
             ],
             args=[
                 f"{held.holder}|{held.job_id}",

@@ -1,7 +1,8 @@
--- Record a job as sent to a device's queue, before it is sent, and let go of it: from now
--- on the device's records account for it (a dropped device's jobs become orphans; a lost
--- message is sent again). Nothing when another placement process swept the job back from
--- this one (it had stalled): it is someone else's now.
+-- Record a job as sent to a device's queue, before it is sent: from then on the device's
+-- records account for it (a dropped device's jobs become orphans; a lost message is sent
+-- again), and the job in hand is marked sent, so that if its holder dies before letting go
+-- of it, it is not put back to run twice. Nothing when another placement process swept the
+-- job back from this one (it had stalled): it is someone else's now.
 -- KEYS[1] ggufq:inflight:<dev> (hash: job id -> SentJob JSON)
 -- KEYS[2] ggufq:job:<id>:owner (string: the placement's id)
 -- KEYS[3] ggufq:in_hand (hash)
@@ -13,5 +14,12 @@ if ARGV[6] ~= '' and redis.call('EXISTS', KEYS[4]) == 1 then
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
-let_go(KEYS[3], ARGV[5], ARGV[6])
+local held = redis.call('HGET', KEYS[3], ARGV[5])
+if held then
+  local ok, entry = pcall(cjson.decode, held)
+  if ok and type(entry) == 'table' and entry['token'] == ARGV[6] then
+    entry['sent'] = 1
+    redis.call('HSET', KEYS[3], ARGV[5], cjson.encode(entry))
+  end
+end
 return 1

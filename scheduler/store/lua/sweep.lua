@@ -7,10 +7,12 @@
 -- KEYS[3] the queue the entry names: ggufq:parked or ggufq:orphans
 -- KEYS[4] ggufq:parked:<id> (string), unused for an orphan
 -- KEYS[5] ggufq:swept:<token>
+-- KEYS[6] ggufq:job:<id>:owner (string: set while a placement's record of the job stands)
 -- ARGV: field, token, placement, dead_before, job id, swept ttl (s), '1' to let go only
 --       (the job has ended already)
--- Returns 1 put back, 2 let go, -1 let go of an entry that does not parse (the caller
--- ends its job), 0 nothing (gone, another token, or its holder is alive).
+-- Returns 1 put back, 2 let go (ended, or sent: the device's records account for it), -1
+-- let go of an entry that does not parse (the caller ends its job), 0 nothing (gone,
+-- another token, or its holder is alive).
 local held = redis.call('HGET', KEYS[1], ARGV[1])
 if not held then return 0 end
 local ok, entry = pcall(cjson.decode, held)
@@ -25,6 +27,8 @@ if ARGV[2] ~= '' then
   redis.call('SET', KEYS[5], '1', 'EX', ARGV[6])
 end
 if not readable or type(entry['record']) ~= 'string' then return -1 end
-if ARGV[7] == '1' then return 2 end
+if ARGV[7] == '1' or (entry['sent'] and redis.call('EXISTS', KEYS[6]) == 1) then
+  return 2
+end
 put_back(KEYS[3], KEYS[4], entry['what'], ARGV[5], entry['record'])
 return 1
