@@ -341,3 +341,73 @@ def test_a_job_its_dying_placement_process_had_sent_is_not_put_back(
     assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0  # let go of only
     assert survivor.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0
     assert messages_for(db, job.id) == 1
+
+
+def test_a_take_asked_again_after_its_job_was_swept_takes_nothing(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    job = JobRequest(model="tiny", prompt="hi", submitted_at=1.0)
+    survivor, ttl = another(service, db), service.settings.device_ttl_s
+    survivor.parked.park(job, score=1.0)
+    assert service.parked.claim(job.id) is not None  # then Redis is cut off from it
+    token = service.hands.hand_over(job.id)  # as HeldJobs keeps it, to ask again
+    assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 1
+    assert service.hands.take("parked", job.id, token) is None  # cut off no more
+    assert survivor.parked.ids() == [job.id] and db.hlen(keys.IN_HAND) == 0
+
+
+def test_a_send_that_fails_after_the_sweep_let_go_of_the_job_still_parks_it(
+    service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = JobRequest(model="tiny", prompt="hi", submitted_at=1.0)
+    survivor, ttl = another(service, db), service.settings.device_ttl_s
+
+    def stalls_then_fails(*_args: object, **_kwargs: object) -> None:
+        # its record was written (marked sent); it stalls; the others let go of it only
+        assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0
+        raise OperationalError("Error 111 connecting to broker: Connection refused")
+
+    monkeypatch.setattr(service_module, "send_job", stalls_then_fails)
+    assert "parked" in service.place(job.model_dump(mode="json"))
+    assert survivor.parked.ids() == [job.id] and db.hlen(keys.IN_HAND) == 0
+    monkeypatch.undo()
+    assert survivor.retry_parked() == 1 and messages_for(db, job.id) == 1
+
+
+def test_a_send_whose_record_cannot_be_taken_back_is_not_parked_too(
+    service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its in-flight record stands: the lost-send sweep sends it again; parking it as well
+    would run it twice."""
+    job = JobRequest(model="tiny", prompt="hi", submitted_at=1.0)
+
+    def broker_down(*_args: object, **_kwargs: object) -> None:
+        raise OperationalError("Error 111 connecting to broker: Connection refused")
+
+    def reply_lost(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("unsend's reply was lost")
+
+    monkeypatch.setattr(service_module, "send_job", broker_down)
+    monkeypatch.setattr(service.state, "unsend", reply_lost)
+    service.place(job.model_dump(mode="json"))
+    monkeypatch.undo()
+    assert service.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0
+    assert db.hexists(keys.inflight("vgpu:fh:0"), job.id)
+    assert service.recovery.lost_sends(["vgpu:fh:0"], 1e12) == 0  # first look: not yet
+    assert service.recovery.lost_sends(["vgpu:fh:0"], 1e12) == 1
+    assert messages_for(db, job.id) == 1
+
+
+def test_a_job_its_placement_process_died_ending_is_ended_by_another(
+    service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = JobRequest(model="no-such-model", prompt="hello", submitted_at=1.0)
+    monkeypatch.setattr(service_module, "publish_final", killed)  # dies as it ends it
+    with pytest.raises(Killed):
+        service.place(job.model_dump(mode="json"))
+    monkeypatch.undo()
+    survivor, ttl = another(service, db), service.settings.device_ttl_s
+    assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0  # not run: ended
+    error = final_error(db, job.id)
+    assert error["code"] == "job_failed" and "as it was ending it" in error["message"]
+    assert survivor.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0

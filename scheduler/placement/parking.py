@@ -64,8 +64,11 @@ class ParkedJobs:
         ``errors`` counts the placements of it that failed unexpectedly (a broker error, a
         bug). Nothing when the job was swept from this process: it is another's now."""
         record = parked_record(req.model_dump(mode="json"), score, errors)
-        if not self.hands.put_back("parked", req.id, record):
+        done = self.hands.put_back("parked", req.id, record)
+        if done == "swept":
             log.warning("job %s was put back by another placement process: left to it", req.id)
+        elif done == "sent":
+            log.warning("job %s stays sent: its record could not be taken back", req.id)
 
     def claim(self, job_id: str) -> Claimed | None:
         """Take a parked job out for a retry, in hand; None when another placer took it

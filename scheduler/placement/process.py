@@ -49,11 +49,20 @@ class Liveness:
         away = (redis.RedisError,)
         every = settings.heartbeat_interval_s
         start_loop("placement-alive", self._beat, self.stopping, self.health, every, away)
+        start_loop("placement-heart", self._heart, self.stopping, self.health, every, away)
         start_loop("placement-wake", self._listen, self.stopping, self.health, 0.0, away)
 
     def stop(self) -> None:
         self.stopping.set()
         self.service.state.placement_gone(self.service.name)
+
+    def _heart(self) -> None:
+        """Beat, and only beat: the liveness loop's work (parked jobs retried, recovery)
+        may take longer than the TTL, and the jobs of a process silent that long are put
+        back by the others."""
+        service, settings = self.service, self.service.settings
+        failing = self.health.describe(time.monotonic(), 3 * settings.heartbeat_interval_s)
+        service.state.placement_beat(service.name, time.time(), settings.device_ttl_s, failing)
 
     def _beat(self) -> None:
         """Say this service is alive (and which of its loops keep failing), drop devices

@@ -102,10 +102,13 @@ class Recovery:
     def dead_hands(self, now: float, ttl_s: float) -> int:
         """Put back the jobs that placement processes silent for ``ttl_s`` (killed, or
         stalled) had in hand: a submission or a parked job in the parked queue, an orphan
-        among the orphans, each once; a job that ended meanwhile is let go. Returns how many
-        were put back."""
+        among the orphans, each once; a job that was sent or ended meanwhile is let go; one
+        its holder was ending is ended. Returns how many were put back."""
         hands, dead_before, back = self.state.hands, now - ttl_s, 0
-        for held in hands.others(dead_before):
+        others, own = hands.look(dead_before)
+        for held in own:  # sent, and letting go of it failed then
+            hands.let_go_of(held)
+        for held in others:
             _streamed, finished = progress(self.r, held.job_id)
             outcome = hands.sweep(held, dead_before, finished)
             if outcome == "put back":
@@ -117,10 +120,15 @@ class Recovery:
                     what,
                 )
                 back += 1
-            elif outcome == "unreadable":
+            elif outcome in ("unreadable", "ending"):
+                why = (
+                    "as it was ending it"
+                    if outcome == "ending"
+                    else "as it handled it, and its record there cannot be read"
+                )
                 lost = JobFailed(
                     f"job {held.job_id} was lost: placement process {held.holder} stopped "
-                    "as it handled it, and its record there cannot be read; submit it again"
+                    f"{why}; submit it again"
                 )
                 self.fail(held.job_id, "", lost)
         return back

@@ -201,7 +201,7 @@ class PlacementService:
                 with self.held.takes():  # one Redis did not answer: asked again once it is back
                     claimed = self.parked.claim(job_id)
             except GgufqError as exc:  # its record does not parse: fail it alone
-                self.fail(job_id, "", exc)
+                self.fail_or_hold(job_id, "", exc)
                 moved += 1
                 continue
             if claimed is None:
@@ -210,7 +210,7 @@ class PlacementService:
                 claimed.job, time.perf_counter_ns(), claimed.score, claimed.errors
             )
             if "device" in outcome:
-                self.hands.let_go(job_id)  # its device's records account for it
+                self._sent_off(job_id)
             if "parked" in outcome:
                 blocked.add(_config_of(claimed.job))
             else:
@@ -427,7 +427,7 @@ class PlacementService:
         go of it. Nothing when it was swept from this process: it is another's now."""
         if not job_id:
             return
-        if not self.hands.mine(job_id):
+        if not self.hands.ending(job_id):
             log.warning("job %s was put back by another placement process: left to it", job_id)
             self.hands.hand_over(job_id)
             return
@@ -446,7 +446,17 @@ class PlacementService:
     def _replace(self, req: JobRequest) -> None:
         score = park_score(req, time.time())
         if "device" in self._attempt(req, time.perf_counter_ns(), score, errors=0, new=True):
-            self.hands.let_go(req.id)  # its device's records account for it
+            self._sent_off(req.id)
+
+    def _sent_off(self, job_id: str) -> None:
+        """Let go of a job sent: its device's records account for it. Never raises (the
+        job is sent: handling it again would run it twice); failed, the entry stays marked
+        sent, and this process lets go of it at a later look (Recovery.dead_hands)."""
+        try:
+            self.hands.let_go(job_id)
+        except redis.RedisError as exc:
+            self.hands.hand_over(job_id)
+            log.warning("job %s was sent; letting go of it waits for Redis: %s", job_id, exc)
 
     def cancel_parked(self, job_id: str) -> bool:
         """End a parked job that was asked to cancel; False if it is not parked here."""
@@ -454,11 +464,11 @@ class PlacementService:
             with self.held.takes():
                 claimed = self.parked.claim(job_id)
         except GgufqError as exc:  # its record does not parse: it ends all the same
-            self.fail(job_id, "", exc)
+            self.fail_or_hold(job_id, "", exc)
             return True
         if claimed is None:
             return False
-        self.fail(job_id, claimed.job.model, cancelled_before_start(job_id))
+        self.fail_or_hold(job_id, claimed.job.model, cancelled_before_start(job_id))
         return True
 
 

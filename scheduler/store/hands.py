@@ -30,8 +30,10 @@ from scheduler.store.scripts import queue, script
 # how long a swept token is remembered: its holder, stalled, may come back this late
 SWEPT_KEPT_S = 3600
 Taken = Literal["orphan", "parked"]
-Swept = Literal["put back", "let go", "unreadable"]
-_SWEPT: dict[int, Swept] = {1: "put back", 2: "let go", -1: "unreadable"}
+Swept = Literal["put back", "let go", "ending", "unreadable"]
+_SWEPT: dict[int, Swept] = {1: "put back", 2: "let go", 3: "ending", -1: "unreadable"}
+PutBack = Literal["put back", "swept", "sent"]
+_PUT_BACK: dict[int, PutBack] = {1: "put back", 0: "swept", 2: "sent"}
 
 
 class TakeUnsure(redis.ConnectionError):
@@ -61,6 +63,7 @@ class Held:
     job_id: str
     token: str
     what: str
+    sent: bool = False
 
 
 class Hands:
@@ -75,6 +78,7 @@ class Hands:
         self._sent = script(client, "sent")
         self._put_back = script(client, "put_back")
         self._let_go = script(client, "let_go")
+        self._ending = script(client, "ending")
         self._sweep = script(client, "sweep")
 
     def field(self, job_id: str) -> str:
@@ -112,7 +116,7 @@ class Hands:
         entry = json.dumps({"token": token, "what": "parked", "at": time.time(), "record": record})
         owned = again_if_lost(  # the same delivery asking again finds the claim its own
             lambda: self._place(
-                keys=[keys.job_placed(job_id), keys.IN_HAND],
+                keys=[keys.job_placed(job_id), keys.IN_HAND, keys.swept(token)],
                 args=[delivery, ttl_s, self.field(job_id), entry],
             )
         )
@@ -131,7 +135,7 @@ class Hands:
         try:
             raw = again_if_lost(
                 lambda: self._take(
-                    keys=[_queue(what), keys.parked_job(job_id), keys.IN_HAND],
+                    keys=[_queue(what), keys.parked_job(job_id), keys.IN_HAND, keys.swept(token)],
                     args=[job_id, self.field(job_id), token, what, time.time()],
                 )
             )
@@ -165,9 +169,11 @@ class Hands:
             self.hand_over(job_id)
         return bool(done)
 
-    def put_back(self, what: Taken, job_id: str, record: bytes | str) -> bool:
+    def put_back(self, what: Taken, job_id: str, record: bytes | str) -> PutBack:
         """Park a job this thread holds (or any job: held or not, it is parked) or put an
-        orphan back, and let go of it; False when it was swept from this process."""
+        orphan back, and let go of it: "put back"; "swept" when another placement process
+        put it back already; "sent" when its in-flight record stands (a send that failed
+        and could not be taken back): it is let go of, the device's records account for it."""
         token = self.token(job_id)
         done = again_if_lost(  # the same record put back twice is there once
             lambda: self._put_back(
@@ -176,13 +182,21 @@ class Hands:
             )
         )
         self.hand_over(job_id)
-        return bool(done)
+        return _PUT_BACK[int(done)]
 
-    def mine(self, job_id: str) -> bool:
-        """Whether this thread may end a job: it does not hold it, or holds it and it was
-        not swept from it."""
+    def ending(self, job_id: str) -> bool:
+        """Whether this thread may end a job (fail or cancel it): it does not hold it, or
+        holds it and it was not put back by another placement process; then it is marked
+        ending, so that a sweep after this process stops ends it too, not runs it."""
         token = self.token(job_id)
-        return not token or not self.r.exists(keys.swept(token))
+        if not token:
+            return True
+        ok = again_if_lost(
+            lambda: self._ending(
+                keys=[keys.IN_HAND, keys.swept(token)], args=[self.field(job_id), token]
+            )
+        )
+        return bool(ok)
 
     def let_go(self, job_id: str, pipe: Any = None) -> None:
         """Let go of a job this thread held and has sent or ended (queued on ``pipe``, run
@@ -198,33 +212,45 @@ class Hands:
         self.hand_over(job_id)
 
     # -- the jobs of placement processes gone ------------------------------------------------
-    def others(self, dead_before: float) -> list[Held]:
+    def look(self, dead_before: float) -> tuple[list[Held], list[Held]]:
         """The jobs other placement processes hold that have not beaten since
-        ``dead_before`` (or are gone) and took them before it."""
+        ``dead_before`` (or are gone) and took them before it; and this process's own jobs
+        sent before it that it did not let go of (Redis failed it then)."""
         pipe = self.r.pipeline(transaction=False)
         pipe.hgetall(keys.IN_HAND)
         pipe.zrange(keys.PLACEMENT_ALIVE, 0, -1, withscores=True)
         raw, beats = pipe.execute()
         if not raw:
-            return []
+            return [], []
         alive = {name.decode() for name, beat in beats if beat >= dead_before}
-        found = []
-        for field, held in decoded(raw).items():
+        others, own = [], []
+        for field, text in decoded(raw).items():
             holder, _, job_id = field.rpartition("|")
-            if holder == self.name or holder in alive:
-                continue
             try:
-                entry = json.loads(held)
+                entry = json.loads(text)
                 token, what, at = str(entry["token"]), str(entry["what"]), float(entry["at"])
-            except (ValueError, KeyError, TypeError):
-                token, what, at = "", "parked", 0.0  # unreadable: the sweep ends its job
-            if at < dead_before:
-                found.append(Held(holder, job_id, token, what))
-        return found
+                sent = bool(entry.get("sent"))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                token, what, at, sent = "", "parked", 0.0, False  # the sweep ends its job
+            held = Held(holder, job_id, token, what, sent)
+            if at >= dead_before:
+                continue
+            if holder == self.name:
+                if sent:
+                    own.append(held)
+            elif holder not in alive:
+                others.append(held)
+        return others, own
+
+    def let_go_of(self, held: Held) -> None:
+        """Let go of a job this process sent and did not let go of."""
+        self._let_go(keys=[keys.IN_HAND], args=[self.field(held.job_id), held.token])
 
     def sweep(self, held: Held, dead_before: float, finished: bool) -> Swept | None:
-        """Put ``held`` back in its queue (let go of it only, when its job has ended or was
-        sent), once, if its holder is still silent; None when there was nothing to do."""
+        """Put ``held`` back in its queue, once, if its holder is still silent: "put back";
+        "let go" only, when its job has ended or was sent (its in-flight record stands);
+        "ending" when its holder was ending it (the caller ends it); "unreadable" (the
+        caller ends it); None when there was nothing to do."""
         outcome = self._sweep(
             keys=[
                 keys.IN_HAND,
@@ -232,7 +258,6 @@ class Hands:
                 _queue(held.what),
                 keys.parked_job(held.job_id),
                 keys.swept(held.token),
-                keys.job_owner(held.job_id),
             ],
             args=[
                 f"{held.holder}|{held.job_id}",

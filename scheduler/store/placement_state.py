@@ -147,9 +147,17 @@ class PlacementState:
                     keys.job_owner(record.job.id),
                     keys.RUNNERS,
                     keys.runner(placement.runner_id),
+                    keys.IN_HAND,
                     *held,
                 ],
-                args=[record.job.id, placement.runner_id, int(created), int(written)],
+                args=[
+                    record.job.id,
+                    placement.runner_id,
+                    int(created),
+                    int(written),
+                    self.hands.field(record.job.id),
+                    self.hands.token(record.job.id),
+                ],
             )
         )
 

@@ -3,6 +3,31 @@
 -- ends it (scheduler/store/hands.py).
 -- Touches, by name: nothing; the keys are the callers'.
 
+-- Whether a job held under a token was put back by another placement process: its holder
+-- (it had stalled) must not send, park or end it. ``swept`` is ggufq:swept:<token>: '1'
+-- put back, '2' let go only (it was sent or had ended: its holder still answers for it).
+local function put_back_from_us(swept)
+  return redis.call('GET', swept) == '1'
+end
+
+-- The entry a job is held under when it is held under ``token``, decoded; nil otherwise.
+local function held_entry(in_hand, field, token)
+  local held = redis.call('HGET', in_hand, field)
+  if not held then return nil end
+  local ok, entry = pcall(cjson.decode, held)
+  if ok and type(entry) == 'table' and entry['token'] == token then return entry end
+  return nil
+end
+
+-- Mark the entry of a job held under ``token`` (mark: 'sent', 'ending'; value nil clears).
+local function mark_held(in_hand, field, token, mark, value)
+  local entry = held_entry(in_hand, field, token)
+  if entry then
+    entry[mark] = value
+    redis.call('HSET', in_hand, field, cjson.encode(entry))
+  end
+end
+
 -- Let go of a job held under ``token`` (a held entry that does not parse goes too).
 local function let_go(in_hand, field, token)
   local held = redis.call('HGET', in_hand, field)

@@ -4,8 +4,13 @@
 -- this one dies before it sends, parks or ends it.
 -- KEYS[1] ggufq:job:<id>:placed (string: the delivery's id)
 -- KEYS[2] ggufq:in_hand (hash)
+-- KEYS[3] ggufq:swept:<token> of the entry
 -- ARGV: delivery id, claim ttl (s), field "<placement>|<job id>", entry (JSON)
--- Returns 1 when the job is this delivery's, else 0.
+-- Returns 1 when the job is this delivery's, else 0 (also when it was held under this token
+-- and swept from this process meanwhile: the claim was asked again after an outage).
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return 0
+end
 redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0

@@ -1,15 +1,22 @@
 -- Its holder puts a job in hand back in its queue (parks it again, or returns an orphan it
--- could not handle) and lets go of it; nothing when another placement process swept it
--- back already (the holder had stalled): the job is someone else's now.
+-- could not handle) and lets go of it. Not when another placement process put it back
+-- already (the holder had stalled): the job is someone else's now. Not when its in-flight
+-- record stands (marked sent: its send failed and the record could not be taken back):
+-- its device's records account for it, and parking it too would run it twice.
 -- KEYS[1] the queue: ggufq:parked or ggufq:orphans
 -- KEYS[2] ggufq:parked:<id> (string), unused for an orphan
 -- KEYS[3] ggufq:in_hand (hash)
 -- KEYS[4] ggufq:swept:<token>
 -- ARGV: job id, 'orphan' or 'parked', record, field "<placement>|<job id>", token ('' for
 --       a job not in hand)
--- Returns 1 when it was put back, 0 when it was swept.
-if ARGV[5] ~= '' and redis.call('EXISTS', KEYS[4]) == 1 then
+-- Returns 1 when it was put back, 0 when it was swept, 2 when it was sent (let go only).
+if ARGV[5] ~= '' and put_back_from_us(KEYS[4]) then
   return 0
+end
+local entry = held_entry(KEYS[3], ARGV[4], ARGV[5])
+if entry and entry['sent'] then
+  let_go(KEYS[3], ARGV[4], ARGV[5])
+  return 2
 end
 put_back(KEYS[1], KEYS[2], ARGV[2], ARGV[1], ARGV[3])
 let_go(KEYS[3], ARGV[4], ARGV[5])

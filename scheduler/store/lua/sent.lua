@@ -9,17 +9,10 @@
 -- KEYS[4] ggufq:swept:<token>
 -- ARGV: job id, record, placement id, owner ttl (s), field "<placement>|<job id>", token
 -- Returns 1 when it was recorded, 0 when it was swept.
-if ARGV[6] ~= '' and redis.call('EXISTS', KEYS[4]) == 1 then
+if ARGV[6] ~= '' and put_back_from_us(KEYS[4]) then
   return 0
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
-local held = redis.call('HGET', KEYS[3], ARGV[5])
-if held then
-  local ok, entry = pcall(cjson.decode, held)
-  if ok and type(entry) == 'table' and entry['token'] == ARGV[6] then
-    entry['sent'] = 1
-    redis.call('HSET', KEYS[3], ARGV[5], cjson.encode(entry))
-  end
-end
+mark_held(KEYS[3], ARGV[5], ARGV[6], 'sent', 1)  -- unsend.lua clears it with the record
 return 1

@@ -1,34 +1,41 @@
 -- Put back a job that a placement process had in hand when it died or stalled past the
 -- TTL: its holder has not beaten since ``dead_before``, and took the job before that. The
--- token is marked swept, so that a holder that was only stalled does nothing more with it
--- (its send, park and put-back scripts look).
+-- token is marked swept ('1': put back), so that a holder that was only stalled does
+-- nothing more with it (its send, park, end and take scripts look). A job marked sent
+-- (its in-flight record stands: the device's records account for it) or that ended is let
+-- go only ('2'); one its holder was ending is let go, for the caller to end.
 -- KEYS[1] ggufq:in_hand (hash)
 -- KEYS[2] ggufq:placement:alive (sorted set: placement -> last beat)
 -- KEYS[3] the queue the entry names: ggufq:parked or ggufq:orphans
 -- KEYS[4] ggufq:parked:<id> (string), unused for an orphan
 -- KEYS[5] ggufq:swept:<token>
--- KEYS[6] ggufq:job:<id>:owner (string: set while a placement's record of the job stands)
--- ARGV: field, token, placement, dead_before, job id, swept ttl (s), '1' to let go only
---       (the job has ended already)
--- Returns 1 put back, 2 let go (ended, or sent: the device's records account for it), -1
--- let go of an entry that does not parse (the caller ends its job), 0 nothing (gone,
--- another token, or its holder is alive).
+-- ARGV: field, token, placement, dead_before, job id, swept ttl (s), '1' when the job has
+--       ended already
+-- Returns 1 put back, 2 let go, 3 let go of a job its holder was ending (the caller ends
+-- it), -1 let go of an entry that does not parse (the caller ends its job), 0 nothing
+-- (gone, another token, or its holder is alive).
 local held = redis.call('HGET', KEYS[1], ARGV[1])
 if not held then return 0 end
 local ok, entry = pcall(cjson.decode, held)
-local readable = ok and type(entry) == 'table'
+local readable = ok and type(entry) == 'table' and type(entry['record']) == 'string'
 if readable and (entry['token'] ~= ARGV[2] or (tonumber(entry['at']) or 0) >= tonumber(ARGV[4])) then
   return 0
 end
 local beat = redis.call('ZSCORE', KEYS[2], ARGV[3])
 if beat and tonumber(beat) >= tonumber(ARGV[4]) then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
+local outcome = 1
+if not readable then
+  outcome = -1
+elseif ARGV[7] == '1' or entry['sent'] then
+  outcome = 2
+elseif entry['ending'] then
+  outcome = 3
+end
 if ARGV[2] ~= '' then
-  redis.call('SET', KEYS[5], '1', 'EX', ARGV[6])
+  redis.call('SET', KEYS[5], outcome == 2 and '2' or '1', 'EX', ARGV[6])
 end
-if not readable or type(entry['record']) ~= 'string' then return -1 end
-if ARGV[7] == '1' or (entry['sent'] and redis.call('EXISTS', KEYS[6]) == 1) then
-  return 2
+if outcome == 1 then
+  put_back(KEYS[3], KEYS[4], entry['what'], ARGV[5], entry['record'])
 end
-put_back(KEYS[3], KEYS[4], entry['what'], ARGV[5], entry['record'])
-return 1
+return outcome

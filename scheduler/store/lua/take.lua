@@ -6,8 +6,13 @@
 --         record)
 -- KEYS[2] the record: ggufq:parked:<id> (string) for the parked queue, unused otherwise
 -- KEYS[3] ggufq:in_hand (hash)
+-- KEYS[4] ggufq:swept:<token>
 -- ARGV: job id, field "<placement>|<job id>", token, 'orphan' or 'parked', now
--- Returns the record, or false when it is not there (another taker has it).
+-- Returns the record, or false when it is not there (another taker has it, or it was taken
+-- under this token and swept back from this taker since: asked again after an outage).
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  return false
+end
 local held = redis.call('HGET', KEYS[3], ARGV[2])
 if held then
   local ok, entry = pcall(cjson.decode, held)

@@ -5,19 +5,22 @@
 -- KEYS[2] ggufq:job:<id>:owner   (string)
 -- KEYS[3] ggufq:runners          (set)
 -- KEYS[4] ggufq:runner:<id>      (hash)
--- KEYS[5..] ggufq:resv:<dev>     (hash) each device a created runner holds memory on
+-- KEYS[5] ggufq:in_hand          (hash) the job's entry loses its 'sent' mark with its record
+-- KEYS[6..] ggufq:resv:<dev>     (hash) each device a created runner holds memory on
 -- ARGV: job id, runner id, created (1: the runner was created for this job), written (0:
 --       the job's record was never written here, as for a job swept from this placement:
---       a record there is another placement's, and stays)
+--       a record there is another placement's, and stays), field "<placement>|<job id>",
+--       token the job is held under
 -- Returns 1. Safe to run twice (its reply was lost): the runner counts the job off only
 -- while the job's record is there to remove (a count with none: recount corrects it).
 local recorded = false
 if ARGV[4] ~= '0' then
   recorded = redis.call('HDEL', KEYS[1], ARGV[1]) == 1
   redis.call('DEL', KEYS[2])
+  mark_held(KEYS[5], ARGV[5], ARGV[6], 'sent', nil)
 end
 if ARGV[3] == '1' then
-  for i = 5, #KEYS do
+  for i = 6, #KEYS do
     redis.call('HDEL', KEYS[i], ARGV[2])
     changed(KEYS[i])
   end

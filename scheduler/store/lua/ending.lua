@@ -1,0 +1,12 @@
+-- Its holder is about to end a job in hand (fail or cancel it): mark it ending, so that a
+-- sweep after the holder stops ends it too instead of putting it back to run. Not when
+-- another placement process put it back already (the holder had stalled).
+-- KEYS[1] ggufq:in_hand (hash)
+-- KEYS[2] ggufq:swept:<token>
+-- ARGV: field "<placement>|<job id>", token
+-- Returns 1 when the holder may end it, 0 when it was put back.
+if put_back_from_us(KEYS[2]) then
+  return 0
+end
+mark_held(KEYS[1], ARGV[1], ARGV[2], 'ending', 1)
+return 1
