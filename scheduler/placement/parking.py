@@ -57,7 +57,15 @@ def _readable(raw: bytes | None) -> JobRequest | None:
 class ParkedJobs:
     def __init__(self, client: redis.Redis, hands: Hands | None = None) -> None:
         self.r = client
-        self.hands = hands or Hands(client)  # the jobs this placement process handles
+        self._hands = hands
+
+    @property
+    def hands(self) -> Hands:
+        """The jobs this placement process handles; made on first use (a reader that only
+        lists parked jobs registers no scripts)."""
+        if self._hands is None:
+            self._hands = Hands(self.r)
+        return self._hands
 
     def park(self, req: JobRequest, score: float, errors: int = 0) -> None:
         """Add (or put back, at its old place) a job that cannot run yet, and let go of it;

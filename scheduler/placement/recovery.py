@@ -103,7 +103,8 @@ class Recovery:
         """Put back the jobs that placement processes silent for ``ttl_s`` (killed, or
         stalled) had in hand: a submission or a parked job in the parked queue, an orphan
         among the orphans, each once; a job that was sent or ended meanwhile is let go; one
-        its holder was ending is ended. Returns how many were put back."""
+        its holder was ending is ended. Lets go of this process's own sent jobs that Redis
+        kept it from letting go of. Returns how many were put back."""
         hands, dead_before, back = self.state.hands, now - ttl_s, 0
         others, own = hands.look(dead_before)
         for held in own:  # sent, and letting go of it failed then

@@ -55,15 +55,51 @@ def _queue(what: str) -> str:
     return keys.ORPHANS if what == "orphan" else keys.PARKED
 
 
+def held_field(holder: str, job_id: str) -> str:
+    """A held job's field in ``ggufq:in_hand`` (job ids never hold a "|")."""
+    return f"{holder}|{job_id}"
+
+
 @dataclass(frozen=True)
 class Held:
-    """A job another placement process holds, as :meth:`Hands.others` reads it."""
+    """A job a placement process holds, as :func:`sort_held` reads it."""
 
     holder: str
     job_id: str
     token: str
     what: str
     sent: bool = False
+
+    @property
+    def field(self) -> str:
+        return held_field(self.holder, self.job_id)
+
+
+def sort_held(
+    entries: dict[str, str], beats: dict[str, float], name: str, dead_before: float
+) -> tuple[list[Held], list[Held]]:
+    """Of the held jobs (``ggufq:in_hand`` as text) taken before ``dead_before``: those of
+    other placement processes that have not beaten since then (``beats``: each one's last
+    beat; a process gone has none), and those of ``name`` that were sent and not let go of
+    (Redis failed that). An entry that does not parse is another's, to be ended."""
+    others, own = [], []
+    for field, text in entries.items():
+        holder, _, job_id = field.rpartition("|")
+        try:
+            entry = json.loads(text)
+            token, what, at = str(entry["token"]), str(entry["what"]), float(entry["at"])
+            sent = bool(entry.get("sent"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            token, what, at, sent = "", "parked", 0.0, False  # the sweep ends its job
+        if at >= dead_before:
+            continue
+        held = Held(holder, job_id, token, what, sent)
+        if holder == name:
+            if sent:
+                own.append(held)
+        elif beats.get(holder, 0.0) < dead_before:
+            others.append(held)
+    return others, own
 
 
 class Hands:
@@ -82,7 +118,7 @@ class Hands:
         self._sweep = script(client, "sweep")
 
     def field(self, job_id: str) -> str:
-        return f"{self.name}|{job_id}"
+        return held_field(self.name, job_id)
 
     # -- tokens, per thread -------------------------------------------------------------------
     def _tokens(self) -> dict[str, str]:
@@ -204,47 +240,28 @@ class Hands:
         token = self.token(job_id)
         if not token:
             return
-        args = [self.field(job_id), token]
         if pipe is not None:
-            queue(pipe, self._let_go, [keys.IN_HAND], args)
+            queue(pipe, self._let_go, [keys.IN_HAND], [self.field(job_id), token])
         else:
-            again_if_lost(lambda: self._let_go(keys=[keys.IN_HAND], args=args))
+            self.let_go_of(Held(self.name, job_id, token, ""))
         self.hand_over(job_id)
 
     # -- the jobs of placement processes gone ------------------------------------------------
     def look(self, dead_before: float) -> tuple[list[Held], list[Held]]:
-        """The jobs other placement processes hold that have not beaten since
-        ``dead_before`` (or are gone) and took them before it; and this process's own jobs
-        sent before it that it did not let go of (Redis failed it then)."""
+        """:func:`sort_held` on what Redis holds now: the jobs of silent placement
+        processes, and this one's sent jobs it did not let go of."""
         pipe = self.r.pipeline(transaction=False)
         pipe.hgetall(keys.IN_HAND)
         pipe.zrange(keys.PLACEMENT_ALIVE, 0, -1, withscores=True)
         raw, beats = pipe.execute()
         if not raw:
             return [], []
-        alive = {name.decode() for name, beat in beats if beat >= dead_before}
-        others, own = [], []
-        for field, text in decoded(raw).items():
-            holder, _, job_id = field.rpartition("|")
-            try:
-                entry = json.loads(text)
-                token, what, at = str(entry["token"]), str(entry["what"]), float(entry["at"])
-                sent = bool(entry.get("sent"))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                token, what, at, sent = "", "parked", 0.0, False  # the sweep ends its job
-            held = Held(holder, job_id, token, what, sent)
-            if at >= dead_before:
-                continue
-            if holder == self.name:
-                if sent:
-                    own.append(held)
-            elif holder not in alive:
-                others.append(held)
-        return others, own
+        last_beats = {name.decode(): beat for name, beat in beats}
+        return sort_held(decoded(raw), last_beats, self.name, dead_before)
 
     def let_go_of(self, held: Held) -> None:
-        """Let go of a job this process sent and did not let go of."""
-        self._let_go(keys=[keys.IN_HAND], args=[self.field(held.job_id), held.token])
+        """Let go of ``held`` (under its holder's field and token)."""
+        again_if_lost(lambda: self._let_go(keys=[keys.IN_HAND], args=[held.field, held.token]))
 
     def sweep(self, held: Held, dead_before: float, finished: bool) -> Swept | None:
         """Put ``held`` back in its queue, once, if its holder is still silent: "put back";
@@ -260,7 +277,7 @@ class Hands:
                 keys.swept(held.token),
             ],
             args=[
-                f"{held.holder}|{held.job_id}",
+                held.field,
                 held.token,
                 held.holder,
                 dead_before,

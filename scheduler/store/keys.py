@@ -17,8 +17,8 @@ CANCELS = f"{PREFIX}:cancels"  # pub/sub channel: ids of jobs asked to cancel
 RUNNING = f"{PREFIX}:running"  # hash: job id → time its worker started it
 STATS = f"{PREFIX}:stats"  # hash: "<counter>|<model>" → total (scheduler/placement/metrics.py)
 ORPHANS = f"{PREFIX}:orphans"  # hash: job id → in-flight record of a device that was dropped
-# hash: "<placement>|<job id>" → JSON token, what, at, record: a job a placement process
-# has in hand (scheduler/store/hands.py)
+# hash: "<placement>|<job id>" → JSON token, what, at, record, sent, ending: a job a
+# placement process has in hand (scheduler/store/hands.py)
 IN_HAND = f"{PREFIX}:in_hand"
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
 PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service
@@ -109,7 +109,8 @@ def parked_job(job_id: str) -> str:
 
 
 def swept(token: str) -> str:
-    # string: a job in hand under this token was put back by another placement process
+    # string: a job in hand under this token was swept by another placement process: "1"
+    # put back (its holder must leave it), "2" let go only (it was sent or had ended)
     return f"{PREFIX}:swept:{token}"
 
 

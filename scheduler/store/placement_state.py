@@ -128,10 +128,11 @@ class PlacementState:
 
     # -- jobs sent to devices ----------------------------------------------------------------
     def sent(self, record: SentJob, ttl_s: int) -> bool:
-        """Record a job sent to its device's queue, before sending it, and let go of it: if
-        the device is dropped, placement finds the job among the orphans. The job's owner
-        key names this placement, so that a worker that stalled and came back knows it was
-        re-placed. False when the job was swept from this process (it had stalled)."""
+        """Record a job sent to its device's queue, before sending it (still in hand, marked
+        sent: :meth:`Hands.sent`): if the device is dropped, placement finds the job among
+        the orphans. The job's owner key names this placement, so that a worker that
+        stalled and came back knows it was re-placed. False when the job was swept from
+        this process (it had stalled)."""
         return self.hands.sent(record, ttl_s)
 
     def unsend(self, record: SentJob, written: bool = True) -> None:
