@@ -411,3 +411,14 @@ def test_a_job_its_placement_process_died_ending_is_ended_by_another(
     error = final_error(db, job.id)
     assert error["code"] == "job_failed" and "as it was ending it" in error["message"]
     assert survivor.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0
+
+
+def test_a_held_entry_that_does_not_parse_ends_its_job_when_its_holder_is_gone(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    db.hset(keys.IN_HAND, "placement-gone-1|garbled", b"\xff not json")
+    ttl = service.settings.device_ttl_s
+    assert service.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0  # nothing put back
+    error = final_error(db, "garbled")
+    assert error["code"] == "job_failed" and "cannot be read" in error["message"]
+    assert db.hlen(keys.IN_HAND) == 0

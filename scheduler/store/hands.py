@@ -24,7 +24,6 @@ import redis
 from scheduler.protocol import SentJob
 from scheduler.store import keys
 from scheduler.store.connection import REDIS_AWAY, again_if_lost
-from scheduler.store.records import decoded
 from scheduler.store.scripts import queue, script
 
 # how long a swept token is remembered: its holder, stalled, may come back this late
@@ -256,8 +255,10 @@ class Hands:
         raw, beats = pipe.execute()
         if not raw:
             return [], []
-        last_beats = {name.decode(): beat for name, beat in beats}
-        return sort_held(decoded(raw), last_beats, self.name, dead_before)
+        last_beats = {name.decode(errors="replace"): beat for name, beat in beats}
+        # bytes that are not UTF-8 make an entry that does not parse, not a loop that fails
+        entries = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
+        return sort_held(entries, last_beats, self.name, dead_before)
 
     def let_go_of(self, held: Held) -> None:
         """Let go of ``held`` (under its holder's field and token)."""
