@@ -10,6 +10,12 @@ time between the hops of a ggufq job (``Job.hops()``), with the hops of the slow
 requests. Prints tables, then one JSON line.
 
     python bench/overhead.py [--requests 40] [--no-fast-path]
+
+The hops include the bench's own ends (``called``: submit was called; ``yielded``: the
+first chunk was handed back). ``GGUFQ_CPU_THREADS=N`` sets llama.cpp's threads in both
+arms (default: one per physical core): with fewer threads than cores, the model leaves
+cores to the rest of the stack, as on a GPU host, and the difference is what the system
+adds without competing with the model for the cores.
 """
 
 from __future__ import annotations
@@ -51,19 +57,20 @@ def direct_once(engine: Any) -> tuple[float, float, int, float]:
 
 
 def system_once(client: Any, model: str) -> tuple[float, float, int, float, dict[str, float]]:
-    started = time.perf_counter()
-    first = None
+    called, started = time.time(), time.perf_counter()
+    first, yielded = None, 0.0
     eval_count, first_step = 0, 0.0
     job = client.submit(model, PROMPT, options=OPTIONS)
     for chunk in job.stream():
         if first is None:
-            first = time.perf_counter()
+            first, yielded = time.perf_counter(), time.time()
         if chunk.done:
             eval_count = chunk.eval_count or 0
             first_step = (chunk.prompt_eval_duration or 0) / 1e6
     ended = time.perf_counter()
     job.result()  # the worker's hops are written before its result is stored
-    return ended - started, (first or ended) - started, eval_count, first_step, job.hops()
+    hops = {"called": called, **job.hops(), **({"yielded": yielded} if yielded else {})}
+    return ended - started, (first or ended) - started, eval_count, first_step, hops
 
 
 def summary(rows: list[tuple[Any, ...]]) -> dict[str, float]:
@@ -96,7 +103,10 @@ def main() -> None:
     from scheduler.local.stack import LocalStack
     from scheduler.protocol import RunnerConfig
     from scheduler.settings import Settings
-    from scheduler.store.hops import gaps_ms
+    from scheduler.store.hops import HOPS, gaps_ms
+
+    # the job's hops with the bench's own ends: its call, the first chunk handed back to it
+    bench_hops = ("called", *HOPS, "yielded")
     from workers.engine.loop import Engine
 
     path = args.model_file or demo_model_path()
@@ -119,6 +129,7 @@ def main() -> None:
     if args.model_file:
         (state / "models").mkdir()
         (state / "models" / path.name).symlink_to(path.resolve())
+    threads = settings.cpu_threads  # both arms: GGUFQ_CPU_THREADS reaches the worker too
     with LocalStack(settings, log_dir=state / "logs", extra_env=env) as stack:
         client = Client(stack.redis_url, settings=settings)
         system_once(client, model)  # loads the runner: its configuration is the baseline's
@@ -131,7 +142,7 @@ def main() -> None:
             str(path),
             config,
             n_gpu_layers=runner.n_gpu_layers,
-            n_threads=settings.cpu_threads or None,
+            n_threads=threads or None,
             name=model,
         )
         for _ in range(3):  # warm both
@@ -179,7 +190,7 @@ def main() -> None:
 
     per_hop: dict[str, list[float]] = {}
     for row in system:
-        for name, gap in gaps_ms(row[4]).items():
+        for name, gap in gaps_ms(row[4], bench_hops).items():
             per_hop.setdefault(name, []).append(gap)
     hops = {name: statistics.median(gaps) for name, gaps in per_hop.items()}
     print("\nmedian time between the hops of a ggufq job (ms):")
@@ -187,7 +198,7 @@ def main() -> None:
         print(f"  {name:48}{gap:9.2f}   p95 {pct(per_hop[name], 0.95):8.2f}")
     print("slowest ggufq requests, end to end, with their hops (ms):")
     for row in sorted(system, key=lambda r: -r[0])[:3]:
-        steps = ", ".join(f"{k} {v:.1f}" for k, v in gaps_ms(row[4]).items())
+        steps = ", ".join(f"{k} {v:.1f}" for k, v in gaps_ms(row[4], bench_hops).items())
         print(f"  {row[0] * 1000:8.1f}: {steps}")
     # the model's own time to first token (admitted → first token: the prompt's last tokens
     # and the first sample) in each: a gap between them is time the system's other work
@@ -202,7 +213,8 @@ def main() -> None:
     )
     print(
         f"requests: {args.requests} each, interleaved ABBA; tokens per request: direct "
-        f"{direct[0][2]}, ggufq {system[0][2]}; fast path {'on' if fast else 'off'}"
+        f"{direct[0][2]}, ggufq {system[0][2]}; fast path {'on' if fast else 'off'}; "
+        f"llama.cpp threads {threads or 'one per physical core'} (GGUFQ_CPU_THREADS)"
     )
     verdict = {
         "ttft_p50_le_5ms": paired["ttft_ms"] <= 5,
@@ -215,6 +227,7 @@ def main() -> None:
         "bench": "overhead",
         "requests": args.requests,
         "fast_path": fast,
+        "cpu_threads": threads,
         "direct": d,
         "ggufq": s,
         "added": added,

@@ -57,7 +57,7 @@ def ordered(hops: dict[str, float]) -> dict[str, float]:
     return {name: hops[name] for name in HOPS if name in hops}
 
 
-def gaps_ms(hops: dict[str, float]) -> dict[str, float]:
+def gaps_ms(hops: dict[str, float], order: tuple[str, ...] = HOPS) -> dict[str, float]:
     """Milliseconds from each recorded hop to the next one recorded, named ``a→b``."""
-    names = [n for n in HOPS if n in hops]
+    names = [n for n in order if n in hops]
     return {f"{a}→{b}": (hops[b] - hops[a]) * 1000 for a, b in zip(names, names[1:], strict=False)}
