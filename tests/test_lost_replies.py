@@ -7,6 +7,7 @@ over-admitted."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -175,3 +176,26 @@ def test_a_parked_job_taken_as_redis_goes_away_is_parked_again_at_its_place(
     assert db.hlen(keys.IN_HAND) == 0
     claimed = ParkedJobs(db).claim(job.id)
     assert claimed is not None and (claimed.score, claimed.errors) == (5.0, 1)
+
+
+def test_a_job_held_again_while_held_jobs_are_parked_is_kept_for_the_next_park(
+    db: redis.Redis,
+) -> None:
+    """The consumer's thread holds a job (Redis away for it) while the liveness loop parks
+    the jobs held before: the new hold waits for that park and is kept, not dropped with
+    the entry it replaced."""
+    job = JobRequest(model="m", prompt="hello", submitted_at=1.0)
+    held = HeldJobs(ParkedJobs(db, Hands(db, "p1")), limit=10)
+    held.hold(job, score=1.0, errors=0, delivery="first")
+    again = threading.Thread(target=held.hold, args=(job, 1.0, 1, "second"))
+
+    def claim(job_id: str, delivery: str, _record: str) -> bool:
+        again.start()  # held again while this park runs
+        again.join(0.2)
+        return True
+
+    assert held.park_all(claim) == 1
+    again.join(5)
+    assert len(held) == 1  # the second hold, still to park
+    assert held.park_all(claim=lambda *_: True) == 1
+    assert len(held) == 0 and ParkedJobs(db).ids() == [job.id]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -158,14 +159,20 @@ class HeldJobs:
         self._orphans: dict[str, tuple[bytes, str]] = {}  # job id → its SentJob record, as read
         self._failures: dict[str, tuple[str, GgufqError, str]] = {}  # job id → model, error
         self._takes: dict[tuple[Taken, str], str] = {}  # (what, job id) → the take's token
+        # held by the consumer's thread and the liveness loop's, parked by the latter: a job
+        # held again while park_all runs must not be dropped with the entry it replaced.
+        # park_all keeps it through its Redis calls, none of which waits on another lock.
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
-        return len(self._jobs) + len(self._orphans) + len(self._failures) + len(self._takes)
+        with self._lock:
+            return len(self._jobs) + len(self._orphans) + len(self._failures) + len(self._takes)
 
     def hold_take(self, unsure: TakeUnsure) -> None:
         """Keep the token of a take Redis did not answer: asked again with it by
         :meth:`park_all`, and what it took, if anything, put back in its queue."""
-        self._takes[(unsure.what, unsure.job_id)] = unsure.token
+        with self._lock:
+            self._takes[(unsure.what, unsure.job_id)] = unsure.token
 
     @contextmanager
     def takes(self) -> Iterator[None]:
@@ -180,21 +187,24 @@ class HeldJobs:
     def hold_failure(self, job_id: str, model: str, error: GgufqError) -> None:
         """Keep a job's end (its error) that Redis did not take, whole or in part: written
         again, whole, by :meth:`park_all` (a final chunk twice is harmless, none is not)."""
-        self._failures[job_id] = (model, error, self.parked.hands.hand_over(job_id))
+        with self._lock:
+            self._failures[job_id] = (model, error, self.parked.hands.hand_over(job_id))
 
     def hold_orphan(self, job_id: str, raw: bytes) -> None:
         """Keep an orphaned job's record taken from Redis (to re-place or end it) whose
         handling Redis interrupted; put back among the orphans by :meth:`park_all`."""
-        self._orphans[job_id] = (raw, self.parked.hands.hand_over(job_id))
+        with self._lock:
+            self._orphans[job_id] = (raw, self.parked.hands.hand_over(job_id))
 
     def hold(self, req: JobRequest, score: float, errors: int, delivery: str = "") -> bool:
         """Keep a job (False when ``limit`` jobs wait already). ``delivery`` is set when its
         claim (a placement's ``place_once``) is still to be made."""
         token = self.parked.hands.hand_over(req.id)
-        if len(self._jobs) >= self.limit:
-            return False
-        self._jobs[req.id] = (req, score, errors, delivery, token)
-        return True
+        with self._lock:
+            if len(self._jobs) >= self.limit:
+                return False
+            self._jobs[req.id] = (req, score, errors, delivery, token)
+            return True
 
     def park_all(
         self,
@@ -204,31 +214,34 @@ class HeldJobs:
         """Park the jobs held (raises while Redis is still away); a job whose claim
         ``claim(job_id, delivery, parked record)`` finds taken is placed by another delivery
         of it, and is let go. Returns how many were parked."""
-        hands = self.parked.hands
-        for job_id, (model, error, token) in list(self._failures.items()):
-            hands.adopt(job_id, token)
-            fail(job_id, model, error)
-            del self._failures[job_id]
-        for job_id, (raw, token) in list(self._orphans.items()):
-            hands.adopt(job_id, token)
-            hands.put_back("orphan", job_id, raw)
-            del self._orphans[job_id]
-        for (what, job_id), token in list(self._takes.items()):
-            taken = hands.take(what, job_id, token)
-            if taken is not None:
-                log.warning("putting %s job %s back: Redis went away as it was taken", what, job_id)
-                hands.put_back(what, job_id, taken)
-            del self._takes[(what, job_id)]
-        parked = 0
-        for job_id, (req, score, errors, delivery, token) in list(self._jobs.items()):
-            hands.adopt(job_id, token)
-            record = parked_record(req.model_dump(mode="json"), score, errors)
-            if not delivery or claim(job_id, delivery, record):
-                self.parked.park(req, score, errors)
-                parked += 1
-            else:
-                hands.hand_over(job_id)
-            del self._jobs[job_id]
-        if parked:
-            log.warning("parked %d jobs held through a Redis outage", parked)
-        return parked
+        with self._lock:
+            hands = self.parked.hands
+            for job_id, (model, error, token) in list(self._failures.items()):
+                hands.adopt(job_id, token)
+                fail(job_id, model, error)
+                del self._failures[job_id]
+            for job_id, (raw, token) in list(self._orphans.items()):
+                hands.adopt(job_id, token)
+                hands.put_back("orphan", job_id, raw)
+                del self._orphans[job_id]
+            for (what, job_id), token in list(self._takes.items()):
+                taken = hands.take(what, job_id, token)
+                if taken is not None:
+                    log.warning(
+                        "putting %s job %s back: Redis went away as it was taken", what, job_id
+                    )
+                    hands.put_back(what, job_id, taken)
+                del self._takes[(what, job_id)]
+            parked = 0
+            for job_id, (req, score, errors, delivery, token) in list(self._jobs.items()):
+                hands.adopt(job_id, token)
+                record = parked_record(req.model_dump(mode="json"), score, errors)
+                if not delivery or claim(job_id, delivery, record):
+                    self.parked.park(req, score, errors)
+                    parked += 1
+                else:
+                    hands.hand_over(job_id)
+                del self._jobs[job_id]
+            if parked:
+                log.warning("parked %d jobs held through a Redis outage", parked)
+            return parked
