@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,15 +78,23 @@ def client_once(client, model: str) -> Run:  # type: ignore[no-untyped-def]
 def gateway_once(http: httpx.Client, model: str) -> Run:
     body = {"model": model, "prompt": PROMPT, "raw": True, "options": OPTIONS}
     wall, started = time.time(), time.perf_counter()
-    first, first_at = None, 0.0
     with http.stream("POST", "/api/generate", json=body) as response:
-        job = response.headers.get("x-ggufq-job", "")
-        timing = re.search(r"gateway;dur=([0-9.]+)", response.headers.get("server-timing", ""))
-        for line in response.iter_lines():
-            if first is None and json.loads(line).get("response"):
-                first, first_at = time.perf_counter(), time.time()
+        return read_answer(response.headers, response.iter_lines(), wall, started)
+
+
+def read_answer(
+    headers: Mapping[str, str], lines: Iterable[str | bytes], wall: float, started: float
+) -> Run:
+    """Read a streamed answer's NDJSON ``lines`` to the end: its timings, its job (a header)
+    and the gateway's own time (its Server-Timing header)."""
+    first, first_at = None, 0.0
+    for line in lines:
+        if first is None and json.loads(line).get("response"):
+            first, first_at = time.perf_counter(), time.time()
     ended = time.perf_counter()
+    timing = re.search(r"gateway;dur=([0-9.]+)", headers.get("server-timing", ""))
     server_ms = float(timing.group(1)) if timing else None
+    job = headers.get("x-ggufq-job", "")
     return Run((first or ended) - started, ended - started, job, wall, first_at, server_ms)
 
 
@@ -137,16 +145,8 @@ class Lean:
 def lean_once(lean: Lean, model: str) -> Run:
     body = {"model": model, "prompt": PROMPT, "raw": True, "options": OPTIONS}
     wall, started = time.time(), time.perf_counter()
-    first, first_at = None, 0.0
     headers, lines = lean.post("/api/generate", body)
-    for line in lines:
-        if first is None and json.loads(line).get("response"):
-            first, first_at = time.perf_counter(), time.time()
-    ended = time.perf_counter()
-    timing = re.search(r"gateway;dur=([0-9.]+)", headers.get("server-timing", ""))
-    server_ms = float(timing.group(1)) if timing else None
-    job = headers.get("x-ggufq-job", "")
-    return Run((first or ended) - started, ended - started, job, wall, first_at, server_ms)
+    return read_answer(headers, lines, wall, started)
 
 
 # A process of its own that notes when each job's first chunk is published (as seen by a
