@@ -55,8 +55,10 @@ def test_cli_batch_interrupted_by_ctrl_c_then_resumed(
     source.write_text("".join(json.dumps({"prompt": f"Item {i}:"}) + "\n" for i in range(300)))
     argv = ["batch", "tiny", str(source), "-O", str(out), "-o", "num_predict=4"]
     argv += ["-o", "temperature=0", "--concurrency", "8"]
+    # held open at 40 rows until its Ctrl-C: 300 short rows can finish between two looks
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api_client.cli", *argv],
+        [sys.executable, "-m", "tests.held_cli", "40", *argv],
+        cwd=Path(__file__).parent.parent,
         env={**os.environ, **cli_env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -64,6 +66,7 @@ def test_cli_batch_interrupted_by_ctrl_c_then_resumed(
     )
     try:
         assert wait_for(lambda: complete_lines(out) >= 40 or proc.poll() is not None, 120)
+        assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
     finally:
