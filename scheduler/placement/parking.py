@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import cast
@@ -245,3 +245,25 @@ class HeldJobs:
             if parked:
                 log.warning("parked %d jobs held through a Redis outage", parked)
             return parked
+
+
+class LazySet(Collection[str]):
+    """A set read on first use: most placements never ask which models have parked jobs."""
+
+    def __init__(self, read: Callable[[], set[str]]) -> None:
+        self._read = read
+        self._items: set[str] | None = None
+
+    def _get(self) -> set[str]:
+        if self._items is None:
+            self._items = self._read()
+        return self._items
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._get()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())

@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator
 from functools import partial
 from typing import Any, NoReturn
 
@@ -22,33 +21,33 @@ from celery import Celery
 from scheduler.cluster import Snapshot
 from scheduler.errors import GgufqError, JobCancelled, JobFailed, NoWorkers, error_from_code
 from scheduler.fairness import FairPasses
-from scheduler.gguf.estimate import choose_num_ctx, estimate_bytes, group_parts, partial_table
-from scheduler.gguf.metadata import ModelInfo
+from scheduler.gguf.estimate import choose_num_ctx
 from scheduler.gguf.registry import Registry
 from scheduler.placement.affinity import AffinityMap, job_key
 from scheduler.placement.commit import Assigned, Wait, commit
 from scheduler.placement.decision import decide
+from scheduler.placement.fastroute import route_for
+from scheduler.placement.ledger import RedisLedger
 from scheduler.placement.needs import (
     Defaults,
-    GroupNeeds,
-    Shape,
     format_warning,
     job_needs,
     runner_config,
 )
-from scheduler.placement.parking import HeldJobs, ParkedJobs, park_score
+from scheduler.placement.parking import HeldJobs, LazySet, ParkedJobs, park_score
 from scheduler.placement.recovery import Recovery
+from scheduler.placement.shapes import Shapes, runner_fields
 from scheduler.placement.snapcache import SnapshotCache
-from scheduler.placement.verdict import Load, Park, Refuse
-from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob, parse_request
+from scheduler.placement.verdict import Park, Refuse
+from scheduler.protocol import JobRequest, Placement, SentJob, parse_request
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
-from scheduler.store.celery_app import ask_unload, send_job
+from scheduler.store.celery_app import send_job
 from scheduler.store.hands import Hands, parked_record
 from scheduler.store.hops import note as note_hops
 from scheduler.store.placement_state import PlacementState
-from scheduler.store.routes import Route, publish_route
+from scheduler.store.routes import publish_route
 from scheduler.store.scripts import execute
 from scheduler.store.streams import error_chunk, publish_final
 
@@ -57,7 +56,6 @@ log = logging.getLogger("ggufq.placement")
 
 MAX_PLACEMENT_ERRORS = 3  # unexpected failures of one job's placement before it fails
 MAX_HELD = 10_000  # jobs held in memory through a Redis outage, at most
-MAX_SHAPES = 512  # memory tables kept per (model file, configuration), oldest dropped first
 
 
 class Parked(Exception):
@@ -67,50 +65,6 @@ class Parked(Exception):
 class SweptAway(Exception):
     """Another placement process put the job back while this one held it (this one had
     stalled past the TTL): it is that one's now, and nothing more is done with it here."""
-
-
-class LazySet(Collection[str]):
-    """A set read on first use: most placements never ask which models have parked jobs."""
-
-    def __init__(self, read: Callable[[], set[str]]) -> None:
-        self._read = read
-        self._items: set[str] | None = None
-
-    def _get(self) -> set[str]:
-        if self._items is None:
-            self._items = self._read()
-        return self._items
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._get()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._get())
-
-    def __len__(self) -> int:
-        return len(self._get())
-
-
-class RedisLedger:
-    """The :class:`Ledger` of the real cluster: Lua scripts in Redis, unloads through Celery."""
-
-    def __init__(self, state: PlacementState, app: Celery, device_ttl_s: float) -> None:
-        self.state, self.app, self.device_ttl_s = state, app, device_ttl_s
-
-    def assign(self, runner_id: str, now: float) -> bool:
-        return self.state.assign(runner_id, now)
-
-    def reserve(
-        self, runner_id: str, reservations: dict[str, int], fields: dict[str, Any], now: float
-    ) -> bool:
-        return self.state.reserve(runner_id, reservations, fields, now, self.device_ttl_s)
-
-    def unload(self, runner_ids: list[str], snap: Snapshot) -> None:
-        by_id = {r.id: r for r in snap.runners}
-        workers = {d.id: d.worker for d in snap.devices}
-        for runner_id in runner_ids:
-            device_id = next(iter(by_id[runner_id].devices))
-            ask_unload(self.app, workers[device_id], runner_id)
 
 
 class PlacementService:
@@ -137,7 +91,7 @@ class PlacementService:
         self.registry = Registry(settings.models_dir)
         self.parked = ParkedJobs(client, self.hands)
         self.snapshots = SnapshotCache(client)
-        self._shapes: dict[tuple[str, RunnerConfig], Shape] = {}
+        self.shapes = Shapes()  # the memory each (model file, configuration) needs
         self.held = HeldJobs(self.parked, MAX_HELD)  # through a Redis outage
         self.recovery = Recovery(
             client, app, self.state, self.held, self.fail_or_hold, self._replace
@@ -286,12 +240,13 @@ class PlacementService:
         default_ctx = self.settings.embed_num_ctx if req.kind == "embed" else self.settings.num_ctx
         num_ctx, warning = choose_num_ctx(req.options.num_ctx, default_ctx, info.context_length)
         config = runner_config(req, num_ctx, self.defaults)
-        shape = self._shape(info, config)
+        shape = self.shapes.of(info, config)
         prefix = job_key(req)
         affine = self.affinity.get(prefix) if prefix else None
         needs = job_needs(req, config, shape, score is not None, self.defaults, affine)
         order = score if score is not None else park_score(req, time.time())
-        fields = partial(self._runner_fields, req.model, needs.config_key, config, shape)
+        keep_alive_s = self.settings.keep_alive_s
+        fields = partial(runner_fields, req.model, needs.config_key, config, shape, keep_alive_s)
         for _attempt in range(8):  # lost races against other placers: decide again
             now = time.time()
             parked_models = LazySet(self.parked.models)
@@ -321,7 +276,7 @@ class PlacementService:
                         self.affinity.put(prefix, assigned.runner_id)
                     decided = time.time()
                     outcome = self._send(req, placement, snap)
-                    route = self._route(req, assigned, placement, snap, needs.config_key, warning)
+                    route = route_for(req, assigned, placement, snap, needs.config_key, warning)
                     hops = {"decided": decided, "sent": time.time()}
                     return dict(outcome, hops=hops, route=route)
                 case Wait(reason):
@@ -349,66 +304,6 @@ class PlacementService:
             self.state.unsend(record)  # the job parks, its runner forgets it
             raise
         return {"device": placement.device_id, "runner": placement.runner_id}
-
-    def _route(
-        self,
-        req: JobRequest,
-        assigned: Assigned,
-        placement: Placement,
-        snap: Snapshot,
-        config_key: str,
-        warning: str | None,
-    ) -> Route | None:
-        """The route for jobs shaped as ``req``: the runner it went to, when that is the one
-        runner of its model and configuration and spans one device (else None), with the
-        num_ctx ``warning`` its jobs share. Called after the job is sent, so it must not
-        raise (the job would be placed again)."""
-        devices = assigned.device_ids or [assigned.device_id]
-        for runner in snap.runners:
-            if runner.id == assigned.runner_id:
-                devices = list(runner.devices)
-            elif runner.model == req.model and runner.config_key == config_key:
-                return None  # replicas: placement chooses among them
-        worker = next((d.worker for d in snap.devices if d.id == devices[0]), None)
-        if len(devices) != 1 or worker is None:
-            return None
-        return Route(
-            runner_id=assigned.runner_id,
-            device_id=devices[0],
-            worker=worker,
-            config=placement.config,
-            warnings=[warning] if warning else [],
-        )
-
-    def _runner_fields(
-        self, model: str, config_key: str, config: RunnerConfig, shape: Shape, load: Load
-    ) -> dict[str, Any]:
-        """The record of a runner a Load creates."""
-        return {
-            "model": model,
-            "config_key": config_key,
-            "num_ctx": config.num_ctx,
-            "num_parallel": config.num_parallel,
-            "embedding": int(config.embedding),
-            "bytes": load.bytes,
-            "total_bytes": shape.bytes,
-            "n_gpu_layers": load.n_gpu_layers,
-            "block_count": shape.block_count,
-            "keep_alive_s": self.settings.keep_alive_s,
-        }
-
-    def _shape(self, info: ModelInfo, config: RunnerConfig) -> Shape:
-        key = (info.path, config)
-        if key not in self._shapes:
-            if len(self._shapes) >= MAX_SHAPES:  # bounded: jobs may ask for any num_ctx
-                self._shapes.pop(next(iter(self._shapes)))
-            self._shapes[key] = Shape(
-                estimate_bytes(info, config),
-                partial_table(info, config),
-                GroupNeeds(*group_parts(info, config)),
-                info.block_count,
-            )
-        return self._shapes[key]
 
     def _park(self, req: JobRequest, score: float) -> NoReturn:
         self.parked.park(req, score)
