@@ -22,7 +22,8 @@ from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
 from scheduler.store.placement_state import PlacementState
 from tests.test_state import GIB, vgpu
-from workers.runtime import NotOwned, WorkerRuntime
+from workers.runtime import WorkerRuntime
+from workers.start_claim import NotOwned
 
 DEVICE = vgpu(0)
 CONFIG = RunnerConfig.for_generation(256, 2, False)

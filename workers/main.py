@@ -23,7 +23,8 @@ from scheduler.units import parse_bytes
 from workers.args import add_worker_arguments
 from workers.devices import detect_devices
 from workers.progress import ProgressEvents
-from workers.runtime import NotOwned, WorkerRuntime
+from workers.runtime import WorkerRuntime
+from workers.start_claim import NotOwned
 
 log = logging.getLogger("ggufq.worker")
 

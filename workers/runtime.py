@@ -7,10 +7,8 @@ on the job's stream, a final result, and up-to-date runner state in Redis.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -18,7 +16,7 @@ from typing import Any
 import redis
 
 from scheduler.cluster import DeviceInfo
-from scheduler.errors import GgufqError, InvalidModelFile, JobCancelled, JobFailed, LoadFailed
+from scheduler.errors import GgufqError, JobCancelled, JobFailed
 from scheduler.gguf.registry import Registry
 from scheduler.loops import LoopHealth, start_loop
 from scheduler.protocol import JobRequest, Placement, SentJob, parse_placement, parse_request
@@ -28,16 +26,14 @@ from scheduler.store.hops import note as note_hops
 from scheduler.store.scripts import execute
 from scheduler.store.stats import count
 from scheduler.store.streams import error_chunk
-from scheduler.store.worker_state import WorkerState
-from workers.backlog import AWAY, Backlog, patiently
 from workers.chunks import ChunkPublisher, ChunkWriter
-from workers.devices import close_and_wait
-from workers.generation import AnyRunner, Progress, open_runner, produce
-from workers.keepalive import ExpirySchedule, effective_keep_alive, expires_at
+from workers.generation import AnyRunner, Progress, produce
+from workers.keepalive import expires_at
 from workers.membership import Membership
+from workers.residency import Clock, Residency
+from workers.start_claim import HandBack, NotOwned, StartClaim
 
 log = logging.getLogger(__name__)
-Clock = Callable[[], float]
 
 
 def _nothing() -> None:
@@ -48,15 +44,7 @@ def _silent(state: str, **fields: Any) -> None:
     pass
 
 
-class NotOwned(Exception):
-    """A delivered job that is no longer this device's: drop it without a result."""
-
-
-class HandBack(NotOwned):
-    """This device could not load the job's model: placement places the job again."""
-
-
-class WorkerRuntime:
+class WorkerRuntime(Residency):
     def __init__(
         self,
         settings: Settings,
@@ -65,25 +53,13 @@ class WorkerRuntime:
         registry: Registry,
         clock: Clock = time.time,
     ) -> None:
-        self.settings = settings
-        self.r = client
-        self.state = WorkerState(client)
-        self.devices = devices
-        self.registry = registry
-        self.clock = clock
-        self.runners: dict[str, AnyRunner] = {}
-        self._running: dict[str, Placement] = {}  # job id → its placement, while it runs here
+        super().__init__(settings, client, devices, registry, clock)
         self._disowned: set[str] = set()  # running jobs placement took back: stop, write nothing
-        self._jobs_lock = threading.Lock()
-        self._load_lock = threading.Lock()
-        self._expiry = ExpirySchedule()
-        self._wake = threading.Condition()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self.health = LoopHealth()
         self.chunks = ChunkWriter(client, settings.helper_nice, settings.stream_interval_s)
         self.cancels = CancelWatcher(client, self.health)
-        self.backlog = Backlog()  # job ends that Redis missed while it was away
         self.membership = Membership(
             self.state, devices, self.health, settings.heartbeat_interval_s, self._let_go, clock
         )
@@ -130,29 +106,6 @@ class WorkerRuntime:
         for runner_id, runner in list(self.runners.items()):
             if gone & set(runner.device_ids) and not self._busy(runner_id):
                 self._drop_local(runner_id)
-
-    def _expire_due(self) -> None:
-        """Unload the runners whose keep_alive ran out; waits up to a second for one."""
-        with self._wake:
-            due = self._expiry.pop_due(self.clock())
-            if not due:
-                next_at = self._expiry.next_at()
-                timeout = 1.0 if next_at is None else max(0.0, next_at - self.clock())
-                self._wake.wait(min(timeout, 1.0))
-                return
-        for i, runner_id in enumerate(due):
-            try:
-                self._unload(runner_id)
-            except AWAY as exc:  # tried again in a second: else it would stay loaded
-                log.warning("unloading runner %s waits for Redis: %s", runner_id, exc)
-                for later in due[i:]:
-                    self._schedule_expiry(later, self.clock() + 1.0)
-                return
-
-    def _schedule_expiry(self, runner_id: str, at: float | None) -> None:
-        with self._wake:
-            self._expiry.set(runner_id, at)
-            self._wake.notify_all()
 
     # -- jobs -----------------------------------------------------------------------------
     def run_job(
@@ -325,199 +278,3 @@ class WorkerRuntime:
             self._unload(runner_id)
         else:
             self._schedule_expiry(runner_id, expires_at(now, keep_alive_s))
-
-    def _runner_for(self, req: JobRequest, placement: Placement) -> tuple[AnyRunner, int]:
-        runner_id = placement.runner_id
-        with self._load_lock:
-            runner = self.runners.get(runner_id)
-            if runner is not None:
-                return runner, 0
-            if self.state.runner_phase(runner_id) is None:
-                raise LoadFailed(
-                    f"the runner for {req.model!r} on {placement.device_id} was unloaded "
-                    "before this job reached it (its load failed or it expired); "
-                    "submit the job again"
-                )
-            runner = self._load(req, placement)
-            self.runners[runner_id] = runner
-        self.state.update_runner(
-            runner_id, {"state": "ready", "loaded_at": self.clock(), "worker": self.worker_name}
-        )
-        pipe = self.r.pipeline(transaction=False)
-        count(pipe, req.model, loads=1, load_seconds=runner.load_duration_ns / 1e9)
-        pipe.execute()
-        return runner, runner.load_duration_ns
-
-    def _load(self, req: JobRequest, placement: Placement) -> AnyRunner:
-        try:
-            return open_runner(req, placement, self.registry, self.settings)
-        except (GgufqError, ValueError, RuntimeError, OSError) as exc:
-            self._release(placement.runner_id, placement.devices)
-            if isinstance(exc, InvalidModelFile | LoadFailed):
-                raise
-            device = placement.device_id
-            if req.attempt == 0 and not device.startswith("cpu:"):
-                # perhaps out of GPU memory (drivers and other processes take some):
-                # placement tries once more, on another device
-                raise HandBack(f"loading {req.model!r} on {device} failed: {exc}") from None
-            raise LoadFailed(
-                f"llama.cpp could not load model {req.model!r} on {device}"
-                + (f" (nor on {', '.join(req.avoid)})" if req.avoid else "")
-                + f" ({exc}); check that the file is a "
-                "complete GGUF of an architecture this llama.cpp supports (`ggufq models`)"
-            ) from None
-
-    # -- unloading --------------------------------------------------------------------------
-    def request_unload(self, runner_id: str, when_idle: bool = False) -> bool:
-        """Unload a runner if it is idle (placement asks this to make room).
-
-        With ``when_idle`` (``ggufq unload``) a busy runner unloads as its last job ends.
-        """
-        runner = self.runners.get(runner_id)
-        if runner is None:
-            return False
-        if when_idle:
-            runner.keep_alive_s = 0
-        self._schedule_expiry(runner_id, None)
-        return self._unload(runner_id)
-
-    def _unload(self, runner_id: str, force: bool = False) -> bool:
-        if not self.state.begin_unload(runner_id, force=force):
-            phase = self.state.runner_phase(runner_id)
-            # a job arrived meanwhile, or another unload is under way; unless "unloading"
-            # is this worker's own earlier try, whose reply an outage lost
-            mine = phase == "unloading" and runner_id in self.runners and not self._busy(runner_id)
-            if phase is not None and not mine:
-                return False
-        runner = self.runners.pop(runner_id, None)
-        device_ids = runner.device_ids if runner else []
-        if runner is not None:
-            self._close(runner)
-        # through an outage too: else its reservation stays taken in placement's view
-        self.backlog.run(
-            f"releasing runner {runner_id}", lambda: self._release(runner_id, device_ids)
-        )
-        log.info("unloaded runner %s", runner_id)
-        return True
-
-    def _busy(self, runner_id: str) -> bool:
-        with self._jobs_lock:
-            return any(p.runner_id == runner_id for p in self._running.values())
-
-    def _drop_local(self, runner_id: str) -> None:
-        """Unload a runner whose record placement already removed (nothing to release)."""
-        self._schedule_expiry(runner_id, None)
-        runner = self.runners.pop(runner_id, None)
-        if runner is not None:
-            runner.close()
-            log.info("unloaded runner %s: its device had been dropped", runner_id)
-
-    def _close(self, runner: AnyRunner) -> None:
-        """Free llama.cpp's memory; on NVIDIA GPUs wait (bounded) until the driver shows it."""
-        gpus = [d for d in self.devices if d.kind == "gpu" and d.id in runner.device_ids]
-        try:
-            reserved = self.state.runner_devices(runner.id) if gpus else {}
-        except AWAY:  # close it anyway (not waiting for the driver): it is out of self.runners
-            reserved = {}
-        wait = self.settings.unload_wait_s
-        if not close_and_wait(runner.close, gpus, reserved, wait):
-            log.warning(
-                "the driver still shows runner %s's memory in use %.0f s after unloading; "
-                "releasing its reservation anyway",
-                runner.id,
-                wait,
-            )
-
-    def _release(self, runner_id: str, device_ids: list[str]) -> None:
-        held = device_ids or [d.id for d in self.devices]
-        self.state.release(runner_id, held)
-
-    @property
-    def worker_name(self) -> str:
-        return self.devices[0].worker if self.devices else ""
-
-
-class StartClaim:
-    """Whether one delivery of a job runs it: the job's start claim (lua/start.lua), made
-    once, before the job's runner is loaded or, on a resident runner, while its first step
-    runs. Text a held publisher was given waits for the claim: it is published once the
-    job is this delivery's, and never when it is not (its run is cancelled, it ends nothing
-    here: another delivery, or placement, owns it)."""
-
-    def __init__(
-        self,
-        runtime: WorkerRuntime,
-        req: JobRequest,
-        placement: Placement,
-        publisher: ChunkPublisher,
-    ) -> None:
-        self.runtime, self.req, self.placement, self.publisher = runtime, req, placement, publisher
-        # a job delivered as Redis goes away waits for it to come back (if its device was
-        # dropped meanwhile, it is not this device's any more)
-        self.delivery = uuid.uuid4().hex
-        self.owned = False
-        self.unseen = False  # what it published before it was claimed is never published
-        self.settled = False
-
-    def make(self) -> None:
-        """Claim the job's run for this delivery (once); raises NotOwned if it is not."""
-        if self.owned:
-            return
-        rt, req, placement = self.runtime, self.req, self.placement
-        # Redis refusing the script (out of memory, read-only) raises: asked again, by
-        # ours(), before the job's error is published
-        cancelled_now = patiently(
-            lambda: rt.state.start(
-                placement.device_id,
-                req.id,
-                placement.id,
-                self.delivery,
-                rt.settings.stream_ttl_s,
-                rt.clock(),
-            ),
-            f"starting job {req.id}",
-            math.inf,  # giving up here would leak the job's slot
-        )
-        if cancelled_now is None:
-            # the device was dropped meanwhile (this worker was stopped or lost its Redis
-            # connection) and placement re-placed or failed the job
-            # (or this is a second delivery: it runs once, elsewhere in this pool)
-            log.warning("job %s is no longer this device's: not running it here", req.id)
-            self.publisher.discard()
-            raise NotOwned(req.id)
-        with rt._jobs_lock:
-            rt._running[req.id] = placement
-        self.owned = True
-        rt.cancels.watch(req.id, cancelled_now)
-
-    def gate(self, progress: Progress) -> Progress:
-        """``progress``, told only once the job is this delivery's (Flower shows another
-        delivery's task as the job's)."""
-
-        def gated(state: str, **fields: Any) -> None:
-            if self.owned:
-                progress(state, **fields)
-
-        return gated
-
-    def settle(self, runner: AnyRunner) -> None:
-        """The job is this delivery's and out of the queue: its keep_alive applies to its
-        runner, whose expiry waits for its end (once)."""
-        if self.settled:
-            return
-        self.settled = True
-        runner.keep_alive_s = effective_keep_alive(self.req.keep_alive_s, runner.keep_alive_s)
-        self.runtime._schedule_expiry(self.placement.runner_id, None)
-
-    def ours(self, resident: AnyRunner | None = None) -> bool:
-        """Whether the job is this delivery's, claimed now if it was not yet (it failed
-        before its first step on its ``resident`` runner): then what it published so far
-        goes out (called once its run ended: nothing is published for it meanwhile)."""
-        try:
-            self.make()
-        except NotOwned:
-            return False
-        self.publisher.release(publish_held=not self.unseen)
-        if resident is not None and not self.unseen:
-            self.settle(resident)
-        return True

@@ -1,0 +1,186 @@
+"""The runners one worker keeps resident: loaded when a job first needs one, unloaded when
+idle past its keep_alive, when placement asks for room, or when its device was dropped.
+:class:`workers.runtime.WorkerRuntime` runs jobs on them."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import redis
+
+from scheduler.cluster import DeviceInfo
+from scheduler.errors import GgufqError, InvalidModelFile, LoadFailed
+from scheduler.gguf.registry import Registry
+from scheduler.protocol import JobRequest, Placement
+from scheduler.settings import Settings
+from scheduler.store.stats import count
+from scheduler.store.worker_state import WorkerState
+from workers.backlog import AWAY, Backlog
+from workers.devices import close_and_wait
+from workers.generation import AnyRunner, open_runner
+from workers.keepalive import ExpirySchedule
+from workers.start_claim import HandBack
+
+log = logging.getLogger(__name__)
+Clock = Callable[[], float]
+
+
+class Residency:
+    def __init__(
+        self,
+        settings: Settings,
+        client: redis.Redis,
+        devices: list[DeviceInfo],
+        registry: Registry,
+        clock: Clock,
+    ) -> None:
+        self.settings = settings
+        self.r = client
+        self.state = WorkerState(client)
+        self.devices = devices
+        self.registry = registry
+        self.clock = clock
+        self.runners: dict[str, AnyRunner] = {}
+        self._running: dict[str, Placement] = {}  # job id → its placement, while it runs here
+        self._jobs_lock = threading.Lock()
+        self._load_lock = threading.Lock()
+        self._expiry = ExpirySchedule()
+        self._wake = threading.Condition()
+        self.backlog = Backlog()  # job ends that Redis missed while it was away
+
+    # -- loading ----------------------------------------------------------------------------
+    def _runner_for(self, req: JobRequest, placement: Placement) -> tuple[AnyRunner, int]:
+        runner_id = placement.runner_id
+        with self._load_lock:
+            runner = self.runners.get(runner_id)
+            if runner is not None:
+                return runner, 0
+            if self.state.runner_phase(runner_id) is None:
+                raise LoadFailed(
+                    f"the runner for {req.model!r} on {placement.device_id} was unloaded "
+                    "before this job reached it (its load failed or it expired); "
+                    "submit the job again"
+                )
+            runner = self._load(req, placement)
+            self.runners[runner_id] = runner
+        self.state.update_runner(
+            runner_id, {"state": "ready", "loaded_at": self.clock(), "worker": self.worker_name}
+        )
+        pipe = self.r.pipeline(transaction=False)
+        count(pipe, req.model, loads=1, load_seconds=runner.load_duration_ns / 1e9)
+        pipe.execute()
+        return runner, runner.load_duration_ns
+
+    def _load(self, req: JobRequest, placement: Placement) -> AnyRunner:
+        try:
+            return open_runner(req, placement, self.registry, self.settings)
+        except (GgufqError, ValueError, RuntimeError, OSError) as exc:
+            self._release(placement.runner_id, placement.devices)
+            if isinstance(exc, InvalidModelFile | LoadFailed):
+                raise
+            device = placement.device_id
+            if req.attempt == 0 and not device.startswith("cpu:"):
+                # perhaps out of GPU memory (drivers and other processes take some):
+                # placement tries once more, on another device
+                raise HandBack(f"loading {req.model!r} on {device} failed: {exc}") from None
+            raise LoadFailed(
+                f"llama.cpp could not load model {req.model!r} on {device}"
+                + (f" (nor on {', '.join(req.avoid)})" if req.avoid else "")
+                + f" ({exc}); check that the file is a "
+                "complete GGUF of an architecture this llama.cpp supports (`ggufq models`)"
+            ) from None
+
+    # -- unloading --------------------------------------------------------------------------
+    def request_unload(self, runner_id: str, when_idle: bool = False) -> bool:
+        """Unload a runner if it is idle (placement asks this to make room).
+
+        With ``when_idle`` (``ggufq unload``) a busy runner unloads as its last job ends.
+        """
+        runner = self.runners.get(runner_id)
+        if runner is None:
+            return False
+        if when_idle:
+            runner.keep_alive_s = 0
+        self._schedule_expiry(runner_id, None)
+        return self._unload(runner_id)
+
+    def _unload(self, runner_id: str, force: bool = False) -> bool:
+        if not self.state.begin_unload(runner_id, force=force):
+            phase = self.state.runner_phase(runner_id)
+            # a job arrived meanwhile, or another unload is under way; unless "unloading"
+            # is this worker's own earlier try, whose reply an outage lost
+            mine = phase == "unloading" and runner_id in self.runners and not self._busy(runner_id)
+            if phase is not None and not mine:
+                return False
+        runner = self.runners.pop(runner_id, None)
+        device_ids = runner.device_ids if runner else []
+        if runner is not None:
+            self._close(runner)
+        # through an outage too: else its reservation stays taken in placement's view
+        self.backlog.run(
+            f"releasing runner {runner_id}", lambda: self._release(runner_id, device_ids)
+        )
+        log.info("unloaded runner %s", runner_id)
+        return True
+
+    def _busy(self, runner_id: str) -> bool:
+        with self._jobs_lock:
+            return any(p.runner_id == runner_id for p in self._running.values())
+
+    def _drop_local(self, runner_id: str) -> None:
+        """Unload a runner whose record placement already removed (nothing to release)."""
+        self._schedule_expiry(runner_id, None)
+        runner = self.runners.pop(runner_id, None)
+        if runner is not None:
+            runner.close()
+            log.info("unloaded runner %s: its device had been dropped", runner_id)
+
+    def _close(self, runner: AnyRunner) -> None:
+        """Free llama.cpp's memory; on NVIDIA GPUs wait (bounded) until the driver shows it."""
+        gpus = [d for d in self.devices if d.kind == "gpu" and d.id in runner.device_ids]
+        try:
+            reserved = self.state.runner_devices(runner.id) if gpus else {}
+        except AWAY:  # close it anyway (not waiting for the driver): it is out of self.runners
+            reserved = {}
+        wait = self.settings.unload_wait_s
+        if not close_and_wait(runner.close, gpus, reserved, wait):
+            log.warning(
+                "the driver still shows runner %s's memory in use %.0f s after unloading; "
+                "releasing its reservation anyway",
+                runner.id,
+                wait,
+            )
+
+    def _release(self, runner_id: str, device_ids: list[str]) -> None:
+        held = device_ids or [d.id for d in self.devices]
+        self.state.release(runner_id, held)
+
+    # -- expiry ---------------------------------------------------------------------------
+    def _expire_due(self) -> None:
+        """Unload the runners whose keep_alive ran out; waits up to a second for one."""
+        with self._wake:
+            due = self._expiry.pop_due(self.clock())
+            if not due:
+                next_at = self._expiry.next_at()
+                timeout = 1.0 if next_at is None else max(0.0, next_at - self.clock())
+                self._wake.wait(min(timeout, 1.0))
+                return
+        for i, runner_id in enumerate(due):
+            try:
+                self._unload(runner_id)
+            except AWAY as exc:  # tried again in a second: else it would stay loaded
+                log.warning("unloading runner %s waits for Redis: %s", runner_id, exc)
+                for later in due[i:]:
+                    self._schedule_expiry(later, self.clock() + 1.0)
+                return
+
+    def _schedule_expiry(self, runner_id: str, at: float | None) -> None:
+        with self._wake:
+            self._expiry.set(runner_id, at)
+            self._wake.notify_all()
+
+    @property
+    def worker_name(self) -> str:
+        return self.devices[0].worker if self.devices else ""

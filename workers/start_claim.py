@@ -1,0 +1,129 @@
+"""Whether one delivery of a job runs it (:class:`StartClaim`), and the two ways a delivered
+job turns out not to be this worker's to run or to end (:class:`NotOwned`, :class:`HandBack`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from scheduler.protocol import JobRequest, Placement
+from scheduler.settings import Settings
+from scheduler.store.cancel import CancelWatcher
+from scheduler.store.worker_state import WorkerState
+from workers.backlog import patiently
+from workers.chunks import ChunkPublisher
+from workers.generation import AnyRunner, Progress
+from workers.keepalive import effective_keep_alive
+
+log = logging.getLogger(__name__)
+
+
+class Runs(Protocol):
+    """What a start claim reads and marks in the worker that runs the job."""
+
+    settings: Settings
+    state: WorkerState
+    clock: Callable[[], float]
+    cancels: CancelWatcher
+    _jobs_lock: threading.Lock
+    _running: dict[str, Placement]
+
+    def _schedule_expiry(self, runner_id: str, at: float | None) -> None: ...
+
+
+class NotOwned(Exception):
+    """A delivered job that is no longer this device's: drop it without a result."""
+
+
+class HandBack(NotOwned):
+    """This device could not load the job's model: placement places the job again."""
+
+
+class StartClaim:
+    """Whether one delivery of a job runs it: the job's start claim (lua/start.lua), made
+    once, before the job's runner is loaded or, on a resident runner, while its first step
+    runs. Text a held publisher was given waits for the claim: it is published once the
+    job is this delivery's, and never when it is not (its run is cancelled, it ends nothing
+    here: another delivery, or placement, owns it)."""
+
+    def __init__(
+        self,
+        runtime: Runs,
+        req: JobRequest,
+        placement: Placement,
+        publisher: ChunkPublisher,
+    ) -> None:
+        self.runtime, self.req, self.placement, self.publisher = runtime, req, placement, publisher
+        # a job delivered as Redis goes away waits for it to come back (if its device was
+        # dropped meanwhile, it is not this device's any more)
+        self.delivery = uuid.uuid4().hex
+        self.owned = False
+        self.unseen = False  # what it published before it was claimed is never published
+        self.settled = False
+
+    def make(self) -> None:
+        """Claim the job's run for this delivery (once); raises NotOwned if it is not."""
+        if self.owned:
+            return
+        rt, req, placement = self.runtime, self.req, self.placement
+        # Redis refusing the script (out of memory, read-only) raises: asked again, by
+        # ours(), before the job's error is published
+        cancelled_now = patiently(
+            lambda: rt.state.start(
+                placement.device_id,
+                req.id,
+                placement.id,
+                self.delivery,
+                rt.settings.stream_ttl_s,
+                rt.clock(),
+            ),
+            f"starting job {req.id}",
+            math.inf,  # giving up here would leak the job's slot
+        )
+        if cancelled_now is None:
+            # the device was dropped meanwhile (this worker was stopped or lost its Redis
+            # connection) and placement re-placed or failed the job
+            # (or this is a second delivery: it runs once, elsewhere in this pool)
+            log.warning("job %s is no longer this device's: not running it here", req.id)
+            self.publisher.discard()
+            raise NotOwned(req.id)
+        with rt._jobs_lock:
+            rt._running[req.id] = placement
+        self.owned = True
+        rt.cancels.watch(req.id, cancelled_now)
+
+    def gate(self, progress: Progress) -> Progress:
+        """``progress``, told only once the job is this delivery's (Flower shows another
+        delivery's task as the job's)."""
+
+        def gated(state: str, **fields: Any) -> None:
+            if self.owned:
+                progress(state, **fields)
+
+        return gated
+
+    def settle(self, runner: AnyRunner) -> None:
+        """The job is this delivery's and out of the queue: its keep_alive applies to its
+        runner, whose expiry waits for its end (once)."""
+        if self.settled:
+            return
+        self.settled = True
+        runner.keep_alive_s = effective_keep_alive(self.req.keep_alive_s, runner.keep_alive_s)
+        self.runtime._schedule_expiry(self.placement.runner_id, None)
+
+    def ours(self, resident: AnyRunner | None = None) -> bool:
+        """Whether the job is this delivery's, claimed now if it was not yet (it failed
+        before its first step on its ``resident`` runner): then what it published so far
+        goes out (called once its run ended: nothing is published for it meanwhile)."""
+        try:
+            self.make()
+        except NotOwned:
+            return False
+        self.publisher.release(publish_held=not self.unseen)
+        if resident is not None and not self.unseen:
+            self.settle(resident)
+        return True
