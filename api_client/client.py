@@ -344,8 +344,8 @@ class Client:
         return self.state.runners()
 
     def health(self) -> dict[str, Any]:
-        """Live devices and placement services (one Redis round trip)."""
-        devices, placement = self.state.alive_counts(time.time(), self.settings.device_ttl_s)
+        """Live devices and placement services (two round trips: Redis's clock, the beats)."""
+        devices, placement = self.state.alive_counts(self.settings.device_ttl_s)
         return {
             "redis": self.redis_url,
             "devices": devices,

@@ -88,7 +88,7 @@ def place_all(
     e2e, snap_ms = [], []
     for i, job in enumerate(jobs):
         beats = devices[(i * 10) % len(devices) :][:10]
-        workers.heartbeat({d.id: d.total for d in beats}, time.time())
+        workers.heartbeat({d.id: d.total for d in beats})
         started = time.perf_counter()
         view = read(time.time(), 1e9)
         snap_ms.append((time.perf_counter() - started) * 1000)
@@ -138,7 +138,7 @@ def main() -> None:
         now = time.time()
         for d in snap.devices:
             workers.register_device(
-                DeviceInfo(d.id, "h", d.worker, "v", "vgpu", d.total, d.total, True), now
+                DeviceInfo(d.id, "h", d.worker, "v", "vgpu", d.total, d.total, True)
             )
         for r in snap.runners:
             ((dev, size),) = r.devices.items()

@@ -21,7 +21,9 @@ from scheduler.local.embedded import EmbeddedRedis, free_port
 from scheduler.local.stack import LocalStack
 from scheduler.placement.service import PlacementService
 from scheduler.settings import Settings
+from scheduler.store import keys
 from scheduler.store.celery_app import make_app
+from scheduler.store.clock import redis_now
 from scheduler.store.worker_state import WorkerState
 from tests.tinymodel import write_tiny_llama, write_unknown_arch
 
@@ -109,11 +111,26 @@ def placement_on_db1(
     url = redis_server.url.rsplit("/", 1)[0] + "/1"
     settings = settings_from(stack_env(models_dir, state), url)
     app = make_app(url, settings)
-    WorkerState(db).register_device(device, now=1e12)
+    WorkerState(db).register_device(device)
+    beat_forever(db, device.id)
     try:
         yield PlacementService(settings, db, app)
     finally:
         app.close()
+
+
+def beat_forever(client: redis.Redis, device_id: str) -> None:
+    """A registered device whose last beat lies far in the future of Redis's clock: it
+    stays alive with no worker beating for it."""
+    client.hset(keys.device(device_id), "heartbeat", 1e12)
+    client.zadd(keys.HEARTBEATS, {device_id: 1e12})
+
+
+def fall_silent(client: redis.Redis, device_id: str, seconds: float) -> None:
+    """A device whose worker last beat ``seconds`` ago on Redis's clock."""
+    beat = redis_now(client) - seconds
+    client.hset(keys.device(device_id), "heartbeat", beat)
+    client.zadd(keys.HEARTBEATS, {device_id: beat})
 
 
 @pytest.fixture()

@@ -104,7 +104,7 @@ def test_a_parked_job_taken_as_its_reply_is_lost_is_retried_by_its_taker_alone(
 
 
 def test_a_runner_reserved_as_its_reply_is_lost_is_reserved_once(db: redis.Redis) -> None:
-    WorkerState(db).register_device(vgpu(0), now=100.0)
+    WorkerState(db).register_device(vgpu(0))
     placer = PlacementState(losing(db))
     assert placer.reserve("r1", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
     assert db.hgetall(keys.reservations("vgpu:h:0")) == {b"r1": str(GIB).encode()}
@@ -113,7 +113,7 @@ def test_a_runner_reserved_as_its_reply_is_lost_is_reserved_once(db: redis.Redis
 
 
 def test_a_job_taken_back_as_its_reply_is_lost_is_counted_off_once(db: redis.Redis) -> None:
-    WorkerState(db).register_device(vgpu(0), now=100.0)
+    WorkerState(db).register_device(vgpu(0))
     state = PlacementState(db)
     assert state.reserve("r1", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
     assert state.assign("r1", now=100.0)  # a second job for it: two in flight

@@ -30,7 +30,7 @@ def test_cache_matches_full_read_through_random_changes(db: redis.Redis) -> None
     now = 1000.0
     devices = [vgpu(i, 8) for i in range(4)]
     for dev in devices:
-        state.register_device(dev, now)
+        state.register_device(dev)
     runners: list[str] = []
     for step in range(300):
         now += rng.random()
@@ -53,13 +53,13 @@ def test_cache_matches_full_read_through_random_changes(db: redis.Redis) -> None
                 state.release(runner_id, [d.id for d in devices])
                 runners.remove(runner_id)
         elif action == "beat":
-            state.heartbeat({d.id: rng.randrange(4, 9) * GIB for d in devices[:3]}, now)
+            state.heartbeat({d.id: rng.randrange(4, 9) * GIB for d in devices[:3]})
         elif action == "reap" and rng.random() < 0.1:
             gone = devices.pop(rng.randrange(len(devices)))
             state.deregister_devices([gone.id])
             runners = [r for r in runners if db.exists(keys.runner(r))]
             devices.append(vgpu(10 + step, 8))
-            state.register_device(devices[-1], now)
+            state.register_device(devices[-1])
         if step % 7 == 0:
             assert view(cache.snapshot(now, 30)) == view(state.snapshot(now, 30)), step
     assert cache.reloads == 1  # only the first read loaded everything
@@ -67,7 +67,7 @@ def test_cache_matches_full_read_through_random_changes(db: redis.Redis) -> None
 
 def test_cache_reloads_when_the_log_has_a_gap(db: redis.Redis) -> None:
     state, cache = ClusterState(db), SnapshotCache(db)
-    state.register_device(vgpu(0), 1.0)
+    state.register_device(vgpu(0))
     cache.snapshot(1.0, 30)
     state.reserve("r1", {vgpu(0).id: GIB}, {"model": "m", "config_key": "c"}, 1.0, 30)
     db.delete(keys.CHANGES)  # trimmed before this reader saw them: a gap in the numbers
@@ -76,6 +76,6 @@ def test_cache_reloads_when_the_log_has_a_gap(db: redis.Redis) -> None:
     assert cache.reloads == 2
     assert snap.devices[0].reserved == 2 * GIB
     db.flushdb()  # Redis restarted empty: the counter went back
-    state.register_device(vgpu(1), 2.0)
+    state.register_device(vgpu(1))
     assert [d.id for d in cache.snapshot(2.0, 30).devices] == [vgpu(1).id]
     assert cache.reloads == 3

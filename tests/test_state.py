@@ -16,10 +16,12 @@ from scheduler.cluster import DeviceInfo
 from scheduler.local.embedded import EmbeddedRedis
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
+from scheduler.store.clock import redis_now
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.scripts import execute
 from scheduler.store.streams import publish_final, read_chunks
 from scheduler.store.worker_state import WorkerState
+from tests.conftest import fall_silent
 from workers.chunks import ChunkPublisher, ChunkWriter, Pending
 
 GIB = 1 << 30
@@ -48,7 +50,7 @@ def vgpu(index: int, total_gib: int = 8, host: str = "h") -> DeviceInfo:
 
 def test_concurrent_reservations_never_over_commit(db: redis.Redis) -> None:
     state = ClusterState(db)
-    state.register_device(vgpu(0), now=100.0)
+    state.register_device(vgpu(0))
     won: list[str] = []
     lock = threading.Lock()
 
@@ -76,26 +78,27 @@ def test_concurrent_reservations_never_over_commit(db: redis.Redis) -> None:
 
 def test_reported_free_limits_reservations(db: redis.Redis) -> None:
     state = ClusterState(db)
-    state.register_device(vgpu(0), now=100.0)
-    state.heartbeat({"vgpu:h:0": GIB}, now=101.0)  # the driver says only 1 GiB is free
+    state.register_device(vgpu(0))
+    state.heartbeat({"vgpu:h:0": GIB})  # the driver says only 1 GiB is free
     assert not state.reserve("r", {"vgpu:h:0": 2 * GIB}, {"model": "m"}, 101.0, 10)
     assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 101.0, 10)
 
 
 def test_stale_device_refuses_reservations_and_is_reaped(db: redis.Redis) -> None:
     state = ClusterState(db)
-    state.register_device(vgpu(0), now=100.0)
-    state.register_device(vgpu(1), now=100.0)
+    state.register_device(vgpu(0))
+    state.register_device(vgpu(1))
     assert state.reserve("r0", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)
     assert state.reserve("r1", {"vgpu:h:1": GIB}, {"model": "m"}, 100.0, 10)
-    state.heartbeat({"vgpu:h:1": 8 * GIB}, now=120.0)
+    fall_silent(db, "vgpu:h:0", 20)  # its worker last beat 20 s ago on Redis's clock
+    state.heartbeat({"vgpu:h:1": 8 * GIB})
     assert not state.reserve("late", {"vgpu:h:0": GIB}, {"model": "m"}, 120.0, 10)
     job = JobRequest(model="m", prompt="p")
     placed = Placement(id="p1", runner_id="r0", device_id="vgpu:h:0", config=RunnerConfig(512))
     state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
     assert state.start("vgpu:h:0", job.id, "p1", "delivery", ttl_s=60, now=110.0) is False
     db.lpush(keys.device_queue("vgpu:h:0"), b"its message")
-    assert state.reap(now=120.0, device_ttl_s=10) == ["vgpu:h:0"]
+    assert state.reap(device_ttl_s=10) == ["vgpu:h:0"]
     # the job is an orphan for placement, no longer "running" nor owned by its placement,
     # and the dead device's queue is gone
     assert db.hexists(keys.ORPHANS, job.id) and not db.hexists(keys.RUNNING, job.id)
@@ -103,14 +106,14 @@ def test_stale_device_refuses_reservations_and_is_reaped(db: redis.Redis) -> Non
     assert not db.exists(keys.device_queue("vgpu:h:0"))
     assert not db.exists(keys.runner("r0")) and not db.exists(keys.reservations("vgpu:h:0"))
     assert db.smembers(keys.RUNNERS) == {b"r1"}
-    snap = state.snapshot(now=120.0, device_ttl_s=10)
+    snap = state.snapshot(now=redis_now(db), device_ttl_s=10)
     assert [d.id for d in snap.devices] == ["vgpu:h:1"] and [r.id for r in snap.runners] == ["r1"]
 
 
 def test_a_job_starts_once_and_only_on_its_placement(db: redis.Redis) -> None:
     # one round trip (lua/start.lua) decides whether a delivered job runs here
     state = ClusterState(db)
-    state.register_device(vgpu(0), now=100.0)
+    state.register_device(vgpu(0))
     job = JobRequest(model="m", prompt="p")
     placed = Placement(id="p1", runner_id="r0", device_id="vgpu:h:0", config=RunnerConfig(512))
     state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
@@ -133,7 +136,7 @@ def test_a_jobs_end_is_counted_once_however_often_it_is_written(db: redis.Redis)
     # a worker writes a job's end again when the reply was lost to an outage: the second
     # write must not count another job off (it would free a slot a running job holds)
     state = ClusterState(db)
-    state.register_device(vgpu(0), now=100.0)
+    state.register_device(vgpu(0))
     assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # job a
     assert state.assign("r", now=100.5)  # job b
     assert state.finish("r", 101.0, 300, ("a", "p1"), ttl_s=60) == 1
@@ -145,7 +148,7 @@ def test_a_jobs_end_is_counted_once_however_often_it_is_written(db: redis.Redis)
 
 def test_unload_waits_for_assigned_jobs(db: redis.Redis) -> None:
     state = ClusterState(db)
-    state.register_device(vgpu(0), now=100.0)
+    state.register_device(vgpu(0))
     assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # one job assigned
     assert not state.begin_unload("r")  # busy
     assert state.finish("r", now=101.0, keep_alive_s=300) == 0
@@ -373,7 +376,7 @@ def test_reader_times_out_when_nothing_comes(db: redis.Redis) -> None:
 
 def test_request_demand_decays_in_redis(db: redis.Redis) -> None:
     state = ClusterState(db)
-    state.register_device(vgpu(0), now=0.0)
+    state.register_device(vgpu(0))
     for t in (0.0, 0.0, 600.0):
         state.count_request("m", t)
     snap = state.snapshot(now=600.0, device_ttl_s=1e9)

@@ -34,7 +34,7 @@ def test_an_unload_whose_reply_redis_lost_is_finished_on_the_next_try(
 ) -> None:
     device = vgpu(0)
     runtime = WorkerRuntime(Settings(), db, [device], Registry(tmp_path))
-    runtime.state.register_device(device, now=100.0)
+    runtime.state.register_device(device)
     assert PlacementState(db).reserve("r", {device.id: GIB}, {"model": "m"}, 100.0, 10)
     assert runtime.state.finish("r", 101.0, 300) == 0
     runner = FakeRunner("r", [device.id])

@@ -21,6 +21,7 @@ from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
 from scheduler.store.placement_state import PlacementState
+from tests.conftest import beat_forever
 from tests.test_state import GIB, vgpu
 from workers.runtime import WorkerRuntime
 from workers.start_claim import NotOwned
@@ -33,7 +34,8 @@ OPTIONS = {"temperature": 0, "num_predict": 4, "seed": 1}
 @pytest.fixture()
 def runtime(db: redis.Redis, models_dir: Path) -> Iterator[WorkerRuntime]:
     rt = WorkerRuntime(Settings(cpu_threads=1), db, [DEVICE], Registry(models_dir))
-    rt.state.register_device(DEVICE, now=1e12)
+    rt.state.register_device(DEVICE)
+    beat_forever(db, DEVICE.id)
     fields = {"model": "tiny"}
     assert PlacementState(db).reserve("r", {DEVICE.id: GIB}, fields, 1e12, 10)
     try:

@@ -1,6 +1,7 @@
 """This worker's devices in Redis: registered at start (after reaping what a predecessor
 under the same ids left), kept alive by a heartbeat that also reports the worker's failing
-loops, and registered again whenever placement dropped them."""
+loops, and registered again whenever placement dropped them. Beats are stamped on Redis's
+clock: this host's own may be off by any amount."""
 
 from __future__ import annotations
 
@@ -24,12 +25,10 @@ class Membership:
         health: LoopHealth,
         heartbeat_interval_s: float,
         on_dropped: Callable[[set[str]], None],
-        clock: Callable[[], float] = time.time,
     ) -> None:
         self.state, self.devices, self.health = state, devices, health
         self.interval_s = heartbeat_interval_s
         self.on_dropped = on_dropped  # let go of what placement took back with the devices
-        self.clock = clock
 
     def join(self) -> None:
         """Register every device; a predecessor under these ids (restarted within the TTL)
@@ -41,7 +40,7 @@ class Membership:
     def beat(self) -> None:
         # a loop counts as failing after three heartbeats without a success
         failing = self.health.describe(time.monotonic(), 3 * self.interval_s)
-        missing = set(self.state.heartbeat(reported_free(self.devices), self.clock(), failing))
+        missing = set(self.state.heartbeat(reported_free(self.devices), failing))
         if missing:
             log.warning(
                 "devices %s are no longer registered (this worker stalled past "
@@ -55,6 +54,5 @@ class Membership:
         self.state.deregister_devices([d.id for d in self.devices])
 
     def _register(self, devices: list[DeviceInfo]) -> None:
-        now = self.clock()
         for dev in devices:
-            self.state.register_device(dev, now)
+            self.state.register_device(dev)

@@ -61,7 +61,7 @@ class WorkerRuntime(Residency):
         self.chunks = ChunkWriter(client, settings.helper_nice, settings.stream_interval_s)
         self.cancels = CancelWatcher(client, self.health)
         self.membership = Membership(
-            self.state, devices, self.health, settings.heartbeat_interval_s, self._let_go, clock
+            self.state, devices, self.health, settings.heartbeat_interval_s, self._let_go
         )
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -8,13 +8,13 @@ exit 1 with the reason otherwise.
 from __future__ import annotations
 
 import sys
-import time
 from typing import cast
 
 import redis
 
 from scheduler.settings import get_settings
 from scheduler.store import keys
+from scheduler.store.clock import redis_now
 from scheduler.store.connection import resolve_redis_url
 
 
@@ -22,8 +22,8 @@ def check(role: str) -> str | None:
     """None when healthy, else what is wrong."""
     settings = get_settings()
     client = redis.Redis.from_url(resolve_redis_url(settings), socket_timeout=5)
-    since = time.time() - settings.device_ttl_s
     try:
+        since = redis_now(client) - settings.device_ttl_s
         if role == "placement":
             return _placement_problem(client, since)
         return _worker_problem(client, since, settings.host_id)

@@ -76,10 +76,16 @@ class LocalStack:
         another host); it stops with the stack."""
         return self._spawn(name, [sys.executable, "-m", "workers.main", *worker_args], env)
 
-    def add_process(self, name: str, module: str, args: list[str] | None = None) -> None:
+    def add_process(
+        self,
+        name: str,
+        module: str,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
         """Start another process of the stack (``python -m module``; the gateway, say) on
         its Redis; the stack watches it and stops it with the rest."""
-        self._spawn(name, [sys.executable, "-m", module, *(args or [])])
+        return self._spawn(name, [sys.executable, "-m", module, *(args or [])], env)
 
     def _spawn(
         self,
@@ -118,9 +124,7 @@ class LocalStack:
                             f"the {name} process exited with code {proc.returncode} "
                             f"while starting{self._log_hint(name)}"
                         )
-                _devices, placement = ClusterReader(client).alive_counts(
-                    time.time(), self.settings.device_ttl_s
-                )
+                _devices, placement = ClusterReader(client).alive_counts(self.settings.device_ttl_s)
                 workers = {d.worker for d in ClusterReader(client).devices()}
                 if placement and any(w.endswith("@" + self.settings.host_id) for w in workers):
                     return

@@ -7,7 +7,6 @@ Redis by the workers (``ggufq:stats``), so any placement service reports the sam
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from scheduler.placement.parking import ParkedJobs
 from scheduler.store import keys
+from scheduler.store.clock import redis_now
 from scheduler.store.readers import ClusterReader
 from scheduler.store.stats import COUNTERS
 
@@ -53,7 +53,7 @@ class ClusterCollector(Collector):
                 "ggufq_device_up", "1 while the device heartbeats.", labels=labels
             ),
         }
-        now = time.time()
+        now = redis_now(self.state.r)  # beats are stamped on Redis's clock
         for d in self.state.devices():
             values = [d.id, d.worker, d.kind]
             up = now - d.heartbeat <= self.device_ttl_s

@@ -60,9 +60,15 @@ class Liveness:
         """Beat, and only beat: the liveness loop's work (parked jobs retried, recovery)
         may take longer than the TTL, and the jobs of a process silent that long are put
         back by the others."""
-        service, settings = self.service, self.service.settings
-        failing = self.health.describe(time.monotonic(), 3 * settings.heartbeat_interval_s)
-        service.state.placement_beat(service.name, time.time(), settings.device_ttl_s, failing)
+        every = self.service.settings.heartbeat_interval_s
+        self._beat_now(self.health.describe(time.monotonic(), 3 * every))
+
+    def _beat_now(self, failing: str) -> float:
+        """Beat, and keep the service's clock on Redis's; returns Redis's time."""
+        service, before = self.service, time.time()
+        beat = service.state.placement_beat(service.name, service.settings.device_ttl_s, failing)
+        service.clock.observe(beat, before, time.time())
+        return beat
 
     def _beat(self) -> None:
         """Say this service is alive (and which of its loops keep failing), drop devices
@@ -72,7 +78,7 @@ class Liveness:
         now = time.monotonic()
         failing = self.health.describe(now, 3 * settings.heartbeat_interval_s)
         try:
-            service.state.placement_beat(service.name, time.time(), settings.device_ttl_s, failing)
+            beat = self._beat_now(failing)
         except redis.RedisError:
             self._away = True
             raise
@@ -87,16 +93,16 @@ class Liveness:
         # after an outage the workers were cut off too: they get a TTL to beat again
         # before any of their devices counts as dead (else an outage would drop them all)
         if now - self._back_at >= settings.device_ttl_s:
-            dropped = service.state.reap(time.time(), settings.device_ttl_s)
+            dropped = service.state.reap(settings.device_ttl_s)
             if dropped:
                 log.warning("dropped devices without heartbeat: %s", ", ".join(dropped))
             # and other placement processes a TTL: the jobs a silent one held are put back
-            if service.recovery.dead_hands(time.time(), settings.device_ttl_s):
+            if service.recovery.dead_hands(beat, settings.device_ttl_s):
                 service.retry_parked()
         service.recover_orphans()
         if now >= self._next_lost_sweep:
             self._next_lost_sweep = now + LOST_SWEEP_S
-            service.recovery.lost_sends(service.state.device_ids(), time.time() - LOST_SWEEP_S)
+            service.recovery.lost_sends(service.state.device_ids(), beat - LOST_SWEEP_S)
 
     def _listen(self) -> None:
         """Retry parked jobs when an event says capacity may have freed; end parked jobs

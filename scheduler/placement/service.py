@@ -44,6 +44,7 @@ from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
 from scheduler.store.celery_app import send_job
+from scheduler.store.clock import RedisClock
 from scheduler.store.hands import Hands, parked_record
 from scheduler.store.hops import note as note_hops
 from scheduler.store.placement_state import PlacementState
@@ -73,6 +74,8 @@ class PlacementService:
         self.r = client
         self.app = app
         self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
+        # liveness is judged on Redis's clock; the beat loop keeps this one on it
+        self.clock = RedisClock(client)
         self.hands = Hands(client, self.name)  # the jobs this process handles, in Redis
         self.state = PlacementState(client, self.hands)
         self.ledger = RedisLedger(self.state, app, settings.device_ttl_s)
@@ -248,7 +251,7 @@ class PlacementService:
         keep_alive_s = self.settings.keep_alive_s
         fields = partial(runner_fields, req.model, needs.config_key, config, shape, keep_alive_s)
         for _attempt in range(8):  # lost races against other placers: decide again
-            now = time.time()
+            now = self.clock.now()
             parked_models = LazySet(self.parked.models)
             snap = self.snapshots.snapshot(now, self.settings.device_ttl_s, parked_models)
             decision = decide(
@@ -292,7 +295,7 @@ class PlacementService:
     def _send(self, req: JobRequest, placement: Placement, snap: Snapshot) -> dict[str, Any]:
         """Record the job as sent to its device, then send it to the device's queue."""
         worker = next(d.worker for d in snap.devices if d.id == placement.device_id)
-        record = SentJob(job=req, placement=placement, worker=worker, sent_at=time.time())
+        record = SentJob(job=req, placement=placement, worker=worker, sent_at=self.clock.now())
         if not self.state.sent(record, self.settings.stream_ttl_s):
             log.warning("job %s was put back by another placement process: left to it", req.id)
             self.state.unsend(record, written=False)  # a runner made for it goes

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -148,7 +147,7 @@ class Hands:
         delivery has it."""
         token = self.token(job_id) or uuid.uuid4().hex
         self.adopt(job_id, token)
-        entry = json.dumps({"token": token, "what": "parked", "at": time.time(), "record": record})
+        entry = json.dumps({"token": token, "what": "parked", "record": record})
         owned = again_if_lost(  # the same delivery asking again finds the claim its own
             lambda: self._place(
                 keys=[keys.job_placed(job_id), keys.IN_HAND, keys.swept(token)],
@@ -171,7 +170,7 @@ class Hands:
             raw = again_if_lost(
                 lambda: self._take(
                     keys=[_queue(what), keys.parked_job(job_id), keys.IN_HAND, keys.swept(token)],
-                    args=[job_id, self.field(job_id), token, what, time.time()],
+                    args=[job_id, self.field(job_id), token, what],
                 )
             )
         except REDIS_AWAY as exc:

@@ -33,6 +33,7 @@ class PlacementState:
         self._demand = script(client, "demand")
         self._unsend = script(client, "unsend")
         self._recount = script(client, "recount")
+        self._beat = script(client, "placement_beat")
 
     def snapshot(self, now: float, device_ttl_s: float) -> Snapshot:
         """Every live device and runner, read afresh (the snapshot cache is the fast path)."""
@@ -91,7 +92,6 @@ class PlacementState:
                 keys=[keys.RUNNERS, keys.runner(runner_id), *device_keys],
                 args=[
                     runner_id,
-                    now,
                     device_ttl_s,
                     len(device_ids),
                     *reservations.values(),
@@ -121,10 +121,10 @@ class PlacementState:
             queue(pipe, self._demand, [keys.DEMAND], [model, now, DEMAND_TAU_S])
 
     # -- devices ---------------------------------------------------------------------------
-    def reap(self, now: float, device_ttl_s: float) -> list[str]:
-        """Drop devices silent for ``device_ttl_s`` with their runners and reservations; their
-        jobs become orphans. Returns the dropped devices."""
-        return reap(self._reap, now, device_ttl_s)
+    def reap(self, device_ttl_s: float) -> list[str]:
+        """Drop devices silent for ``device_ttl_s`` on Redis's clock, with their runners and
+        reservations; their jobs become orphans. Returns the dropped devices."""
+        return reap(self._reap, device_ttl_s)
 
     # -- jobs sent to devices ----------------------------------------------------------------
     def sent(self, record: SentJob, ttl_s: int) -> bool:
@@ -227,16 +227,13 @@ class PlacementState:
         return self.hands.take("orphan", job_id)
 
     # -- liveness --------------------------------------------------------------------------
-    def placement_beat(self, name: str, now: float, ttl_s: float, failing: str = "") -> None:
-        """This placement service is alive; ``failing`` names its loops that keep failing."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.zadd(keys.PLACEMENT_ALIVE, {name: now})
-        if failing:
-            pipe.hset(keys.PLACEMENT_FAILING, name, failing)
-        else:
-            pipe.hdel(keys.PLACEMENT_FAILING, name)
-        pipe.zremrangebyscore(keys.PLACEMENT_ALIVE, "-inf", now - 10 * ttl_s)
-        pipe.execute()
+    def placement_beat(self, name: str, ttl_s: float, failing: str = "") -> float:
+        """This placement service is alive (on Redis's clock, whose time it returns);
+        ``failing`` names its loops that keep failing."""
+        beat = self._beat(
+            keys=[keys.PLACEMENT_ALIVE, keys.PLACEMENT_FAILING], args=[name, ttl_s, failing]
+        )
+        return float(beat)
 
     def placement_gone(self, name: str) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -245,9 +242,14 @@ class PlacementState:
         pipe.execute()
 
 
-def reap(reap_script: Any, now: float, device_ttl_s: float) -> list[str]:
+# the beat of a device its worker let go of: older than any TTL on Redis's clock
+GONE_BEAT = -1e18
+
+
+def reap(reap_script: Any, device_ttl_s: float) -> list[str]:
+    """Drop the devices that have not beaten for ``device_ttl_s`` on Redis's clock."""
     dropped = reap_script(
         keys=[keys.DEVICES, keys.RUNNERS, keys.HEARTBEATS, keys.ORPHANS],
-        args=[now, device_ttl_s],
+        args=[device_ttl_s],
     )
     return [text(d) for d in dropped]

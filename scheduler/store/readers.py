@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.protocol import SentJob
 from scheduler.store import keys
+from scheduler.store.clock import redis_now
 from scheduler.store.records import decoded, device_view, runner_view, text
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,10 @@ class ClusterReader:
                 )
         return rows
 
-    def alive_counts(self, now: float, ttl_s: float) -> tuple[int, int]:
-        """(devices, placement services) that beat within the last ``ttl_s`` seconds."""
+    def alive_counts(self, ttl_s: float) -> tuple[int, int]:
+        """(devices, placement services) that beat within the last ``ttl_s`` seconds of
+        Redis's clock."""
+        now = redis_now(self.r)
         pipe = self.r.pipeline(transaction=False)
         pipe.zcount(keys.HEARTBEATS, now - ttl_s, "+inf")
         pipe.zcount(keys.PLACEMENT_ALIVE, now - ttl_s, "+inf")

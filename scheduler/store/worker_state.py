@@ -12,7 +12,7 @@ from scheduler.cluster import DeviceInfo
 from scheduler.protocol import SentJob
 from scheduler.store import keys
 from scheduler.store.cancel import cancelled_by, watch_keys
-from scheduler.store.placement_state import reap
+from scheduler.store.placement_state import GONE_BEAT, reap
 from scheduler.store.records import text
 from scheduler.store.scripts import flatten, queue, script
 
@@ -31,7 +31,8 @@ class WorkerState:
         self._start = script(client, "start")
 
     # -- devices -------------------------------------------------------------------------
-    def register_device(self, dev: DeviceInfo, now: float) -> None:
+    def register_device(self, dev: DeviceInfo) -> None:
+        """Register ``dev`` in full, its first beat stamped on Redis's clock."""
         fields: dict[str, str | int | float] = {
             "id": dev.id,
             "host": dev.host,
@@ -43,20 +44,22 @@ class WorkerState:
             "virtual": int(dev.virtual),
             "uuid": dev.uuid,
             "queue": keys.device_queue(dev.id),
-            "heartbeat": now,
         }
         pipe = self.r.pipeline()
         pipe.hset(keys.device(dev.id), mapping=cast(Any, fields))
         pipe.sadd(keys.DEVICES, dev.id)
-        pipe.zadd(keys.HEARTBEATS, {dev.id: now})
+        self._heartbeat(
+            keys=[keys.DEVICES, keys.HEARTBEATS], args=["", dev.id, dev.free], client=pipe
+        )
         self._touch(keys=[keys.device(dev.id), keys.reservations(dev.id)], client=pipe)
         pipe.publish(keys.EVENTS, json.dumps({"event": "device_joined", "device": dev.id}))
         pipe.execute()
 
-    def heartbeat(self, free_by_device: dict[str, int], now: float, failing: str = "") -> list[str]:
-        """Beat for each device still registered, with the worker's failing loops (""
-        when healthy); returns the devices that are not registered (dropped)."""
-        flat: list[Any] = [now, failing]
+    def heartbeat(self, free_by_device: dict[str, int], failing: str = "") -> list[str]:
+        """Beat for each device still registered, on Redis's clock, with the worker's
+        failing loops ("" when healthy); returns the devices that are not registered
+        (dropped)."""
+        flat: list[Any] = [failing]
         for device_id, free in free_by_device.items():
             flat += [device_id, free]
         missing = self._heartbeat(keys=[keys.DEVICES, keys.HEARTBEATS], args=flat)
@@ -65,8 +68,8 @@ class WorkerState:
     def deregister_devices(self, device_ids: list[str]) -> None:
         """A worker leaving cleanly: its runners and reservations go with it."""
         for device_id in device_ids:  # expire these devices' heartbeats, then reap as usual
-            self.r.hset(keys.device(device_id), "heartbeat", -1e18)
-        reap(self._reap, 0.0, 0.0)
+            self.r.hset(keys.device(device_id), "heartbeat", GONE_BEAT)
+        reap(self._reap, -GONE_BEAT / 2)  # only beats that old: the devices just let go of
 
     # -- runners ---------------------------------------------------------------------------
     def update_runner(self, runner_id: str, fields: dict[str, Any]) -> bool:

@@ -14,9 +14,10 @@
 -- KEYS[11] the device's Celery queue  (list)
 -- KEYS[12] ggufq:demand               (hash) counted as placement counts a job it sends
 -- KEYS[13] ggufq:job:<id>:hops        (hash) the client's hops: submitted, sent
--- ARGV: route (as the client read it), device id, now, device ttl, claim ttl, submitted at,
---       placement claim, job id, in-flight record, placement id, owner ttl (also the
---       hops'), message, route ttl, model, demand tau
+-- ARGV: route (as the client read it), device id, now (the client's: last use, demand and
+--       hops), device ttl (the device's last beat must be that recent on Redis's clock),
+--       claim ttl, submitted at, placement claim, job id, in-flight record, placement id,
+--       owner ttl (also the hops'), message, route ttl, model, demand tau
 -- Returns 1 when sent (also when this attempt's claim is there already: it ran, and its
 -- reply was lost); 0 when the normal path must place it (the route changed, the runner
 -- is not ready or has no free slot, its device is silent, or jobs wait); -1 when the job
@@ -34,7 +35,7 @@ if runner[1] ~= 'ready' or tonumber(runner[2] or 0) >= tonumber(runner[3] or 0) 
   return 0
 end
 local beat = redis.call('ZSCORE', KEYS[3], ARGV[2])
-if not beat or tonumber(beat) < tonumber(ARGV[3]) - tonumber(ARGV[4]) then return 0 end
+if not beat or tonumber(beat) < now_s() - tonumber(ARGV[4]) then return 0 end
 if redis.call('ZCARD', KEYS[4]) > 0 then return 0 end
 if redis.call('LLEN', KEYS[5]) > 0 or redis.call('LLEN', KEYS[6]) > 0 then return 0 end
 if not redis.call('SET', KEYS[7], ARGV[6], 'NX', 'EX', ARGV[5]) then return -1 end

@@ -5,7 +5,8 @@
 -- KEYS[1] ggufq:job:<id>:placed (string: the delivery's id)
 -- KEYS[2] ggufq:in_hand (hash)
 -- KEYS[3] ggufq:swept:<token> of the entry
--- ARGV: delivery id, claim ttl (s), field "<placement>|<job id>", entry (JSON)
+-- ARGV: delivery id, claim ttl (s), field "<placement>|<job id>", entry (JSON; its "at" is
+--       stamped here, on Redis's clock, as the holder's beats are)
 -- Returns 1 when the job is this delivery's, else 0 (also when it was held under this token
 -- and swept from this process meanwhile: the claim was asked again after an outage).
 if redis.call('EXISTS', KEYS[3]) == 1 then
@@ -15,5 +16,7 @@ redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
-redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+local entry = cjson.decode(ARGV[4])
+entry['at'] = now_s()
+redis.call('HSET', KEYS[2], ARGV[3], cjson.encode(entry))
 return 1

@@ -1,5 +1,6 @@
--- Drop devices whose worker stopped heartbeating, with their runners and reservations; the
--- jobs sent to them become orphans, for placement to re-place or fail.
+-- Drop devices whose worker stopped heartbeating (judged on Redis's clock, as the beats are
+-- stamped), with their runners and reservations; the jobs sent to them become orphans, for
+-- placement to re-place or fail.
 -- KEYS[1] ggufq:devices   (set)
 -- KEYS[2] ggufq:runners   (set)
 -- KEYS[3] ggufq:heartbeats (sorted set) device id -> last heartbeat
@@ -8,9 +9,9 @@
 -- ggufq:inflight:<dev> (hash) job id -> in-flight record, ggufq:job:<id>:owner (string),
 -- ggufq:running (hash) job id -> start time, and the device's Celery queues (lists)
 -- ggufq.<dev with '.' for ':'> and ggufq.<...>.batch
--- ARGV: now, device_ttl_s
+-- ARGV: device_ttl_s
 -- Returns the ids of the dropped devices.
-local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now, ttl = now_s(), tonumber(ARGV[1])
 local dropped = {}
 for _, dev in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local beat = redis.call('HGET', 'ggufq:device:' .. dev, 'heartbeat')

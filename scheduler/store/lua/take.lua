@@ -7,7 +7,8 @@
 -- KEYS[2] the record: ggufq:parked:<id> (string) for the parked queue, unused otherwise
 -- KEYS[3] ggufq:in_hand (hash)
 -- KEYS[4] ggufq:swept:<token>
--- ARGV: job id, field "<placement>|<job id>", token, 'orphan' or 'parked', now
+-- ARGV: job id, field "<placement>|<job id>", token, 'orphan' or 'parked' (the entry's "at"
+--       is stamped on Redis's clock, as the holder's beats are)
 -- Returns the record, or false when it is not there (another taker has it, or it was taken
 -- under this token and swept back from this taker since: asked again after an outage).
 if redis.call('EXISTS', KEYS[4]) == 1 then
@@ -31,6 +32,6 @@ else
   redis.call('DEL', KEYS[2])
   if not raw then return false end
 end
-local entry = {token = ARGV[3], what = ARGV[4], at = tonumber(ARGV[5]), record = raw}
+local entry = {token = ARGV[3], what = ARGV[4], at = now_s(), record = raw}
 redis.call('HSET', KEYS[3], ARGV[2], cjson.encode(entry))
 return raw
