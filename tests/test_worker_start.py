@@ -23,6 +23,7 @@ from scheduler.store.cancel import request_cancel
 from scheduler.store.placement_state import PlacementState
 from tests.conftest import beat_forever
 from tests.test_state import GIB, vgpu
+from workers.chunks import ChunkPublisher
 from workers.runtime import WorkerRuntime
 from workers.start_claim import NotOwned
 
@@ -134,3 +135,26 @@ def test_a_job_failing_before_its_first_step_still_sets_its_runners_keep_alive(
         deliver(db, runtime, too_long)
     assert stream(db, too_long.id)[-1]["done"]  # its error is its last chunk
     assert "r" not in runtime.runners  # keep_alive 0: unloaded as the job ended
+
+
+def test_a_run_fenced_off_mid_stream_stores_no_outcome(
+    db: redis.Redis, runtime: WorkerRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Placement took the job back while this worker ran it (the worker had stalled or
+    been cut off past the TTL): its later chunks are refused by the owner fence, and its
+    result, which would overwrite the outcome placement gave the job, is never stored."""
+    deliver(db, runtime, job("load it"))
+    taken = job("taken back")
+    publish = ChunkPublisher.publish
+
+    def then_taken_back(self: ChunkPublisher, chunk: dict[str, Any]) -> None:
+        publish(self, chunk)
+        if self.job_id == taken.id:
+            db.set(keys.job_owner(taken.id), "orphaned")  # as the reap of its device does
+
+    monkeypatch.setattr(ChunkPublisher, "publish", then_taken_back)
+    with pytest.raises(NotOwned):
+        deliver(db, runtime, taken)
+    chunks = stream(db, taken.id)
+    assert len(chunks) == 1 and not chunks[0].get("done")  # only what came before
+    assert deliver(db, runtime, job("after"))["eval_count"] == 4  # the runner serves on

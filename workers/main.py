@@ -55,7 +55,11 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
         try:
             return runtime.run_job(job, placement, progress)
         except NotOwned as exc:
-            log.info("dropping job %s: it was re-placed after this device was dropped", exc)
+            log.info(
+                "dropping job %s: placement placed it again or ended it (its outcome is "
+                "not this run's to store)",
+                exc,
+            )
             raise Ignore() from None
         except JobCancelled as exc:
             # the job's state is REVOKED (cancelled), not FAILURE

@@ -167,6 +167,8 @@ class WorkerRuntime(Residency):
             # vectors travel in the result only: the stream's final chunk has the stats
             publisher.publish({k: v for k, v in final.items() if k != "embeddings"})
             publisher.flush()  # the stream is complete before the result is stored
+            if publisher.fenced():  # placement ended it or placed it again meanwhile
+                raise NotOwned(req.id)
             tally = {
                 "finished": 1,
                 "tokens": final.get("eval_count") or 0,
@@ -189,8 +191,11 @@ class WorkerRuntime(Residency):
                 isinstance(exc, GgufqError) and req.id in self._disowned
             ):
                 raise NotOwned(req.id) from None  # its new run, or placement, writes the end
+            error = self._failed(req, placement, publisher, exc)
+            if publisher.fenced():  # and its outcome is not this run's to store
+                raise NotOwned(req.id) from None
             tally = {"cancelled" if isinstance(exc, JobCancelled) else "failed": 1}
-            raise self._failed(req, placement, publisher, exc) from None
+            raise error from None
         finally:
             if start.owned:
                 self._ended(req, placement, publisher, tally, received_at)

@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from enum import IntEnum
 from typing import Any, cast
 
 import redis
@@ -26,6 +27,14 @@ Entries = list[tuple[bytes, dict[bytes, bytes]]]
 log = logging.getLogger(__name__)
 
 
+class Appended(IntEnum):
+    """What lua/append.lua did with a chunk (its header cites these values)."""
+
+    WRITTEN = 1
+    FENCED = 0  # not written: the job's owner is another placement id now
+    DUPLICATE = -1  # not written again: the stream has this seq already
+
+
 def _append_call(
     job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str
 ) -> tuple[list[str], list[Any]]:
@@ -38,11 +47,10 @@ def _append_call(
 
 def write_chunk(
     client: redis.Redis, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
-) -> int:
-    """Record and publish one chunk (lua/append.lua) in one round trip; its answer: 1
-    written, 0 fenced off, -1 already there."""
+) -> Appended:
+    """Record and publish one chunk (lua/append.lua) in one round trip."""
     job_keys, args = _append_call(job_id, seq, chunk, ttl_s, fence)
-    return int(_appender(client)(keys=job_keys, args=args, client=client))
+    return Appended(int(_appender(client)(keys=job_keys, args=args, client=client)))
 
 
 def queue_chunk(

@@ -5,7 +5,8 @@
 -- KEYS[2] ggufq:job:<id>:chunks (stream) entry ids 0-<seq>
 -- KEYS[3] ggufq:job:<id>        (pub/sub channel)
 -- ARGV: fence (the writer's placement id; "" writes whatever the owner), seq, payload, ttl_s
--- Returns 1 when written, 0 when fenced off, -1 when the stream already had this seq.
+-- Returns streams.Appended: 1 WRITTEN, 0 FENCED (the owner is another placement id),
+-- -1 DUPLICATE (the stream already had this seq).
 local owner = redis.call('GET', KEYS[1])
 if ARGV[1] ~= '' and owner and owner ~= ARGV[1] then return 0 end
 local added = redis.pcall('XADD', KEYS[2], '0-' .. ARGV[2], 'c', ARGV[3])
