@@ -102,13 +102,18 @@ class AsyncJob:
         return GenerateResponse.model_validate(await self.final(timeout))
 
     async def final(self, timeout: float | None = None) -> dict[str, Any]:
-        """The job's final record as stored, awaited on its result channel."""
+        """The job's final record as stored, awaited on its result channel (or its stream's
+        final chunk, when the result was lost: :meth:`Job.final`)."""
         wait = self.client.timeout if timeout is None else timeout
-        await self._stored(wait)
+        end = await self._stored(wait)
+        if end is not None:
+            return self.job.from_stream_end(end)
         # stored: Celery's read (and rebuilding a typed error) returns at once
         return await asyncio.to_thread(self.job.final, wait)
 
-    async def _stored(self, wait: float) -> None:
+    async def _stored(self, wait: float) -> dict[str, Any] | None:
+        """Wait for the job's result; returns its stream's final chunk instead when the
+        stream ended a look ago and no result came."""
         app, r = self.client.sync.app, self.client.r
         key = result_key(app, self.id)
         pubsub = r.pubsub(ignore_subscribe_messages=True)
@@ -116,9 +121,14 @@ class AsyncJob:
         try:
             deadline = time.monotonic() + wait
             checked = time.monotonic()
+            ended_at_last_look = False
             while not result_ready(app, await r.get(key)):
                 if time.monotonic() - checked > CHECK_EVERY_S:  # lost, or lost on the way?
                     await asyncio.to_thread(self.job.check)
+                    end = await asyncio.to_thread(self.job.stream_end)
+                    if end is not None and ended_at_last_look:
+                        return end
+                    ended_at_last_look = end is not None
                     checked = time.monotonic()
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -127,6 +137,7 @@ class AsyncJob:
                         "or running: await result() again, or check `ggufq ps`"
                     )
                 await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(left, 1.0))
+            return None
         finally:
             await pubsub.aclose()
 

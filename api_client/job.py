@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from scheduler.store import keys
 from scheduler.store.cancel import ReaderLease
 from scheduler.store.hops import ordered as ordered_hops
 from scheduler.store.hops import read as read_hops
-from scheduler.store.streams import read_chunks
+from scheduler.store.streams import Entries, read_chunks
 from scheduler.store.subscriptions import Subscriptions
 
 log = logging.getLogger(__name__)
@@ -128,10 +129,13 @@ class Job:
         return GenerateResponse.model_validate(self.final(timeout))
 
     def final(self, timeout: float | None = None) -> dict[str, Any]:
-        """The job's final record as stored (raises the job's typed error)."""
+        """The job's final record as stored (raises the job's typed error): its result, or
+        its stream's final chunk when its stream ended a look ago and no result came (the
+        result was lost: Redis restarted from a snapshot taken between the two writes)."""
         wait = self.client.timeout if timeout is None else timeout
         handle = AsyncResult(self.id, app=self.client.app)
         deadline = time.monotonic() + wait
+        ended_at_last_look = False
         try:
             while True:  # in slices: between them, see that Redis still knows the job
                 left = deadline - time.monotonic()
@@ -147,6 +151,10 @@ class Job:
                         "or running: call result() again, or check `ggufq ps`"
                     ) from None
                 self.check()
+                end = self.stream_end()
+                if end is not None and ended_at_last_look:
+                    return self.from_stream_end(end)
+                ended_at_last_look = end is not None
         finally:
             # a result given up on stays subscribed in Celery's result consumer, which then
             # retries for 20 s once the client closes its connections: let go of it here
@@ -158,6 +166,29 @@ class Job:
         if handle.state == "REVOKED":  # the reason was stored with the state
             raise JobCancelled(str(value) or f"job {self.id} was cancelled")
         return cast(dict[str, Any], value)
+
+    def stream_end(self) -> dict[str, Any] | None:
+        """The stream's final chunk, when the stream has ended and that chunk is the whole
+        final record (an embedding's vectors travel in its result only: None for those)."""
+        if self.request.kind == "embed":
+            return None
+        try:
+            last = cast(Entries, self.client.r.xrevrange(keys.job_chunks(self.id), count=1))
+        except redis.RedisError:
+            return None  # Redis away: the next look tells
+        try:
+            chunk = json.loads(last[0][1][b"c"])
+        except (ValueError, KeyError, TypeError, IndexError):
+            return None
+        return chunk if isinstance(chunk, dict) and chunk.get("done") else None
+
+    def from_stream_end(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """The final record a stream's final chunk holds (raises the job's typed error)."""
+        error = chunk.get("error")
+        if error:
+            raise error_from_code(error["code"], error["message"])
+        log.warning("job %s: its result was lost; its stream's final chunk has it", self.id)
+        return {k: v for k, v in chunk.items() if k != "seq"}
 
     def hops(self) -> dict[str, float]:
         """When the job passed each hop on its way to its first chunk (wall-clock seconds,

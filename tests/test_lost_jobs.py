@@ -4,14 +4,18 @@ message never reached placement is sent again and runs once."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 
 import pytest
 
 from api_client import Client
+from api_client.aio import AsyncClient, AsyncJob
 from api_client.job import RESEND_AFTER_S, Job
-from scheduler.errors import JobLost
-from scheduler.protocol import JobRequest
+from api_client.results import result_key
+from scheduler.errors import GgufqError, JobLost
+from scheduler.protocol import GenerateResponse, JobRequest
 from scheduler.store import keys
 
 pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
@@ -46,3 +50,28 @@ def test_a_submission_placement_never_saw_is_sent_again_and_runs_once(client: Cl
     # a reader that checks again later sends nothing more: placement has it
     job.check()
     assert client.r.llen(keys.placement_queue()) == 0
+
+
+def test_a_finished_job_whose_result_was_lost_ends_from_its_stream(client: Client) -> None:
+    """Redis restarted from a snapshot taken between a job's final chunk and its result:
+    the reader finishes from the stream's final chunk (the whole record) instead of
+    waiting out its timeout; a failed job's final chunk raises its error."""
+    done = client.submit("tiny", "The sky is", options={"temperature": 0, "num_predict": 3})
+    expected = done.result(timeout=60)
+    failed = client.submit("tiny", "word " * 5000, options={"num_predict": 3})  # > num_ctx
+    with pytest.raises(GgufqError) as raised:
+        failed.result(timeout=60)
+    client.r.delete(result_key(client.app, done.id), result_key(client.app, failed.id))
+
+    started = time.monotonic()
+    again = Job(client, done.request)
+    assert again.result(timeout=60) == expected
+    with pytest.raises(type(raised.value), match=re.escape(str(raised.value))):
+        Job(client, failed.request).result(timeout=60)
+
+    async def from_the_gateway_side() -> GenerateResponse:
+        async with AsyncClient(client.redis_url, settings=client.settings) as aio:
+            return await AsyncJob(aio, again).result(timeout=60)
+
+    assert asyncio.run(from_the_gateway_side()) == expected
+    assert time.monotonic() - started < 30  # found out, not timed out
