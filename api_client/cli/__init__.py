@@ -12,7 +12,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from api_client.cli.cluster import cmd_cancel, cmd_devices, cmd_jobs, cmd_load, cmd_ps, cmd_unload
+from api_client.cli.cluster import (
+    cmd_cancel,
+    cmd_devices,
+    cmd_fsck,
+    cmd_jobs,
+    cmd_load,
+    cmd_ps,
+    cmd_unload,
+)
 from api_client.cli.demo import cmd_demo
 from api_client.cli.gateway import add_keys_commands, add_serve_arguments, cmd_serve
 from api_client.cli.jobs import cmd_batch, cmd_run
@@ -133,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p = command("cancel", cmd_cancel, "cancel jobs (queued, parked or running)")
     p.add_argument("job_ids", nargs="+", metavar="JOB")
+    p = command("fsck", cmd_fsck, "check the cluster's state in Redis against its invariants")
+    p.add_argument(
+        "--settled",
+        action="store_true",
+        help="nothing runs or waits now: also report any job or counted slot left behind",
+    )
+    p.add_argument("--json", action="store_true")
     p = command("jobs", cmd_jobs, "list jobs not ended: parked, queued, running, with position")
     p.add_argument("--json", action="store_true")
     p = command("ps", cmd_ps, "list the loaded models (runners)")

@@ -1,5 +1,5 @@
 """The commands that look at and steer a running cluster: ps, devices, jobs, load, unload,
-cancel."""
+cancel, fsck."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 
 from api_client.cli.tables import print_table, ps_table
 from api_client.client import Client
+from scheduler.store import fsck
 from scheduler.units import format_bytes, format_duration
 
 
@@ -102,3 +103,23 @@ def cmd_devices(args: argparse.Namespace) -> int:
         )
     print_table(["ID", "WORKER", "NAME", "TOTAL", "RESERVED", "FREE", "RUNNERS", "VIRTUAL"], rows)
     return 0
+
+
+def cmd_fsck(args: argparse.Namespace) -> int:
+    """Check the cluster's state against its invariants (scheduler/store/fsck.py); exit 1
+    when anything is wrong."""
+    with Client() as client:
+        census = fsck.read(client.r)
+    found = fsck.problems(census, settled=args.settled)
+    jobs = {j for records in census.sent.values() for j in records}
+    if args.json:
+        print(json.dumps({"problems": [str(p) for p in found], "ok": not found}))
+    else:
+        for problem in found:
+            print(problem)
+        print(
+            f"{len(census.devices)} devices, {len(census.runners)} runners, {len(jobs)} jobs "
+            f"in flight, {len(census.parked)} parked: "
+            + (f"{len(found)} problems" if found else "no problems")
+        )
+    return 1 if found else 0

@@ -1,6 +1,7 @@
 -- Append one chunk to a job's stream and publish it, unless the job was taken back from the
 -- placement whose worker writes it: a worker that stalled past the TTL and came back must
 -- not write into the stream of the job's new run (or after placement ended it).
+-- Moves a job (scheduler/custody.py): running -> done, running -> failed, running -> cancelled
 -- KEYS[1] ggufq:job:<id>:owner  (string) placement id, or "orphaned"
 -- KEYS[2] ggufq:job:<id>:chunks (stream) entry ids 0-<seq>
 -- KEYS[3] ggufq:job:<id>        (pub/sub channel)

@@ -1,6 +1,7 @@
 -- Its holder is about to end a job in hand (fail or cancel it): mark it ending, so that a
 -- sweep after the holder stops ends it too instead of putting it back to run. Not when
 -- another placement process put it back already (the holder had stalled).
+-- Moves a job (scheduler/custody.py): placing -> failed, placing -> cancelled
 -- KEYS[1] ggufq:in_hand (hash)
 -- KEYS[2] ggufq:swept:<token>
 -- ARGV: field "<placement>|<job id>", token

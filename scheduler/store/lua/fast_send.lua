@@ -1,6 +1,7 @@
 -- The fast path: a client sends a job straight to the queue of a runner that is resident
 -- with a free slot, as placement would have (scheduler/store/routes.py). Nothing is
 -- written unless every check holds; then all of it is, at once.
+-- Moves a job (scheduler/custody.py): submitted -> sent
 -- KEYS[1]  ggufq:route:<...>          (string) the runner placement named for such jobs
 -- KEYS[2]  ggufq:runner:<id>          (hash)
 -- KEYS[3]  ggufq:heartbeats           (sorted set)

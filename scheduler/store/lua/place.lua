@@ -2,6 +2,7 @@
 -- hand while it is placed: a claim tried again after a lost reply is found ours; another
 -- delivery finds it taken. Held, the job is parked again by another placement process if
 -- this one dies before it sends, parks or ends it.
+-- Moves a job (scheduler/custody.py): submitted -> placing
 -- KEYS[1] ggufq:job:<id>:placed (string: the delivery's id)
 -- KEYS[2] ggufq:in_hand (hash)
 -- KEYS[3] ggufq:swept:<token> of the entry

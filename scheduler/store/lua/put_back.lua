@@ -3,6 +3,7 @@
 -- already (the holder had stalled): the job is someone else's now. Not when its in-flight
 -- record stands (marked sent: its send failed and the record could not be taken back):
 -- its device's records account for it, and parking it too would run it twice.
+-- Moves a job (scheduler/custody.py): placing -> parked
 -- KEYS[1] the queue: ggufq:parked or ggufq:orphans
 -- KEYS[2] ggufq:parked:<id> (string), unused for an orphan
 -- KEYS[3] ggufq:in_hand (hash)

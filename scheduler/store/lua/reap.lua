@@ -1,6 +1,7 @@
 -- Drop devices whose worker stopped heartbeating (judged on Redis's clock, as the beats are
 -- stamped), with their runners and reservations; the jobs sent to them become orphans, for
 -- placement to re-place or fail.
+-- Moves a job (scheduler/custody.py): sent -> orphaned, running -> orphaned
 -- KEYS[1] ggufq:devices   (set)
 -- KEYS[2] ggufq:runners   (set)
 -- KEYS[3] ggufq:heartbeats (sorted set) device id -> last heartbeat

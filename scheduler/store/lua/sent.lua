@@ -3,6 +3,7 @@
 -- again), and the job in hand is marked sent, so that if its holder dies before letting go
 -- of it, it is not put back to run twice. Nothing when another placement process swept the
 -- job back from this one (it had stalled): it is someone else's now.
+-- Moves a job (scheduler/custody.py): placing -> sent
 -- KEYS[1] ggufq:inflight:<dev> (hash: job id -> SentJob JSON)
 -- KEYS[2] ggufq:job:<id>:owner (string: the placement's id)
 -- KEYS[3] ggufq:in_hand (hash)

@@ -1,6 +1,7 @@
 -- A worker starts a job it was delivered, in one step: the job must still be this
 -- placement's (not re-placed after its device was dropped), and this delivery must be the
 -- one run of it (a redelivered or duplicated message finds the claim another's).
+-- Moves a job (scheduler/custody.py): sent -> running
 -- KEYS[1] ggufq:inflight:<dev>          (hash) job id -> {job, placement, ...} as JSON
 -- KEYS[2] ggufq:job:<id>:start:<pid>    the claim of the one run: the delivery's id
 -- KEYS[3] ggufq:running                 (hash) job id -> time it started

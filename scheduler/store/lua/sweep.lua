@@ -4,6 +4,7 @@
 -- nothing more with it (its send, park, end and take scripts look). A job marked sent
 -- (its in-flight record stands: the device's records account for it) or that ended is let
 -- go only ('2'); one its holder was ending is let go, for the caller to end.
+-- Moves a job (scheduler/custody.py): placing -> parked, placing -> orphaned
 -- KEYS[1] ggufq:in_hand (hash)
 -- KEYS[2] ggufq:placement:alive (sorted set: placement -> last beat)
 -- KEYS[3] the queue the entry names: ggufq:parked or ggufq:orphans

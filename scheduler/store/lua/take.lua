@@ -2,6 +2,7 @@
 -- once: the record leaves the queue and is held in hand under the taker's token, so that
 -- the same taker asking again (its reply was lost) gets it again and any other gets
 -- nothing; and, should the taker die with it, another placement process puts it back.
+-- Moves a job (scheduler/custody.py): parked -> placing, orphaned -> placing
 -- KEYS[1] the queue: ggufq:parked (sorted set: job id) or ggufq:orphans (hash: job id ->
 --         record)
 -- KEYS[2] the record: ggufq:parked:<id> (string) for the parked queue, unused otherwise

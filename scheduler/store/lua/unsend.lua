@@ -1,6 +1,7 @@
 -- Take back a job that placement recorded as sent but could not send (a broker error): its
 -- in-flight record and owner go, and the runner it was given forgets it (a runner created
 -- for it is removed with its reservations).
+-- Moves a job (scheduler/custody.py): sent -> placing
 -- KEYS[1] ggufq:inflight:<dev>   (hash)
 -- KEYS[2] ggufq:job:<id>:owner   (string)
 -- KEYS[3] ggufq:runners          (set)

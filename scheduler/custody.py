@@ -1,0 +1,202 @@
+"""A job's life, as data: its named states, who moves it from each state to which (and by
+which Lua script), and what happens when whoever holds it stops answering.
+
+This module is the map a reader opens first to answer "what happens to a job when ...":
+README's "When things fail" prints :data:`TRANSITIONS` and :data:`LAPSES` as tables, every
+Lua script that moves a job names its transitions in its header (``-- Moves a job:``), and
+``tests/test_custody.py`` holds the three to each other. ``ggufq fsck`` reads where each job
+is in Redis (:func:`state_of`) and reports a job found in two states at once.
+
+Pure: no Redis, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class JobState(StrEnum):
+    """Where a job is. Its Redis evidence is named in each member's comment."""
+
+    SUBMITTED = "submitted"  # job:<id>:submitted; its message on a placement queue
+    PLACING = "placing"  # in_hand under a placement process (a claim or a take)
+    PARKED = "parked"  # ggufq:parked + parked:<id>: waiting for capacity
+    SENT = "sent"  # inflight:<device> + job:<id>:owner; its message on the device's queue
+    RUNNING = "running"  # also ggufq:running and its start claim: a worker runs it
+    ORPHANED = "orphaned"  # ggufq:orphans: its device was dropped, or its load handed back
+    DONE = "done"  # the stream's final chunk (and the result) with no error
+    FAILED = "failed"  # the stream's final chunk carries the error
+    CANCELLED = "cancelled"  # the final chunk says cancel
+
+    @property
+    def ended(self) -> bool:
+        return self in ENDED
+
+
+ENDED = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED})
+
+
+class Actor(StrEnum):
+    CLIENT = "client"
+    PLACEMENT = "placement"
+    WORKER = "worker"
+    SWEEP = "sweep"  # any placement process, acting for one that stopped answering
+
+
+@dataclass(frozen=True)
+class Transition:
+    source: JobState
+    target: JobState
+    actor: Actor
+    script: str  # the Lua script (lua/<name>.lua) that makes it, "" for a plain write
+    when: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.source.value} -> {self.target.value}"
+
+
+S = JobState
+TRANSITIONS: tuple[Transition, ...] = (
+    Transition(S.SUBMITTED, S.PLACING, Actor.PLACEMENT, "place", "it takes the message"),
+    Transition(S.SUBMITTED, S.SENT, Actor.CLIENT, "fast_send", "a resident runner has a slot"),
+    Transition(S.PLACING, S.SENT, Actor.PLACEMENT, "sent", "decided: recorded, then sent"),
+    Transition(S.PLACING, S.PARKED, Actor.PLACEMENT, "put_back", "no room now"),
+    Transition(S.PLACING, S.PARKED, Actor.SWEEP, "sweep", "its holder went silent"),
+    Transition(S.PLACING, S.ORPHANED, Actor.SWEEP, "sweep", "its holder went silent"),
+    Transition(S.PLACING, S.FAILED, Actor.PLACEMENT, "ending", "refused, or lost twice"),
+    Transition(S.PLACING, S.CANCELLED, Actor.PLACEMENT, "ending", "asked to cancel"),
+    Transition(S.PARKED, S.PLACING, Actor.PLACEMENT, "take", "capacity may have freed"),
+    Transition(S.SENT, S.PLACING, Actor.PLACEMENT, "unsend", "the broker refused the send"),
+    Transition(S.SENT, S.RUNNING, Actor.WORKER, "start", "its one delivery starts it"),
+    Transition(S.SENT, S.ORPHANED, Actor.SWEEP, "reap", "its device went silent"),
+    Transition(S.RUNNING, S.ORPHANED, Actor.SWEEP, "reap", "its device went silent"),
+    Transition(S.RUNNING, S.ORPHANED, Actor.WORKER, "", "its model could not load there"),
+    Transition(S.RUNNING, S.DONE, Actor.WORKER, "append", "its final chunk"),
+    Transition(S.RUNNING, S.FAILED, Actor.WORKER, "append", "its error chunk"),
+    Transition(S.RUNNING, S.CANCELLED, Actor.WORKER, "append", "cancelled mid-run"),
+    Transition(S.ORPHANED, S.PLACING, Actor.PLACEMENT, "take", "to re-place or fail it"),
+)
+
+
+@dataclass(frozen=True)
+class Lapse:
+    """What happens to a job in ``state`` when whoever holds it stops answering."""
+
+    state: JobState
+    holder: str
+    after: str
+    outcome: str
+
+
+LAPSES: tuple[Lapse, ...] = (
+    Lapse(
+        S.SUBMITTED,
+        "the placement queue",
+        "its reader finds it on no queue and unclaimed for 5 s",
+        "its reader sends it again; placement places it once (its claim)",
+    ),
+    Lapse(
+        S.PLACING,
+        "a placement process",
+        "the holder's beats stop for GGUFQ_DEVICE_TTL_S (Redis's clock)",
+        "put back where it was taken from, once; a job already sent is let go, one being "
+        "ended is failed; the holder, if it resumes, finds it swept and does nothing more",
+    ),
+    Lapse(
+        S.PARKED,
+        "nobody",
+        "-",
+        "waits for capacity; woken by events, or by the park sweep",
+    ),
+    Lapse(
+        S.SENT,
+        "its device's worker",
+        "the device's beats stop for GGUFQ_DEVICE_TTL_S (Redis's clock)",
+        "orphaned with the device; a message lost on a live device is sent again after "
+        "two looks find it nowhere",
+    ),
+    Lapse(
+        S.RUNNING,
+        "its device's worker",
+        "the device's beats stop for GGUFQ_DEVICE_TTL_S (Redis's clock)",
+        "orphaned; re-placed once if nothing was streamed, else failed with what happened; "
+        "the old run's chunks and result are fenced off by the job's owner",
+    ),
+    Lapse(
+        S.ORPHANED,
+        "nobody",
+        "-",
+        "a placement process takes it at its next liveness look",
+    ),
+)
+
+
+def transitions_of(script: str) -> set[str]:
+    """The transitions ``lua/<script>.lua`` makes, by name ("sent -> running")."""
+    return {t.name for t in TRANSITIONS if t.script == script}
+
+
+def allowed(source: JobState, target: JobState) -> bool:
+    return any(t.source is source and t.target is target for t in TRANSITIONS)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Where one job id was found in Redis (``ggufq fsck`` reads them all at once)."""
+
+    parked: bool = False
+    orphaned: bool = False
+    held_by: tuple[str, ...] = ()  # placement processes that hold it in hand
+    sent_to: tuple[str, ...] = ()  # devices whose in-flight records name it
+    running: bool = False
+
+
+def state_of(evidence: Evidence) -> tuple[JobState | None, list[str]]:
+    """The state the evidence shows, and what is wrong with it: a job is in one state at a
+    time (a job held in hand may also sit where it was taken from only while marked sent)."""
+    places: list[tuple[JobState, str]] = []
+    if evidence.parked:
+        places.append((S.PARKED, "parked"))
+    if evidence.orphaned:
+        places.append((S.ORPHANED, "among the orphans"))
+    for device in evidence.sent_to:
+        places.append((S.SENT, f"in flight on {device}"))
+    for holder in evidence.held_by:
+        places.append((S.PLACING, f"in the hands of {holder}"))
+    problems = []
+    if len(evidence.sent_to) > 1:
+        problems.append("sent to several devices: " + ", ".join(evidence.sent_to))
+    if len(evidence.held_by) > 1:
+        problems.append("held by several placement processes: " + ", ".join(evidence.held_by))
+    if evidence.running and not evidence.sent_to:
+        problems.append("running, with no in-flight record on any device")
+    states = {state for state, _ in places}
+    if len(states) > 1 and states != {S.SENT, S.PLACING}:  # sent, then let go: one step
+        problems.append("in two states at once: " + ", ".join(where for _, where in places))
+    if not places:
+        return None, problems
+    state = places[0][0]
+    if state is S.SENT and evidence.running:
+        state = S.RUNNING
+    return state, problems
+
+
+def tables() -> str:
+    """README's tables of :data:`TRANSITIONS` and :data:`LAPSES` (``python -m
+    scheduler.custody`` prints them)."""
+    lines = ["| from | to | by | script | when |", "|---|---|---|---|---|"]
+    for t in TRANSITIONS:
+        script = f"`{t.script}.lua`" if t.script else "-"
+        lines.append(
+            f"| {t.source.value} | {t.target.value} | {t.actor.value} | {script} | {t.when} |"
+        )
+    lines += ["", "| state | held by | lapses when | then |", "|---|---|---|---|"]
+    for lapse in LAPSES:
+        lines.append(f"| {lapse.state.value} | {lapse.holder} | {lapse.after} | {lapse.outcome} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(tables(), end="")

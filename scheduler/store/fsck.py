@@ -1,0 +1,228 @@
+"""``ggufq fsck``: the invariants of the cluster's state, checked against a live Redis.
+
+:func:`read` takes one consistent look (a MULTI of reads) at every place a job, a runner
+or a reservation lives; :func:`problems` is pure and says what is wrong with it:
+
+- always: each job is in one state (scheduler/custody.py) and its in-flight record names
+  the job's owner; no device reserves memory for a runner that is gone, and each runner's
+  reservations are its sizes; no runner sits on a device that is gone; no runner counts
+  fewer jobs in flight than the records that name it (it would be unloaded mid-job);
+- once settled (``settled=True``: nothing was submitted and everything ended): no job is
+  left anywhere, and no runner counts a job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import redis
+from pydantic import ValidationError
+
+from scheduler.custody import Evidence, state_of
+from scheduler.protocol import SentJob
+from scheduler.store import keys
+from scheduler.store.records import text
+
+
+@dataclass(frozen=True)
+class Problem:
+    subject: str  # "job <id>", "runner <id>", "device <id>"
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.subject}: {self.what}"
+
+
+@dataclass
+class Runner:
+    id: str
+    model: str
+    in_flight: int
+    devices: dict[str, int]  # bytes per device, as its record says
+
+
+@dataclass
+class Census:
+    """Everything fsck reads, at one moment."""
+
+    devices: set[str] = field(default_factory=set)
+    reservations: dict[str, dict[str, int]] = field(default_factory=dict)  # device → runner
+    runners: dict[str, Runner] = field(default_factory=dict)
+    sent: dict[str, dict[str, SentJob | None]] = field(default_factory=dict)  # device → job
+    owners: dict[str, str | None] = field(default_factory=dict)  # sent job → owner key
+    running: set[str] = field(default_factory=set)
+    parked: set[str] = field(default_factory=set)
+    parked_records: set[str] = field(default_factory=set)
+    orphans: set[str] = field(default_factory=set)
+    held: dict[str, list[str]] = field(default_factory=dict)  # job → placement processes
+
+
+def read(client: redis.Redis) -> Census:
+    """One look at the cluster's state (two round trips: the ids, then what they name)."""
+    pipe = client.pipeline(transaction=True)
+    for name in (keys.DEVICES, keys.RUNNERS):
+        pipe.smembers(name)
+    pipe.hkeys(keys.RUNNING)
+    pipe.zrange(keys.PARKED, 0, -1)
+    pipe.hkeys(keys.ORPHANS)
+    pipe.hkeys(keys.IN_HAND)
+    device_ids, runner_ids, running, parked, orphans, held = pipe.execute()
+    census = Census(
+        devices={text(d) for d in device_ids},
+        running={text(j) for j in running},
+        parked={text(j) for j in parked},
+        orphans={text(j) for j in orphans},
+    )
+    for entry in held:
+        holder, _, job_id = text(entry).rpartition("|")
+        census.held.setdefault(job_id, []).append(holder)
+    devices, runners = sorted(census.devices), sorted(text(r) for r in runner_ids)
+    pipe = client.pipeline(transaction=True)
+    for device_id in devices:
+        pipe.hgetall(keys.reservations(device_id))
+        pipe.hgetall(keys.inflight(device_id))
+    for runner_id in runners:
+        pipe.hmget(keys.runner(runner_id), ["model", "in_flight", "devices"])
+    for job_id in sorted(census.parked):
+        pipe.exists(keys.parked_job(job_id))
+    replies = iter(pipe.execute())
+    for device_id in devices:
+        resv = cast(dict[bytes, bytes], next(replies))
+        census.reservations[device_id] = {text(r): int(n) for r, n in resv.items()}
+        records = cast(dict[bytes, bytes], next(replies))
+        census.sent[device_id] = {text(j): _sent(raw) for j, raw in records.items()}
+    for runner_id in runners:
+        model, in_flight, sizes = cast(list[bytes | None], next(replies))
+        if model is not None:
+            devices_json: dict[str, Any] = json.loads(sizes or b"{}")
+            census.runners[runner_id] = Runner(
+                runner_id,
+                text(model),
+                int(in_flight or 0),
+                {d: int(n) for d, n in devices_json.items()},
+            )
+    census.parked_records = {j for j in sorted(census.parked) if next(replies)}
+    sent_ids = sorted({j for records in census.sent.values() for j in records})
+    if sent_ids:
+        owners = cast(list[bytes | None], client.mget([keys.job_owner(j) for j in sent_ids]))
+        census.owners = {
+            j: None if o is None else text(o) for j, o in zip(sent_ids, owners, strict=True)
+        }
+    return census
+
+
+def _sent(raw: bytes) -> SentJob | None:
+    try:
+        return SentJob.model_validate_json(raw)
+    except ValidationError:
+        return None
+
+
+def problems(census: Census, settled: bool = False) -> list[Problem]:
+    """What is wrong with the cluster's state (empty: nothing)."""
+    found = _jobs(census) + _runners(census)
+    if settled:
+        found += _left(census)
+    return found
+
+
+def _jobs(census: Census) -> list[Problem]:
+    sent_to: dict[str, list[str]] = {}
+    found = []
+    for device_id, records in sorted(census.sent.items()):
+        for job_id, record in sorted(records.items()):
+            sent_to.setdefault(job_id, []).append(device_id)
+            subject = f"job {job_id}"
+            if record is None:
+                found.append(Problem(subject, f"its in-flight record on {device_id} is unreadable"))
+            elif census.owners.get(job_id) not in (record.placement.id, None):
+                owner = census.owners.get(job_id)
+                found.append(
+                    Problem(
+                        subject,
+                        f"in flight on {device_id} as placement {record.placement.id}, but its "
+                        f"owner is {owner}",
+                    )
+                )
+    ids = census.parked | census.orphans | set(census.held) | set(sent_to) | census.running
+    for job_id in sorted(ids):
+        evidence = Evidence(
+            parked=job_id in census.parked,
+            orphaned=job_id in census.orphans,
+            held_by=tuple(sorted(census.held.get(job_id, []))),
+            sent_to=tuple(sent_to.get(job_id, [])),
+            running=job_id in census.running,
+        )
+        _state, wrong = state_of(evidence)
+        found += [Problem(f"job {job_id}", what) for what in wrong]
+        if evidence.parked and job_id not in census.parked_records:
+            found.append(Problem(f"job {job_id}", "parked without its record"))
+    return found
+
+
+def _runners(census: Census) -> list[Problem]:
+    found = []
+    counted: Counter[str] = Counter()
+    for records in census.sent.values():
+        counted.update(r.placement.runner_id for r in records.values() if r is not None)
+    for device_id, resv in sorted(census.reservations.items()):
+        for runner_id, size in sorted(resv.items()):
+            runner = census.runners.get(runner_id)
+            if runner is None:
+                found.append(
+                    Problem(
+                        f"device {device_id}",
+                        f"reserves {size} bytes for runner {runner_id}, which is gone",
+                    )
+                )
+            elif runner.devices.get(device_id) != size:
+                found.append(
+                    Problem(
+                        f"device {device_id}",
+                        f"reserves {size} bytes for runner "
+                        f"{runner_id}, whose record says "
+                        f"{runner.devices.get(device_id)}",
+                    )
+                )
+    for runner in sorted(census.runners.values(), key=lambda r: r.id):
+        subject = f"runner {runner.id} ({runner.model})"
+        for device_id, size in sorted(runner.devices.items()):
+            if device_id not in census.devices:
+                found.append(Problem(subject, f"holds {size} bytes on {device_id}, which is gone"))
+            elif census.reservations.get(device_id, {}).get(runner.id) != size:
+                found.append(Problem(subject, f"its {size} bytes on {device_id} are not reserved"))
+        if runner.in_flight < counted[runner.id]:
+            found.append(
+                Problem(
+                    subject,
+                    f"counts {runner.in_flight} jobs in flight, but {counted[runner.id]} "
+                    "in-flight records name it (it would unload mid-job)",
+                )
+            )
+    return found
+
+
+def _left(census: Census) -> list[Problem]:
+    """What a settled cluster still holds."""
+    found = []
+    places = {
+        "parked": census.parked,
+        "among the orphans": census.orphans,
+        "held by placement": set(census.held),
+        "running": census.running,
+        "in flight": {j for records in census.sent.values() for j in records},
+    }
+    for where, ids in places.items():
+        found += [Problem(f"job {j}", f"still {where} once settled") for j in sorted(ids)]
+    for runner in sorted(census.runners.values(), key=lambda r: r.id):
+        if runner.in_flight:
+            found.append(
+                Problem(
+                    f"runner {runner.id} ({runner.model})",
+                    f"counts {runner.in_flight} jobs in flight once settled",
+                )
+            )
+    return found

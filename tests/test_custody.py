@@ -1,0 +1,104 @@
+"""A job's life as data (scheduler/custody.py), the Lua scripts that move it, README's tables,
+and ``ggufq fsck``'s invariants against a real Redis."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import redis
+
+from scheduler.custody import TRANSITIONS, Evidence, JobState, state_of, tables, transitions_of
+from scheduler.local.stack import LocalStack
+from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
+from scheduler.store import fsck, keys
+from scheduler.store.placement_state import PlacementState
+from scheduler.store.worker_state import WorkerState
+from tests.conftest import ggufq, stack_env
+from tests.test_state import GIB, vgpu
+
+ROOT = Path(__file__).resolve().parent.parent
+LUA = ROOT / "scheduler" / "store" / "lua"
+MOVES = re.compile(r"^-- Moves a job \(scheduler/custody\.py\): (.*)$", re.M)
+
+
+def test_each_script_names_the_transitions_it_makes() -> None:
+    named = {}
+    for path in sorted(LUA.glob("*.lua")):
+        found = MOVES.findall(path.read_text())
+        named[path.stem] = set(", ".join(found).split(", ")) if found else set()
+    for script in {t.script for t in TRANSITIONS if t.script}:
+        assert script in named, f"lua/{script}.lua is in the custody table but not on disk"
+    for script, moves in named.items():
+        assert moves == transitions_of(script), f"lua/{script}.lua's header"
+
+
+def test_readme_prints_the_custody_tables() -> None:
+    assert tables() in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("evidence", "state", "wrong"),
+    [
+        (Evidence(parked=True), JobState.PARKED, ""),
+        (Evidence(sent_to=("d1",)), JobState.SENT, ""),
+        (Evidence(sent_to=("d1",), running=True), JobState.RUNNING, ""),
+        (Evidence(sent_to=("d1",), held_by=("p1",)), JobState.SENT, ""),  # sent, not let go yet
+        (Evidence(held_by=("p1",)), JobState.PLACING, ""),
+        (Evidence(parked=True, sent_to=("d1",)), JobState.PARKED, "two states"),
+        (Evidence(orphaned=True, held_by=("p1",)), JobState.ORPHANED, "two states"),
+        (Evidence(sent_to=("d1", "d2")), JobState.SENT, "several devices"),
+        (Evidence(held_by=("p1", "p2")), JobState.PLACING, "several placement"),
+        (Evidence(running=True), None, "no in-flight record"),
+    ],
+)
+def test_a_job_is_in_one_state(evidence: Evidence, state: JobState | None, wrong: str) -> None:
+    found, problems = state_of(evidence)
+    assert found is state
+    assert (wrong in " ".join(problems)) if wrong else problems == []
+
+
+def sent_job(db: redis.Redis, runner_id: str, placement_id: str = "p1") -> JobRequest:
+    job = JobRequest(model="m", prompt="p")
+    placed = Placement(
+        id=placement_id, runner_id=runner_id, device_id="vgpu:h:0", config=RunnerConfig(512)
+    )
+    assert PlacementState(db).sent(SentJob(job=job, placement=placed, worker="w@h"), 60)
+    return job
+
+
+def test_fsck_finds_what_breaks_an_invariant(db: redis.Redis) -> None:
+    WorkerState(db).register_device(vgpu(0))
+    state = PlacementState(db)
+    assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 1.0, 10)  # one job counted
+    job = sent_job(db, "r")
+    assert fsck.problems(fsck.read(db)) == []
+    assert [str(p) for p in fsck.problems(fsck.read(db), settled=True)] == [
+        f"job {job.id}: still in flight once settled",
+        "runner r (m): counts 1 jobs in flight once settled",
+    ]
+
+    db.zadd(keys.PARKED, {job.id: 1.0})  # parked as well as sent: run twice, in time
+    db.hset(keys.runner("r"), "in_flight", 0)  # a count one too low: unloaded mid-job
+    db.hset(keys.reservations("vgpu:h:0"), "gone", GIB)  # memory held for nobody
+    db.set(keys.job_owner(job.id), "p9")  # re-placed, its old record left behind
+    found = [str(p) for p in fsck.problems(fsck.read(db))]
+    assert found == [
+        f"job {job.id}: in flight on vgpu:h:0 as placement p1, but its owner is p9",
+        f"job {job.id}: in two states at once: parked, in flight on vgpu:h:0",
+        f"job {job.id}: parked without its record",
+        "device vgpu:h:0: reserves 1073741824 bytes for runner gone, which is gone",
+        "runner r (m): counts 0 jobs in flight, but 1 in-flight records name it (it would "
+        "unload mid-job)",
+    ]
+
+
+def test_ggufq_fsck_on_the_live_stack(stack: LocalStack, models_dir: Path, tmp_path: Path) -> None:
+    env = {**stack_env(models_dir, tmp_path / "state"), "GGUFQ_REDIS_URL": stack.redis_url}
+    out = ggufq("fsck", "--json", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout) == {"problems": [], "ok": True}
+    human = ggufq("fsck", env=env)
+    assert human.returncode == 0 and human.stdout.rstrip().endswith("no problems")
