@@ -14,7 +14,8 @@ short job is served (a probe every 0.5 s until one completes). Between trials de
 processes are started again and every runner is unloaded, so each trial starts alike;
 every device must then reserve nothing.
 
-Targets: 0 hung, 0 run twice, 0 silent gaps, 0 leaked; serving again within 2 heartbeats of
+Targets: 0 hung, 0 run twice, 0 silent gaps, 0 leaked, 0 invariant violations (`ggufq fsck
+--settled` once each trial settled); serving again within 2 heartbeats of
 Redis (or a stalled worker) returning, within GGUFQ_DEVICE_TTL_S + 2 heartbeats of a
 worker's or placement's death. A benchmark, never a test: it prints a table, then each
 failure with its evidence (log lines from the stack's log dir), then one JSON line.
@@ -52,7 +53,7 @@ from api_client.results import result_key, result_ready  # noqa: E402
 from scheduler.local.stack import LocalStack  # noqa: E402
 from scheduler.protocol import JobRequest  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
-from scheduler.store import keys  # noqa: E402
+from scheduler.store import fsck, keys  # noqa: E402
 
 # The tests' helpers, imported at run time: tests/ is outside what mypy checks (scheduler,
 # workers, api_client), so `mypy bench/chaos.py` checks this file and not them.
@@ -465,6 +466,7 @@ class TrialResult:
     gaps: list[str] = field(default_factory=list)
     silent_gaps: list[str] = field(default_factory=list)
     leaks: list[str] = field(default_factory=list)
+    invariants: list[str] = field(default_factory=list)  # ggufq fsck --settled, once settled
     unexpected: list[str] = field(default_factory=list)
     died: list[str] = field(default_factory=list)
     unhealthy: list[str] = field(default_factory=list)
@@ -868,6 +870,10 @@ class Trial:
         no job or in-flight record left."""
         if not wait_for(lambda: not self.leaks(), timeout=SETTLE_S):
             self.res.leaks += self.leaks()
+        try:
+            self.res.invariants = [str(p) for p in fsck.problems(fsck.read(self.c.r), True)]
+        except redis.RedisError as exc:
+            self.res.invariants = [f"state unreadable: {exc}"]
 
     def leaks(self) -> list[str]:
         try:
@@ -1093,6 +1099,7 @@ def summary(res: TrialResult) -> str:
             ("twice", res.twice),
             ("gaps", res.gaps),
             ("leaks", res.leaks),
+            ("invariants", res.invariants),
             ("died", res.died),
             ("unhealthy", res.unhealthy),
             ("spinning", res.spinning),
@@ -1130,6 +1137,7 @@ def figures(fault: Fault, results: list[TrialResult], hb_s: float, ttl_s: float)
         "gaps": sum(jobs_in(r.gaps) for r in ran),
         "silent_gaps": sum(jobs_in(r.silent_gaps) for r in ran),
         "leaked": sum(len(r.leaks) for r in ran),
+        "invariant_violations": sum(len(r.invariants) for r in ran),
         "unexpected": sum(len(r.unexpected) for r in ran),
         "died": sum(len(r.died) for r in ran),
         "unhealthy": sum(len(r.unhealthy) for r in ran),
@@ -1145,6 +1153,7 @@ def figures(fault: Fault, results: list[TrialResult], hb_s: float, ttl_s: float)
         "run_twice": out["run_twice"] == 0,
         "silent_gaps": out["silent_gaps"] == 0,
         "leaked": out["leaked"] == 0,
+        "invariants": out["invariant_violations"] == 0,
         "serve": bool(ran) and len(serve) == len(ran) and max(serve) <= target,
         # beside the issue's targets: outcomes as the fault model says, nobody died
         "outcomes": out["unexpected"] + out["unclear"] == 0,
@@ -1157,7 +1166,8 @@ def figures(fault: Fault, results: list[TrialResult], hb_s: float, ttl_s: float)
 def table(rows: dict[str, dict[str, Any]]) -> str:
     head = (
         f"{'fault':16}{'trials':>7}{'jobs':>5}{'done':>5}{'fail':>5}{'canc':>5}{'uncl':>5}"
-        f"{'hung':>5}{'unexp':>6}{'twice':>6}{'gaps':>5}{'silent':>7}{'leak':>5}{'died':>5}"
+        f"{'hung':>5}{'unexp':>6}{'twice':>6}{'gaps':>5}{'silent':>7}{'leak':>5}{'fsck':>5}"
+        f"{'died':>5}"
         f"{'serve p50':>10}{'max':>7}{'target':>7}  met"
     )
     lines = [head, "-" * len(head)]
@@ -1171,7 +1181,8 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
             f"{name:16}{f['trials']:>7}{f['jobs']:>5}{f['completed']:>5}{f['failed']:>5}"
             f"{f['cancelled']:>5}{f['unclear']:>5}{hung:>5}{f['unexpected']:>6}"
             f"{f['run_twice']:>6}{f['gaps']:>5}"
-            f"{f['silent_gaps']:>7}{f['leaked']:>5}{f['died']:>5}{p50:>10}{worst:>7}"
+            f"{f['silent_gaps']:>7}{f['leaked']:>5}{f['invariant_violations']:>5}"
+            f"{f['died']:>5}{p50:>10}{worst:>7}"
             f"{f['serve_target_s']:>7.1f}  {'yes' if f['met'] else 'NO'}"
         )
     return "\n".join(lines)
@@ -1187,6 +1198,7 @@ def problems_of(r: TrialResult, target_s: float) -> list[str]:
     out += ["unexpected outcome: " + s for s in r.unexpected]
     out += ["run twice: " + s for s in r.twice] + ["gap: " + s for s in r.gaps]
     out += ["leak: " + s for s in r.leaks] + ["died: " + s for s in r.died]
+    out += ["invariant: " + s for s in r.invariants]
     out += ["health check fails: " + s for s in r.unhealthy]
     out += ["spinning: " + s for s in r.spinning]
     if r.serve_s is None or r.serve_s > target_s:
