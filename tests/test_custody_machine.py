@@ -1,0 +1,267 @@
+"""Custody as a state machine against a real Redis (hypothesis): two placement processes and
+a worker move jobs through their states with the store's own scripts, while faults come
+between any two steps: a placement process goes silent and another sweeps what it held
+(then it resumes, stale), a reply is lost (the step runs again), a device's worker goes
+silent and its device is reaped. After every step ``ggufq fsck``'s invariants hold and
+every job is where the custody table says it must be; at the end every job can end.
+
+The same scripts serve the real stack; only the processes around them are played here."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import redis
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from scheduler.custody import Evidence, JobState, allowed, state_of
+from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
+from scheduler.store import fsck, keys
+from scheduler.store.hands import Hands, parked_record
+from scheduler.store.placement_state import PlacementState
+from scheduler.store.scripts import execute
+from scheduler.store.worker_state import WorkerState
+from tests.conftest import beat_forever
+from tests.test_state import GIB, vgpu
+
+DEVICE = vgpu(0, total_gib=64).id
+TTL = 60
+CONFIG = RunnerConfig(512)
+FOREVER = 1e12
+P = ("p1", "p2")
+
+
+@dataclass
+class Job:
+    request: JobRequest
+    state: JobState
+    holder: str = ""  # the placement process that holds it (PLACING)
+    placement: Placement | None = None  # where it was sent (SENT, RUNNING)
+    ended: int = 0  # times its end was written
+
+
+class Custody(RuleBasedStateMachine):
+    r: redis.Redis  # the test's database, set before hypothesis makes machines
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.r.flushdb()
+        self.worker = WorkerState(self.r)
+        self.worker.register_device(vgpu(0, total_gib=64))
+        beat_forever(self.r, DEVICE)
+        self.hands = {p: Hands(self.r, p) for p in P}
+        self.state = {p: PlacementState(self.r, self.hands[p]) for p in P}
+        for p in P:
+            self.r.zadd(keys.PLACEMENT_ALIVE, {p: FOREVER})
+        self.jobs: dict[str, Job] = {}
+
+    # -- helpers --------------------------------------------------------------------
+    def in_state(self, *states: JobState) -> list[str]:
+        return sorted(j for j, job in self.jobs.items() if job.state in states)
+
+    def move(self, job: Job, target: JobState) -> None:
+        assert allowed(job.state, target), f"{job.state} -> {target} is not a transition"
+        job.state = target
+
+    # -- the steps, each as its process takes it ------------------------------------
+    def _park(self, job_id: str, again: bool = False) -> None:
+        job = self.jobs[job_id]
+        hands = self.hands[job.holder]
+        record = parked_record(job.request.model_dump(mode="json"), 1.0)
+        token = hands.token(job_id)
+        assert hands.put_back("parked", job_id, record) == "put back"
+        if again:  # its reply was lost: asked again under the same token
+            hands.adopt(job_id, token)
+            hands.put_back("parked", job_id, record)
+        self.move(job, JobState.PARKED)
+        job.holder = ""
+
+    def _take(self, job_id: str, p: str, again: bool = False) -> None:
+        job = self.jobs[job_id]
+        what = "orphan" if job.state is JobState.ORPHANED else "parked"
+        hands = self.hands[p]
+        raw = hands.take(what, job_id)
+        assert raw is not None
+        if again:  # the same taker asks again after a lost reply: the same record
+            token = hands.hand_over(job_id)
+            assert hands.take(what, job_id, token) == raw
+        self.move(job, JobState.PLACING)
+        job.holder = p
+
+    def _send(self, job_id: str, again: bool = False) -> None:
+        job = self.jobs[job_id]
+        runner_id = f"r-{uuid.uuid4().hex[:8]}"
+        state = self.state[job.holder]
+        assert state.reserve(runner_id, {DEVICE: GIB}, {"model": "m"}, 1.0, TTL)
+        placement = Placement(
+            id=uuid.uuid4().hex[:12], runner_id=runner_id, device_id=DEVICE, config=CONFIG
+        )
+        record = SentJob(job=job.request, placement=placement, worker="w@h")
+        assert state.sent(record, 600)
+        if again:
+            assert state.sent(record, 600)  # the same record written twice is there once
+        self.hands[job.holder].let_go(job_id)
+        self.move(job, JobState.SENT)
+        job.holder, job.placement = "", placement
+
+    def _start(self, job_id: str, again: bool = False) -> None:
+        job = self.jobs[job_id]
+        assert job.placement is not None
+        pid = job.placement.id
+        assert self.worker.start(DEVICE, job_id, pid, "delivery", 600, 1.0) is False
+        if again:  # a second delivery of its message does not run it again
+            assert self.worker.start(DEVICE, job_id, pid, "another", 600, 1.0) is None
+        self.move(job, JobState.RUNNING)
+
+    def _end(self, job_id: str, again: bool = False) -> None:
+        job = self.jobs[job_id]
+        assert job.placement is not None
+        for _ in range(2 if again else 1):  # written again after a lost reply: counted once
+            pipe = self.r.pipeline(transaction=False)
+            self.worker.done_with(DEVICE, job_id, job.placement.id, pipe)
+            execute(pipe)
+            once = (job_id, job.placement.id)
+            self.worker.finish(job.placement.runner_id, 1.0, 0, once, 600)
+        job.ended += 1
+        self.move(job, JobState.DONE)
+
+    # -- the rules: a step on a job drawn from those it applies to ------------------------
+    @rule(p=st.sampled_from(P))
+    def submit_and_claim(self, p: str) -> None:
+        # ids in submission order: hypothesis replays a run, and draws by sorted ids
+        request = JobRequest(id=f"job-{len(self.jobs):03d}", model="m", prompt="p")
+        record = parked_record(request.model_dump(mode="json"), 1.0)
+        assert self.state[p].place_once(request.id, uuid.uuid4().hex, 600, record)
+        self.jobs[request.id] = Job(request, JobState.PLACING, holder=p)
+
+    @precondition(lambda self: self.in_state(JobState.PLACING))
+    @rule(data=st.data(), again=st.booleans())
+    def park(self, data: st.DataObject, again: bool) -> None:
+        self._park(data.draw(st.sampled_from(self.in_state(JobState.PLACING))), again)
+
+    @precondition(lambda self: self.in_state(JobState.PARKED, JobState.ORPHANED))
+    @rule(data=st.data(), p=st.sampled_from(P), again=st.booleans())
+    def take(self, data: st.DataObject, p: str, again: bool) -> None:
+        waiting = self.in_state(JobState.PARKED, JobState.ORPHANED)
+        self._take(data.draw(st.sampled_from(waiting)), p, again)
+
+    @precondition(lambda self: self.in_state(JobState.PLACING))
+    @rule(data=st.data(), again=st.booleans())
+    def send(self, data: st.DataObject, again: bool) -> None:
+        self._send(data.draw(st.sampled_from(self.in_state(JobState.PLACING))), again)
+
+    @precondition(lambda self: self.in_state(JobState.SENT))
+    @rule(data=st.data(), again=st.booleans())
+    def start(self, data: st.DataObject, again: bool) -> None:
+        self._start(data.draw(st.sampled_from(self.in_state(JobState.SENT))), again)
+
+    @precondition(lambda self: self.in_state(JobState.RUNNING))
+    @rule(data=st.data(), again=st.booleans())
+    def end(self, data: st.DataObject, again: bool) -> None:
+        self._end(data.draw(st.sampled_from(self.in_state(JobState.RUNNING))), again)
+
+    # -- faults -----------------------------------------------------------------------
+    @precondition(lambda self: self.in_state(JobState.PLACING))
+    @rule(silent=st.sampled_from(P))
+    def a_placement_process_goes_silent(self, silent: str) -> None:
+        """Its beats stop past the TTL: the other sweeps what it held back to where it
+        came from; then it resumes (its beats come back), stale."""
+        survivor = self.hands[P[1 - P.index(silent)]]
+        self.r.zadd(keys.PLACEMENT_ALIVE, {silent: 0.0})
+        sec, micros = self.r.time()
+        dead_before = float(sec) + micros / 1e6 + 1  # a TTL after it took them
+        others, _own = survivor.look(dead_before)
+        for held in others:
+            assert survivor.sweep(held, dead_before, finished=False) == "put back"
+            job = self.jobs[held.job_id]
+            assert job.holder == silent
+            back = JobState.ORPHANED if held.what == "orphan" else JobState.PARKED
+            self.move(job, back)
+            job.holder = ""
+            # the stale holder resumes and tries to send it: refused, it is not its own
+            runner_id = f"r-{uuid.uuid4().hex[:8]}"
+            placement = Placement(id="stale", runner_id=runner_id, device_id=DEVICE, config=CONFIG)
+            stale = SentJob(job=job.request, placement=placement, worker="w@h")
+            assert not self.state[silent].sent(stale, 600)
+        self.r.zadd(keys.PLACEMENT_ALIVE, {silent: FOREVER})
+
+    @precondition(lambda self: self.in_state(JobState.SENT, JobState.RUNNING))
+    @rule()
+    def the_device_goes_silent(self) -> None:
+        """Its worker stops beating: reaped with its runners; its jobs become orphans;
+        then the worker comes back and registers again."""
+        self.r.hset(keys.device(DEVICE), "heartbeat", 0.0)
+        assert self.state[P[0]].reap(TTL) == [DEVICE]
+        for job_id in self.in_state(JobState.SENT, JobState.RUNNING):
+            job = self.jobs[job_id]
+            self.move(job, JobState.ORPHANED)
+            job.placement = None
+        self.worker.register_device(vgpu(0, total_gib=64))
+        beat_forever(self.r, DEVICE)
+
+    # -- what must hold after every step ---------------------------------------------
+    @invariant()
+    def fsck_finds_nothing(self) -> None:
+        assert [str(p) for p in fsck.problems(fsck.read(self.r))] == []
+
+    @invariant()
+    def every_job_is_where_custody_says(self) -> None:
+        census = fsck.read(self.r)
+        sent_to: dict[str, list[str]] = {}
+        for device_id, records in census.sent.items():
+            for job_id in records:
+                sent_to.setdefault(job_id, []).append(device_id)
+        for job_id, job in self.jobs.items():
+            evidence = Evidence(
+                parked=job_id in census.parked,
+                orphaned=job_id in census.orphans,
+                held_by=tuple(census.held.get(job_id, [])),
+                sent_to=tuple(sent_to.get(job_id, [])),
+                running=job_id in census.running,
+            )
+            found, wrong = state_of(evidence)
+            assert wrong == []
+            expected = None if job.state is JobState.DONE else job.state
+            assert found is expected, f"job {job_id}: {found}, expected {job.state}"
+            if job.state is JobState.PLACING:
+                assert evidence.held_by == (job.holder,)
+            assert job.ended <= 1
+
+    def teardown(self) -> None:
+        """Every job can still end: each is taken on to its end, and then nothing is
+        left anywhere and no runner counts a job."""
+        steps = {
+            JobState.PARKED: lambda j: self._take(j, P[0]),
+            JobState.ORPHANED: lambda j: self._take(j, P[0]),
+            JobState.PLACING: self._send,
+            JobState.SENT: self._start,
+            JobState.RUNNING: self._end,
+        }
+        for _ in range(len(steps)):
+            for job_id, job in sorted(self.jobs.items()):
+                if job.state in steps:
+                    steps[job.state](job_id)
+        assert all(job.state is JobState.DONE for job in self.jobs.values())
+        assert [str(p) for p in fsck.problems(fsck.read(self.r), settled=True)] == []
+
+
+def test_custody_holds_under_faults_between_any_two_steps(db: redis.Redis) -> None:
+    Custody.r = db
+    run_state_machine_as_test(
+        Custody,
+        settings=settings(
+            max_examples=50,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
