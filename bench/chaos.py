@@ -97,7 +97,11 @@ FAULTS = [
     Fault("redis-outage", "Redis down N s, back on the same port and dir", "return"),
     Fault("client-dies", "client SIGKILLed mid-stream", "return"),
     Fault("malformed", "garbage on queues, non-UTF-8 on channels", "return"),
+    Fault("worker-clock", "h2's worker runs with its clock 30 s behind (2 TTLs)", "return"),
+    Fault("redis-crash", "Redis SIGKILLed mid-burst (appendfsync everysec), restarted", "return"),
 ]
+# the hosts whose worker runs with its wall clock behind, by fault (tests/clock_offset)
+CLOCK_BEHIND_S = {"worker-clock": {"h2": 30}}
 BY_NAME = {f.name: f for f in FAULTS}
 # What the fault model says becomes of A (streamed when the fault came), B (waited for A's
 # slot, nothing streamed) and C (on the other host); any other job, and any job of a fault
@@ -112,6 +116,7 @@ EXPECT = {
     "placement-stall": {"A": {"completed"}, "B": {"completed"}, "C": {"completed"}},
     "client-dies": _CANCELLED,
     "malformed": _CANCELLED,  # the bench cancels A after the garbage: the watchers still hear
+    "worker-clock": {"A": {"completed"}, "B": {"completed"}, "C": {"completed"}},
 }
 DEFINED = {"completed", "failed", "cancelled"}
 
@@ -124,8 +129,9 @@ class SetupFailed(Exception):
 class Cluster:
     """The stack of one fault: its processes by role, restarted when a fault killed them."""
 
-    def __init__(self, root: Path, models: Path) -> None:
+    def __init__(self, root: Path, models: Path, behind_s: dict[str, int] | None = None) -> None:
         self.root = root
+        self.behind_s = behind_s or {}  # host → seconds its worker's clock is behind
         self.env = stack_env(models, root / "state", host="h1")
         # a streaming reader renews a lease; a client killed without a word has its job
         # cancelled once the lease lapses (default 30 s: longer than A runs here)
@@ -180,7 +186,12 @@ class Cluster:
     def start_worker(self, host: str) -> subprocess.Popen[bytes]:
         self.restarts += 1
         name = f"worker-{host}" if host not in self.workers else f"worker-{host}-{self.restarts}"
-        proc = self.st.add_worker(name, GPU_ARGS[host], {"GGUFQ_HOST_ID": host})
+        env = {"GGUFQ_HOST_ID": host}
+        if host in self.behind_s:
+            path = [str(ROOT / "tests" / "clock_offset"), os.environ.get("PYTHONPATH", "")]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+            env["GGUFQ_TEST_CLOCK_OFFSET_S"] = str(-self.behind_s[host])
+        proc = self.st.add_worker(name, GPU_ARGS[host], env)
         self.workers[host] = proc
         return proc
 
@@ -682,6 +693,22 @@ class Trial:
     def fault_redis_outage(self) -> None:
         self.redis_down(self.args.outage_s, wipe=False)
 
+    def fault_redis_crash(self) -> None:
+        """Redis dies without a word mid-burst: with appendfsync everysec up to a second of
+        writes (claims, records, chunks) is gone when it comes back from its file."""
+        server = self.cl.st.redis
+        assert server is not None and server.proc is not None
+        self.burst(4)
+        time.sleep(self.rng.uniform(0.0, 0.2))
+        server.proc.kill()
+        server.proc.wait()
+        server.start()
+
+    def fault_worker_clock(self) -> None:
+        """Nothing happens: A streams on a worker whose clock is 30 s behind for two TTLs,
+        in which placement looks at its device's beats at every heartbeat."""
+        time.sleep(2 * self.cl.ttl_s)
+
     def fault_client_dies(self) -> None:
         assert self.child is not None
         self.child.send_signal(signal.SIGKILL)
@@ -1067,7 +1094,7 @@ def evidence(res: TrialResult, texts: dict[str, str]) -> list[str]:
 def run_fault(fault: Fault, args: Any, models: Path, work: Path) -> list[TrialResult]:
     rng = random.Random(f"{args.seed}-{fault.name}")
     results: list[TrialResult] = []
-    cluster = Cluster(work / fault.name, models)
+    cluster = Cluster(work / fault.name, models, CLOCK_BEHIND_S.get(fault.name))
     try:
         cluster.start()
         ready = wait_for(cluster.ready, timeout=60)
