@@ -23,7 +23,10 @@ from scheduler.protocol import JobRequest
 from scheduler.settings import Settings
 from scheduler.store import keys
 from tests.conftest import settings_from, stack_env, wait_for
+from tests.held_worker import HOLD
 from tests.tinymodel import write_slow_model
+
+HELD_WORKER = "tests.held_worker"
 
 LONG = {"temperature": 0, "num_predict": 6000, "num_ctx": 8192}
 SHORT = {"temperature": 0, "num_predict": 4, "num_ctx": 8192}
@@ -35,8 +38,9 @@ Hosts = tuple[LocalStack, subprocess.Popen[bytes], Settings]
 @pytest.fixture()
 def two_hosts(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Hosts]:
     """A stack on host h1 (a 2 GiB virtual GPU) and a second worker, h2, with the smaller
-    GPU: binpack sends the first job of the slow model there. Device TTL 5 s (or the test's
-    ``ttl`` parameter), heartbeats every 0.5 s."""
+    GPU: binpack sends the first job of the slow model there. h2 holds jobs whose prompt
+    starts with HOLD: after their first text (tests/held_worker.py). Device TTL 5 s (or the
+    test's ``ttl`` parameter), heartbeats every 0.5 s."""
     models = tmp_path / "models"
     models.mkdir()
     write_slow_model(models / "slow.gguf")
@@ -47,7 +51,9 @@ def two_hosts(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Hosts]
     with LocalStack(
         settings, worker_args=["--virtual-gpu", "2GiB"], log_dir=tmp_path / "logs", extra_env=env
     ) as st:
-        h2 = st.add_worker("worker-h2", ["--virtual-gpu", "1GiB"], {"GGUFQ_HOST_ID": "h2"})
+        h2 = st.add_worker(
+            "worker-h2", ["--virtual-gpu", "1GiB"], {"GGUFQ_HOST_ID": "h2"}, HELD_WORKER
+        )
         yield st, h2, settings
 
 
@@ -62,12 +68,11 @@ def finals(client: Client, job_id: str) -> int:
 
 
 def busy_on_h2(client: Client) -> tuple[object, object]:
-    """a streams on h2's runner; b waits behind it for the one slot (nothing streamed)."""
+    """a streamed on h2's runner and is held there, running (tests/held_worker.py); b waits
+    behind it for the one slot (nothing streamed)."""
     assert wait_for(lambda: len(client.devices()) == 2, timeout=60)
-    a = client.submit("slow", "a", options=LONG)
-    for seen, _chunk in enumerate(a.stream(cancel_on_close=False), 1):
-        if seen == 3:
-            break
+    a = client.submit("slow", f"{HOLD} a", options=LONG)
+    next(iter(a.stream(cancel_on_close=False)))
     b = client.submit("slow", "b", options={**LONG, "num_predict": 8})
     assert wait_for(lambda: [r.in_flight for r in client.ps()] == [2])
     (runner,) = client.ps()
@@ -151,7 +156,7 @@ def test_malformed_messages_on_every_queue_and_channel_stop_nothing(two_hosts: H
         # every process is alive, cancellation still reaches a running job, jobs still run
         time.sleep(1.0)
         assert st.alive() and h2.poll() is None
-        long = client.submit("slow", "long", options=LONG)
+        long = client.submit("slow", f"{HOLD} long", options=LONG)
         next(iter(long.stream(cancel_on_close=False)))
         long.cancel()
         with pytest.raises(GgufqError, match="cancelled"):
@@ -177,9 +182,11 @@ def test_no_job_runs_twice_when_the_broker_redelivers_quickly(tmp_path: Path) ->
         "GGUFQ_MAX_LOADED_MODELS": "1",
     }
     settings = settings_from(env, None)
-    with LocalStack(settings, log_dir=tmp_path / "logs", extra_env=env) as st:
+    with LocalStack(
+        settings, log_dir=tmp_path / "logs", extra_env=env, worker_module=HELD_WORKER
+    ) as st:
         with Client(st.redis_url, settings=settings, timeout=120) as client:
-            a = client.submit("slow", "a", options=LONG)
+            a = client.submit("slow", f"{HOLD} a", options=LONG)  # held until cancelled
             next(iter(a.stream(cancel_on_close=False)))
             b, c = (client.submit("slow", n, options=SHORT) for n in ("b", "c"))
             time.sleep(5)  # several of kombu's sweeps for unacknowledged messages
@@ -197,7 +204,7 @@ READER = """
 import sys
 from api_client import Client
 with Client() as client:
-    job = client.submit("slow", "a reader that dies", options={LONG!r})
+    job = client.submit("slow", "HOLD: a reader that dies", options={LONG!r})
     for chunk in job.stream():
         print(job.id, flush=True)
 """
@@ -255,11 +262,9 @@ def test_a_job_sent_on_the_fast_path_has_an_outcome_when_its_worker_is_killed(
     with Client(st.redis_url, settings=settings, timeout=60) as client:
         assert wait_for(lambda: len(client.devices()) == 2, timeout=60)
         client.generate("slow", "warm", options=SHORT)  # loads on h2; publishes its route
-        job = client.submit("slow", "a", options=LONG)
+        job = client.submit("slow", f"{HOLD} a", options=LONG)  # held on h2, running
         assert client.r.get(keys.job_placed(job.id)).startswith(b"fast:")
-        for seen, _chunk in enumerate(job.stream(cancel_on_close=False), 1):
-            if seen == 3:
-                break
+        next(iter(job.stream(cancel_on_close=False)))
         victim.send_signal(signal.SIGKILL)
         with pytest.raises(JobFailed, match=r"worker ggufq-vgpu0@h2 \(vgpu:h2:0\) stopped"):
             job.result(timeout=60)

@@ -32,9 +32,11 @@ class LocalStack:
         worker_args: list[str] | None = None,
         log_dir: Path | None = None,
         extra_env: dict[str, str] | None = None,
+        worker_module: str = "workers.main",
     ) -> None:
         self.settings = settings
         self.worker_args = worker_args or []
+        self.worker_module = worker_module  # run as ``python -m``: a wrapper of workers.main
         self.log_dir = log_dir  # None: children write to this terminal
         self.extra_env = extra_env or {}
         self.redis: EmbeddedRedis | None = None
@@ -63,18 +65,22 @@ class LocalStack:
             self._spawn(
                 "placement", [sys.executable, "-m", "scheduler.placement.process"], nice=nice
             )
-            self._spawn("worker", [sys.executable, "-m", "workers.main", *self.worker_args])
+            self._spawn("worker", [sys.executable, "-m", self.worker_module, *self.worker_args])
             self.wait_ready(timeout_s)
         except BaseException:
             self.stop()
             raise
 
     def add_worker(
-        self, name: str, worker_args: list[str], env: dict[str, str] | None = None
+        self,
+        name: str,
+        worker_args: list[str],
+        env: dict[str, str] | None = None,
+        module: str = "workers.main",
     ) -> subprocess.Popen[bytes]:
         """Start another worker on this stack's Redis (another host id in ``env`` makes it
         another host); it stops with the stack."""
-        return self._spawn(name, [sys.executable, "-m", "workers.main", *worker_args], env)
+        return self._spawn(name, [sys.executable, "-m", module, *worker_args], env)
 
     def add_process(
         self,

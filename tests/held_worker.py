@@ -1,0 +1,61 @@
+"""``python -m tests.held_worker ARGS...``: the real worker (``ggufq worker ARGS...``), in which
+a job whose prompt starts with ``HOLD:`` stops after its first piece of text, still
+running, until it is cancelled or the test releases it (:func:`release`).
+
+A test that acts on a running job (kills its reader, cancels it, kills its worker) must
+find it running: a job held here waits on the event the test controls instead of on the
+machine being slow enough to still be generating. Everything else is the worker's own:
+the job is claimed, streams its first chunk, sees its cancel, and ends as any other.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import redis
+
+import workers.generation as generation
+from workers.main import main
+
+HOLD = "HOLD:"
+
+
+def release_key(job_id: str) -> str:
+    return f"ggufq-test:release:{job_id}"
+
+
+def release(client: redis.Redis, job_id: str) -> None:
+    """Let a held job go on generating."""
+    client.set(release_key(job_id), 1, ex=600)
+
+
+def hold_marked_jobs() -> None:
+    generate = generation.generate
+
+    def held(req: Any, runner: Any, publisher: Any, cancelled: Any, prompt: str, *rest: Any) -> Any:
+        if not prompt.startswith(HOLD):
+            return generate(req, runner, publisher, cancelled, prompt, *rest)
+        publish = publisher.publish
+        first = threading.Event()
+
+        def then_hold(chunk: dict[str, Any]) -> None:
+            publish(chunk)
+            if first.is_set() or not chunk.get("response"):
+                return
+            first.set()
+            publisher.flush()  # its first text is out for its reader before it holds
+            # on the decode thread, so the runner's other sequences wait too
+            while not cancelled() and not publisher.r.exists(release_key(req.id)):
+                threading.Event().wait(0.02)
+
+        publisher.publish = then_hold
+        return generate(req, runner, publisher, cancelled, prompt, *rest)
+
+    generation.generate = held  # type: ignore[assignment]
+
+
+if __name__ == "__main__":
+    hold_marked_jobs()
+    main(sys.argv[1:])
