@@ -22,7 +22,7 @@ import redis.asyncio
 from api_client.batch import BatchStopped, run_batch
 from api_client.batch_files import BatchInput, BatchSummary
 from api_client.client import Client, Messages
-from api_client.job import CHECK_EVERY_S, Job, release
+from api_client.job import CHECK_EVERY_S, STREAM_END_LOOKS, Job, release
 from api_client.results import result_key, result_ready
 from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import JobTimeout, error_from_code
@@ -112,8 +112,8 @@ class AsyncJob:
         return await asyncio.to_thread(self.job.final, wait)
 
     async def _stored(self, wait: float) -> dict[str, Any] | None:
-        """Wait for the job's result; returns its stream's final chunk instead when the
-        stream ended a look ago and no result came."""
+        """Wait for the job's result; returns its stream's final chunk instead when
+        STREAM_END_LOOKS looks in a row found the stream ended and no result."""
         app, r = self.client.sync.app, self.client.r
         key = result_key(app, self.id)
         pubsub = r.pubsub(ignore_subscribe_messages=True)
@@ -121,14 +121,14 @@ class AsyncJob:
         try:
             deadline = time.monotonic() + wait
             checked = time.monotonic()
-            ended_at_last_look = False
+            ended_looks = 0
             while not result_ready(app, await r.get(key)):
                 if time.monotonic() - checked > CHECK_EVERY_S:  # lost, or lost on the way?
                     await asyncio.to_thread(self.job.check)
                     end = await asyncio.to_thread(self.job.stream_end)
-                    if end is not None and ended_at_last_look:
+                    ended_looks = ended_looks + 1 if end is not None else 0
+                    if end is not None and ended_looks >= STREAM_END_LOOKS:
                         return end
-                    ended_at_last_look = end is not None
                     checked = time.monotonic()
                 left = deadline - time.monotonic()
                 if left <= 0:

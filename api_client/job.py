@@ -60,6 +60,9 @@ def release(client: redis.Redis, lease: ReaderLease) -> None:
 
 RESEND_AFTER_S = 5.0  # a job not taken by placement this long with its queue empty
 CHECK_EVERY_S = 2.0  # a reader waiting for a result checks the job this often
+# looks in a row that find a job's stream ended and no result before a reader takes the
+# stream's final chunk as the result (its worker stores the result just after it)
+STREAM_END_LOOKS = 3
 
 
 class Job:
@@ -130,12 +133,13 @@ class Job:
 
     def final(self, timeout: float | None = None) -> dict[str, Any]:
         """The job's final record as stored (raises the job's typed error): its result, or
-        its stream's final chunk when its stream ended a look ago and no result came (the
-        result was lost: Redis restarted from a snapshot taken between the two writes)."""
+        its stream's final chunk when STREAM_END_LOOKS looks in a row found its stream ended
+        and no result (the result was lost: Redis restarted from a snapshot taken between
+        the two writes)."""
         wait = self.client.timeout if timeout is None else timeout
         handle = AsyncResult(self.id, app=self.client.app)
         deadline = time.monotonic() + wait
-        ended_at_last_look = False
+        ended_looks = 0
         try:
             while True:  # in slices: between them, see that Redis still knows the job
                 left = deadline - time.monotonic()
@@ -152,9 +156,9 @@ class Job:
                     ) from None
                 self.check()
                 end = self.stream_end()
-                if end is not None and ended_at_last_look:
+                ended_looks = ended_looks + 1 if end is not None else 0
+                if end is not None and ended_looks >= STREAM_END_LOOKS:
                     return self.from_stream_end(end)
-                ended_at_last_look = end is not None
         finally:
             # a result given up on stays subscribed in Celery's result consumer, which then
             # retries for 20 s once the client closes its connections: let go of it here
@@ -187,7 +191,11 @@ class Job:
         error = chunk.get("error")
         if error:
             raise error_from_code(error["code"], error["message"])
-        log.warning("job %s: its result was lost; its stream's final chunk has it", self.id)
+        log.warning(
+            "job %s: its stream ended and no result was stored (lost, or its worker is still "
+            "finishing): its final chunk is the result",
+            self.id,
+        )
         return {k: v for k, v in chunk.items() if k != "seq"}
 
     def hops(self) -> dict[str, float]:
