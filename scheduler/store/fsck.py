@@ -1,7 +1,7 @@
 """``ggufq fsck``: the invariants of the cluster's state, checked against a live Redis.
 
-:func:`read` takes one consistent look (a MULTI of reads) at every place a job, a runner
-or a reservation lives; :func:`problems` is pure and says what is wrong with it:
+:func:`read` takes one atomic look (lua/census.lua) at every place a job, a runner or a
+reservation lives; :func:`problems` is pure and says what is wrong with it:
 
 - always: each job is in one state (scheduler/custody.py) and its in-flight record names
   the job's owner; no device reserves memory for a runner that is gone, and each runner's
@@ -16,15 +16,15 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import redis
 from pydantic import ValidationError
 
 from scheduler.custody import Evidence, state_of
 from scheduler.protocol import SentJob
-from scheduler.store import keys
 from scheduler.store.records import text
+from scheduler.store.scripts import script
 
 
 @dataclass(frozen=True)
@@ -61,57 +61,34 @@ class Census:
 
 
 def read(client: redis.Redis) -> Census:
-    """One look at the cluster's state (two round trips: the ids, then what they name)."""
-    pipe = client.pipeline(transaction=True)
-    for name in (keys.DEVICES, keys.RUNNERS):
-        pipe.smembers(name)
-    pipe.hkeys(keys.RUNNING)
-    pipe.zrange(keys.PARKED, 0, -1)
-    pipe.hkeys(keys.ORPHANS)
-    pipe.hkeys(keys.IN_HAND)
-    device_ids, runner_ids, running, parked, orphans, held = pipe.execute()
+    """One atomic look at the cluster's state (lua/census.lua: one round trip)."""
+    reply = script(client, "census")()
+    devices, running, parked, orphans, held, recorded, runners, per_device, owners = reply
     census = Census(
-        devices={text(d) for d in device_ids},
+        devices={text(d) for d in devices},
         running={text(j) for j in running},
         parked={text(j) for j in parked},
+        parked_records={text(j) for j in recorded},
         orphans={text(j) for j in orphans},
     )
     for entry in held:
         holder, _, job_id = text(entry).rpartition("|")
         census.held.setdefault(job_id, []).append(holder)
-    devices, runners = sorted(census.devices), sorted(text(r) for r in runner_ids)
-    pipe = client.pipeline(transaction=True)
-    for device_id in devices:
-        pipe.hgetall(keys.reservations(device_id))
-        pipe.hgetall(keys.inflight(device_id))
-    for runner_id in runners:
-        pipe.hmget(keys.runner(runner_id), ["model", "in_flight", "devices"])
-    for job_id in sorted(census.parked):
-        pipe.exists(keys.parked_job(job_id))
-    replies = iter(pipe.execute())
-    for device_id in devices:
-        resv = cast(dict[bytes, bytes], next(replies))
-        census.reservations[device_id] = {text(r): int(n) for r, n in resv.items()}
-        records = cast(dict[bytes, bytes], next(replies))
-        census.sent[device_id] = {text(j): _sent(raw) for j, raw in records.items()}
-    for runner_id in runners:
-        model, in_flight, sizes = cast(list[bytes | None], next(replies))
-        if model is not None:
-            devices_json: dict[str, Any] = json.loads(sizes or b"{}")
-            census.runners[runner_id] = Runner(
-                runner_id,
-                text(model),
-                int(in_flight or 0),
-                {d: int(n) for d, n in devices_json.items()},
-            )
-    census.parked_records = {j for j in sorted(census.parked) if next(replies)}
-    sent_ids = sorted({j for records in census.sent.values() for j in records})
-    if sent_ids:
-        owners = cast(list[bytes | None], client.mget([keys.job_owner(j) for j in sent_ids]))
-        census.owners = {
-            j: None if o is None else text(o) for j, o in zip(sent_ids, owners, strict=True)
-        }
+    for runner_id, model, in_flight, sizes in runners:
+        record: dict[str, Any] = json.loads(sizes)
+        census.runners[text(runner_id)] = Runner(
+            text(runner_id), text(model), int(in_flight), {d: int(n) for d, n in record.items()}
+        )
+    for device_id, resv, sent in per_device:
+        device = text(device_id)
+        census.reservations[device] = {text(r): int(n) for r, n in _pairs(resv)}
+        census.sent[device] = {text(j): _sent(raw) for j, raw in _pairs(sent)}
+    census.owners = {text(j): text(o) or None for j, o in _pairs(owners)}
     return census
+
+
+def _pairs(flat: list[Any]) -> list[tuple[Any, Any]]:
+    return list(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _sent(raw: bytes) -> SentJob | None:

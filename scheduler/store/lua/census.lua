@@ -1,0 +1,40 @@
+-- A census for ggufq fsck (scheduler/store/fsck.py): every place a job, a runner or a
+-- reservation lives, read in one atomic look, so that a busy cluster shows no job between
+-- two of its own steps. Reads only.
+-- Touches, by name: ggufq:devices, ggufq:runners, ggufq:running, ggufq:parked,
+-- ggufq:orphans, ggufq:in_hand (their members), ggufq:resv:<dev>, ggufq:inflight:<dev>,
+-- ggufq:runner:<id> (model, in_flight, devices), ggufq:parked:<id>, ggufq:job:<id>:owner
+-- Returns {devices, running, parked, orphans, held fields, parked ids that have their
+-- record, {runner id, model, in_flight, devices JSON}..., {device id, reservations (flat
+-- runner, bytes), in-flight records (flat job, record)}..., owners (flat job, owner or '')}
+local devices = redis.call('SMEMBERS', 'ggufq:devices')
+local parked = redis.call('ZRANGE', 'ggufq:parked', 0, -1)
+local recorded = {}
+for _, id in ipairs(parked) do
+  if redis.call('EXISTS', 'ggufq:parked:' .. id) == 1 then table.insert(recorded, id) end
+end
+local runners = {}
+for _, id in ipairs(redis.call('SMEMBERS', 'ggufq:runners')) do
+  local r = redis.call('HMGET', 'ggufq:runner:' .. id, 'model', 'in_flight', 'devices')
+  if r[1] then table.insert(runners, {id, r[1], r[2] or '0', r[3] or '{}'}) end
+end
+local per_device, owners = {}, {}
+for _, dev in ipairs(devices) do
+  local sent = redis.call('HGETALL', 'ggufq:inflight:' .. dev)
+  for i = 1, #sent, 2 do
+    table.insert(owners, sent[i])
+    table.insert(owners, redis.call('GET', 'ggufq:job:' .. sent[i] .. ':owner') or '')
+  end
+  table.insert(per_device, {dev, redis.call('HGETALL', 'ggufq:resv:' .. dev), sent})
+end
+return {
+  devices,
+  redis.call('HKEYS', 'ggufq:running'),
+  parked,
+  redis.call('HKEYS', 'ggufq:orphans'),
+  redis.call('HKEYS', 'ggufq:in_hand'),
+  recorded,
+  runners,
+  per_device,
+  owners,
+}
