@@ -76,6 +76,8 @@ class PlacementService:
         self.name = f"placement-{settings.host_id}-{uuid.uuid4().hex[:6]}"
         # liveness is judged on Redis's clock; the beat loop keeps this one on it
         self.clock = RedisClock(client)
+        with contextlib.suppress(redis.RedisError):  # else its beat loop syncs it
+            self.clock.sync()  # before the first job: its own clock may be far off
         self.hands = Hands(client, self.name)  # the jobs this process handles, in Redis
         self.state = PlacementState(client, self.hands)
         self.ledger = RedisLedger(self.state, app, settings.device_ttl_s)

@@ -149,8 +149,9 @@ class _Routes:
         )
         queue = keys.device_queue(route.device_id, req.priority)
         sending = message(queue, placement)
-        now = time.time()  # the moment it is sent, as near as the client can tell
-        record = SentJob(job=req, placement=placement, worker=route.worker, sent_at=now)
+        now = time.time()  # the client's: last use, demand and hops
+        # sent_at 0.0 is stamped by the script on Redis's clock (the lost-send look's)
+        record = SentJob(job=req, placement=placement, worker=route.worker, sent_at=0.0)
         claim = f"fast:{placement.id}"
         args = [
             raw,

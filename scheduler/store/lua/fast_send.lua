@@ -17,7 +17,8 @@
 -- KEYS[13] ggufq:job:<id>:hops        (hash) the client's hops: submitted, sent
 -- ARGV: route (as the client read it), device id, now (the client's: last use, demand and
 --       hops), device ttl (the device's last beat must be that recent on Redis's clock),
---       claim ttl, submitted at, placement claim, job id, in-flight record, placement id,
+--       claim ttl, submitted at, placement claim, job id, in-flight record (its
+--       "sent_at":0.0 stamped here on Redis's clock), placement id,
 --       owner ttl (also the hops'), message, route ttl, model, demand tau
 -- Returns 1 when sent (also when this attempt's claim is there already: it ran, and its
 -- reply was lost); 0 when the normal path must place it (the route changed, the runner
@@ -44,7 +45,10 @@ redis.call('SET', KEYS[8], ARGV[7], 'EX', ARGV[5])
 redis.call('HINCRBY', KEYS[2], 'in_flight', 1)
 redis.call('HSET', KEYS[2], 'last_used', ARGV[3], 'expires_at', -1)
 changed(KEYS[2])
-redis.call('HSET', KEYS[9], ARGV[8], ARGV[9])
+-- the record's "sent_at":0.0 becomes the time on Redis's clock, which the lost-send look
+-- compares with (no JSON string holds '":' unescaped, so the field is the one matched)
+local stamped = string.gsub(ARGV[9], '"sent_at":0%.0', '"sent_at":' .. string.format('%.6f', now_s()), 1)
+redis.call('HSET', KEYS[9], ARGV[8], stamped)
 redis.call('SET', KEYS[10], ARGV[10], 'EX', ARGV[11])
 redis.call('LPUSH', KEYS[11], ARGV[12])
 redis.call('EXPIRE', KEYS[1], ARGV[13])
