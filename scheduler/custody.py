@@ -73,9 +73,9 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(S.SENT, S.ORPHANED, Actor.SWEEP, "reap", "its device went silent"),
     Transition(S.RUNNING, S.ORPHANED, Actor.SWEEP, "reap", "its device went silent"),
     Transition(S.RUNNING, S.ORPHANED, Actor.WORKER, "", "its model could not load there"),
-    Transition(S.RUNNING, S.DONE, Actor.WORKER, "append", "its final chunk"),
-    Transition(S.RUNNING, S.FAILED, Actor.WORKER, "append", "its error chunk"),
-    Transition(S.RUNNING, S.CANCELLED, Actor.WORKER, "append", "cancelled mid-run"),
+    Transition(S.RUNNING, S.DONE, Actor.WORKER, "end", "its final chunk, slot freed"),
+    Transition(S.RUNNING, S.FAILED, Actor.WORKER, "end", "its error chunk, slot freed"),
+    Transition(S.RUNNING, S.CANCELLED, Actor.WORKER, "end", "cancelled mid-run"),
     Transition(S.ORPHANED, S.PLACING, Actor.PLACEMENT, "take", "to re-place or fail it"),
 )
 

@@ -133,6 +133,19 @@ def test_runner_stays_resident_between_jobs(client: Client) -> None:
     assert 295 < runner.expires_at - time.time() <= 300
 
 
+def test_a_stream_that_ended_finds_its_slot_free(client: Client) -> None:
+    """A job's end is written with its final chunk (lua/end.lua): a reader that sees
+    ``done`` finds the runner idle with its expiry, as the demo's `ps` right after its
+    stream shows it, never busy with the job just read."""
+    client.generate("tiny", "warm up", options=GREEDY, keep_alive="5m")
+    for _ in range(5):
+        *_, last = client.generate("tiny", "The sky is", options=GREEDY, stream=True)
+        assert last.done
+        (runner,) = [r for r in client.ps() if r.model == "tiny"]
+        assert runner.in_flight == 0 and runner.expires_at > 0, runner
+        assert not [j for j in client.jobs() if j.model == "tiny"]
+
+
 def test_no_worker_is_reported_quickly(session_dir: Path) -> None:
     lonely = EmbeddedRedis(session_dir / "lonely")
     lonely.start()

@@ -14,7 +14,7 @@ import redis
 from scheduler.local.procs import lower_thread_priority
 from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.scripts import execute
-from scheduler.store.streams import Appended, queue_chunk, write_chunk
+from scheduler.store.streams import queue_chunk, write_chunk
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 class Pending:
     """A chunk queued in a :class:`ChunkWriter`; text may join it until the writer takes it."""
 
-    __slots__ = ("job_id", "seq", "chunk", "ttl_s", "fence", "taken", "written_at", "fenced")
+    __slots__ = ("job_id", "seq", "chunk", "ttl_s", "fence", "taken", "written_at")
 
     def __init__(
         self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
@@ -31,7 +31,6 @@ class Pending:
         self.fence = fence  # written only while the job's owner is this placement id
         self.taken = False
         self.written_at = 0.0  # wall-clock time the writer had it in Redis
-        self.fenced = False  # refused: the job's owner is another placement id now
 
 
 class ChunkWriter:
@@ -88,7 +87,7 @@ class ChunkWriter:
             return False
         try:
             args = (pending.job_id, pending.seq, pending.chunk, pending.ttl_s, pending.fence)
-            pending.fenced = write_chunk(self._now, *args) == Appended.FENCED
+            write_chunk(self._now, *args)
         except redis.RedisError as exc:
             log.warning("writing a first chunk at once failed (%s); the writer takes it", exc)
             self._now_paused_until = time.monotonic() + self.NOW_PAUSE_S
@@ -193,11 +192,7 @@ class ChunkWriter:
         except redis.RedisError as exc:
             return str(exc), False
         failed = [r for r in results if isinstance(r, Exception)]
-        if failed:
-            return str(failed[0]), False
-        for chunk, result in zip(chunks, results, strict=True):
-            chunk.fenced = result == Appended.FENCED
-        return None, False
+        return (str(failed[0]), False) if failed else (None, False)
 
     def _pipeline(self, chunks: list[Pending]) -> list[Any]:
         pipe = self.r.pipeline(transaction=False)
@@ -238,8 +233,6 @@ class ChunkPublisher:
         self.seq = 0
         self._pending: Pending | None = None  # the last chunk put to the writer
         self._first: Pending | None = None  # the job's first chunk of text
-        self._last: Pending | None = None  # the last chunk given to the writer
-        self._fenced = False  # a chunk written directly was refused by the fence
         # when the job got its slot, when its first text was published, and when that was
         # in Redis (scheduler/store/hops.py)
         self.admitted_at = self.first_token_at = self.first_written_at = 0.0
@@ -279,7 +272,7 @@ class ChunkPublisher:
                 return
             self.seq += 1
             if self.seq == 1:  # its time to first token: written at once if Redis is quick
-                pending = self._last = Pending(self.job_id, 1, dict(chunk), self.ttl_s, self.fence)
+                pending = Pending(self.job_id, 1, dict(chunk), self.ttl_s, self.fence)
                 if self.writer.write_now(pending):
                     self._pending = None
                     self._first = pending if first else None
@@ -287,35 +280,33 @@ class ChunkPublisher:
                 # its write may have landed though its answer did not: the copy the thread
                 # writes is then refused whole as a duplicate, so it must stay as it was
                 # (text joined to it would be lost); the next text makes a chunk of its own
-                again = self._last = self.writer.put(self.job_id, 1, chunk, self.ttl_s, self.fence)
+                again = self.writer.put(self.job_id, 1, chunk, self.ttl_s, self.fence)
                 self._pending, self._first = None, again if first else None
                 return
             self._pending = self.writer.put(self.job_id, self.seq, chunk, self.ttl_s, self.fence)
-            self._last = self._pending
             if first:
                 self._first = self._pending
             return
         self.seq += 1
-        if (
-            write_chunk(self.r, self.job_id, self.seq, chunk, self.ttl_s, self.fence)
-            == Appended.FENCED
-        ):
-            self._fenced = True
+        write_chunk(self.r, self.job_id, self.seq, chunk, self.ttl_s, self.fence)
         if first:
             self.first_written_at = time.time()
 
     def flush(self) -> None:
-        """Return once every chunk published so far is in Redis."""
+        """Return once every chunk published so far is in Redis (or the writer gave up on
+        it: Redis away past its outage bound)."""
         if self.writer is not None:
-            self.writer.flush()
+            self.writer.flush(self.writer.outage_s + 30.0)
 
-    def fenced(self) -> bool:
-        """Whether the last chunk published (after :meth:`flush`: the final one) was
-        refused because the job is no longer this run's: placement ended it or placed it
-        again (this worker had stalled or been cut off). Its outcome is then not this
-        run's to write: the job's stream, fenced, already ends with the other one's."""
-        last = self._last
-        return self._fenced or (last is not None and last.fenced)
+    def last_seq(self) -> int:
+        """The seq of the job's last chunk, which the job's end writes itself (lua/end.lua,
+        with the in-flight record and the runner's count), once every chunk published
+        before it is in Redis: nothing is published after it."""
+        with self._lock:
+            self.seq += 1
+            seq = self.seq
+        self.flush()
+        return seq
 
     def hops(self) -> dict[str, float]:
         """The job's slot, first token and first written chunk, as far as they happened."""

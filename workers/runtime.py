@@ -23,9 +23,8 @@ from scheduler.protocol import JobRequest, Placement, SentJob, parse_placement, 
 from scheduler.settings import Settings
 from scheduler.store.cancel import CancelWatcher, cancelled_before_start
 from scheduler.store.hops import note as note_hops
-from scheduler.store.scripts import execute
 from scheduler.store.stats import count
-from scheduler.store.streams import error_chunk
+from scheduler.store.streams import Appended, error_chunk
 from workers.chunks import ChunkPublisher, ChunkWriter
 from workers.generation import AnyRunner, Progress, produce
 from workers.keepalive import expires_at
@@ -42,6 +41,16 @@ def _nothing() -> None:
 
 def _silent(state: str, **fields: Any) -> None:
     pass
+
+
+def finished_tally(final: dict[str, Any]) -> dict[str, float]:
+    """A finished job's counters (scheduler/placement/metrics.py)."""
+    tokens, prompt_tokens = final.get("eval_count") or 0, final.get("prompt_eval_count") or 0
+    return {"finished": 1, "tokens": tokens, "prompt_tokens": prompt_tokens}
+
+
+def failed_tally(error: GgufqError) -> dict[str, float]:
+    return {"cancelled" if isinstance(error, JobCancelled) else "failed": 1}
 
 
 class WorkerRuntime(Residency):
@@ -144,7 +153,14 @@ class WorkerRuntime(Residency):
         # without the load lock, which another runner's load holds for seconds
         resident = self.runners.get(runner_id) if req.kind == "chat" or req.prompt else None
         meanwhile = _nothing
-        tally: dict[str, float] = {}  # the job's counters (scheduler/placement/metrics.py)
+        ended = False
+
+        def end(last: dict[str, Any] | None, tally: dict[str, float]) -> bool:
+            """The job's end, its ``last`` chunk with it; False when that was fenced off."""
+            nonlocal ended
+            ended = True
+            return self._ended(req, placement, publisher, last, tally, received_at)
+
         try:
             if resident is not None:
                 publisher.hold()
@@ -164,25 +180,14 @@ class WorkerRuntime(Residency):
                 )
             )
             final["total_duration"] = time.perf_counter_ns() - received + placement.placement_ns
-            # vectors travel in the result only: the stream's final chunk has the stats
-            publisher.publish({k: v for k, v in final.items() if k != "embeddings"})
-            publisher.flush()  # the stream is complete before the result is stored
-            if publisher.fenced():  # placement ended it or placed it again meanwhile
-                raise NotOwned(req.id)
-            tally = {
-                "finished": 1,
-                "tokens": final.get("eval_count") or 0,
-                "prompt_tokens": final.get("prompt_eval_count") or 0,
-            }
+            # vectors travel in the result only: the stream's final chunk has the stats;
+            # the stream is complete, and the slot free, before the result is stored
+            last = {k: v for k, v in final.items() if k != "embeddings"}
+            if not end(last, finished_tally(final)):
+                raise NotOwned(req.id)  # placement ended it or placed it again meanwhile
             return final
         except HandBack as exc:
-            if not start.ours(resident):
-                raise NotOwned(req.id) from None
-            log.warning("handing job %s back to placement: %s", req.id, exc)
-            sent_job = SentJob(
-                job=req, placement=placement, worker=self.worker_name, avoid=[placement.device_id]
-            )
-            self.state.hand_back(sent_job)
+            self._hand_back(start, resident, exc)
             raise
         except NotOwned:
             raise
@@ -191,16 +196,24 @@ class WorkerRuntime(Residency):
                 isinstance(exc, GgufqError) and req.id in self._disowned
             ):
                 raise NotOwned(req.id) from None  # its new run, or placement, writes the end
-            error = self._failed(req, placement, publisher, exc)
-            if publisher.fenced():  # and its outcome is not this run's to store
+            error = self._failed(req, placement, exc)
+            chunk = error_chunk(req.model, req.id, error, device=placement.device_id)
+            if not end(chunk, failed_tally(error)):  # its outcome is not this run's to store
                 raise NotOwned(req.id) from None
-            tally = {"cancelled" if isinstance(exc, JobCancelled) else "failed": 1}
             raise error from None
         finally:
-            if start.owned:
-                self._ended(req, placement, publisher, tally, received_at)
-            else:
-                self._unwatch(req.id)
+            if not ended:
+                self._left(req, placement, publisher, start.owned, received_at)
+
+    def _hand_back(self, start: StartClaim, resident: AnyRunner | None, exc: HandBack) -> None:
+        """Give a job whose model could not load here back to placement, which places it
+        again elsewhere; raises NotOwned when the job is not this delivery's."""
+        if not start.ours(resident):
+            raise NotOwned(start.req.id) from None
+        log.warning("handing job %s back to placement: %s", start.req.id, exc)
+        device = start.placement.device_id
+        record = SentJob(job=start.req, placement=start.placement, worker=self.worker_name)
+        self.state.hand_back(record.model_copy(update={"avoid": [device]}))
 
     def _start_now(
         self, start: StartClaim, cancelled: Callable[[], bool], progress: Progress
@@ -213,47 +226,68 @@ class WorkerRuntime(Residency):
         if start.placement.runner_id not in self.runners:
             progress("loading", device=start.placement.device_id)
 
-    def _failed(
-        self, req: JobRequest, placement: Placement, publisher: ChunkPublisher, exc: Exception
-    ) -> Exception:
+    def _failed(self, req: JobRequest, placement: Placement, exc: Exception) -> GgufqError:
         """The error a job this delivery runs ends with when ``exc`` stopped it (a JobFailed
-        for what is not a GgufqError), published as its last chunk."""
+        for what is not a GgufqError)."""
         if isinstance(exc, GgufqError):
-            error = exc
-        else:
-            log.error("job %s failed", req.id, exc_info=exc)
-            error = JobFailed(f"job {req.id} failed on {placement.device_id}: {exc}")
-        publisher.publish(error_chunk(req.model, req.id, error, device=placement.device_id))
-        publisher.flush()
-        return error
+            return exc
+        log.error("job %s failed", req.id, exc_info=exc)
+        return JobFailed(f"job {req.id} failed on {placement.device_id}: {exc}")
 
     def _ended(
         self,
         req: JobRequest,
         placement: Placement,
         publisher: ChunkPublisher,
+        last: dict[str, Any] | None,
         tally: dict[str, float],
         received_at: float,
-    ) -> None:
-        """A job this delivery ran ended: its in-flight record, counters and hops go to
-        Redis, and its runner counts it off."""
+    ) -> bool:
+        """A job this delivery ran ended: its ``last`` chunk (None: no chunk of its own),
+        its in-flight record and its runner's count go to Redis in one step (lua/end.lua),
+        then its counters and hops. False when the chunk was fenced off (the job was taken
+        from this run): its outcome is not this run's to store."""
         with self._jobs_lock:  # together: a second delivery checks _running to unwatch
             self.cancels.forget(req.id)
             self._running.pop(req.id, None)
         self._disowned.discard(req.id)
         ttl_s = self.settings.stream_ttl_s
+        seq = publisher.last_seq() if last is not None else 0
         hops = dict(publisher.hops(), worker_received=received_at)
+        appended = [Appended.WRITTEN]  # unknown while Redis is away: as before, stored
 
-        def bookkeeping() -> None:  # one round trip: the in-flight record, the counters
+        def write_end() -> None:
+            now, runner = self.clock(), self.runners.get(placement.runner_id)
+            keep_alive_s = None if runner is None else runner.keep_alive_s
+            done = (seq, last)
+            appended[0], left = self.state.end(placement, req.id, done, now, keep_alive_s, ttl_s)
+            self._counted_off(placement.runner_id, left, now, keep_alive_s)
+
+        def bookkeeping() -> None:  # the counters and hops, in one round trip
             pipe = self.r.pipeline(transaction=False)
-            self.state.done_with(placement.device_id, req.id, placement.id, pipe)
             count(pipe, req.model, **tally)
             note_hops(pipe, req.id, ttl_s, hops)
-            execute(pipe)
+            pipe.execute()
 
         # through an outage too: else its slot stays taken in placement's view
-        self.backlog.run(f"ending job {req.id}", bookkeeping)
-        self.backlog.run(f"counting job {req.id} off", lambda: self._job_ended(req.id, placement))
+        self.backlog.run(f"ending job {req.id}", write_end)
+        self.backlog.run(f"counting job {req.id}", bookkeeping)
+        return appended[0] is not Appended.FENCED
+
+    def _left(
+        self,
+        req: JobRequest,
+        placement: Placement,
+        publisher: ChunkPublisher,
+        owned: bool,
+        received_at: float,
+    ) -> None:
+        """A run that left before its end: one this delivery ran (handed back to placement)
+        ends with no chunk of its own; another stops watching the job."""
+        if owned:
+            self._ended(req, placement, publisher, None, {}, received_at)
+        else:
+            self._unwatch(req.id)
 
     def _unwatch(self, job_id: str) -> None:
         """Stop watching a job that does not run here, unless another delivery of it does."""
@@ -261,20 +295,16 @@ class WorkerRuntime(Residency):
             if job_id not in self._running:
                 self.cancels.forget(job_id)
 
-    def _job_ended(self, job_id: str, placement: Placement) -> None:
-        """Count the job off its runner (once, however often this is tried); the runner's
-        keep_alive as it is now (a later job's explicit value, or an unload asked while it
-        was busy) decides what happens next."""
-        now, runner_id = self.clock(), placement.runner_id
-        runner = self.runners.get(runner_id)
-        keep_alive_s = None if runner is None else runner.keep_alive_s
-        once = (job_id, placement.id)
-        left = self.state.finish(runner_id, now, keep_alive_s, once, self.settings.stream_ttl_s)
+    def _counted_off(
+        self, runner_id: str, left: int, now: float, keep_alive_s: float | None
+    ) -> None:
+        """After a job's end counted it off its runner: the runner's keep_alive as it is now
+        (a later job's explicit value, or an unload asked while it was busy) decides what
+        happens next."""
         if left < 0:  # its record is gone (its device was dropped): nothing will expire it
             if not self._busy(runner_id):
                 self._drop_local(runner_id)
             return
-        self.state.announce({"event": "job_finished", "runner": runner_id, "in_flight": left})
         if left > 0:
             return
         if keep_alive_s is None or keep_alive_s == 0:

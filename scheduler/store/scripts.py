@@ -15,8 +15,9 @@ import redis.asyncio
 def _lua_source(name: str) -> str:
     folder = resources.files("scheduler.store").joinpath("lua")
     # the preludes: every script logs the keys it changes (placement's snapshot cache reads
-    # that log), and may count a model's demand, let go of a job in hand or read Redis's clock
-    parts = ("changes", "demand", "hands", "clock")
+    # that log), and may count a model's demand, let go of a job in hand, read Redis's
+    # clock, or take the steps of a job's end
+    parts = ("changes", "demand", "hands", "clock", "ends")
     preludes = [folder.joinpath(f"_{part}.lua").read_text() for part in parts]
     return "".join(preludes) + folder.joinpath(f"{name}.lua").read_text()
 

@@ -45,6 +45,17 @@ def _append_call(
     return job_keys, [fence, seq, payload, ttl_s]
 
 
+def chunk_call(
+    job_id: str, seq: int, chunk: dict[str, Any] | None, ttl_s: int, fence: str
+) -> tuple[list[str], list[Any]]:
+    """:func:`write_chunk`'s keys and arguments, for a script that writes a job's chunk
+    among other things (lua/end.lua); ``chunk`` None writes none."""
+    if chunk is None:
+        job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
+        return job_keys, [fence, seq, "", ttl_s]
+    return _append_call(job_id, seq, chunk, ttl_s, fence)
+
+
 def write_chunk(
     client: redis.Redis, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
 ) -> Appended:

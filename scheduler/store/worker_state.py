@@ -9,12 +9,13 @@ from typing import Any, cast
 import redis
 
 from scheduler.cluster import DeviceInfo
-from scheduler.protocol import SentJob
+from scheduler.protocol import Placement, SentJob
 from scheduler.store import keys
 from scheduler.store.cancel import cancelled_by, watch_keys
 from scheduler.store.placement_state import GONE_BEAT, reap
 from scheduler.store.records import text
 from scheduler.store.scripts import flatten, queue, script
+from scheduler.store.streams import Appended, chunk_call
 
 
 class WorkerState:
@@ -29,6 +30,7 @@ class WorkerState:
         self._heartbeat = script(client, "heartbeat")
         self._done_with = script(client, "done_with")
         self._start = script(client, "start")
+        self._end = script(client, "end")
 
     # -- devices -------------------------------------------------------------------------
     def register_device(self, dev: DeviceInfo) -> None:
@@ -139,6 +141,35 @@ class WorkerState:
         Redis lost its data, or the job ended long ago)."""
         raw = self.r.get(keys.job_owner(job_id))
         return None if raw is None else text(raw)
+
+    def end(
+        self,
+        placement: Placement,
+        job_id: str,
+        last: tuple[int, dict[str, Any] | None],
+        now: float,
+        keep_alive_s: float | None,
+        ttl_s: int,
+    ) -> tuple[Appended, int]:
+        """A job's end in one round trip (lua/end.lua): its ``last`` chunk (seq, chunk; None
+        writes none) fenced by its owner, its in-flight record and running mark gone, its
+        runner counting it off once (``keep_alive_s`` None keeps the runner's). Returns
+        what became of the chunk and how many jobs the runner still counts (-1: gone)."""
+        seq, chunk = last
+        chunk_keys, chunk_args = chunk_call(job_id, seq, chunk, ttl_s, placement.id)
+        keep = "" if keep_alive_s is None else keep_alive_s
+        appended, left = self._end(
+            keys=[
+                *chunk_keys,
+                keys.RUNNING,
+                keys.inflight(placement.device_id),
+                keys.runner(placement.runner_id),
+                keys.job_ended(job_id, placement.id),
+                keys.EVENTS,
+            ],
+            args=[*chunk_args, job_id, now, keep, ttl_s, placement.runner_id],
+        )
+        return Appended(int(appended)), int(left)
 
     def done_with(self, device_id: str, job_id: str, placement_id: str, pipe: Any) -> None:
         """Queue on ``pipe``: the job ended (its worker sends this with its counters; run

@@ -1,0 +1,59 @@
+-- A job's end, a prelude: the steps append.lua, done_with.lua, finish.lua and end.lua share
+-- (end.lua takes all three at once).
+-- Touches, by name: nothing; the keys are the callers'.
+
+-- Append one chunk to a job's stream and publish it, unless the job's owner is another
+-- placement id than ``fence`` ('' writes whatever the owner). Returns streams.Appended:
+-- 1 WRITTEN, 0 FENCED, -1 DUPLICATE (this seq is there already).
+local function append_chunk(owner_key, chunks, channel, fence, seq, payload, ttl)
+  local owner = redis.call('GET', owner_key)
+  local id = '0-' .. seq
+  if fence ~= '' and owner and owner ~= fence then
+    -- this very chunk, written before the job was taken from this run (its answer was
+    -- lost and it is asked again): not fenced. Another run's chunk of the seq is not it.
+    local there = redis.call('XRANGE', chunks, id, id)
+    if #there > 0 and there[1][2][2] == payload then return -1 end
+    return 0
+  end
+  local added = redis.pcall('XADD', chunks, id, 'c', payload)
+  if type(added) == 'table' and added.err then return -1 end
+  redis.call('PUBLISH', channel, payload)
+  -- every write renews the expiry, so a stream outlives its job by ttl however long it runs
+  redis.call('EXPIRE', chunks, ttl)
+  return 1
+end
+
+-- The job is no longer running, nor in flight on its device, unless it was placed again
+-- meanwhile (its record then has another placement id). Returns 1 when the record was
+-- this placement's and is gone, else 0.
+local function done_with(running, inflight, job_id, placement_id)
+  redis.call('HDEL', running, job_id)
+  local raw = redis.call('HGET', inflight, job_id)
+  if raw and cjson.decode(raw)['placement']['id'] == placement_id then
+    redis.call('HDEL', inflight, job_id)
+    return 1
+  end
+  return 0
+end
+
+-- Count one job off a runner, once per placement of it when ``marker`` (its end marker
+-- key) is given, and set when the runner expires if it is now idle. ``keep`` '' keeps the
+-- runner's keep_alive_s. Returns the jobs it still counts, -1 when it is gone.
+local function count_off(runner, marker, now, keep, marker_ttl)
+  if redis.call('EXISTS', runner) == 0 then return -1 end
+  if marker and not redis.call('SET', marker, 1, 'NX', 'EX', marker_ttl) then
+    return tonumber(redis.call('HGET', runner, 'in_flight') or '0')
+  end
+  local left = redis.call('HINCRBY', runner, 'in_flight', -1)
+  if left < 0 then
+    redis.call('HSET', runner, 'in_flight', 0)
+    left = 0
+  end
+  local alive_s = tonumber(keep)
+  if keep == '' then alive_s = tonumber(redis.call('HGET', runner, 'keep_alive_s') or '-1') end
+  local expires = -1
+  if left == 0 and alive_s >= 0 then expires = tonumber(now) + alive_s end
+  redis.call('HSET', runner, 'last_used', now, 'keep_alive_s', alive_s, 'expires_at', expires)
+  changed(runner)
+  return left
+end

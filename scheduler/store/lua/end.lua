@@ -1,0 +1,31 @@
+-- A job's end on its worker, in one step: its last chunk (unless there is none to write:
+-- handed back), fenced by its owner as append.lua's are; its running mark and in-flight
+-- record gone (done_with.lua); and its runner counting it off once, with its expiry if now
+-- idle (finish.lua). A reader that sees the last chunk finds the slot free and `ps` shows
+-- the runner idle; a worker that dies before this leaves the job in flight, for placement
+-- to re-place or fail with its device.
+-- Moves a job (scheduler/custody.py): running -> done, running -> failed, running -> cancelled
+-- KEYS[1] ggufq:job:<id>:owner                     (string) placement id, or "orphaned"
+-- KEYS[2] ggufq:job:<id>:chunks                    (stream) entry ids 0-<seq>
+-- KEYS[3] ggufq:job:<id>                           (pub/sub channel)
+-- KEYS[4] ggufq:running                            (hash) job id -> time it started
+-- KEYS[5] ggufq:inflight:<dev>                     (hash) job id -> in-flight record
+-- KEYS[6] ggufq:runner:<id>                        (hash)
+-- KEYS[7] ggufq:job:<id>:ended:<placement id>      (string) the runner counted it off
+-- KEYS[8] ggufq:events                             (pub/sub channel) job_finished: wakes
+--                                                  parked jobs
+-- ARGV: placement id (the fence), seq, payload ('' for no chunk), stream ttl_s, job id,
+--       now, keep_alive_s ('' keeps the runner's), the end marker's ttl_s, runner id
+-- Returns {streams.Appended (1 also when there was no chunk), jobs the runner still counts
+-- (-1: it is gone)}.
+local appended = 1
+if ARGV[3] ~= '' then
+  appended = append_chunk(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
+end
+done_with(KEYS[4], KEYS[5], ARGV[5], ARGV[1])
+local left = count_off(KEYS[6], KEYS[7], ARGV[6], ARGV[7], ARGV[8])
+if left >= 0 then
+  local event = {event = 'job_finished', runner = ARGV[9], in_flight = left}
+  redis.call('PUBLISH', KEYS[8], cjson.encode(event))
+end
+return {appended, left}
