@@ -11,9 +11,10 @@ import pytest
 from api_client import Client, InvalidRequest
 from scheduler.local.stack import LocalStack
 from tests.conftest import settings_from, stack_env, wait_for
+from tests.held_worker import HOLD, release
 from tests.tinymodel import write_slow_model
 
-BUSY = {"temperature": 0, "num_predict": 1500, "num_ctx": 8192}  # a second or more of work
+BUSY = {"temperature": 0, "num_predict": 1500, "num_ctx": 8192}
 QUICK = {"temperature": 0, "num_predict": 2, "num_ctx": 8192}
 
 
@@ -25,15 +26,17 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
     write_slow_model(models / "slow.gguf")
     env = stack_env(models, root / "state", host="kahost")
     settings = settings_from(env, None)
-    with LocalStack(settings, log_dir=root / "logs", extra_env=env) as st:
+    held = "tests.held_worker"  # HOLD: jobs stay running until released
+    with LocalStack(settings, log_dir=root / "logs", extra_env=env, worker_module=held) as st:
         with Client(st.redis_url, settings=settings, timeout=120) as c:
             yield c
 
 
 def busy_runner(client: Client) -> object:
-    """A runner that never expires on its own, busy with a job that is streaming."""
+    """A runner that never expires on its own, busy with a job that streamed and is held
+    running until the test releases it."""
     client.load("slow", keep_alive=-1, options={"num_ctx": 8192})
-    job = client.submit("slow", "go on", options=BUSY)
+    job = client.submit("slow", f"{HOLD} go on", options=BUSY)
     next(iter(job.stream(cancel_on_close=False)))
     assert [r.in_flight for r in client.ps()] == [1]
     return job
@@ -43,6 +46,7 @@ def test_an_unload_asked_while_busy_happens_when_the_last_job_ends(client: Clien
     job = busy_runner(client)
     assert len(client.unload("slow")) == 1
     assert client.ps()  # still serving its job
+    release(client.r, job.id)  # type: ignore[attr-defined]
     assert job.result(timeout=120).done  # type: ignore[attr-defined]
     assert wait_for(lambda: not client.ps(), timeout=30)
 
@@ -52,6 +56,8 @@ def test_a_keep_alive_zero_job_on_a_busy_runner_unloads_it_after_the_last(
 ) -> None:
     first = busy_runner(client)
     second = client.submit("slow", "and go", options=QUICK, keep_alive=0)
+    assert wait_for(lambda: [r.in_flight for r in client.ps()] == [2])  # while first runs
+    release(client.r, first.id)  # type: ignore[attr-defined]
     assert second.result(timeout=120).done  # type: ignore[attr-defined]
     assert first.result(timeout=120).done  # type: ignore[attr-defined]
     assert wait_for(lambda: not client.ps(), timeout=30)
@@ -60,7 +66,9 @@ def test_a_keep_alive_zero_job_on_a_busy_runner_unloads_it_after_the_last(
 def test_a_job_cancelled_in_the_queue_leaves_the_runner_s_keep_alive(client: Client) -> None:
     first = busy_runner(client)
     queued = client.submit("slow", "waits for the slot", options=QUICK)
+    assert wait_for(lambda: [r.in_flight for r in client.ps()] == [2])  # queued at the runner
     queued.cancel()
+    release(client.r, first.id)  # type: ignore[attr-defined]
     assert first.result(timeout=120).done  # type: ignore[attr-defined]
     with pytest.raises(Exception, match="cancel"):
         queued.result(timeout=120)
