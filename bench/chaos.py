@@ -518,6 +518,7 @@ class Trial:
         self.a_device = ""
         self.fault_end = 0.0
         self.known: dict[str, set[str]] = {}
+        self.known_problems: set[str] = set()  # fsck --settled before this trial
         self.progress: dict[str, list[tuple[float, int]]] = {}  # job → (time, chunks)
         self.child: subprocess.Popen[bytes] | None = None  # client-dies: the client of A
 
@@ -897,10 +898,17 @@ class Trial:
         no job or in-flight record left."""
         if not wait_for(lambda: not self.leaks(), timeout=SETTLE_S):
             self.res.leaks += self.leaks()
+        # a dead placement process's held jobs are let go a TTL after its last beat
+        wait_for(lambda: not self.invariants(), timeout=self.cl.ttl_s + SETTLE_S)
+        self.res.invariants = self.invariants()
+
+    def invariants(self) -> list[str]:
+        """``ggufq fsck --settled``'s problems, less those left before this trial."""
         try:
-            self.res.invariants = [str(p) for p in fsck.problems(fsck.read(self.c.r), True)]
+            found = [str(p) for p in fsck.problems(fsck.read(self.c.r), settled=True)]
         except redis.RedisError as exc:
-            self.res.invariants = [f"state unreadable: {exc}"]
+            return [f"state unreadable: {exc}"]
+        return [p for p in found if p not in self.known_problems]
 
     def leaks(self) -> list[str]:
         try:
@@ -917,6 +925,7 @@ class Trial:
         marks = LogMarks(self.cl)
         try:
             self.known = job_hashes(self.c)  # a leak of an earlier trial counts there only
+            self.known_problems = set(self.invariants())  # the same for fsck's
             self.put_load()
         except (SetupFailed, GgufqError, redis.RedisError) as exc:
             self.res.setup_failed = f"{type(exc).__name__}: {exc}"
