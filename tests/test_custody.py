@@ -12,6 +12,7 @@ import redis
 
 from scheduler.custody import TRANSITIONS, Evidence, JobState, state_of, tables, transitions_of
 from scheduler.local.stack import LocalStack
+from scheduler.placement.parking import ParkedJobs
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import fsck, keys
 from scheduler.store.placement_state import PlacementState
@@ -89,6 +90,7 @@ def test_fsck_finds_what_breaks_an_invariant(db: redis.Redis) -> None:
         f"job {job.id}: in flight on vgpu:h:0 as placement p1, but its owner is p9",
         f"job {job.id}: in two states at once: parked, in flight on vgpu:h:0",
         f"job {job.id}: parked without its record",
+        f"job {job.id}: missing from its model's index of parked jobs",
         "device vgpu:h:0: reserves 1073741824 bytes for runner gone, which is gone",
         "runner r (m): counts 0 jobs in flight, but 1 in-flight records name it (it would "
         "unload mid-job)",
@@ -102,3 +104,25 @@ def test_ggufq_fsck_on_the_live_stack(stack: LocalStack, models_dir: Path, tmp_p
     assert json.loads(out.stdout) == {"problems": [], "ok": True}
     human = ggufq("fsck", env=env)
     assert human.returncode == 0 and human.stdout.rstrip().endswith("no problems")
+
+
+def test_parked_jobs_are_indexed_by_model(db: redis.Redis) -> None:
+    """A job's end wakes the parked jobs of its runner's model only: they are read from
+    that model's index, kept with the parked queue by the same scripts."""
+    parked = ParkedJobs(db)
+    jobs = [JobRequest(model=m, prompt="p") for m in ("a", "b", "a", "c")]
+    for order, job in enumerate(jobs):
+        parked.park(job, float(order))
+    assert parked.models() == {"a", "b", "c"}
+    assert parked.ids({"a"}) == [jobs[0].id, jobs[2].id]
+    assert [i for i, _job in parked.entries(models={"a", "c"})] == [
+        jobs[0].id,
+        jobs[2].id,
+        jobs[3].id,
+    ]
+    assert parked.claim(jobs[0].id) is not None  # taken for a retry: out of the index too
+    parked.drop(jobs[3].id)  # ended while it waited
+    assert parked.models() == {"a", "b"} and parked.ids({"a"}) == [jobs[2].id]
+    assert [str(p) for p in fsck.problems(fsck.read(db))] == []
+    parked.park(jobs[0], 0.0)  # back in the queue
+    assert parked.ids({"a"}) == [jobs[0].id, jobs[2].id]

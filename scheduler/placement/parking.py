@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import redis
 
@@ -26,6 +26,8 @@ from scheduler.fairness import fair_order
 from scheduler.protocol import JobRequest, parse_request
 from scheduler.store import keys
 from scheduler.store.hands import Hands, Taken, TakeUnsure, parked_record
+from scheduler.store.records import text
+from scheduler.store.scripts import script
 
 _BATCH_OFFSET = 1e12  # every batch job sorts after every interactive one
 
@@ -59,6 +61,7 @@ class ParkedJobs:
     def __init__(self, client: redis.Redis, hands: Hands | None = None) -> None:
         self.r = client
         self._hands = hands
+        self._unpark: Any = None  # lua/unpark.lua, registered on first use
 
     @property
     def hands(self) -> Hands:
@@ -94,23 +97,31 @@ class ParkedJobs:
             raise InvalidRequest(f"parked job {job_id}'s record cannot be read: {exc}") from None
 
     def drop(self, job_id: str) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        pipe.zrem(keys.PARKED, job_id)
-        pipe.delete(keys.parked_job(job_id))
-        pipe.execute()
+        """The job leaves the queue for good (it ended while it waited)."""
+        if self._unpark is None:
+            self._unpark = script(self.r, "unpark")
+        self._unpark(keys=[keys.PARKED, keys.parked_job(job_id)], args=[job_id])
 
-    def ids(self) -> list[str]:
-        return [i.decode() for i in cast(list[bytes], self.r.zrange(keys.PARKED, 0, -1))]
+    def ids(self, models: Collection[str] | None = None) -> list[str]:
+        """Parked job ids in queue order; only those of ``models`` when given (read from
+        their models' indexes alone)."""
+        if models is None:
+            return [text(i) for i in cast(list[bytes], self.r.zrange(keys.PARKED, 0, -1))]
+        pipe = self.r.pipeline(transaction=False)
+        for model in sorted(models):
+            pipe.zrange(keys.parked_of(model), 0, -1, withscores=True)
+        scored = [(score, text(i)) for found in pipe.execute() for i, score in found]
+        return [job_id for _score, job_id in sorted(scored)]
 
     def entries(
-        self, passes: Mapping[str, float] | None = None
+        self, passes: Mapping[str, float] | None = None, models: Collection[str] | None = None
     ) -> list[tuple[str, JobRequest | None]]:
         """Parked job ids in retry order, each with its job (None: its record does not
-        parse, or it was just claimed; those first). Retry order is fair across tenants
-        (:func:`scheduler.fairness.fair_order`, weighted by the jobs' ``weight``, after
-        what each tenant was served lately, ``passes``):
+        parse, or it was just claimed; those first); only those of ``models`` when given.
+        Retry order is fair across tenants (:func:`scheduler.fairness.fair_order`, weighted
+        by the jobs' ``weight``, after what each tenant was served lately, ``passes``):
         interactive before batch within a tenant, and each class in arrival order."""
-        ids = self.ids()
+        ids = self.ids(models)
         if not ids:
             return []
         raws = cast(list[bytes | None], self.r.mget([keys.parked_job(i) for i in ids]))
@@ -126,7 +137,8 @@ class ParkedJobs:
         return [job for _id, job in self.entries() if job is not None]
 
     def models(self) -> set[str]:
-        return {job.model for job in self.jobs()}
+        """The models with parked jobs (their index: no parked record is read)."""
+        return {text(m) for m in cast(dict[bytes, bytes], self.r.hgetall(keys.PARKED_MODELS))}
 
     def listing(self) -> list[JobView]:
         """One row per parked job: position overall and within its model."""

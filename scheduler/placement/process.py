@@ -19,6 +19,7 @@ from celery import signals
 from scheduler.loops import LoopHealth, start_loop
 from scheduler.placement.metrics import serve_metrics
 from scheduler.placement.service import PlacementService
+from scheduler.placement.wakes import EVERYTHING, wake_for
 from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
 from scheduler.store.cancel import message_text
@@ -29,6 +30,7 @@ log = logging.getLogger("ggufq.placement")
 # how often placement looks for jobs whose message to a live device was lost (a job sent
 # more than this long ago, unstarted, and in no queue: two looks in a row send it again)
 LOST_SWEEP_S = 5.0
+MAX_EVENTS = 1000  # events read together before the parked jobs they wake are retried
 
 
 class Liveness:
@@ -117,17 +119,30 @@ class Liveness:
         try:
             next_sweep = time.monotonic() + sweep_s
             while not self.stopping.is_set():
-                message = pubsub.get_message(timeout=1.0)
+                batch = self._received(pubsub)
                 self.health.ok("placement-wake")  # the step never returns: it is alive
-                if message is not None and self._on_message(message):
-                    continue
+                wake = wake_for([message_text(m) for m in batch if not self._on_message(m)])
                 due = time.monotonic() >= next_sweep
-                if (message is not None or due) and self.service.r.zcard(keys.PARKED):
-                    self.service.retry_parked()
                 if due:
-                    next_sweep = time.monotonic() + sweep_s
+                    wake, next_sweep = EVERYTHING, time.monotonic() + sweep_s
+                if wake is not None and self.service.r.zcard(keys.PARKED):
+                    self.service.retry_parked(wake.models)
         finally:
             pubsub.close()
+
+    @staticmethod
+    def _received(pubsub: Any) -> list[dict[str, Any]]:
+        """The messages that came within a second: the first waited for, then all that
+        arrived with it (at most MAX_EVENTS), so that a burst of job ends retries parked
+        jobs once, not once each."""
+        message = pubsub.get_message(timeout=1.0)
+        batch: list[dict[str, Any]] = []
+        while message is not None and len(batch) < MAX_EVENTS:
+            batch.append(message)
+            message = pubsub.get_message(timeout=0)
+        if message is not None:
+            batch.append(message)
+        return batch
 
     def _on_message(self, message: dict[str, Any]) -> bool:
         """Handle a cancel (True: nothing else to do) or a job handed back by a worker."""

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Collection
 from functools import partial
 from typing import Any, NoReturn
 
@@ -146,14 +147,15 @@ class PlacementService:
             execute(pipe)
         return outcome
 
-    def retry_parked(self) -> int:
-        """Retry parked jobs in order; returns how many left the queue.
+    def retry_parked(self, models: Collection[str] | None = None) -> int:
+        """Retry parked jobs in order (only those of ``models`` when given: a freed slot
+        serves its runner's model alone); returns how many left the queue.
 
         After one job parks again, later jobs of its model and configuration are not
         tried: they could not run either, and must not overtake it.
         """
         moved, blocked = 0, set()
-        for job_id, req in self.parked.entries(self.passes.ahead()):
+        for job_id, req in self.parked.entries(self.passes.ahead(), models):
             if req is not None and _config_of(req) in blocked:
                 continue
             try:

@@ -56,6 +56,7 @@ class Census:
     running: set[str] = field(default_factory=set)
     parked: set[str] = field(default_factory=set)
     parked_records: set[str] = field(default_factory=set)
+    parked_indexed: set[str] = field(default_factory=set)  # in their model's index
     orphans: set[str] = field(default_factory=set)
     held: dict[str, list[str]] = field(default_factory=dict)  # job → placement processes
 
@@ -63,13 +64,14 @@ class Census:
 def read(client: redis.Redis) -> Census:
     """One atomic look at the cluster's state (lua/census.lua: one round trip)."""
     reply = script(client, "census")()
-    devices, running, parked, orphans, held, recorded, runners, per_device, owners = reply
+    devices, running, parked, orphans, held, recorded, runners, per_device, owners, indexed = reply
     census = Census(
         devices={text(d) for d in devices},
         running={text(j) for j in running},
         parked={text(j) for j in parked},
         parked_records={text(j) for j in recorded},
         orphans={text(j) for j in orphans},
+        parked_indexed={text(j) for j in indexed},
     )
     for entry in held:
         holder, _, job_id = text(entry).rpartition("|")
@@ -137,6 +139,11 @@ def _jobs(census: Census) -> list[Problem]:
         found += [Problem(f"job {job_id}", what) for what in wrong]
         if evidence.parked and job_id not in census.parked_records:
             found.append(Problem(f"job {job_id}", "parked without its record"))
+        if evidence.parked != (job_id in census.parked_indexed):
+            where = "missing from" if evidence.parked else "left in"
+            found.append(Problem(f"job {job_id}", f"{where} its model's index of parked jobs"))
+    for job_id in sorted(census.parked_indexed - ids):
+        found.append(Problem(f"job {job_id}", "left in its model's index of parked jobs"))
     return found
 
 

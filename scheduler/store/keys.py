@@ -10,6 +10,9 @@ PLACEMENT_ALIVE = f"{PREFIX}:placement:alive"  # sorted set: placement service �
 PLACEMENT_FAILING = f"{PREFIX}:placement:failing"  # hash: placement service → failing loops
 RUNNERS = f"{PREFIX}:runners"  # set of runner ids
 PARKED = f"{PREFIX}:parked"  # sorted set: job id → order (interactive first, then FIFO)
+# the parked jobs by model (lua/_hands.lua keeps them with ggufq:parked): hash model → how
+# many of its jobs are parked, and one sorted set per model as ggufq:parked
+PARKED_MODELS = f"{PREFIX}:parked:models"
 DEMAND = f"{PREFIX}:demand"  # hash: model → "decayed request count:time" (eviction order)
 CHANGES = f"{PREFIX}:changes"  # stream: n, k = a changed key (lua/_changes.lua); trimmed
 CHANGES_N = f"{PREFIX}:changes:n"  # counter: number of the last change logged
@@ -102,6 +105,10 @@ def job_reader_wanted(job_id: str) -> str:
 
 def cancel_flag(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:cancel"  # string: set when the job is asked to cancel
+
+
+def parked_of(model: str) -> str:
+    return f"{PREFIX}:parked:model:{model}"  # sorted set: its parked jobs, as ggufq:parked
 
 
 def parked_job(job_id: str) -> str:

@@ -1,7 +1,9 @@
 -- Jobs in hand, a prelude: a placement process holds each job it handles in ggufq:in_hand
 -- (field "<placement>|<job id>", JSON token, what, at, record) until it sends, parks or
 -- ends it (scheduler/store/hands.py).
--- Touches, by name: nothing; the keys are the callers'.
+-- Touches, by name: the parked jobs' index by model: ggufq:parked:model_of (hash: job id ->
+-- model), ggufq:parked:model:<model> (sorted set, as ggufq:parked), ggufq:parked:models
+-- (hash: model -> its parked jobs).
 
 -- Whether a job held under a token was put back by another placement process: its holder
 -- (it had stalled) must not send, park or end it. ``swept`` is ggufq:swept:<token>: '1'
@@ -49,4 +51,23 @@ local function put_back(queue, record_key, what, job_id, raw)
   local score = ok and type(record) == 'table' and tonumber(record['score']) or 0
   redis.call('SET', record_key, raw)
   redis.call('ZADD', queue, score, job_id)
+  -- and in its model's index (keys.parked_of), so that a job's end reads only the parked
+  -- jobs of its runner's model, and a new job learns which models wait without any record
+  local job = ok and type(record) == 'table' and record['job']
+  local model = type(job) == 'table' and job['model']
+  if type(model) == 'string' and redis.call('HSETNX', 'ggufq:parked:model_of', job_id, model) == 1 then
+    redis.call('ZADD', 'ggufq:parked:model:' .. model, score, job_id)
+    redis.call('HINCRBY', 'ggufq:parked:models', model, 1)
+  end
+end
+
+-- Take a job out of its model's parked index (put_back's), if it is there.
+local function unindex(job_id)
+  local model = redis.call('HGET', 'ggufq:parked:model_of', job_id)
+  if not model then return end
+  redis.call('HDEL', 'ggufq:parked:model_of', job_id)
+  redis.call('ZREM', 'ggufq:parked:model:' .. model, job_id)
+  if redis.call('HINCRBY', 'ggufq:parked:models', model, -1) <= 0 then
+    redis.call('HDEL', 'ggufq:parked:models', model)
+  end
 end

@@ -3,10 +3,12 @@
 -- two of its own steps. Reads only.
 -- Touches, by name: ggufq:devices, ggufq:runners, ggufq:running, ggufq:parked,
 -- ggufq:orphans, ggufq:in_hand (their members), ggufq:resv:<dev>, ggufq:inflight:<dev>,
--- ggufq:runner:<id> (model, in_flight, devices), ggufq:parked:<id>, ggufq:job:<id>:owner
+-- ggufq:runner:<id> (model, in_flight, devices), ggufq:parked:<id>, ggufq:job:<id>:owner,
+-- ggufq:parked:model_of (the parked jobs' index by model)
 -- Returns {devices, running, parked, orphans, held fields, parked ids that have their
 -- record, {runner id, model, in_flight, devices JSON}..., {device id, reservations (flat
--- runner, bytes), in-flight records (flat job, record)}..., owners (flat job, owner or '')}
+-- runner, bytes), in-flight records (flat job, record)}..., owners (flat job, owner or ''),
+-- the job ids in the parked jobs' index}
 local devices = redis.call('SMEMBERS', 'ggufq:devices')
 local parked = redis.call('ZRANGE', 'ggufq:parked', 0, -1)
 local recorded = {}
@@ -37,4 +39,5 @@ return {
   runners,
   per_device,
   owners,
+  redis.call('HKEYS', 'ggufq:parked:model_of'),
 }

@@ -12,8 +12,8 @@
 -- KEYS[5] ggufq:inflight:<dev>                     (hash) job id -> in-flight record
 -- KEYS[6] ggufq:runner:<id>                        (hash)
 -- KEYS[7] ggufq:job:<id>:ended:<placement id>      (string) the runner counted it off
--- KEYS[8] ggufq:events                             (pub/sub channel) job_finished: wakes
---                                                  parked jobs
+-- KEYS[8] ggufq:events                             (pub/sub channel) job_finished, with
+--                                                  the runner's model: wakes parked jobs
 -- ARGV: placement id (the fence), seq, payload ('' for no chunk), stream ttl_s, job id,
 --       now, keep_alive_s ('' keeps the runner's), the end marker's ttl_s, runner id
 -- Returns {streams.Appended (1 also when there was no chunk), jobs the runner still counts
@@ -25,7 +25,8 @@ end
 done_with(KEYS[4], KEYS[5], ARGV[5], ARGV[1])
 local left = count_off(KEYS[6], KEYS[7], ARGV[6], ARGV[7], ARGV[8])
 if left >= 0 then
-  local event = {event = 'job_finished', runner = ARGV[9], in_flight = left}
+  local model = redis.call('HGET', KEYS[6], 'model') or ''
+  local event = {event = 'job_finished', runner = ARGV[9], model = model, in_flight = left}
   redis.call('PUBLISH', KEYS[8], cjson.encode(event))
 end
 return {appended, left}

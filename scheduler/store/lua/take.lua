@@ -29,6 +29,7 @@ if ARGV[4] == 'orphan' then
   redis.call('HDEL', KEYS[1], ARGV[1])
 else
   if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return false end
+  unindex(ARGV[1])
   raw = redis.call('GET', KEYS[2])
   redis.call('DEL', KEYS[2])
   if not raw then return false end
