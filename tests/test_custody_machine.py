@@ -28,7 +28,7 @@ from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import fsck, keys
 from scheduler.store.hands import Hands, parked_record
 from scheduler.store.placement_state import PlacementState
-from scheduler.store.scripts import execute
+from scheduler.store.streams import Appended
 from scheduler.store.worker_state import WorkerState
 from tests.conftest import beat_forever
 from tests.test_state import GIB, vgpu
@@ -125,12 +125,10 @@ class Custody(RuleBasedStateMachine):
     def _end(self, job_id: str, again: bool = False) -> None:
         job = self.jobs[job_id]
         assert job.placement is not None
+        last = (1, {"response": "", "done": True})
         for _ in range(2 if again else 1):  # written again after a lost reply: counted once
-            pipe = self.r.pipeline(transaction=False)
-            self.worker.done_with(DEVICE, job_id, job.placement.id, pipe)
-            execute(pipe)
-            once = (job_id, job.placement.id)
-            self.worker.finish(job.placement.runner_id, 1.0, 0, once, 600)
+            appended, _left = self.worker.end(job.placement, job_id, last, 1.0, 0, 600)
+            assert appended is not Appended.FENCED
         job.ended += 1
         self.move(job, JobState.DONE)
 

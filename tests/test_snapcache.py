@@ -8,8 +8,11 @@ import redis
 
 from scheduler.cluster import Snapshot
 from scheduler.placement.snapcache import SnapshotCache
+from scheduler.protocol import Placement, RunnerConfig
 from scheduler.store import keys
 from tests.test_state import GIB, ClusterState, vgpu
+
+CONFIG = RunnerConfig(512)
 
 
 def view(snap: Snapshot) -> dict[str, object]:
@@ -46,7 +49,11 @@ def test_cache_matches_full_read_through_random_changes(db: redis.Redis) -> None
             if action == "assign":
                 state.assign(runner_id, now)
             elif action == "finish":
-                state.finish(runner_id, now, rng.choice([0, 60, -1]))
+                placement = Placement(
+                    id=f"p{step}", runner_id=runner_id, device_id="vgpu:h:0", config=CONFIG
+                )
+                keep = rng.choice([0, 60, -1])
+                state.end(placement, f"j{step}", (0, None), now, keep, 60)
             elif action == "ready":
                 state.update_runner(runner_id, {"state": "ready"})
             elif state.begin_unload(runner_id, force=rng.random() < 0.3):

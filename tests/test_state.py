@@ -18,8 +18,8 @@ from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
 from scheduler.store.clock import redis_now
 from scheduler.store.placement_state import PlacementState
-from scheduler.store.scripts import execute
-from scheduler.store.streams import publish_final, read_chunks
+from scheduler.store.scripts import execute, script
+from scheduler.store.streams import publish_final, queue_chunk, read_chunks
 from scheduler.store.worker_state import WorkerState
 from tests.conftest import fall_silent
 from workers.chunks import ChunkPublisher, ChunkWriter, Pending
@@ -132,6 +132,15 @@ def test_a_job_starts_once_and_only_on_its_placement(db: redis.Redis) -> None:
     assert state.start("vgpu:h:0", "other", "p1", "d1", ttl_s=60, now=104.0) is None
 
 
+def ended(state: WorkerState, job_id: str, placement_id: str = "p1", runner_id: str = "r") -> int:
+    """A job's end on ``runner_id`` (lua/end.lua, no chunk of its own) at time 101 with a
+    keep_alive of 300 s; the jobs the runner still counts."""
+    placement = Placement(
+        id=placement_id, runner_id=runner_id, device_id="vgpu:h:0", config=RunnerConfig(512)
+    )
+    return state.end(placement, job_id, (0, None), 101.0, 300, 60)[1]
+
+
 def test_a_jobs_end_is_counted_once_however_often_it_is_written(db: redis.Redis) -> None:
     # a worker writes a job's end again when the reply was lost to an outage: the second
     # write must not count another job off (it would free a slot a running job holds)
@@ -139,10 +148,10 @@ def test_a_jobs_end_is_counted_once_however_often_it_is_written(db: redis.Redis)
     state.register_device(vgpu(0))
     assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # job a
     assert state.assign("r", now=100.5)  # job b
-    assert state.finish("r", 101.0, 300, ("a", "p1"), ttl_s=60) == 1
-    assert state.finish("r", 101.5, 300, ("a", "p1"), ttl_s=60) == 1  # repeated: no change
+    assert ended(state, "a", "p1") == 1
+    assert ended(state, "a", "p1") == 1  # written again after a lost answer: no change
     assert db.hget(keys.runner("r"), "in_flight") == b"1"
-    assert state.finish("r", 102.0, 300, ("a", "p2"), ttl_s=60) == 0  # a re-run of a counts
+    assert ended(state, "a", "p2") == 0  # a re-run of a counts
     assert 0 < db.ttl(keys.job_ended("a", "p1")) <= 60
 
 
@@ -151,7 +160,7 @@ def test_unload_waits_for_assigned_jobs(db: redis.Redis) -> None:
     state.register_device(vgpu(0))
     assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # one job assigned
     assert not state.begin_unload("r")  # busy
-    assert state.finish("r", now=101.0, keep_alive_s=300) == 0
+    assert ended(state, "j") == 0
     assert float(db.hget(keys.runner("r"), "expires_at") or 0) == 401.0
     assert state.begin_unload("r")
     assert not state.assign("r", now=102.0)  # placement can no longer route to it
@@ -303,27 +312,26 @@ def test_scripts_queued_by_hash_cost_no_round_trip_and_a_lost_one_runs_once_more
     never had them) gets them again and runs those commands once more, the pipeline's
     others only once; an error still raises as from pipe.execute()."""
     spy = CountsRoundTrips(connection_pool=db.connection_pool)
-    placement, worker = PlacementState(spy), WorkerState(spy)
-    db.hset(keys.RUNNING, mapping={"j1": 1.0, "j2": 1.0, "j3": 1.0})
+    placement = PlacementState(spy)
 
-    def ended(job_id: str) -> list[Any]:
+    def written(job_id: str) -> list[Any]:
         pipe = spy.pipeline(transaction=False)
         placement.count_request("m", 100.0, pipe)
-        worker.done_with("vgpu:h:0", job_id, "p1", pipe)
+        queue_chunk(pipe, job_id, 1, {"response": "x"}, 60)
         pipe.incr("ggufq:test:other")
         return execute(pipe)
 
-    shas = [placement._demand.sha, worker._done_with.sha]
-    ended("j1")  # a Redis that never saw them: loaded, and run
+    shas = [placement._demand.sha, script(spy, "append").sha]
+    written("j1")  # a Redis that never saw them: loaded, and run
     assert db.script_exists(*shas) == [True, True]
-    ended("j2")
+    written("j2")
     db.script_flush()  # as after a restart of Redis without its scripts
-    ended("j3")
+    written("j3")
     assert db.script_exists(*shas) == [True, True]
     assert spy.asked == []  # never a SCRIPT EXISTS (or anything) before a pipeline
     assert db.get("ggufq:test:other") == b"3"
     assert db.hget(keys.DEMAND, "m") == b"3.000000:100.000"  # counted once per pipeline
-    assert not any(db.hexists(keys.RUNNING, j) for j in ("j1", "j2", "j3"))
+    assert all(db.xlen(keys.job_chunks(j)) == 1 for j in ("j1", "j2", "j3"))
     pipe = spy.pipeline(transaction=False)
     pipe.set("ggufq:test:text", "a")
     pipe.incr("ggufq:test:text")

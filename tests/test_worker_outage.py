@@ -14,7 +14,7 @@ from scheduler.gguf.registry import Registry
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.placement_state import PlacementState
-from tests.test_state import GIB, vgpu
+from tests.test_state import GIB, ended, vgpu
 from workers.runtime import WorkerRuntime
 
 
@@ -36,7 +36,7 @@ def test_an_unload_whose_reply_redis_lost_is_finished_on_the_next_try(
     runtime = WorkerRuntime(Settings(), db, [device], Registry(tmp_path))
     runtime.state.register_device(device)
     assert PlacementState(db).reserve("r", {device.id: GIB}, {"model": "m"}, 100.0, 10)
-    assert runtime.state.finish("r", 101.0, 300) == 0
+    assert ended(runtime.state, "j") == 0
     runner = FakeRunner("r", [device.id])
     runtime.runners["r"] = runner  # type: ignore[assignment]
     begin = runtime.state.begin_unload

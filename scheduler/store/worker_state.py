@@ -14,21 +14,19 @@ from scheduler.store import keys
 from scheduler.store.cancel import cancelled_by, watch_keys
 from scheduler.store.placement_state import GONE_BEAT, reap
 from scheduler.store.records import text
-from scheduler.store.scripts import flatten, queue, script
+from scheduler.store.scripts import flatten, script
 from scheduler.store.streams import Appended, chunk_call
 
 
 class WorkerState:
     def __init__(self, client: redis.Redis) -> None:
         self.r = client
-        self._finish = script(client, "finish")
         self._begin_unload = script(client, "begin_unload")
         self._release = script(client, "release")
         self._reap = script(client, "reap")
         self._update = script(client, "update_runner")
         self._touch = script(client, "touch")
         self._heartbeat = script(client, "heartbeat")
-        self._done_with = script(client, "done_with")
         self._start = script(client, "start")
         self._end = script(client, "end")
 
@@ -76,22 +74,6 @@ class WorkerState:
     # -- runners ---------------------------------------------------------------------------
     def update_runner(self, runner_id: str, fields: dict[str, Any]) -> bool:
         return bool(self._update(keys=[keys.runner(runner_id)], args=flatten(fields)))
-
-    def finish(
-        self,
-        runner_id: str,
-        now: float,
-        keep_alive_s: float | None,
-        job: tuple[str, str] | None = None,
-        ttl_s: int = 3600,
-    ) -> int:
-        """One job fewer on the runner; returns how many it still has (-1: it is gone).
-        ``keep_alive_s`` None keeps the value its record has. With ``job`` (its id and
-        placement id) it is counted once, however often this is called (a write repeated
-        after a reply lost to an outage)."""
-        keep = "" if keep_alive_s is None else keep_alive_s
-        marker = [keys.job_ended(*job)] if job else []
-        return int(self._finish(keys=[keys.runner(runner_id), *marker], args=[now, keep, ttl_s]))
 
     def begin_unload(self, runner_id: str, force: bool = False) -> bool:
         return bool(self._begin_unload(keys=[keys.runner(runner_id)], args=[int(force)]))
@@ -170,13 +152,6 @@ class WorkerState:
             args=[*chunk_args, job_id, now, keep, ttl_s, placement.runner_id],
         )
         return Appended(int(appended)), int(left)
-
-    def done_with(self, device_id: str, job_id: str, placement_id: str, pipe: Any) -> None:
-        """Queue on ``pipe``: the job ended (its worker sends this with its counters; run
-        the pipeline with scripts.execute)."""
-        queue(
-            pipe, self._done_with, [keys.RUNNING, keys.inflight(device_id)], [job_id, placement_id]
-        )
 
     def hand_back(self, record: SentJob) -> None:
         """Give a job back to placement (its device could not load the model)."""

@@ -1,5 +1,5 @@
--- A job's end, a prelude: the steps append.lua, done_with.lua, finish.lua and end.lua share
--- (end.lua takes all three at once).
+-- A job's end, a prelude: its steps, which end.lua takes at once (append.lua writes the
+-- other chunks with the first).
 -- Touches, by name: nothing; the keys are the callers'.
 
 -- Append one chunk to a job's stream and publish it, unless the job's owner is another

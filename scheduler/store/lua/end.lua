@@ -1,9 +1,9 @@
 -- A job's end on its worker, in one step: its last chunk (unless there is none to write:
 -- handed back), fenced by its owner as append.lua's are; its running mark and in-flight
--- record gone (done_with.lua); and its runner counting it off once, with its expiry if now
--- idle (finish.lua). A reader that sees the last chunk finds the slot free and `ps` shows
--- the runner idle; a worker that dies before this leaves the job in flight, for placement
--- to re-place or fail with its device.
+-- record gone; and its runner counting it off once (an end written again after a lost
+-- answer finds its end marker), with its expiry if now idle. A reader that sees the last
+-- chunk finds the slot free and `ps` shows the runner idle; a worker that dies before
+-- this leaves the job in flight, for placement to re-place or fail with its device.
 -- Moves a job (scheduler/custody.py): running -> done, running -> failed, running -> cancelled
 -- KEYS[1] ggufq:job:<id>:owner                     (string) placement id, or "orphaned"
 -- KEYS[2] ggufq:job:<id>:chunks                    (stream) entry ids 0-<seq>
