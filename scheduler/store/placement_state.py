@@ -184,9 +184,12 @@ class PlacementState:
         counts = zip(ids, pipe.execute(), strict=True)
         return {runner_id: int(n) for runner_id, n in counts if n is not None}
 
-    def recount(self, runner_id: str, read: int, actual: int, now: float) -> bool:
-        """Set a runner's in-flight count to ``actual`` if it is still ``read``."""
-        return bool(self._recount(keys=[keys.runner(runner_id)], args=[read, actual, now]))
+    def recount(self, runner_id: str, read: int, now: float) -> int | None:
+        """Set a runner's in-flight count, if it is still ``read``, to the jobs its in-flight
+        records name, counted in the same step (lua/recount.lua); the count set, or None
+        when nothing changed."""
+        counted = int(self._recount(keys=[keys.runner(runner_id)], args=[runner_id, read, now]))
+        return None if counted < 0 else counted
 
     def announce_recount(self, runner_id: str) -> None:
         """Wake parked jobs: a corrected runner has room."""
