@@ -450,3 +450,20 @@ def test_a_recount_counts_the_records_in_the_step_that_corrects(db: redis.Redis)
     state.sent(SentJob(job=other, placement=placed_b, worker="w@h"), ttl_s=60)
     assert state.recount("r", 2, now=103.0) is None  # its records account for it: unchanged
     assert db.hget(keys.runner("r"), "in_flight") == b"2"
+
+
+def test_a_job_whose_start_claim_redis_lost_is_not_taken_for_a_lost_message(
+    db: redis.Redis,
+) -> None:
+    """A Redis that crashed with appendfsync everysec loses its last second, a job's start
+    claim and running mark with it, while its worker goes on streaming: a job that wrote a
+    chunk is started, and the lost-send look does not send it again to run twice."""
+    state = ClusterState(db)
+    state.register_device(vgpu(0))
+    quiet, streaming = (JobRequest(model="m", prompt=p) for p in ("quiet", "streaming"))
+    placed = Placement(id="p1", runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512))
+    records = [
+        SentJob(job=j, placement=placed, worker="w@h", sent_at=1.0) for j in (quiet, streaming)
+    ]
+    ChunkPublisher(db, streaming.id, ttl_s=60, fence="p1").publish({"response": "it goes on"})
+    assert [r.job.id for r in state.unstarted(records, sent_before=2.0)] == [quiet.id]

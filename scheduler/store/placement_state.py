@@ -197,7 +197,10 @@ class PlacementState:
 
     def unstarted(self, records: list[SentJob], sent_before: float) -> list[SentJob]:
         """Of a device's ``records``, the jobs sent before ``sent_before`` whose placement
-        no worker thread has claimed to start, nor is running."""
+        no worker thread has claimed to start, nor is running, nor has written a chunk
+        (a Redis that crashed loses the last second of writes, start claims with them: a
+        job its worker goes on streaming is started all the same, and sent again it
+        would run twice into one stream)."""
         records = [r for r in records if r.sent_at < sent_before]
         if not records:
             return []
@@ -207,8 +210,9 @@ class PlacementState:
             # is still in the running hash, which only its end clears
             pipe.exists(keys.job_start(record.job.id, record.placement.id))
             pipe.hexists(keys.RUNNING, record.job.id)
+            pipe.exists(keys.job_chunks(record.job.id))
         seen = pipe.execute()
-        return [r for n, r in enumerate(records) if not (seen[2 * n] or seen[2 * n + 1])]
+        return [r for n, r in enumerate(records) if not any(seen[3 * n : 3 * n + 3])]
 
     def in_broker(self, device_id: str, job_ids: list[str]) -> set[str]:
         """Which of the jobs have a message waiting in the device's queues, or taken by a
