@@ -149,13 +149,16 @@ class Evidence:
     parked: bool = False
     orphaned: bool = False
     held_by: tuple[str, ...] = ()  # placement processes that hold it in hand
+    # placement processes whose hold is marked sent (the job is its device's now): let go
+    # of at their next look, or by a sweep; not a state of the job's
+    letting_go: tuple[str, ...] = ()
     sent_to: tuple[str, ...] = ()  # devices whose in-flight records name it
     running: bool = False
 
 
 def state_of(evidence: Evidence) -> tuple[JobState | None, list[str]]:
     """The state the evidence shows, and what is wrong with it: a job is in one state at a
-    time (a job held in hand may also sit where it was taken from only while marked sent)."""
+    time. A hold marked sent is not one: the job is its device's, and its holder lets go."""
     places: list[tuple[JobState, str]] = []
     if evidence.parked:
         places.append((S.PARKED, "parked"))
@@ -172,8 +175,7 @@ def state_of(evidence: Evidence) -> tuple[JobState | None, list[str]]:
         problems.append("held by several placement processes: " + ", ".join(evidence.held_by))
     if evidence.running and not evidence.sent_to:
         problems.append("running, with no in-flight record on any device")
-    states = {state for state, _ in places}
-    if len(states) > 1 and states != {S.SENT, S.PLACING}:  # sent, then let go: one step
+    if len({state for state, _ in places}) > 1:
         problems.append("in two states at once: " + ", ".join(where for _, where in places))
     if not places:
         return None, problems

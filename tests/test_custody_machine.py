@@ -45,6 +45,7 @@ class Job:
     request: JobRequest
     state: JobState
     holder: str = ""  # the placement process that holds it (PLACING)
+    sent_hold: str = ""  # one whose hold is marked sent, not yet let go of
     placement: Placement | None = None  # where it was sent (SENT, RUNNING)
     ended: int = 0  # times its end was written
 
@@ -96,8 +97,12 @@ class Custody(RuleBasedStateMachine):
             assert hands.take(what, job_id, token) == raw
         self.move(job, JobState.PLACING)
         job.holder = p
+        if job.sent_hold == p:  # its field's old entry, marked sent, is this take's now
+            job.sent_hold = ""
 
-    def _send(self, job_id: str, again: bool = False) -> None:
+    def _send(self, job_id: str, again: bool = False, let_go: bool = True) -> None:
+        """Record the job as sent and let go of it; without ``let_go`` its holder stops
+        between the two (its entry stays, marked sent, for a sweep or its own look)."""
         job = self.jobs[job_id]
         runner_id = f"r-{uuid.uuid4().hex[:8]}"
         state = self.state[job.holder]
@@ -109,9 +114,13 @@ class Custody(RuleBasedStateMachine):
         assert state.sent(record, 600)
         if again:
             assert state.sent(record, 600)  # the same record written twice is there once
-        self.hands[job.holder].let_go(job_id)
+        if let_go:
+            self.hands[job.holder].let_go(job_id)
+        else:
+            job.sent_hold = job.holder
+        job.holder = ""
         self.move(job, JobState.SENT)
-        job.holder, job.placement = "", placement
+        job.placement = placement
 
     def _start(self, job_id: str, again: bool = False) -> None:
         job = self.jobs[job_id]
@@ -153,14 +162,35 @@ class Custody(RuleBasedStateMachine):
         self._take(data.draw(st.sampled_from(waiting)), p, again)
 
     @precondition(lambda self: self.in_state(JobState.PLACING))
-    @rule(data=st.data(), again=st.booleans())
-    def send(self, data: st.DataObject, again: bool) -> None:
-        self._send(data.draw(st.sampled_from(self.in_state(JobState.PLACING))), again)
+    @rule(data=st.data(), again=st.booleans(), let_go=st.booleans())
+    def send(self, data: st.DataObject, again: bool, let_go: bool) -> None:
+        self._send(data.draw(st.sampled_from(self.in_state(JobState.PLACING))), again, let_go)
+
+    def sent_held(self) -> list[str]:
+        """Jobs a placement process sent and has not let go of yet."""
+        return sorted(j for j, job in self.jobs.items() if job.sent_hold)
 
     @precondition(lambda self: self.in_state(JobState.SENT))
     @rule(data=st.data(), again=st.booleans())
     def start(self, data: st.DataObject, again: bool) -> None:
         self._start(data.draw(st.sampled_from(self.in_state(JobState.SENT))), again)
+
+    @precondition(lambda self: self.sent_held())
+    @rule()
+    def holders_let_go_of_what_they_sent_at_their_next_look(self) -> None:
+        """A process that could not let go of jobs it sent (Redis failed that) lets go of
+        them at its next liveness look, wherever the jobs went since."""
+        self._let_go_of_sent()
+
+    def _let_go_of_sent(self) -> None:
+        sec, micros = self.r.time()
+        dead_before = float(sec) + micros / 1e6 + 1
+        for holder in P:
+            _others, own = self.hands[holder].look(dead_before)
+            for held in own:
+                self.hands[holder].let_go_of(held)
+                assert self.jobs[held.job_id].sent_hold == holder
+                self.jobs[held.job_id].sent_hold = ""
 
     @precondition(lambda self: self.in_state(JobState.RUNNING))
     @rule(data=st.data(), again=st.booleans())
@@ -168,20 +198,26 @@ class Custody(RuleBasedStateMachine):
         self._end(data.draw(st.sampled_from(self.in_state(JobState.RUNNING))), again)
 
     # -- faults -----------------------------------------------------------------------
-    @precondition(lambda self: self.in_state(JobState.PLACING))
+    @precondition(lambda self: self.in_state(JobState.PLACING) or self.sent_held())
     @rule(silent=st.sampled_from(P))
     def a_placement_process_goes_silent(self, silent: str) -> None:
         """Its beats stop past the TTL: the other sweeps what it held back to where it
-        came from; then it resumes (its beats come back), stale."""
+        came from (what it had sent is let go of only: it stays sent); then it resumes
+        (its beats come back), stale."""
         survivor = self.hands[P[1 - P.index(silent)]]
         self.r.zadd(keys.PLACEMENT_ALIVE, {silent: 0.0})
         sec, micros = self.r.time()
         dead_before = float(sec) + micros / 1e6 + 1  # a TTL after it took them
         others, _own = survivor.look(dead_before)
         for held in others:
-            assert survivor.sweep(held, dead_before, finished=False) == "put back"
             job = self.jobs[held.job_id]
+            if held.sent:  # the job is its device's (or ended): let go of only
+                assert job.sent_hold == silent
+                assert survivor.sweep(held, dead_before, finished=False) == "let go"
+                job.sent_hold = ""
+                continue
             assert job.holder == silent
+            assert survivor.sweep(held, dead_before, finished=False) == "put back"
             back = JobState.ORPHANED if held.what == "orphan" else JobState.PARKED
             self.move(job, back)
             job.holder = ""
@@ -223,6 +259,7 @@ class Custody(RuleBasedStateMachine):
                 parked=job_id in census.parked,
                 orphaned=job_id in census.orphans,
                 held_by=tuple(census.held.get(job_id, [])),
+                letting_go=tuple(census.letting_go.get(job_id, [])),
                 sent_to=tuple(sent_to.get(job_id, [])),
                 running=job_id in census.running,
             )
@@ -230,8 +267,8 @@ class Custody(RuleBasedStateMachine):
             assert wrong == []
             expected = None if job.state is JobState.DONE else job.state
             assert found is expected, f"job {job_id}: {found}, expected {job.state}"
-            if job.state is JobState.PLACING:
-                assert evidence.held_by == (job.holder,)
+            assert evidence.held_by == ((job.holder,) if job.holder else ())
+            assert evidence.letting_go == ((job.sent_hold,) if job.sent_hold else ())
             assert job.ended <= 1
 
     def teardown(self) -> None:
@@ -244,6 +281,7 @@ class Custody(RuleBasedStateMachine):
             JobState.SENT: self._start,
             JobState.RUNNING: self._end,
         }
+        self._let_go_of_sent()
         for _ in range(len(steps)):
             for job_id, job in sorted(self.jobs.items()):
                 if job.state in steps:

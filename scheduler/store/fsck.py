@@ -59,6 +59,8 @@ class Census:
     parked_indexed: set[str] = field(default_factory=set)  # in their model's index
     orphans: set[str] = field(default_factory=set)
     held: dict[str, list[str]] = field(default_factory=dict)  # job → placement processes
+    # job → placement processes whose hold is marked sent: let go of at their next look
+    letting_go: dict[str, list[str]] = field(default_factory=dict)
 
 
 def read(client: redis.Redis) -> Census:
@@ -73,9 +75,13 @@ def read(client: redis.Redis) -> Census:
         orphans={text(j) for j in orphans},
         parked_indexed={text(j) for j in indexed},
     )
-    for entry in held:
-        holder, _, job_id = text(entry).rpartition("|")
-        census.held.setdefault(job_id, []).append(holder)
+    for key, entry in _pairs(held):
+        holder, _, job_id = text(key).rpartition("|")
+        try:
+            sent = bool(json.loads(entry).get("sent"))
+        except (ValueError, AttributeError):
+            sent = False  # an entry that does not parse: a sweep ends its job
+        (census.letting_go if sent else census.held).setdefault(job_id, []).append(holder)
     for runner_id, model, in_flight, sizes in runners:
         record: dict[str, Any] = json.loads(sizes)
         census.runners[text(runner_id)] = Runner(
@@ -127,11 +133,13 @@ def _jobs(census: Census) -> list[Problem]:
                     )
                 )
     ids = census.parked | census.orphans | set(census.held) | set(sent_to) | census.running
+    ids |= set(census.letting_go)
     for job_id in sorted(ids):
         evidence = Evidence(
             parked=job_id in census.parked,
             orphaned=job_id in census.orphans,
             held_by=tuple(sorted(census.held.get(job_id, []))),
+            letting_go=tuple(sorted(census.letting_go.get(job_id, []))),
             sent_to=tuple(sent_to.get(job_id, [])),
             running=job_id in census.running,
         )
@@ -195,7 +203,7 @@ def _left(census: Census) -> list[Problem]:
     places = {
         "parked": census.parked,
         "among the orphans": census.orphans,
-        "held by placement": set(census.held),
+        "held by placement": set(census.held) | set(census.letting_go),
         "running": census.running,
         "in flight": {j for records in census.sent.values() for j in records},
     }

@@ -5,7 +5,7 @@
 -- ggufq:orphans, ggufq:in_hand (their members), ggufq:resv:<dev>, ggufq:inflight:<dev>,
 -- ggufq:runner:<id> (model, in_flight, devices), ggufq:parked:<id>, ggufq:job:<id>:owner,
 -- ggufq:parked:model_of (the parked jobs' index by model)
--- Returns {devices, running, parked, orphans, held fields, parked ids that have their
+-- Returns {devices, running, parked, orphans, held (flat field, entry), parked ids that have their
 -- record, {runner id, model, in_flight, devices JSON}..., {device id, reservations (flat
 -- runner, bytes), in-flight records (flat job, record)}..., owners (flat job, owner or ''),
 -- the job ids in the parked jobs' index}
@@ -34,7 +34,7 @@ return {
   redis.call('HKEYS', 'ggufq:running'),
   parked,
   redis.call('HKEYS', 'ggufq:orphans'),
-  redis.call('HKEYS', 'ggufq:in_hand'),
+  redis.call('HGETALL', 'ggufq:in_hand'),
   recorded,
   runners,
   per_device,
