@@ -92,6 +92,11 @@ class Liveness:
             # events published while Redis was away were lost: retry parked jobs now,
             # not at the next sweep
             service.retry_parked()
+        elif now < service.grace_until and service.r.zcard(keys.PARKED):
+            # and while the workers come back, at every beat: a job parked because no
+            # device beat yet waits for one, and the device_joined event that says so
+            # may be published before the waker has subscribed again
+            service.retry_parked()
         # after an outage the workers were cut off too: they get a TTL to beat again
         # before any of their devices counts as dead (else an outage would drop them all)
         if now - self._back_at >= settings.device_ttl_s:
@@ -116,6 +121,10 @@ class Liveness:
         sweep_s = self.service.settings.park_sweep_s
         pubsub = self.service.r.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(keys.EVENTS, keys.CANCELS)
+        # events published while this waker was away (Redis restarting, its connection
+        # lost) are gone, a device that joined meanwhile with them: retry everything once
+        if self.service.r.zcard(keys.PARKED):
+            self.service.retry_parked()
         try:
             next_sweep = time.monotonic() + sweep_s
             while not self.stopping.is_set():
