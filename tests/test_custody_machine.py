@@ -26,7 +26,7 @@ from hypothesis.stateful import (
 from scheduler.custody import Evidence, JobState, allowed, state_of
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import fsck, keys
-from scheduler.store.hands import Hands, parked_record
+from scheduler.store.hands import Hands, PutBack, Swept, parked_record
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.streams import Appended
 from scheduler.store.worker_state import WorkerState
@@ -79,7 +79,7 @@ class Custody(RuleBasedStateMachine):
         hands = self.hands[job.holder]
         record = parked_record(job.request.model_dump(mode="json"), 1.0)
         token = hands.token(job_id)
-        assert hands.put_back("parked", job_id, record) == "put back"
+        assert hands.put_back("parked", job_id, record) is PutBack.PUT_BACK
         if again:  # its reply was lost: asked again under the same token
             hands.adopt(job_id, token)
             hands.put_back("parked", job_id, record)
@@ -213,11 +213,11 @@ class Custody(RuleBasedStateMachine):
             job = self.jobs[held.job_id]
             if held.sent:  # the job is its device's (or ended): let go of only
                 assert job.sent_hold == silent
-                assert survivor.sweep(held, dead_before, finished=False) == "let go"
+                assert survivor.sweep(held, dead_before, finished=False) is Swept.LET_GO
                 job.sent_hold = ""
                 continue
             assert job.holder == silent
-            assert survivor.sweep(held, dead_before, finished=False) == "put back"
+            assert survivor.sweep(held, dead_before, finished=False) is Swept.PUT_BACK
             back = JobState.ORPHANED if held.what == "orphan" else JobState.PARKED
             self.move(job, back)
             job.holder = ""

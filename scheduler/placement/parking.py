@@ -25,7 +25,7 @@ from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.fairness import fair_order
 from scheduler.protocol import JobRequest, parse_request
 from scheduler.store import keys
-from scheduler.store.hands import Hands, Taken, TakeUnsure, parked_record
+from scheduler.store.hands import Hands, PutBack, Taken, TakeUnsure, parked_record
 from scheduler.store.records import text
 from scheduler.store.scripts import script
 
@@ -77,9 +77,9 @@ class ParkedJobs:
         bug). Nothing when the job was swept from this process: it is another's now."""
         record = parked_record(req.model_dump(mode="json"), score, errors)
         done = self.hands.put_back("parked", req.id, record)
-        if done == "swept":
+        if done is PutBack.SWEPT:
             log.warning("job %s was put back by another placement process: left to it", req.id)
-        elif done == "sent":
+        elif done is PutBack.SENT:
             log.warning("job %s stays sent: its record could not be taken back", req.id)
 
     def claim(self, job_id: str) -> Claimed | None:

@@ -19,6 +19,7 @@ from scheduler.protocol import JobRequest, SentJob
 from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
 from scheduler.store.celery_app import send_job
+from scheduler.store.hands import Swept
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.streams import progress
 
@@ -112,7 +113,7 @@ class Recovery:
         for held in others:
             _streamed, finished = progress(self.r, held.job_id)
             outcome = hands.sweep(held, dead_before, finished)
-            if outcome == "put back":
+            if outcome is Swept.PUT_BACK:
                 what = "among the orphans" if held.what == "orphan" else "in the parked queue"
                 log.warning(
                     "job %s was in the hands of %s, which stopped beating: put back %s",
@@ -121,10 +122,10 @@ class Recovery:
                     what,
                 )
                 back += 1
-            elif outcome in ("unreadable", "ending"):
+            elif outcome in (Swept.UNREADABLE, Swept.ENDING):
                 why = (
                     "as it was ending it"
-                    if outcome == "ending"
+                    if outcome is Swept.ENDING
                     else "as it handled it, and its record there cannot be read"
                 )
                 lost = JobFailed(

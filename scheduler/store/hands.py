@@ -16,6 +16,7 @@ import json
 import threading
 import uuid
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any, Literal, cast
 
 import redis
@@ -28,10 +29,27 @@ from scheduler.store.scripts import queue, script
 # how long a swept token is remembered: its holder, stalled, may come back this late
 SWEPT_KEPT_S = 3600
 Taken = Literal["orphan", "parked"]
-Swept = Literal["put back", "let go", "ending", "unreadable"]
-_SWEPT: dict[int, Swept] = {1: "put back", 2: "let go", 3: "ending", -1: "unreadable"}
-PutBack = Literal["put back", "swept", "sent"]
-_PUT_BACK: dict[int, PutBack] = {1: "put back", 0: "swept", 2: "sent"}
+
+
+class Swept(IntEnum):
+    """What lua/sweep.lua did with a job a silent placement process held (its header
+    cites these values)."""
+
+    NOTHING = 0  # gone, held under another token, or its holder beats again
+    PUT_BACK = 1  # back where it was taken from
+    LET_GO = 2  # let go only: it was sent (its device's records hold it) or it ended
+    ENDING = 3  # let go of a job its holder was ending: the caller ends it
+    UNREADABLE = -1  # let go of an entry that does not parse: the caller ends its job
+
+
+class PutBack(IntEnum):
+    """What lua/put_back.lua did with a job its holder parks or returns (its header cites
+    these values)."""
+
+    SWEPT = 0  # another placement process put it back already: it is that one's now
+    PUT_BACK = 1
+    SENT = 2  # its in-flight record stands (a send that failed and could not be taken
+    # back): let go of only, its device's records account for it
 
 
 class TakeUnsure(redis.ConnectionError):
@@ -205,9 +223,7 @@ class Hands:
 
     def put_back(self, what: Taken, job_id: str, record: bytes | str) -> PutBack:
         """Park a job this thread holds (or any job: held or not, it is parked) or put an
-        orphan back, and let go of it: "put back"; "swept" when another placement process
-        put it back already; "sent" when its in-flight record stands (a send that failed
-        and could not be taken back): it is let go of, the device's records account for it."""
+        orphan back, and let go of it (:class:`PutBack` says what happened)."""
         token = self.token(job_id)
         done = again_if_lost(  # the same record put back twice is there once
             lambda: self._put_back(
@@ -216,7 +232,7 @@ class Hands:
             )
         )
         self.hand_over(job_id)
-        return _PUT_BACK[int(done)]
+        return PutBack(int(done))
 
     def ending(self, job_id: str) -> bool:
         """Whether this thread may end a job (fail or cancel it): it does not hold it, or
@@ -263,11 +279,9 @@ class Hands:
         """Let go of ``held`` (under its holder's field and token)."""
         again_if_lost(lambda: self._let_go(keys=[keys.IN_HAND], args=[held.field, held.token]))
 
-    def sweep(self, held: Held, dead_before: float, finished: bool) -> Swept | None:
-        """Put ``held`` back in its queue, once, if its holder is still silent: "put back";
-        "let go" only, when its job has ended or was sent (its in-flight record stands);
-        "ending" when its holder was ending it (the caller ends it); "unreadable" (the
-        caller ends it); None when there was nothing to do."""
+    def sweep(self, held: Held, dead_before: float, finished: bool) -> Swept:
+        """Put ``held`` back in its queue, once, if its holder is still silent, or let go of
+        it (:class:`Swept` says which)."""
         outcome = self._sweep(
             keys=[
                 keys.IN_HAND,
@@ -286,4 +300,4 @@ class Hands:
                 int(finished),
             ],
         )
-        return _SWEPT.get(int(outcome))
+        return Swept(int(outcome))

@@ -10,7 +10,8 @@
 -- KEYS[4] ggufq:swept:<token>
 -- ARGV: job id, 'orphan' or 'parked', record, field "<placement>|<job id>", token ('' for
 --       a job not in hand)
--- Returns 1 when it was put back, 0 when it was swept, 2 when it was sent (let go only).
+-- Returns hands.PutBack: 1 PUT_BACK, 0 SWEPT (another placement process put it back),
+-- 2 SENT (let go only).
 if ARGV[5] ~= '' and put_back_from_us(KEYS[4]) then
   return 0
 end

@@ -12,9 +12,9 @@
 -- KEYS[5] ggufq:swept:<token>
 -- ARGV: field, token, placement, dead_before, job id, swept ttl (s), '1' when the job has
 --       ended already
--- Returns 1 put back, 2 let go, 3 let go of a job its holder was ending (the caller ends
--- it), -1 let go of an entry that does not parse (the caller ends its job), 0 nothing
--- (gone, another token, or its holder is alive).
+-- Returns hands.Swept: 1 PUT_BACK, 2 LET_GO, 3 ENDING (let go of a job its holder was
+-- ending: the caller ends it), -1 UNREADABLE (let go of an entry that does not parse: the
+-- caller ends its job), 0 NOTHING (gone, another token, or its holder is alive).
 local held = redis.call('HGET', KEYS[1], ARGV[1])
 if not held then return 0 end
 local ok, entry = pcall(cjson.decode, held)
