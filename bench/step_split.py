@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: batch_throug
 import batch_throughput as bt  # noqa: E402
 
 if TYPE_CHECKING:
-    from workers.engine.loop import StepTimes
+    from workers.engine.job import StepTimes
 
 NUM_CTX = 2048
 PROMPTS = [

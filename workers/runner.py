@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from scheduler.protocol import Options, RunnerConfig
-from workers.engine.loop import Engine, Share
+from workers.engine.job import Share
+from workers.engine.loop import Engine
 from workers.engine.sampling import Format
 from workers.engine.text import GenerationStats
 from workers.resident import Resident

@@ -1,7 +1,8 @@
-"""The runner's engine: continuous batching on one llama.cpp context, in five parts.
+"""The runner's engine: continuous batching on one llama.cpp context, in six parts.
 
-- :mod:`workers.engine.loop`: the decode loop (:class:`~workers.engine.loop.Engine`) and
-  the state of one job in it.
+- :mod:`workers.engine.loop`: the decode loop (:class:`~workers.engine.loop.Engine`).
+- :mod:`workers.engine.job`: the state of one job in the loop, and the account of the
+  loop's time.
 - :mod:`workers.engine.batching`: batch layout: admission into sequence slots, prompt
   prefix reuse, what each sequence puts into a step and in which order.
 - :mod:`workers.engine.sampling`: the sampler chain for a job's options, its grammar for

@@ -15,11 +15,9 @@ the sampler chain, parsing a grammar), hand it to the loop and block until it en
 ``cancelled`` is polled at the start of every step, so a cancelled job leaves its slot
 before the next decode; one cancelled while waiting never starts.
 
-:class:`StepTimes` adds up where the loop's time goes (llama_decode, sampling, the stream
-writes, and the rest), for ``bench/step_split.py`` and whoever asks ``Engine.times``.
-
-This module owns the loop (:class:`Engine`) and a job's state in it (:class:`Job`); the
-parts it drives are its sibling modules (see :mod:`workers.engine`).
+This module owns the loop (:class:`Engine`); a job's state in it and the account of the
+loop's time are :mod:`workers.engine.job`'s, the parts it drives its other siblings' (see
+:mod:`workers.engine`).
 """
 
 from __future__ import annotations
@@ -29,18 +27,16 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
 
-from scheduler.errors import GgufqError, InvalidRequest, JobFailed
+from scheduler.errors import InvalidRequest, JobFailed
 from scheduler.protocol import Options, RunnerConfig
 from workers.cpus import llama
 from workers.engine.batching import Admission, Feed, batch_rows, common_prefix, prompt_take
+from workers.engine.job import Job, Share, StepTimes, always, is_cancelled
 from workers.engine.load import ContextSize, _init_backend, _load
 from workers.engine.sampling import Format, Sampler, _penalty_history, grammar_for, sampler_plan
-from workers.engine.text import GenerationStats, StopMatcher, Tokenizer, Utf8Stream, token_budget
+from workers.engine.text import GenerationStats, StopMatcher, Tokenizer, token_budget
 from workers.loadwatch import LoadWatch
-
-Share = tuple[str, str, float]  # whom a job is for: tenant, priority, weight
 
 log = logging.getLogger(__name__)
 
@@ -50,67 +46,6 @@ DECODE_ERRORS = {
     2: "decoding was aborted",
     -1: "the batch was invalid",
 }
-
-
-@dataclass
-class StepTimes:
-    """The decode loop's time, summed over its steps (nanoseconds of perf_counter_ns).
-
-    A step runs from the loop's wake-up to the end of its batch: ``decode_ns`` is
-    llama_decode and the wait for its result (a GPU computes asynchronously),
-    ``sample_ns`` picking every sequence's next token, ``emit_ns`` handing text to the
-    jobs' ``on_text`` (the stream writes), and :attr:`bookkeeping_ns` the rest: admission,
-    cancellation checks, the batch layout, detokenizing, stop strings, retiring jobs.
-    Only the decode thread adds to it: plain ints, no allocation per token."""
-
-    steps: int = 0
-    tokens: int = 0  # tokens sampled
-    step_ns: int = 0
-    decode_ns: int = 0
-    sample_ns: int = 0
-    emit_ns: int = 0
-
-    @property
-    def bookkeeping_ns(self) -> int:
-        return self.step_ns - self.decode_ns - self.sample_ns - self.emit_ns
-
-    def since(self, earlier: StepTimes) -> StepTimes:
-        """What was added after ``earlier`` (a copy taken then with :meth:`copy`)."""
-        return StepTimes(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
-
-    def copy(self) -> StepTimes:
-        return replace(self)
-
-
-@dataclass(eq=False)
-class Job:
-    """One generation: what it asked for, where it stands, and how it ended."""
-
-    tokens: list[int]
-    budget: int
-    sampler: Sampler
-    on_text: Callable[[str], None]
-    cancelled: Callable[[], bool]
-    stops: StopMatcher
-    utf8: Utf8Stream = field(default_factory=Utf8Stream)
-    done: threading.Event = field(default_factory=threading.Event)
-    seq: int = -1
-    fed: int = 0  # prompt tokens already sent to llama_decode (or found in the slot's cache)
-    decoded: list[int] = field(default_factory=list)  # tokens whose KV is in the slot
-    pos: int = 0  # position of the next token in the sequence
-    next_token: int = -1  # sampled, not yet decoded
-    generated: int = 0
-    parts: list[str] = field(default_factory=list)
-    admitted_ns: int = 0
-    first_ns: int = 0
-    share: Share = ("default", "interactive", 1.0)  # whom it is for: its turn among waiters
-    stats: GenerationStats | None = None
-    error: GgufqError | None = None
-
-    def emit(self, text: str) -> None:
-        if text:
-            self.parts.append(text)
-            self.on_text(text)
 
 
 class Engine:
@@ -188,7 +123,7 @@ class Engine:
             meanwhile()
         except BaseException:
             if queued:
-                job.cancelled = _always  # it ends at its next step
+                job.cancelled = always  # it ends at its next step
                 job.done.wait()
             raise
         if not queued:
@@ -267,7 +202,7 @@ class Engine:
                 started = time.perf_counter_ns()
                 if self._closing:
                     break
-                gone = self._admission.take_cancelled(_is_cancelled)
+                gone = self._admission.take_cancelled(is_cancelled)
                 admitted = self._admission.admit(self._reusable)
             now = time.perf_counter_ns()
             for job in gone:
@@ -289,7 +224,7 @@ class Engine:
 
     def _step(self) -> None:
         now = time.perf_counter_ns()
-        for job in [j for j in self._active if _is_cancelled(j)]:
+        for job in [j for j in self._active if is_cancelled(j)]:
             self._end(job, "cancel", now)
         outputs, in_batch, n = self._fill_batch()
         if n == 0:
@@ -459,15 +394,3 @@ class Engine:
             waiting = self._admission.drain()
         for job in [*self._active, *waiting]:
             self._fail(job, f"the runner of {self.name!r} was unloaded")
-
-
-def _always() -> bool:
-    return True
-
-
-def _is_cancelled(job: Job) -> bool:
-    try:
-        return bool(job.cancelled())
-    except Exception:
-        log.exception("cancelled() raised; cancelling the job")
-        return True

@@ -1,0 +1,93 @@
+"""One job's state in the decode loop (:class:`Job`), and the account of the loop's time
+(:class:`StepTimes`: llama_decode, sampling, the stream writes and the rest, for
+``bench/step_split.py`` and whoever asks ``Engine.times``). Pure: no llama.cpp."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+
+from scheduler.errors import GgufqError
+from workers.engine.sampling import Sampler
+from workers.engine.text import GenerationStats, StopMatcher, Utf8Stream
+
+Share = tuple[str, str, float]  # whom a job is for: tenant, priority, weight
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTimes:
+    """The decode loop's time, summed over its steps (nanoseconds of perf_counter_ns).
+
+    A step runs from the loop's wake-up to the end of its batch: ``decode_ns`` is
+    llama_decode and the wait for its result (a GPU computes asynchronously),
+    ``sample_ns`` picking every sequence's next token, ``emit_ns`` handing text to the
+    jobs' ``on_text`` (the stream writes), and :attr:`bookkeeping_ns` the rest: admission,
+    cancellation checks, the batch layout, detokenizing, stop strings, retiring jobs.
+    Only the decode thread adds to it: plain ints, no allocation per token."""
+
+    steps: int = 0
+    tokens: int = 0  # tokens sampled
+    step_ns: int = 0
+    decode_ns: int = 0
+    sample_ns: int = 0
+    emit_ns: int = 0
+
+    @property
+    def bookkeeping_ns(self) -> int:
+        return self.step_ns - self.decode_ns - self.sample_ns - self.emit_ns
+
+    def since(self, earlier: StepTimes) -> StepTimes:
+        """What was added after ``earlier`` (a copy taken then with :meth:`copy`)."""
+        return StepTimes(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
+
+    def copy(self) -> StepTimes:
+        return replace(self)
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation: what it asked for, where it stands, and how it ended."""
+
+    tokens: list[int]
+    budget: int
+    sampler: Sampler
+    on_text: Callable[[str], None]
+    cancelled: Callable[[], bool]
+    stops: StopMatcher
+    utf8: Utf8Stream = field(default_factory=Utf8Stream)
+    done: threading.Event = field(default_factory=threading.Event)
+    seq: int = -1
+    fed: int = 0  # prompt tokens already sent to llama_decode (or found in the slot's cache)
+    decoded: list[int] = field(default_factory=list)  # tokens whose KV is in the slot
+    pos: int = 0  # position of the next token in the sequence
+    next_token: int = -1  # sampled, not yet decoded
+    generated: int = 0
+    parts: list[str] = field(default_factory=list)
+    admitted_ns: int = 0
+    first_ns: int = 0
+    share: Share = ("default", "interactive", 1.0)  # whom it is for: its turn among waiters
+    stats: GenerationStats | None = None
+    error: GgufqError | None = None
+
+    def emit(self, text: str) -> None:
+        if text:
+            self.parts.append(text)
+            self.on_text(text)
+
+
+def always() -> bool:
+    """The ``cancelled`` of a job that must end at its next step."""
+    return True
+
+
+def is_cancelled(job: Job) -> bool:
+    """Whether ``job`` is cancelled; a ``cancelled`` that raises cancels it."""
+    try:
+        return bool(job.cancelled())
+    except Exception:
+        log.exception("cancelled() raised; cancelling the job")
+        return True
