@@ -22,7 +22,7 @@ import redis.asyncio
 from api_client.batch import BatchStopped, run_batch
 from api_client.batch_files import BatchInput, BatchSummary
 from api_client.client import Client, Messages
-from api_client.job import CHECK_EVERY_S, STREAM_END_LOOKS, Job, release
+from api_client.job import CHECK_EVERY_S, Job, StreamEnds, release
 from api_client.results import result_key, result_ready
 from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import JobTimeout, error_from_code
@@ -121,13 +121,12 @@ class AsyncJob:
         try:
             deadline = time.monotonic() + wait
             checked = time.monotonic()
-            ended_looks = 0
+            ends = StreamEnds(self.job)
             while not result_ready(app, await r.get(key)):
                 if time.monotonic() - checked > CHECK_EVERY_S:  # lost, or lost on the way?
                     await asyncio.to_thread(self.job.check)
-                    end = await asyncio.to_thread(self.job.stream_end)
-                    ended_looks = ended_looks + 1 if end is not None else 0
-                    if end is not None and ended_looks >= STREAM_END_LOOKS:
+                    end = await asyncio.to_thread(ends.look)
+                    if end is not None:
                         return end
                     checked = time.monotonic()
                 left = deadline - time.monotonic()

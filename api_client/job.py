@@ -139,7 +139,7 @@ class Job:
         wait = self.client.timeout if timeout is None else timeout
         handle = AsyncResult(self.id, app=self.client.app)
         deadline = time.monotonic() + wait
-        ended_looks = 0
+        ends = StreamEnds(self)
         try:
             while True:  # in slices: between them, see that Redis still knows the job
                 left = deadline - time.monotonic()
@@ -155,9 +155,8 @@ class Job:
                         "or running: call result() again, or check `ggufq ps`"
                     ) from None
                 self.check()
-                end = self.stream_end()
-                ended_looks = ended_looks + 1 if end is not None else 0
-                if end is not None and ended_looks >= STREAM_END_LOOKS:
+                end = ends.look()
+                if end is not None:
                     return self.from_stream_end(end)
         finally:
             # a result given up on stays subscribed in Celery's result consumer, which then
@@ -261,3 +260,17 @@ class Job:
             response=chunk.get("response", ""),
             seq=chunk.get("seq"),
         )
+
+
+class StreamEnds:
+    """A waiting reader's looks at its job's stream: the final chunk once STREAM_END_LOOKS
+    looks in a row found the stream ended and the reader still had no result."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.looks = 0
+
+    def look(self) -> dict[str, Any] | None:
+        end = self.job.stream_end()
+        self.looks = self.looks + 1 if end is not None else 0
+        return end if self.looks >= STREAM_END_LOOKS else None

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from scheduler.custody import Evidence, JobState, allowed, state_of
+from scheduler.custody import JobState, allowed, state_of
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import fsck, keys
 from scheduler.store.hands import Hands, PutBack, Swept, parked_record
@@ -250,19 +250,8 @@ class Custody(RuleBasedStateMachine):
     @invariant()
     def every_job_is_where_custody_says(self) -> None:
         census = fsck.read(self.r)
-        sent_to: dict[str, list[str]] = {}
-        for device_id, records in census.sent.items():
-            for job_id in records:
-                sent_to.setdefault(job_id, []).append(device_id)
         for job_id, job in self.jobs.items():
-            evidence = Evidence(
-                parked=job_id in census.parked,
-                orphaned=job_id in census.orphans,
-                held_by=tuple(census.held.get(job_id, [])),
-                letting_go=tuple(census.letting_go.get(job_id, [])),
-                sent_to=tuple(sent_to.get(job_id, [])),
-                running=job_id in census.running,
-            )
+            evidence = census.evidence(job_id)
             found, wrong = state_of(evidence)
             assert wrong == []
             expected = None if job.state is JobState.DONE else job.state

@@ -138,7 +138,7 @@ class ParkedJobs:
 
     def models(self) -> set[str]:
         """The models with parked jobs (their index: no parked record is read)."""
-        return {text(m) for m in cast(dict[bytes, bytes], self.r.hgetall(keys.PARKED_MODELS))}
+        return {text(m) for m in cast(list[bytes], self.r.hkeys(keys.PARKED_MODELS))}
 
     def listing(self) -> list[JobView]:
         """One row per parked job: position overall and within its model."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import redis
@@ -61,6 +62,31 @@ class Census:
     held: dict[str, list[str]] = field(default_factory=dict)  # job → placement processes
     # job → placement processes whose hold is marked sent: let go of at their next look
     letting_go: dict[str, list[str]] = field(default_factory=dict)
+
+    @cached_property
+    def sent_to(self) -> dict[str, tuple[str, ...]]:
+        """Job → the devices whose in-flight records name it."""
+        found: dict[str, list[str]] = {}
+        for device_id, records in sorted(self.sent.items()):
+            for job_id in records:
+                found.setdefault(job_id, []).append(device_id)
+        return {job_id: tuple(devices) for job_id, devices in found.items()}
+
+    def job_ids(self) -> set[str]:
+        """Every job found anywhere but the parked index."""
+        held = set(self.held) | set(self.letting_go)
+        return self.parked | self.orphans | held | set(self.sent_to) | self.running
+
+    def evidence(self, job_id: str) -> Evidence:
+        """Where ``job_id`` was found, for custody's :func:`state_of`."""
+        return Evidence(
+            parked=job_id in self.parked,
+            orphaned=job_id in self.orphans,
+            held_by=tuple(sorted(self.held.get(job_id, []))),
+            letting_go=tuple(sorted(self.letting_go.get(job_id, []))),
+            sent_to=self.sent_to.get(job_id, ()),
+            running=job_id in self.running,
+        )
 
 
 def read(client: redis.Redis) -> Census:
@@ -115,11 +141,9 @@ def problems(census: Census, settled: bool = False) -> list[Problem]:
 
 
 def _jobs(census: Census) -> list[Problem]:
-    sent_to: dict[str, list[str]] = {}
     found = []
     for device_id, records in sorted(census.sent.items()):
         for job_id, record in sorted(records.items()):
-            sent_to.setdefault(job_id, []).append(device_id)
             subject = f"job {job_id}"
             if record is None:
                 found.append(Problem(subject, f"its in-flight record on {device_id} is unreadable"))
@@ -132,17 +156,9 @@ def _jobs(census: Census) -> list[Problem]:
                         f"owner is {owner}",
                     )
                 )
-    ids = census.parked | census.orphans | set(census.held) | set(sent_to) | census.running
-    ids |= set(census.letting_go)
+    ids = census.job_ids()
     for job_id in sorted(ids):
-        evidence = Evidence(
-            parked=job_id in census.parked,
-            orphaned=job_id in census.orphans,
-            held_by=tuple(sorted(census.held.get(job_id, []))),
-            letting_go=tuple(sorted(census.letting_go.get(job_id, []))),
-            sent_to=tuple(sent_to.get(job_id, [])),
-            running=job_id in census.running,
-        )
+        evidence = census.evidence(job_id)
         _state, wrong = state_of(evidence)
         found += [Problem(f"job {job_id}", what) for what in wrong]
         if evidence.parked and job_id not in census.parked_records:
@@ -205,7 +221,7 @@ def _left(census: Census) -> list[Problem]:
         "among the orphans": census.orphans,
         "held by placement": set(census.held) | set(census.letting_go),
         "running": census.running,
-        "in flight": {j for records in census.sent.values() for j in records},
+        "in flight": set(census.sent_to),
     }
     for where, ids in places.items():
         found += [Problem(f"job {j}", f"still {where} once settled") for j in sorted(ids)]
