@@ -94,7 +94,8 @@ def eviction_order(
     """Cheapest victim first: never-expiring runners last (a replica floor pinned by
     `ggufq load --replicas` among them), before them an idle replica (its model and
     configuration have another live runner, so unloading it forces no load) first, then
-    the least demanded model, the soonest expiry and the least recent use. Without
+    the least demanded model, the soonest expiry and the least recent use, then the id (a
+    total order: the snapshot cache and a full read rank ties alike). Without
     ``live_by_model`` no runner counts as a replica."""
     spares = live_by_model or {}
     return lambda r: (
@@ -103,6 +104,7 @@ def eviction_order(
         demand.get(r.model, 0.0),
         r.expires_at,
         r.last_used,
+        r.id,
     )
 
 

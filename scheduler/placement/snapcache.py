@@ -73,9 +73,10 @@ class SnapshotCache:
         runners = list(self._runners.values())
         snap = Snapshot(alive, runners, int(parked), demand, parked_models)
         # cached_property stores in the instance dict: supply the indexes ready-made
-        snap.__dict__["live_by_model"] = _LiveByModel(self._by_model, alive_ids)
+        live = _LiveByModel(self._by_model, alive_ids)
+        snap.__dict__["live_by_model"] = live
         snap.__dict__["counts"] = dict(self._counts)
-        snap.__dict__["idle_by_device"] = _IdleByDevice(self._idle, demand)
+        snap.__dict__["idle_by_device"] = _IdleByDevice(self._idle, demand, live)
         return snap
 
     # -- change log ------------------------------------------------------------------------
@@ -217,8 +218,14 @@ class _LiveByModel(Mapping[str, list[RunnerState]]):
 
 
 class _IdleByDevice(Mapping[str, list[RunnerState]]):
-    def __init__(self, index: dict[str, dict[str, RunnerState]], demand: DecayedDemand) -> None:
-        self._index, self._order = index, eviction_order(demand)
+    def __init__(
+        self,
+        index: dict[str, dict[str, RunnerState]],
+        demand: DecayedDemand,
+        live_by_model: Mapping[str, list[RunnerState]],
+    ) -> None:
+        # idle replicas first, as a full read ranks them (Snapshot.idle_by_device)
+        self._index, self._order = index, eviction_order(demand, live_by_model)
 
     def __getitem__(self, device_id: str) -> list[RunnerState]:
         return sorted(self._index[device_id].values(), key=self._order)
