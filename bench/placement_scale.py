@@ -95,9 +95,11 @@ def place_all(
         decision = decide(job, view, "binpack", time.time(), 512, 8)
         if isinstance(decision, Load):
             fields = {"model": job.model, "config_key": "c"}
-            state.reserve(f"{tag}{i}", decision.reservations, fields, time.time(), 1e9)
+            state.reserve(
+                f"{tag}{i}", f"p{tag}{i}", decision.reservations, fields, time.time(), 1e9
+            )
         elif isinstance(decision, Route):
-            state.assign(decision.runner_id, time.time())
+            state.assign(decision.runner_id, f"p{tag}{i}", time.time())
         e2e.append((time.perf_counter() - started) * 1000)
     return e2e, snap_ms
 
@@ -142,7 +144,9 @@ def main() -> None:
             )
         for r in snap.runners:
             ((dev, size),) = r.devices.items()
-            state.reserve(r.id, {dev: size}, {"model": r.model, "config_key": "c"}, now, 1e9)
+            state.reserve(
+                r.id, f"p{r.id}", {dev: size}, {"model": r.model, "config_key": "c"}, now, 1e9
+            )
         n_e2e = max(50, args.decisions // 20)
         cache = SnapshotCache(client)
         cache.snapshot(time.time(), 1e9)  # the first read loads everything

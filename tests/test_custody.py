@@ -76,7 +76,7 @@ def sent_job(db: redis.Redis, runner_id: str, placement_id: str = "p1") -> JobRe
 def test_fsck_finds_what_breaks_an_invariant(db: redis.Redis) -> None:
     WorkerState(db).register_device(vgpu(0))
     state = PlacementState(db)
-    assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 1.0, 10)  # one job counted
+    assert state.reserve("r", "p1", {"vgpu:h:0": GIB}, {"model": "m"}, 1.0, 10)  # one job counted
     job = sent_job(db, "r")
     assert fsck.problems(fsck.read(db)) == []
     assert [str(p) for p in fsck.problems(fsck.read(db), settled=True)] == [
@@ -85,7 +85,7 @@ def test_fsck_finds_what_breaks_an_invariant(db: redis.Redis) -> None:
     ]
 
     db.zadd(keys.PARKED, {job.id: 1.0})  # parked as well as sent: run twice, in time
-    db.hset(keys.runner("r"), "in_flight", 0)  # a count one too low: unloaded mid-job
+    db.srem(keys.runner_jobs("r"), "p1")  # a job it does not count: unloaded mid-job
     db.hset(keys.reservations("vgpu:h:0"), "gone", GIB)  # memory held for nobody
     db.set(keys.job_owner(job.id), "p9")  # re-placed, its old record left behind
     found = [str(p) for p in fsck.problems(fsck.read(db))]
@@ -95,8 +95,9 @@ def test_fsck_finds_what_breaks_an_invariant(db: redis.Redis) -> None:
         f"job {job.id}: parked without its record",
         f"job {job.id}: missing from its model's index of parked jobs",
         "device vgpu:h:0: reserves 1073741824 bytes for runner gone, which is gone",
-        "runner r (m): counts 0 jobs in flight, but 1 in-flight records name it (it would "
-        "unload mid-job)",
+        "runner r (m): does not count placements p1, which in-flight records give it (it "
+        "would unload mid-job)",
+        "runner r (m): counts 1 jobs in flight, but its job set holds 0",
     ]
 
 

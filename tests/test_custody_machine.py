@@ -2,8 +2,10 @@
 a worker move jobs through their states with the store's own scripts, while faults come
 between any two steps: a placement process goes silent and another sweeps what it held
 (then it resumes, stale), a reply is lost (the step runs again), a device's worker goes
-silent and its device is reaped. After every step ``ggufq fsck``'s invariants hold and
-every job is where the custody table says it must be; at the end every job can end.
+silent and its device is reaped, a commit's reply is lost (its runner counts a job that
+never comes). After every step ``ggufq fsck``'s invariants hold, every job is where the
+custody table says it must be, and each runner's job set is the jobs sent to it (and the
+lost commits not yet pruned); at the end every job can end.
 
 The same scripts serve the real stack; only the processes around them are played here."""
 
@@ -65,6 +67,8 @@ class Custody(RuleBasedStateMachine):
         for p in P:
             self.r.zadd(keys.PLACEMENT_ALIVE, {p: FOREVER})
         self.jobs: dict[str, Job] = {}
+        self.runners: dict[str, set[str]] = {}  # runner -> the placements it must count
+        self.lost: dict[str, set[str]] = {}  # runner -> placements counted, never recorded
 
     # -- helpers --------------------------------------------------------------------
     def in_state(self, *states: JobState) -> list[str]:
@@ -106,10 +110,10 @@ class Custody(RuleBasedStateMachine):
         job = self.jobs[job_id]
         runner_id = f"r-{uuid.uuid4().hex[:8]}"
         state = self.state[job.holder]
-        assert state.reserve(runner_id, {DEVICE: GIB}, {"model": "m"}, 1.0, TTL)
-        placement = Placement(
-            id=uuid.uuid4().hex[:12], runner_id=runner_id, device_id=DEVICE, config=CONFIG
-        )
+        placement_id = uuid.uuid4().hex[:12]
+        assert state.reserve(runner_id, placement_id, {DEVICE: GIB}, {"model": "m"}, 1.0, TTL)
+        placement = Placement(id=placement_id, runner_id=runner_id, device_id=DEVICE, config=CONFIG)
+        self.runners[runner_id] = {placement_id}
         record = SentJob(job=job.request, placement=placement, worker="w@h")
         assert state.sent(record, 600)
         if again:
@@ -138,6 +142,7 @@ class Custody(RuleBasedStateMachine):
         for _ in range(2 if again else 1):  # written again after a lost reply: counted once
             appended, _left = self.worker.end(job.placement, job_id, last, 1.0, 0, 600)
             assert appended is not Appended.FENCED
+        self.runners[job.placement.runner_id].discard(job.placement.id)
         job.ended += 1
         self.move(job, JobState.DONE)
 
@@ -241,11 +246,44 @@ class Custody(RuleBasedStateMachine):
             job.placement = None
         self.worker.register_device(vgpu(0, total_gib=64))
         beat_forever(self.r, DEVICE)
+        self.runners.clear()
+        self.lost.clear()
+
+    @precondition(lambda self: self.runners)
+    @rule(data=st.data())
+    def a_commits_reply_is_lost(self, data: st.DataObject) -> None:
+        """Placement assigned a job to a runner and lost the answer: it decides again
+        elsewhere, and the runner counts a placement whose record never comes."""
+        runner_id = data.draw(st.sampled_from(sorted(self.runners)))
+        lost = f"lost-{uuid.uuid4().hex[:6]}"
+        assert self.state[P[0]].assign(runner_id, lost, 1.0)
+        self.runners[runner_id].add(lost)
+        self.lost.setdefault(runner_id, set()).add(lost)
+
+    @precondition(lambda self: self.lost)
+    @rule()
+    def two_liveness_looks_prune_what_no_record_names(self) -> None:
+        self._prune()
+
+    def _prune(self) -> None:
+        for runner_id in sorted(self.runners):
+            seen, _ = self.state[P[1]].prune(runner_id, set(), 1.0)
+            _, forgotten = self.state[P[1]].prune(runner_id, seen, 1.0)
+            assert forgotten == self.lost.pop(runner_id, set())
+            self.runners[runner_id] -= forgotten
 
     # -- what must hold after every step ---------------------------------------------
     @invariant()
     def fsck_finds_nothing(self) -> None:
         assert [str(p) for p in fsck.problems(fsck.read(self.r))] == []
+
+    @invariant()
+    def each_runner_counts_the_jobs_sent_to_it(self) -> None:
+        counted = {
+            runner_id: {p.decode() for p in self.r.smembers(keys.runner_jobs(runner_id))}
+            for runner_id in (r.decode() for r in self.r.smembers(keys.RUNNERS))
+        }
+        assert counted == self.runners
 
     @invariant()
     def every_job_is_where_custody_says(self) -> None:
@@ -271,6 +309,7 @@ class Custody(RuleBasedStateMachine):
             JobState.RUNNING: self._end,
         }
         self._let_go_of_sent()
+        self._prune()
         for _ in range(len(steps)):
             for job_id, job in sorted(self.jobs.items()):
                 if job.state in steps:

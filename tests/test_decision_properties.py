@@ -132,7 +132,7 @@ class Cluster:
         live = [r for r in self.runners.values() if set(r.devices) <= self.alive]
         return Snapshot(devices, live, parked)
 
-    def assign(self, runner_id: str, now: float) -> bool:
+    def assign(self, runner_id: str, placement_id: str, now: float) -> bool:
         runner = self.runners.get(runner_id)
         if runner is None or runner.state == "unloading":
             return False
@@ -140,7 +140,12 @@ class Cluster:
         return True
 
     def reserve(
-        self, runner_id: str, reservations: dict[str, int], fields: dict[str, Any], now: float
+        self,
+        runner_id: str,
+        placement_id: str,
+        reservations: dict[str, int],
+        fields: dict[str, Any],
+        now: float,
     ) -> bool:
         if not all(
             dev in self.alive and self.total[dev] - self.reserved(dev) >= nbytes
@@ -185,7 +190,7 @@ class Cluster:
         def fields(_load: Load) -> dict[str, Any]:
             return {"model": job.model, "config_key": job.config_key}
 
-        match commit(decision, fields, self, snap, 0.0, new_id=self.new_id):
+        match commit(decision, fields, self, snap, 0.0, self.new_id(), new_id=self.new_id):
             case Assigned():
                 return "served"
             case Wait():

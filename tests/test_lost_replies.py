@@ -106,7 +106,7 @@ def test_a_parked_job_taken_as_its_reply_is_lost_is_retried_by_its_taker_alone(
 def test_a_runner_reserved_as_its_reply_is_lost_is_reserved_once(db: redis.Redis) -> None:
     WorkerState(db).register_device(vgpu(0))
     placer = PlacementState(losing(db))
-    assert placer.reserve("r1", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
+    assert placer.reserve("r1", "p1", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
     assert db.hgetall(keys.reservations("vgpu:h:0")) == {b"r1": str(GIB).encode()}
     assert db.smembers(keys.RUNNERS) == {b"r1"}
     assert db.hget(keys.runner("r1"), "in_flight") == b"1"
@@ -115,12 +115,13 @@ def test_a_runner_reserved_as_its_reply_is_lost_is_reserved_once(db: redis.Redis
 def test_a_job_taken_back_as_its_reply_is_lost_is_counted_off_once(db: redis.Redis) -> None:
     WorkerState(db).register_device(vgpu(0))
     state = PlacementState(db)
-    assert state.reserve("r1", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
-    assert state.assign("r1", now=100.0)  # a second job for it: two in flight
+    assert state.reserve("r1", "p0", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
+    assert state.assign("r1", "p1", now=100.0)  # a second job for it: two in flight
     record = sent_job("vgpu:h:0", "r1")  # the second job: the runner was not created for it
     state.sent(record, ttl_s=60)
     PlacementState(losing(db)).unsend(record)
     assert db.hget(keys.runner("r1"), "in_flight") == b"1"  # not 0: the first job still runs
+    assert db.smembers(keys.runner_jobs("r1")) == {b"p0"}
     assert not db.hexists(keys.inflight("vgpu:h:0"), record.job.id)
     assert not db.exists(keys.job_owner(record.job.id))
 

@@ -222,16 +222,17 @@ def test_a_count_no_record_accounts_for_is_corrected_after_two_looks(
 ) -> None:
     job = JobRequest(model="tiny", prompt="a", submitted_at=1.0)
     runner_id = service.place(job.model_dump(mode="json"))["runner"]
-    # a job counted whose record was never written (a reply lost mid-commit)
-    db.hincrby(keys.runner(runner_id), "in_flight", 2)
+    # jobs counted whose records were never written (replies lost mid-commit)
+    assert service.state.assign(runner_id, "lost-1", time.time())
+    assert service.state.assign(runner_id, "lost-2", time.time())
     recovery = service.recovery
     recovery.lost_sends(["vgpu:fh:0"], 0.0)
     assert db.hget(keys.runner(runner_id), "in_flight") == b"3"  # one look: not yet
     recovery.lost_sends(["vgpu:fh:0"], 0.0)
     assert db.hget(keys.runner(runner_id), "in_flight") == b"1"  # the one job recorded
-    # its end leaves it idle, with its expiry, as any job's end does
+    assert db.smembers(keys.runner_jobs(runner_id)) == {service_placement(db, job.id)}
+    # its record lost too (Redis restored without it): idle, with its expiry, as after an end
     db.hdel(keys.inflight("vgpu:fh:0"), job.id)
-    db.hincrby(keys.runner(runner_id), "in_flight", 0)
     recovery.lost_sends(["vgpu:fh:0"], 0.0)
     recovery.lost_sends(["vgpu:fh:0"], 0.0)
     assert db.hget(keys.runner(runner_id), "in_flight") == b"0"
@@ -244,6 +245,12 @@ class Killed(BaseException):
 
 def killed(*_args: object, **_kwargs: object) -> None:
     raise Killed
+
+
+def service_placement(db: redis.Redis, job_id: str) -> bytes:
+    """The placement id of a job's in-flight record on the test's device."""
+    record = json.loads(db.hget(keys.inflight("vgpu:fh:0"), job_id) or b"")
+    return str(record["placement"]["id"]).encode()
 
 
 def another(service: PlacementService, db: redis.Redis) -> PlacementService:

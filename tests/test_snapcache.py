@@ -27,6 +27,33 @@ def view(snap: Snapshot) -> dict[str, object]:
     }
 
 
+def on_runner(
+    state: ClusterState,
+    action: str,
+    runner_id: str,
+    given: list[str],
+    step: int,
+    now: float,
+    rng: random.Random,
+) -> bool:
+    """One step on a runner; False when it is to be released (it began unloading).
+    ``given``: its placements not ended yet."""
+    if action == "assign":
+        if state.assign(runner_id, f"p{step}", now):
+            given.append(f"p{step}")
+    elif action == "finish":
+        placement_id = given.pop(rng.randrange(len(given))) if given else f"p{step}"
+        placement = Placement(
+            id=placement_id, runner_id=runner_id, device_id="vgpu:h:0", config=CONFIG
+        )
+        state.end(placement, f"j{step}", (0, None), now, rng.choice([0, 60, -1]), 60)
+    elif action == "ready":
+        state.update_runner(runner_id, {"state": "ready"})
+    elif state.begin_unload(runner_id, force=rng.random() < 0.3):
+        return False
+    return True
+
+
 def test_cache_matches_full_read_through_random_changes(db: redis.Redis) -> None:
     rng = random.Random(7)
     state, cache = ClusterState(db), SnapshotCache(db)
@@ -35,6 +62,7 @@ def test_cache_matches_full_read_through_random_changes(db: redis.Redis) -> None
     for dev in devices:
         state.register_device(dev)
     runners: list[str] = []
+    given: dict[str, list[str]] = {}  # runner -> the placements it was given
     for step in range(300):
         now += rng.random()
         action = rng.choice(["reserve", "assign", "finish", "ready", "unload", "beat", "reap"])
@@ -42,21 +70,13 @@ def test_cache_matches_full_read_through_random_changes(db: redis.Redis) -> None
             runner_id = f"r{step}"
             dev = rng.choice(devices).id
             fields = {"model": f"m{rng.randrange(5)}", "config_key": "c"}
-            if state.reserve(runner_id, {dev: rng.choice([1, 2, 3]) * GIB}, fields, now, 30):
+            size = rng.choice([1, 2, 3]) * GIB
+            if state.reserve(runner_id, f"p{step}", {dev: size}, fields, now, 30):
                 runners.append(runner_id)
+                given[runner_id] = [f"p{step}"]
         elif action in ("assign", "finish", "ready", "unload") and runners:
             runner_id = rng.choice(runners)
-            if action == "assign":
-                state.assign(runner_id, now)
-            elif action == "finish":
-                placement = Placement(
-                    id=f"p{step}", runner_id=runner_id, device_id="vgpu:h:0", config=CONFIG
-                )
-                keep = rng.choice([0, 60, -1])
-                state.end(placement, f"j{step}", (0, None), now, keep, 60)
-            elif action == "ready":
-                state.update_runner(runner_id, {"state": "ready"})
-            elif state.begin_unload(runner_id, force=rng.random() < 0.3):
+            if not on_runner(state, action, runner_id, given[runner_id], step, now, rng):
                 state.release(runner_id, [d.id for d in devices])
                 runners.remove(runner_id)
         elif action == "beat":
@@ -76,9 +96,9 @@ def test_cache_reloads_when_the_log_has_a_gap(db: redis.Redis) -> None:
     state, cache = ClusterState(db), SnapshotCache(db)
     state.register_device(vgpu(0))
     cache.snapshot(1.0, 30)
-    state.reserve("r1", {vgpu(0).id: GIB}, {"model": "m", "config_key": "c"}, 1.0, 30)
+    state.reserve("r1", "p1", {vgpu(0).id: GIB}, {"model": "m", "config_key": "c"}, 1.0, 30)
     db.delete(keys.CHANGES)  # trimmed before this reader saw them: a gap in the numbers
-    state.reserve("r2", {vgpu(0).id: GIB}, {"model": "m", "config_key": "c"}, 1.0, 30)
+    state.reserve("r2", "p2", {vgpu(0).id: GIB}, {"model": "m", "config_key": "c"}, 1.0, 30)
     snap = cache.snapshot(1.0, 30)
     assert cache.reloads == 2
     assert snap.devices[0].reserved == 2 * GIB

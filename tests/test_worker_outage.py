@@ -35,7 +35,7 @@ def test_an_unload_whose_reply_redis_lost_is_finished_on_the_next_try(
     device = vgpu(0)
     runtime = WorkerRuntime(Settings(), db, [device], Registry(tmp_path))
     runtime.state.register_device(device)
-    assert PlacementState(db).reserve("r", {device.id: GIB}, {"model": "m"}, 100.0, 10)
+    assert PlacementState(db).reserve("r", "p1", {device.id: GIB}, {"model": "m"}, 100.0, 10)
     assert ended(runtime.state, "j") == 0
     runner = FakeRunner("r", [device.id])
     runtime.runners["r"] = runner  # type: ignore[assignment]

@@ -38,7 +38,7 @@ def runtime(db: redis.Redis, models_dir: Path) -> Iterator[WorkerRuntime]:
     rt.state.register_device(DEVICE)
     beat_forever(db, DEVICE.id)
     fields = {"model": "tiny"}
-    assert PlacementState(db).reserve("r", {DEVICE.id: GIB}, fields, 1e12, 10)
+    assert PlacementState(db).reserve("r", "p1", {DEVICE.id: GIB}, fields, 1e12, 10)
     try:
         yield rt
     finally:

@@ -16,15 +16,22 @@ from scheduler.placement.verdict import Decision, Evict, Load, Park, Refuse, Rou
 
 
 class Ledger(Protocol):
-    def assign(self, runner_id: str, now: float) -> bool:
-        """One more job for a live runner; False if it is unloading or gone."""
+    def assign(self, runner_id: str, placement_id: str, now: float) -> bool:
+        """One more job (this placement of it) for a live runner; False if it is unloading
+        or gone."""
         ...
 
     def reserve(
-        self, runner_id: str, reservations: dict[str, int], fields: dict[str, Any], now: float
+        self,
+        runner_id: str,
+        placement_id: str,
+        reservations: dict[str, int],
+        fields: dict[str, Any],
+        now: float,
     ) -> bool:
-        """Create a runner with one job, reserving its memory on every device it spans, all
-        or nothing; False if a device can no longer hold its part."""
+        """Create a runner with one job (this placement of it), reserving its memory on
+        every device it spans, all or nothing; False if a device can no longer hold its
+        part."""
         ...
 
     def unload(self, runner_ids: list[str], snap: Snapshot) -> None:
@@ -60,15 +67,20 @@ def commit(
     ledger: Ledger,
     snap: Snapshot,
     now: float,
+    placement_id: str,
     new_id: Callable[[], str] = lambda: uuid.uuid4().hex[:16],
 ) -> Outcome:
-    """Carry out ``decision``; ``runner_fields`` gives the record of a runner a Load creates."""
+    """Carry out ``decision`` for the job's placement ``placement_id`` (what its runner
+    counts); ``runner_fields`` gives the record of a runner a Load creates."""
     match decision:
         case Route(runner_id, device_id):
-            return Assigned(runner_id, device_id) if ledger.assign(runner_id, now) else LOST_RACE
+            if not ledger.assign(runner_id, placement_id, now):
+                return LOST_RACE
+            return Assigned(runner_id, device_id)
         case Load(device_id, _bytes, n_gpu_layers, split) as load:
             runner_id = new_id()
-            if not ledger.reserve(runner_id, load.reservations, runner_fields(load), now):
+            fields = runner_fields(load)
+            if not ledger.reserve(runner_id, placement_id, load.reservations, fields, now):
                 return LOST_RACE
             kind = next(d.kind for d in snap.devices if d.id == device_id)
             return Assigned(

@@ -18,13 +18,20 @@ class RedisLedger:
     def __init__(self, state: PlacementState, app: Celery, device_ttl_s: float) -> None:
         self.state, self.app, self.device_ttl_s = state, app, device_ttl_s
 
-    def assign(self, runner_id: str, now: float) -> bool:
-        return self.state.assign(runner_id, now)
+    def assign(self, runner_id: str, placement_id: str, now: float) -> bool:
+        return self.state.assign(runner_id, placement_id, now)
 
     def reserve(
-        self, runner_id: str, reservations: dict[str, int], fields: dict[str, Any], now: float
+        self,
+        runner_id: str,
+        placement_id: str,
+        reservations: dict[str, int],
+        fields: dict[str, Any],
+        now: float,
     ) -> bool:
-        return self.state.reserve(runner_id, reservations, fields, now, self.device_ttl_s)
+        return self.state.reserve(
+            runner_id, placement_id, reservations, fields, now, self.device_ttl_s
+        )
 
     def unload(self, runner_ids: list[str], snap: Snapshot) -> None:
         by_id = {r.id: r for r in snap.runners}

@@ -56,8 +56,8 @@ class Recovery:
         # (job id, placement id) seen nowhere by the last sweep: sent again if the next
         # sweep does not find them either
         self._unseen: set[tuple[str, str]] = set()
-        # (runner id, in-flight count, jobs recorded) over-counted at the last look
-        self._over: set[tuple[str, int, int]] = set()
+        # runner id -> the placements it counted that no record named, at the last look
+        self._unaccounted: dict[str, set[str]] = {}
 
     def orphans(self) -> int:
         """Handle the jobs that were sent to devices since dropped (their worker died or
@@ -176,19 +176,21 @@ class Recovery:
         return again
 
     def _recount(self, recorded: Counter[str]) -> None:
-        """Correct runners counting more jobs in flight than their records account for, when
-        two looks in a row find the same counts: a job counted whose record was never
-        written (a reply lost mid-commit) or whose end a Redis restart undid would keep
-        the runner full for good (placement parks a full runner's jobs) and never idle."""
-        over = {
-            (runner_id, n, recorded[runner_id])
-            for runner_id, n in self.state.in_flight_counts().items()
-            if n > recorded[runner_id]
-        }
-        for runner_id, n, _actual in over & self._over:
-            counted = self.state.recount(runner_id, n, time.time())
-            if counted is not None:
-                what = "runner %s counted %d jobs in flight but %d are: corrected"
-                log.warning(what, runner_id, n, counted)
+        """Forget jobs a runner counts that its in-flight records do not account for, when two
+        looks in a row find the same ones: a job counted whose record was never written (a
+        reply lost mid-commit) would keep the runner full for good (placement parks a full
+        runner's jobs) and never idle. Only runners counting more than their records are
+        read again."""
+        unaccounted: dict[str, set[str]] = {}
+        for runner_id, n in self.state.in_flight_counts().items():
+            if n <= recorded[runner_id]:
+                continue
+            seen = self._unaccounted.get(runner_id, set())
+            now_unaccounted, forgotten = self.state.prune(runner_id, seen, time.time())
+            if now_unaccounted - forgotten:
+                unaccounted[runner_id] = now_unaccounted - forgotten
+            if forgotten:
+                what = "runner %s counted jobs %s that no in-flight record names: forgotten"
+                log.warning(what, runner_id, ", ".join(sorted(forgotten)))
                 self.state.announce_recount(runner_id)
-        self._over = over
+        self._unaccounted = unaccounted

@@ -266,10 +266,11 @@ class PlacementService:
                 self.settings.max_queue,
                 self.settings.max_loaded_models,
             )
-            match commit(decision, fields, self.ledger, snap, now):
+            placement_id = uuid.uuid4().hex[:12]
+            match commit(decision, fields, self.ledger, snap, now, placement_id):
                 case Assigned() as assigned:
                     placement = Placement(
-                        id=uuid.uuid4().hex[:12],
+                        id=placement_id,
                         runner_id=assigned.runner_id,
                         device_id=assigned.device_id,
                         device_ids=assigned.device_ids,

@@ -5,8 +5,9 @@ reservation lives; :func:`problems` is pure and says what is wrong with it:
 
 - always: each job is in one state (scheduler/custody.py) and its in-flight record names
   the job's owner; no device reserves memory for a runner that is gone, and each runner's
-  reservations are its sizes; no runner sits on a device that is gone; no runner counts
-  fewer jobs in flight than the records that name it (it would be unloaded mid-job);
+  reservations are its sizes; no runner sits on a device that is gone; each in-flight
+  record's placement is in its runner's job set (else the runner would be unloaded
+  mid-job), and the runner's in_flight is the set's size;
 - once settled (``settled=True``: nothing was submitted and everything ended): no job is
   left anywhere, and no runner counts a job.
 """
@@ -14,7 +15,6 @@ reservation lives; :func:`problems` is pure and says what is wrong with it:
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -43,6 +43,7 @@ class Runner:
     model: str
     in_flight: int
     devices: dict[str, int]  # bytes per device, as its record says
+    jobs: frozenset[str] = frozenset()  # the placements it counts (its job set)
 
 
 @dataclass
@@ -108,10 +109,14 @@ def read(client: redis.Redis) -> Census:
         except (ValueError, AttributeError):
             sent = False  # an entry that does not parse: a sweep ends its job
         (census.letting_go if sent else census.held).setdefault(job_id, []).append(holder)
-    for runner_id, model, in_flight, sizes in runners:
+    for runner_id, model, in_flight, sizes, jobs in runners:
         record: dict[str, Any] = json.loads(sizes)
         census.runners[text(runner_id)] = Runner(
-            text(runner_id), text(model), int(in_flight), {d: int(n) for d, n in record.items()}
+            text(runner_id),
+            text(model),
+            int(in_flight),
+            {d: int(n) for d, n in record.items()},
+            frozenset(text(p) for p in jobs),
         )
     for device_id, resv, sent in per_device:
         device = text(device_id)
@@ -134,7 +139,7 @@ def _sent(raw: bytes) -> SentJob | None:
 
 def problems(census: Census, settled: bool = False) -> list[Problem]:
     """What is wrong with the cluster's state (empty: nothing)."""
-    found = _jobs(census) + _runners(census)
+    found = _jobs(census) + _reservations(census) + _runners(census)
     if settled:
         found += _left(census)
     return found
@@ -171,11 +176,8 @@ def _jobs(census: Census) -> list[Problem]:
     return found
 
 
-def _runners(census: Census) -> list[Problem]:
+def _reservations(census: Census) -> list[Problem]:
     found = []
-    counted: Counter[str] = Counter()
-    for records in census.sent.values():
-        counted.update(r.placement.runner_id for r in records.values() if r is not None)
     for device_id, resv in sorted(census.reservations.items()):
         for runner_id, size in sorted(resv.items()):
             runner = census.runners.get(runner_id)
@@ -195,6 +197,16 @@ def _runners(census: Census) -> list[Problem]:
                         f"{runner.devices.get(device_id)}",
                     )
                 )
+    return found
+
+
+def _runners(census: Census) -> list[Problem]:
+    found = []
+    named: dict[str, set[str]] = {}  # runner → the placements in-flight records give it
+    for records in census.sent.values():
+        for r in records.values():
+            if r is not None:
+                named.setdefault(r.placement.runner_id, set()).add(r.placement.id)
     for runner in sorted(census.runners.values(), key=lambda r: r.id):
         subject = f"runner {runner.id} ({runner.model})"
         for device_id, size in sorted(runner.devices.items()):
@@ -202,12 +214,21 @@ def _runners(census: Census) -> list[Problem]:
                 found.append(Problem(subject, f"holds {size} bytes on {device_id}, which is gone"))
             elif census.reservations.get(device_id, {}).get(runner.id) != size:
                 found.append(Problem(subject, f"its {size} bytes on {device_id} are not reserved"))
-        if runner.in_flight < counted[runner.id]:
+        uncounted = named.get(runner.id, set()) - runner.jobs
+        if uncounted:
             found.append(
                 Problem(
                     subject,
-                    f"counts {runner.in_flight} jobs in flight, but {counted[runner.id]} "
-                    "in-flight records name it (it would unload mid-job)",
+                    f"does not count placements {', '.join(sorted(uncounted))}, which "
+                    "in-flight records give it (it would unload mid-job)",
+                )
+            )
+        if runner.in_flight != len(runner.jobs):
+            found.append(
+                Problem(
+                    subject,
+                    f"counts {runner.in_flight} jobs in flight, but its job set holds "
+                    f"{len(runner.jobs)}",
                 )
             )
     return found

@@ -45,6 +45,12 @@ def runner(runner_id: str) -> str:
     return f"{PREFIX}:runner:{runner_id}"  # hash: model, config_key, devices, state, in_flight...
 
 
+def runner_jobs(runner_id: str) -> str:
+    # set: the placement ids of the jobs the runner was given and has not ended; its hash's
+    # in_flight is its size, kept in the same step (lua/_jobs.lua)
+    return f"{PREFIX}:runner:{runner_id}:jobs"
+
+
 def job_chunks(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:chunks"  # stream of chunks, entry id 0-<seq>, with an expiry
 
@@ -80,11 +86,6 @@ def job_placed(job_id: str) -> str:
 def job_start(job_id: str, placement_id: str) -> str:
     # string: set by the one worker thread that runs this placement of the job
     return f"{PREFIX}:job:{job_id}:start:{placement_id}"
-
-
-def job_ended(job_id: str, placement_id: str) -> str:
-    # string: this placement of the job was counted off its runner (written once)
-    return f"{PREFIX}:job:{job_id}:ended:{placement_id}"
 
 
 def job_owner(job_id: str) -> str:

@@ -32,7 +32,7 @@ class PlacementState:
         self._reap = script(client, "reap")
         self._demand = script(client, "demand")
         self._unsend = script(client, "unsend")
-        self._recount = script(client, "recount")
+        self._prune = script(client, "prune")
         self._beat = script(client, "placement_beat")
 
     def snapshot(self, now: float, device_ttl_s: float) -> Snapshot:
@@ -71,13 +71,14 @@ class PlacementState:
     def reserve(
         self,
         runner_id: str,
+        placement_id: str,
         reservations: dict[str, int],
         fields: dict[str, Any],
         now: float,
         device_ttl_s: float,
     ) -> bool:
-        """Create the runner (one job assigned) and reserve its memory on every device it
-        spans, all or nothing.
+        """Create the runner (one job assigned: ``placement_id``) and reserve its memory on
+        every device it spans, all or nothing.
 
         False when a device can no longer hold its part (another placer won the race).
         """
@@ -92,6 +93,7 @@ class PlacementState:
                 keys=[keys.RUNNERS, keys.runner(runner_id), *device_keys],
                 args=[
                     runner_id,
+                    placement_id,
                     device_ttl_s,
                     len(device_ids),
                     *reservations.values(),
@@ -101,9 +103,10 @@ class PlacementState:
         )
         return bool(ok)
 
-    def assign(self, runner_id: str, now: float) -> bool:
-        """One more job for a loading or ready runner; False if it is unloading or gone."""
-        return bool(self._assign(keys=[keys.runner(runner_id)], args=[now]))
+    def assign(self, runner_id: str, placement_id: str, now: float) -> bool:
+        """One more job (``placement_id`` into its job set) for a loading or ready runner;
+        False if it is unloading or gone."""
+        return bool(self._assign(keys=[keys.runner(runner_id)], args=[now, placement_id]))
 
     def place_once(self, job_id: str, delivery: str, ttl_s: int, record: str) -> bool:
         """Claim a submitted job's placement for ``delivery`` (an id of this delivery of its
@@ -141,7 +144,7 @@ class PlacementState:
         record was written, and a record of it there is another placement's)."""
         placement, created = record.placement, bool(record.placement.device_ids)
         held = [keys.reservations(d) for d in placement.device_ids] if created else []
-        again_if_lost(  # the script counts the job off only while its record is there
+        again_if_lost(  # the runner's job set forgets the placement once
             lambda: self._unsend(
                 keys=[
                     keys.inflight(placement.device_id),
@@ -158,6 +161,7 @@ class PlacementState:
                     int(written),
                     self.hands.field(record.job.id),
                     self.hands.token(record.job.id),
+                    placement.id,
                 ],
             )
         )
@@ -184,12 +188,12 @@ class PlacementState:
         counts = zip(ids, pipe.execute(), strict=True)
         return {runner_id: int(n) for runner_id, n in counts if n is not None}
 
-    def recount(self, runner_id: str, read: int, now: float) -> int | None:
-        """Set a runner's in-flight count, if it is still ``read``, to the jobs its in-flight
-        records name, counted in the same step (lua/recount.lua); the count set, or None
-        when nothing changed."""
-        counted = int(self._recount(keys=[keys.runner(runner_id)], args=[runner_id, read, now]))
-        return None if counted < 0 else counted
+    def prune(self, runner_id: str, seen: set[str], now: float) -> tuple[set[str], set[str]]:
+        """The placements a runner counts that no in-flight record accounts for, read with
+        the records in one step (lua/prune.lua); of them, those also in ``seen`` (the last
+        look's) are forgotten. Returns (unaccounted for, forgotten)."""
+        unaccounted, forgotten = self._prune(keys=[keys.runner(runner_id)], args=[now, *seen])
+        return {text(p) for p in unaccounted}, {text(p) for p in forgotten}
 
     def announce_recount(self, runner_id: str) -> None:
         """Wake parked jobs: a corrected runner has room."""

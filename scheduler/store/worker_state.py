@@ -135,7 +135,7 @@ class WorkerState:
     ) -> tuple[Appended, int]:
         """A job's end in one round trip (lua/end.lua): its ``last`` chunk (seq, chunk; None
         writes none) fenced by its owner, its in-flight record and running mark gone, its
-        runner counting it off once (``keep_alive_s`` None keeps the runner's). Returns
+        runner counting this placement off (``keep_alive_s`` None keeps the runner's). Returns
         what became of the chunk and how many jobs the runner still counts (-1: gone)."""
         seq, chunk = last
         chunk_keys, chunk_args = chunk_call(job_id, seq, chunk, ttl_s, placement.id)
@@ -146,10 +146,9 @@ class WorkerState:
                 keys.RUNNING,
                 keys.inflight(placement.device_id),
                 keys.runner(placement.runner_id),
-                keys.job_ended(job_id, placement.id),
                 keys.EVENTS,
             ],
-            args=[*chunk_args, job_id, now, keep, ttl_s, placement.runner_id],
+            args=[*chunk_args, job_id, now, keep, placement.runner_id],
         )
         return Appended(int(appended)), int(left)
 

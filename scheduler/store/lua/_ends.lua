@@ -36,19 +36,12 @@ local function done_with(running, inflight, job_id, placement_id)
   return 0
 end
 
--- Count one job off a runner, once per placement of it when ``marker`` (its end marker
--- key) is given, and set when the runner expires if it is now idle. ``keep`` '' keeps the
+-- Count a placement of a job off its runner (its job set: counting it off again changes
+-- nothing), and set when the runner expires if it is now idle. ``keep`` '' keeps the
 -- runner's keep_alive_s. Returns the jobs it still counts, -1 when it is gone.
-local function count_off(runner, marker, now, keep, marker_ttl)
+local function count_off(runner, placement, now, keep)
   if redis.call('EXISTS', runner) == 0 then return -1 end
-  if marker and not redis.call('SET', marker, 1, 'NX', 'EX', marker_ttl) then
-    return tonumber(redis.call('HGET', runner, 'in_flight') or '0')
-  end
-  local left = redis.call('HINCRBY', runner, 'in_flight', -1)
-  if left < 0 then
-    redis.call('HSET', runner, 'in_flight', 0)
-    left = 0
-  end
+  local left = count_out(runner, placement)
   local alive_s = tonumber(keep)
   if keep == '' then alive_s = tonumber(redis.call('HGET', runner, 'keep_alive_s') or '-1') end
   local expires = -1

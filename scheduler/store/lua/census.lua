@@ -3,10 +3,12 @@
 -- two of its own steps. Reads only.
 -- Touches, by name: ggufq:devices, ggufq:runners, ggufq:running, ggufq:parked,
 -- ggufq:orphans, ggufq:in_hand (their members), ggufq:resv:<dev>, ggufq:inflight:<dev>,
--- ggufq:runner:<id> (model, in_flight, devices), ggufq:parked:<id>, ggufq:job:<id>:owner,
+-- ggufq:runner:<id> (model, in_flight, devices) and its :jobs set, ggufq:parked:<id>,
+-- ggufq:job:<id>:owner,
 -- ggufq:parked:model_of (the parked jobs' index by model)
 -- Returns {devices, running, parked, orphans, held (flat field, entry), parked ids that have their
--- record, {runner id, model, in_flight, devices JSON}..., {device id, reservations (flat
+-- record, {runner id, model, in_flight, devices JSON, its job set}..., {device id,
+-- reservations (flat
 -- runner, bytes), in-flight records (flat job, record)}..., owners (flat job, owner or ''),
 -- the job ids in the parked jobs' index}
 local devices = redis.call('SMEMBERS', 'ggufq:devices')
@@ -18,7 +20,10 @@ end
 local runners = {}
 for _, id in ipairs(redis.call('SMEMBERS', 'ggufq:runners')) do
   local r = redis.call('HMGET', 'ggufq:runner:' .. id, 'model', 'in_flight', 'devices')
-  if r[1] then table.insert(runners, {id, r[1], r[2] or '0', r[3] or '{}'}) end
+  if r[1] then
+    local jobs = redis.call('SMEMBERS', 'ggufq:runner:' .. id .. ':jobs')
+    table.insert(runners, {id, r[1], r[2] or '0', r[3] or '{}', jobs})
+  end
 end
 local per_device, owners = {}, {}
 for _, dev in ipairs(devices) do

@@ -1,7 +1,7 @@
 -- A job's end on its worker, in one step: its last chunk (unless there is none to write:
 -- handed back), fenced by its owner as append.lua's are; its running mark and in-flight
--- record gone; and its runner counting it off once (an end written again after a lost
--- answer finds its end marker), with its expiry if now idle. A reader that sees the last
+-- record gone; and its runner counting this placement off (its job set: an end written
+-- again after a lost answer changes nothing), with its expiry if now idle. A reader that sees the last
 -- chunk finds the slot free and `ps` shows the runner idle; a worker that dies before
 -- this leaves the job in flight, for placement to re-place or fail with its device.
 -- Moves a job (scheduler/custody.py): running -> done, running -> failed, running -> cancelled
@@ -11,11 +11,10 @@
 -- KEYS[4] ggufq:running                            (hash) job id -> time it started
 -- KEYS[5] ggufq:inflight:<dev>                     (hash) job id -> in-flight record
 -- KEYS[6] ggufq:runner:<id>                        (hash)
--- KEYS[7] ggufq:job:<id>:ended:<placement id>      (string) the runner counted it off
--- KEYS[8] ggufq:events                             (pub/sub channel) job_finished, with
+-- KEYS[7] ggufq:events                             (pub/sub channel) job_finished, with
 --                                                  the runner's model: wakes parked jobs
 -- ARGV: placement id (the fence), seq, payload ('' for no chunk), stream ttl_s, job id,
---       now, keep_alive_s ('' keeps the runner's), the end marker's ttl_s, runner id
+--       now, keep_alive_s ('' keeps the runner's), runner id
 -- Returns {streams.Appended (1 also when there was no chunk), jobs the runner still counts
 -- (-1: it is gone)}.
 local appended = 1
@@ -23,10 +22,10 @@ if ARGV[3] ~= '' then
   appended = append_chunk(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 end
 done_with(KEYS[4], KEYS[5], ARGV[5], ARGV[1])
-local left = count_off(KEYS[6], KEYS[7], ARGV[6], ARGV[7], ARGV[8])
+local left = count_off(KEYS[6], ARGV[1], ARGV[6], ARGV[7])
 if left >= 0 then
   local model = redis.call('HGET', KEYS[6], 'model') or ''
-  local event = {event = 'job_finished', runner = ARGV[9], model = model, in_flight = left}
-  redis.call('PUBLISH', KEYS[8], cjson.encode(event))
+  local event = {event = 'job_finished', runner = ARGV[8], model = model, in_flight = left}
+  redis.call('PUBLISH', KEYS[7], cjson.encode(event))
 end
 return {appended, left}

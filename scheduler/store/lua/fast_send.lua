@@ -42,7 +42,7 @@ if redis.call('ZCARD', KEYS[4]) > 0 then return 0 end
 if redis.call('LLEN', KEYS[5]) > 0 or redis.call('LLEN', KEYS[6]) > 0 then return 0 end
 if not redis.call('SET', KEYS[7], ARGV[6], 'NX', 'EX', ARGV[5]) then return -1 end
 redis.call('SET', KEYS[8], ARGV[7], 'EX', ARGV[5])
-redis.call('HINCRBY', KEYS[2], 'in_flight', 1)
+count_on(KEYS[2], ARGV[10])
 redis.call('HSET', KEYS[2], 'last_used', ARGV[3], 'expires_at', -1)
 changed(KEYS[2])
 -- the record's "sent_at":0.0 becomes the time on Redis's clock, which the lost-send look

@@ -6,7 +6,7 @@
 -- KEYS[2] ggufq:runners   (set)
 -- KEYS[3] ggufq:heartbeats (sorted set) device id -> last heartbeat
 -- KEYS[4] ggufq:orphans   (hash) job id -> in-flight record
--- Also touches, by name: ggufq:device:<dev>, ggufq:resv:<dev>, ggufq:runner:<id>,
+-- Also touches, by name: ggufq:device:<dev>, ggufq:resv:<dev>, ggufq:runner:<id>[:jobs],
 -- ggufq:inflight:<dev> (hash) job id -> in-flight record, ggufq:job:<id>:owner (string),
 -- ggufq:running (hash) job id -> start time, and the device's Celery queues (lists)
 -- ggufq.<dev with '.' for ':'> and ggufq.<...>.batch
@@ -23,7 +23,7 @@ for _, dev in ipairs(redis.call('SMEMBERS', KEYS[1])) do
         redis.call('HDEL', 'ggufq:resv:' .. other, rid)
         changed('ggufq:resv:' .. other)
       end
-      redis.call('DEL', 'ggufq:runner:' .. rid)
+      forget_runner('ggufq:runner:' .. rid)
       changed('ggufq:runner:' .. rid)
       redis.call('SREM', KEYS[2], rid)
     end

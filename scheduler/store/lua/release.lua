@@ -1,4 +1,4 @@
--- Remove one runner and every reservation it holds. A runner id is never reused, so a late
+-- Remove one runner, its job set and every reservation it holds. A runner id is never reused, so a late
 -- or repeated release cannot remove a newer runner of the same model.
 -- KEYS[1] ggufq:runners          (set)
 -- KEYS[2] ggufq:runner:<id>      (hash)
@@ -10,7 +10,7 @@ for i = 3, #KEYS do
   removed = removed + redis.call('HDEL', KEYS[i], ARGV[1])
   changed(KEYS[i])
 end
-redis.call('DEL', KEYS[2])
+forget_runner(KEYS[2])
 changed(KEYS[2])
 redis.call('SREM', KEYS[1], ARGV[1])
 return removed

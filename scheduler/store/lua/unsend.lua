@@ -11,12 +11,11 @@
 -- ARGV: job id, runner id, created (1: the runner was created for this job), written (0:
 --       the job's record was never written here, as for a job swept from this placement:
 --       a record there is another placement's, and stays), field "<placement>|<job id>",
---       token the job is held under
--- Returns 1. Safe to run twice (its reply was lost): the runner counts the job off only
--- while the job's record is there to remove (a count with none: recount corrects it).
-local recorded = false
+--       token the job is held under, the job's placement id
+-- Returns 1. Safe to run twice (its reply was lost): the runner's job set forgets this
+-- placement of the job once.
 if ARGV[4] ~= '0' then
-  recorded = redis.call('HDEL', KEYS[1], ARGV[1]) == 1
+  redis.call('HDEL', KEYS[1], ARGV[1])
   redis.call('DEL', KEYS[2])
   mark_held(KEYS[5], ARGV[5], ARGV[6], 'sent', nil)
 end
@@ -25,10 +24,10 @@ if ARGV[3] == '1' then
     redis.call('HDEL', KEYS[i], ARGV[2])
     changed(KEYS[i])
   end
-  redis.call('DEL', KEYS[4])
+  forget_runner(KEYS[4])
   redis.call('SREM', KEYS[3], ARGV[2])
-elseif recorded and redis.call('HINCRBY', KEYS[4], 'in_flight', -1) < 0 then
-  redis.call('HSET', KEYS[4], 'in_flight', 0)
+elseif redis.call('EXISTS', KEYS[4]) == 1 then
+  count_out(KEYS[4], ARGV[7])
 end
 changed(KEYS[4])
 return 1

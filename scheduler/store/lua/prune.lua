@@ -1,0 +1,41 @@
+-- Forget the jobs a runner counts that no in-flight record accounts for, once the caller
+-- saw the same ones unaccounted for in its last look too: a job counted whose record was
+-- never written (placement's reply lost between its commit and its record) would keep the
+-- runner full for good and never idle. Judged per placement, against the records read in
+-- this same step: a job whose record was written since the caller's last look stays.
+-- KEYS[1] ggufq:runner:<id>  (hash: device_ids, keep_alive_s)
+-- Also touches, by name: ggufq:runner:<id>:jobs, and ggufq:inflight:<dev> (read) for each
+-- of the runner's devices
+-- ARGV: now, then the placement ids the caller saw unaccounted for in its last look
+-- Returns {placement ids unaccounted for now, those of them forgotten (in ARGV too)}.
+if redis.call('EXISTS', KEYS[1]) == 0 then return {{}, {}} end
+local recorded = {}
+local devices = redis.call('HGET', KEYS[1], 'device_ids') or ''
+for dev in string.gmatch(devices, '[^,]+') do
+  for _, raw in ipairs(redis.call('HVALS', 'ggufq:inflight:' .. dev)) do
+    local ok, record = pcall(cjson.decode, raw)
+    if ok and type(record) == 'table' and type(record['placement']) == 'table' then
+      recorded[tostring(record['placement']['id'])] = true
+    end
+  end
+end
+local seen = {}
+for i = 2, #ARGV do seen[ARGV[i]] = true end
+local unaccounted, forgotten = {}, {}
+for _, placement in ipairs(redis.call('SMEMBERS', jobs_of(KEYS[1]))) do
+  if not recorded[placement] then
+    table.insert(unaccounted, placement)
+    if seen[placement] then table.insert(forgotten, placement) end
+  end
+end
+if #forgotten > 0 then
+  for _, placement in ipairs(forgotten) do count_out(KEYS[1], placement) end
+  if redis.call('SCARD', jobs_of(KEYS[1])) == 0 then
+    local keep = tonumber(redis.call('HGET', KEYS[1], 'keep_alive_s') or '-1')
+    local expires = -1
+    if keep >= 0 then expires = tonumber(ARGV[1]) + keep end
+    redis.call('HSET', KEYS[1], 'expires_at', expires)
+  end
+  changed(KEYS[1])
+end
+return {unaccounted, forgotten}
