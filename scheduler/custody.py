@@ -72,7 +72,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(S.SENT, S.RUNNING, Actor.WORKER, "start", "its one delivery starts it"),
     Transition(S.SENT, S.ORPHANED, Actor.SWEEP, "reap", "its device went silent"),
     Transition(S.RUNNING, S.ORPHANED, Actor.SWEEP, "reap", "its device went silent"),
-    Transition(S.RUNNING, S.ORPHANED, Actor.WORKER, "", "its model could not load there"),
+    Transition(S.RUNNING, S.ORPHANED, Actor.WORKER, "end", "its model could not load there"),
     Transition(S.RUNNING, S.DONE, Actor.WORKER, "end", "its final chunk, slot freed"),
     Transition(S.RUNNING, S.FAILED, Actor.WORKER, "end", "its error chunk, slot freed"),
     Transition(S.RUNNING, S.CANCELLED, Actor.WORKER, "end", "cancelled mid-run"),

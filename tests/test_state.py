@@ -160,6 +160,34 @@ def test_a_jobs_end_is_counted_once_however_often_it_is_written(db: redis.Redis)
     assert db.smembers(keys.runner_jobs("r")) == {b"pb"}
 
 
+def test_a_job_handed_back_is_orphaned_in_the_step_that_ends_its_run(db: redis.Redis) -> None:
+    """A worker that could not load a job's model hands it back in its end's own step: the
+    job is never in flight and orphaned at once (fsck would see it in two states), and a
+    job taken from this run meanwhile (placed again) is not handed back to run twice."""
+    state = ClusterState(db)
+    state.register_device(vgpu(0))
+    assert state.reserve("r", "p1", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)
+    job = JobRequest(model="m", prompt="a")
+    placed = Placement(id="p1", runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512))
+    record = SentJob(job=job, placement=placed, worker="w@h")
+    assert state.sent(record, ttl_s=60)
+    events = db.pubsub()
+    events.subscribe(keys.EVENTS)
+    assert events.get_message(timeout=1) is not None  # the subscription's confirmation
+    orphan = record.model_copy(update={"avoid": ["vgpu:h:0"]})
+    assert state.end(placed, job.id, (0, None), 101.0, 300, 60, orphan)[1] == 0
+    assert not db.hexists(keys.inflight("vgpu:h:0"), job.id)
+    assert SentJob.model_validate_json(db.hget(keys.ORPHANS, job.id) or b"").avoid == ["vgpu:h:0"]
+    heard = [json.loads(m["data"]) for m in iter(lambda: events.get_message(timeout=1), None)]
+    assert {"event": "handed_back", "job": job.id} in heard
+    # placed again meanwhile: its old run's hand-back is fenced off
+    db.hdel(keys.ORPHANS, job.id)
+    db.set(keys.job_owner(job.id), "p2")
+    state.end(placed, job.id, (0, None), 102.0, 300, 60, orphan)
+    assert not db.hexists(keys.ORPHANS, job.id)
+    events.close()
+
+
 def test_unload_waits_for_assigned_jobs(db: redis.Redis) -> None:
     state = ClusterState(db)
     state.register_device(vgpu(0))

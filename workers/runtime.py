@@ -155,11 +155,14 @@ class WorkerRuntime(Residency):
         meanwhile = _nothing
         ended = False
 
-        def end(last: dict[str, Any] | None, tally: dict[str, float]) -> bool:
-            """The job's end, its ``last`` chunk with it; False when that was fenced off."""
+        def end(
+            last: dict[str, Any] | None, tally: dict[str, float], orphan: SentJob | None = None
+        ) -> bool:
+            """The job's end, its ``last`` chunk with it (or, handed back, its ``orphan``
+            record); False when that was fenced off."""
             nonlocal ended
             ended = True
-            return self._ended(req, placement, publisher, last, tally, received_at)
+            return self._ended(req, placement, publisher, last, tally, received_at, orphan)
 
         try:
             if resident is not None:
@@ -187,7 +190,7 @@ class WorkerRuntime(Residency):
                 raise NotOwned(req.id)  # placement ended it or placed it again meanwhile
             return final
         except HandBack as exc:
-            self._hand_back(start, resident, exc)
+            end(None, {}, self._handed_back(start, resident, exc))
             raise
         except NotOwned:
             raise
@@ -205,15 +208,17 @@ class WorkerRuntime(Residency):
             if not ended:
                 self._left(req, placement, publisher, start.owned, received_at)
 
-    def _hand_back(self, start: StartClaim, resident: AnyRunner | None, exc: HandBack) -> None:
-        """Give a job whose model could not load here back to placement, which places it
-        again elsewhere; raises NotOwned when the job is not this delivery's."""
+    def _handed_back(self, start: StartClaim, resident: AnyRunner | None, exc: HandBack) -> SentJob:
+        """The orphan record that gives a job whose model could not load here back to
+        placement, which places it again elsewhere (its end writes it, in the same step
+        as its in-flight record goes); raises NotOwned when the job is not this
+        delivery's."""
         if not start.ours(resident):
             raise NotOwned(start.req.id) from None
         log.warning("handing job %s back to placement: %s", start.req.id, exc)
         device = start.placement.device_id
         record = SentJob(job=start.req, placement=start.placement, worker=self.worker_name)
-        self.state.hand_back(record.model_copy(update={"avoid": [device]}))
+        return record.model_copy(update={"avoid": [device]})
 
     def _start_now(
         self, start: StartClaim, cancelled: Callable[[], bool], progress: Progress
@@ -242,11 +247,13 @@ class WorkerRuntime(Residency):
         last: dict[str, Any] | None,
         tally: dict[str, float],
         received_at: float,
+        orphan: SentJob | None = None,
     ) -> bool:
         """A job this delivery ran ended: its ``last`` chunk (None: no chunk of its own),
         its in-flight record and its runner's count go to Redis in one step (lua/end.lua),
-        then its counters and hops. False when the chunk was fenced off (the job was taken
-        from this run): its outcome is not this run's to store."""
+        with its ``orphan`` record when it is handed back, then its counters and hops.
+        False when the chunk was fenced off (the job was taken from this run): its outcome
+        is not this run's to store."""
         with self._jobs_lock:  # together: a second delivery checks _running to unwatch
             self.cancels.forget(req.id)
             self._running.pop(req.id, None)
@@ -260,7 +267,9 @@ class WorkerRuntime(Residency):
             now, runner = self.clock(), self.runners.get(placement.runner_id)
             keep_alive_s = None if runner is None else runner.keep_alive_s
             done = (seq, last)
-            appended[0], left = self.state.end(placement, req.id, done, now, keep_alive_s, ttl_s)
+            appended[0], left = self.state.end(
+                placement, req.id, done, now, keep_alive_s, ttl_s, orphan
+            )
             self._counted_off(placement.runner_id, left, now, keep_alive_s)
 
         def bookkeeping() -> None:  # the counters and hops, in one round trip

@@ -132,10 +132,12 @@ class WorkerState:
         now: float,
         keep_alive_s: float | None,
         ttl_s: int,
+        orphan: SentJob | None = None,
     ) -> tuple[Appended, int]:
         """A job's end in one round trip (lua/end.lua): its ``last`` chunk (seq, chunk; None
         writes none) fenced by its owner, its in-flight record and running mark gone, its
-        runner counting this placement off (``keep_alive_s`` None keeps the runner's). Returns
+        runner counting this placement off (``keep_alive_s`` None keeps the runner's), and
+        a job handed back among the orphans as ``orphan`` (placement hears of it). Returns
         what became of the chunk and how many jobs the runner still counts (-1: gone)."""
         seq, chunk = last
         chunk_keys, chunk_args = chunk_call(job_id, seq, chunk, ttl_s, placement.id)
@@ -147,17 +149,18 @@ class WorkerState:
                 keys.inflight(placement.device_id),
                 keys.runner(placement.runner_id),
                 keys.EVENTS,
+                keys.ORPHANS,
             ],
-            args=[*chunk_args, job_id, now, keep, placement.runner_id],
+            args=[
+                *chunk_args,
+                job_id,
+                now,
+                keep,
+                placement.runner_id,
+                "" if orphan is None else orphan.model_dump_json(),
+            ],
         )
         return Appended(int(appended)), int(left)
-
-    def hand_back(self, record: SentJob) -> None:
-        """Give a job back to placement (its device could not load the model)."""
-        pipe = self.r.pipeline()
-        pipe.hset(keys.ORPHANS, record.job.id, record.model_dump_json())
-        pipe.publish(keys.EVENTS, json.dumps({"event": "handed_back", "job": record.job.id}))
-        pipe.execute()
 
     def announce(self, event: dict[str, Any]) -> None:
         """Tell placement that capacity may have changed (wakes parked jobs)."""

@@ -1,10 +1,14 @@
 -- A job's end on its worker, in one step: its last chunk (unless there is none to write:
 -- handed back), fenced by its owner as append.lua's are; its running mark and in-flight
 -- record gone; and its runner counting this placement off (its job set: an end written
--- again after a lost answer changes nothing), with its expiry if now idle. A reader that sees the last
--- chunk finds the slot free and `ps` shows the runner idle; a worker that dies before
--- this leaves the job in flight, for placement to re-place or fail with its device.
+-- again after a lost answer changes nothing), with its expiry if now idle. A reader that
+-- sees the last chunk finds the slot free and `ps` shows the runner idle; a worker that
+-- dies before this leaves the job in flight, for placement to re-place or fail with its
+-- device. A job handed back (its model could not load there) goes among the orphans in
+-- the same step, and placement hears of it: never in flight and orphaned at once; not
+-- when it is no longer this placement's (reaped or placed again meanwhile).
 -- Moves a job (scheduler/custody.py): running -> done, running -> failed, running -> cancelled
+-- Moves a job (scheduler/custody.py): running -> orphaned
 -- KEYS[1] ggufq:job:<id>:owner                     (string) placement id, or "orphaned"
 -- KEYS[2] ggufq:job:<id>:chunks                    (stream) entry ids 0-<seq>
 -- KEYS[3] ggufq:job:<id>                           (pub/sub channel)
@@ -13,8 +17,10 @@
 -- KEYS[6] ggufq:runner:<id>                        (hash)
 -- KEYS[7] ggufq:events                             (pub/sub channel) job_finished, with
 --                                                  the runner's model: wakes parked jobs
+-- KEYS[8] ggufq:orphans                            (hash) job id -> in-flight record
 -- ARGV: placement id (the fence), seq, payload ('' for no chunk), stream ttl_s, job id,
---       now, keep_alive_s ('' keeps the runner's), runner id
+--       now, keep_alive_s ('' keeps the runner's), runner id, the orphan record of a job
+--       handed back ('' for none)
 -- Returns {streams.Appended (1 also when there was no chunk), jobs the runner still counts
 -- (-1: it is gone)}.
 local appended = 1
@@ -27,5 +33,10 @@ if left >= 0 then
   local model = redis.call('HGET', KEYS[6], 'model') or ''
   local event = {event = 'job_finished', runner = ARGV[8], model = model, in_flight = left}
   redis.call('PUBLISH', KEYS[7], cjson.encode(event))
+end
+local owner = redis.call('GET', KEYS[1])
+if ARGV[9] ~= '' and (not owner or owner == ARGV[1]) then
+  redis.call('HSET', KEYS[8], ARGV[5], ARGV[9])
+  redis.call('PUBLISH', KEYS[7], cjson.encode({event = 'handed_back', job = ARGV[5]}))
 end
 return {appended, left}
