@@ -100,7 +100,9 @@ LAPSES: tuple[Lapse, ...] = (
     Lapse(
         S.PLACING,
         "a placement process",
-        "the holder's beats stop for GGUFQ_DEVICE_TTL_S (Redis's clock)",
+        "the holder's beats stop for GGUFQ_DEVICE_TTL_S (Redis's clock), or the holder "
+        "itself finds it held that long and no longer decides on it (Redis restored from "
+        "an older snapshot)",
         "put back where it was taken from, once; a job already sent is let go, one being "
         "ended is failed; the holder, if it resumes, finds it swept and does nothing more",
     ),

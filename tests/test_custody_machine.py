@@ -192,7 +192,7 @@ class Custody(RuleBasedStateMachine):
         dead_before = float(sec) + micros / 1e6 + 1
         for holder in P:
             _others, own = self.hands[holder].look(dead_before)
-            for held in own:
+            for held in (h for h in own if h.sent):
                 self.hands[holder].let_go_of(held)
                 assert holder in self.jobs[held.job_id].sent_holds
                 self.jobs[held.job_id].sent_holds.discard(holder)

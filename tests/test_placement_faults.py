@@ -20,6 +20,7 @@ from scheduler.placement import service as service_module
 from scheduler.placement.service import MAX_PLACEMENT_ERRORS, PlacementService
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
+from scheduler.store.hands import PutBack, parked_record
 from tests.conftest import placement_on_db1
 
 GIB = 1 << 30
@@ -429,3 +430,26 @@ def test_a_held_entry_that_does_not_parse_ends_its_job_when_its_holder_is_gone(
     error = final_error(db, "garbled")
     assert error["code"] == "job_failed" and "cannot be read" in error["message"]
     assert db.hlen(keys.IN_HAND) == 0
+
+
+def test_a_job_redis_gives_back_to_a_holder_that_let_go_of_it_is_put_back(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    """Redis restored from an older snapshot holds a job in the hands of a live placement
+    process that let go of it long ago: no other process sweeps it (its holder beats), so
+    the holder's own look puts it back, once, and its own threads, finding it swept, do
+    nothing more with it."""
+    job = JobRequest(model="m", prompt="hello", submitted_at=1.0)
+    hands = service.state.hands
+    record = parked_record(job.model_dump(mode="json"), 1.0)
+    assert hands.claim(job.id, "delivery", 600, record)
+    token = hands.hand_over(job.id)  # as a snapshot from before it let go of the job has it
+    ttl = service.settings.device_ttl_s
+    db.zadd(keys.PLACEMENT_ALIVE, {hands.name: time.time() + 3600})  # its holder beats
+    assert another(service, db).recovery.dead_hands(time.time() + ttl + 1, ttl) == 0  # alive
+    assert service.recovery.dead_hands(time.time() + ttl + 1, ttl) == 1
+    assert service.parked.ids() == [job.id] and db.hlen(keys.IN_HAND) == 0
+    assert service.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0  # once
+    hands.adopt(job.id, token)  # a thread that did still decide on it: swept from it
+    assert hands.put_back("parked", job.id, record) is not PutBack.PUT_BACK
+    assert service.parked.ids() == [job.id]

@@ -105,22 +105,28 @@ class Recovery:
         stalled) had in hand: a submission or a parked job in the parked queue, an orphan
         among the orphans, each once; a job that was sent or ended meanwhile is let go; one
         its holder was ending is ended. Lets go of this process's own sent jobs that Redis
-        kept it from letting go of. Returns how many were put back."""
+        kept it from letting go of, and sweeps its own entries held that long that it no
+        longer decides on (a Redis restored from an older snapshot). Returns how many were
+        put back."""
         hands, dead_before, back = self.state.hands, now - ttl_s, 0
         others, own = hands.look(dead_before)
-        for held in own:  # sent, and letting go of it failed then
-            hands.let_go_of(held)
+        for held in own:
+            if held.sent:  # sent, and letting go of it failed then
+                hands.let_go_of(held)
+            else:
+                others.append(held)
         for held in others:
             _streamed, finished = progress(self.r, held.job_id)
             outcome = hands.sweep(held, dead_before, finished)
             if outcome is Swept.PUT_BACK:
                 what = "among the orphans" if held.what == "orphan" else "in the parked queue"
-                log.warning(
-                    "job %s was in the hands of %s, which stopped beating: put back %s",
-                    held.job_id,
-                    held.holder,
-                    what,
+                why = (
+                    "this process, which no longer decides on it (Redis restored from an "
+                    "older snapshot?)"
+                    if held.holder == hands.name
+                    else f"{held.holder}, which stopped beating"
                 )
+                log.warning("job %s was in the hands of %s: put back %s", held.job_id, why, what)
                 back += 1
             elif outcome in (Swept.UNREADABLE, Swept.ENDING):
                 why = (

@@ -96,8 +96,11 @@ def sort_held(
 ) -> tuple[list[Held], list[Held]]:
     """Of the held jobs (``ggufq:in_hand`` as text) taken before ``dead_before``: those of
     other placement processes that have not beaten since then (``beats``: each one's last
-    beat; a process gone has none), and those of ``name`` that were sent and not let go of
-    (Redis failed that). An entry that does not parse is another's, to be ended."""
+    beat; a process gone has none), and those of ``name``: sent and not let go of (Redis
+    failed that), or held that long and not sent, which no thread of it still decides on
+    (Redis restored from an older snapshot gave it back a job it had long let go of; a
+    thread that does still hold it finds it swept, as from a stalled holder). An entry
+    that does not parse is another's, to be ended."""
     others, own = [], []
     for field, text in entries.items():
         holder, _, job_id = field.rpartition("|")
@@ -111,8 +114,7 @@ def sort_held(
             continue
         held = Held(holder, job_id, token, what, sent)
         if holder == name:
-            if sent:
-                own.append(held)
+            own.append(held)
         elif beats.get(holder, 0.0) < dead_before:
             others.append(held)
     return others, own
@@ -280,8 +282,9 @@ class Hands:
         again_if_lost(lambda: self._let_go(keys=[keys.IN_HAND], args=[held.field, held.token]))
 
     def sweep(self, held: Held, dead_before: float, finished: bool) -> Swept:
-        """Put ``held`` back in its queue, once, if its holder is still silent, or let go of
-        it (:class:`Swept` says which)."""
+        """Put ``held`` back in its queue, once, if its holder is still silent (or is this
+        process: an entry of its own held past ``dead_before``), or let go of it
+        (:class:`Swept` says which)."""
         outcome = self._sweep(
             keys=[
                 keys.IN_HAND,
@@ -298,6 +301,7 @@ class Hands:
                 held.job_id,
                 SWEPT_KEPT_S,
                 int(finished),
+                int(held.holder == self.name),
             ],
         )
         return Swept(int(outcome))

@@ -3,7 +3,9 @@
 -- token is marked swept ('1': put back), so that a holder that was only stalled does
 -- nothing more with it (its send, park, end and take scripts look). A job marked sent
 -- (its in-flight record stands: the device's records account for it) or that ended is let
--- go only ('2'); one its holder was ending is let go, for the caller to end.
+-- go only ('2'); one its holder was ending is let go, for the caller to end. A holder
+-- sweeps its own entry held past the TTL that none of its threads decides on any more (a
+-- Redis restored from an older snapshot gave it back): then its own beat does not stop it.
 -- Moves a job (scheduler/custody.py): placing -> parked, placing -> orphaned
 -- KEYS[1] ggufq:in_hand (hash)
 -- KEYS[2] ggufq:placement:alive (sorted set: placement -> last beat)
@@ -11,7 +13,7 @@
 -- KEYS[4] ggufq:parked:<id> (string), unused for an orphan
 -- KEYS[5] ggufq:swept:<token>
 -- ARGV: field, token, placement, dead_before, job id, swept ttl (s), '1' when the job has
---       ended already
+--       ended already, '1' when the placement sweeps its own entry
 -- Returns hands.Swept: 1 PUT_BACK, 2 LET_GO, 3 ENDING (let go of a job its holder was
 -- ending: the caller ends it), -1 UNREADABLE (let go of an entry that does not parse: the
 -- caller ends its job), 0 NOTHING (gone, another token, or its holder is alive).
@@ -23,7 +25,7 @@ if readable and (entry['token'] ~= ARGV[2] or (tonumber(entry['at']) or 0) >= to
   return 0
 end
 local beat = redis.call('ZSCORE', KEYS[2], ARGV[3])
-if beat and tonumber(beat) >= tonumber(ARGV[4]) then return 0 end
+if ARGV[8] ~= '1' and beat and tonumber(beat) >= tonumber(ARGV[4]) then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 local outcome = 1
 if not readable then
