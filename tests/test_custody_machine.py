@@ -267,10 +267,11 @@ class Custody(RuleBasedStateMachine):
 
     def _prune(self) -> None:
         for runner_id in sorted(self.runners):
-            seen, _ = self.state[P[1]].prune(runner_id, set(), 1.0)
-            _, forgotten = self.state[P[1]].prune(runner_id, seen, 1.0)
-            assert forgotten == self.lost.pop(runner_id, set())
-            self.runners[runner_id] -= forgotten
+            seen = self.state[P[1]].prune(runner_id, set(), 1.0).unaccounted
+            pruned = self.state[P[1]].prune(runner_id, seen, 1.0)
+            assert pruned.forgotten == self.lost.pop(runner_id, set())
+            self.runners[runner_id] -= pruned.forgotten
+            assert not pruned.released  # each was given a job that was sent
 
     # -- what must hold after every step ---------------------------------------------
     @invariant()

@@ -232,7 +232,9 @@ def test_a_count_no_record_accounts_for_is_corrected_after_two_looks(
     recovery.lost_sends(["vgpu:fh:0"], 0.0)
     assert db.hget(keys.runner(runner_id), "in_flight") == b"1"  # the one job recorded
     assert db.smembers(keys.runner_jobs(runner_id)) == {service_placement(db, job.id)}
-    # its record lost too (Redis restored without it): idle, with its expiry, as after an end
+    # loaded, then its record lost too (Redis restored without it): idle, with its expiry,
+    # as after an end (one still loading would be released: no worker has it)
+    db.hset(keys.runner(runner_id), "state", "ready")
     db.hdel(keys.inflight("vgpu:fh:0"), job.id)
     recovery.lost_sends(["vgpu:fh:0"], 0.0)
     recovery.lost_sends(["vgpu:fh:0"], 0.0)

@@ -17,7 +17,7 @@ from scheduler.local.embedded import EmbeddedRedis
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
 from scheduler.store.clock import redis_now
-from scheduler.store.placement_state import PlacementState
+from scheduler.store.placement_state import PlacementState, Pruned
 from scheduler.store.scripts import execute, script
 from scheduler.store.streams import publish_final, queue_chunk, read_chunks
 from scheduler.store.worker_state import WorkerState
@@ -470,17 +470,23 @@ def test_a_prune_forgets_only_jobs_unaccounted_for_in_two_looks(db: redis.Redis)
     state.register_device(vgpu(0))
     assert state.reserve("r", "pa", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # job a
     assert state.assign("r", "pb", now=100.5)  # job b: neither record written yet
-    assert state.prune("r", set(), now=100.6) == ({"pa", "pb"}, set())  # a first look
+    assert state.prune("r", set(), now=100.6).unaccounted == {"pa", "pb"}  # a first look
     job = JobRequest(model="m", prompt="a")
     placed = Placement(id="pa", runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512))
     state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
     # the second look: a's record came, b's never will (its reply was lost)
-    assert state.prune("r", {"pa", "pb"}, now=101.0) == ({"pb"}, {"pb"})
+    assert state.prune("r", {"pa", "pb"}, now=101.0) == Pruned({"pb"}, {"pb"})
     assert db.hget(keys.runner("r"), "in_flight") == b"1"
     assert db.smembers(keys.runner_jobs("r")) == {b"pa"}
     assert ended(state, "a", "pa") == 0
     assert float(db.hget(keys.runner("r"), "expires_at") or 0) == 401.0
-    assert state.prune("gone", {"pa"}, now=102.0) == (set(), set())
+    assert state.prune("gone", {"pa"}, now=102.0) == Pruned(set(), set())
+    # a runner still loading whose only job's record never came: released, memory and all
+    assert state.reserve("r2", "pc", {"vgpu:h:0": GIB}, {"model": "m"}, 102.0, 10)
+    assert state.prune("r2", {"pc"}, now=103.0) == Pruned({"pc"}, {"pc"}, released=True)
+    assert not db.exists(keys.runner("r2"), keys.runner_jobs("r2"))
+    assert not db.sismember(keys.RUNNERS, "r2")
+    assert not db.hexists(keys.reservations("vgpu:h:0"), "r2")
 
 
 def test_a_job_whose_start_claim_redis_lost_is_not_taken_for_a_lost_message(

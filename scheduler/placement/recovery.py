@@ -192,11 +192,12 @@ class Recovery:
             if n <= recorded[runner_id]:
                 continue
             seen = self._unaccounted.get(runner_id, set())
-            now_unaccounted, forgotten = self.state.prune(runner_id, seen, time.time())
-            if now_unaccounted - forgotten:
-                unaccounted[runner_id] = now_unaccounted - forgotten
-            if forgotten:
-                what = "runner %s counted jobs %s that no in-flight record names: forgotten"
-                log.warning(what, runner_id, ", ".join(sorted(forgotten)))
+            pruned = self.state.prune(runner_id, seen, time.time())
+            if pruned.unaccounted - pruned.forgotten:
+                unaccounted[runner_id] = pruned.unaccounted - pruned.forgotten
+            if pruned.forgotten:
+                what = "runner %s counted jobs %s that no in-flight record names: forgotten%s"
+                gone = "; it was loading for them only, and is released" if pruned.released else ""
+                log.warning(what, runner_id, ", ".join(sorted(pruned.forgotten)), gone)
                 self.state.announce_recount(runner_id)
         self._unaccounted = unaccounted

@@ -4,6 +4,7 @@ devices, dead devices and their orphaned jobs, demand, its own liveness."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
@@ -21,6 +22,15 @@ from scheduler.store.records import (
     text,
 )
 from scheduler.store.scripts import flatten, queue, script
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """What :meth:`PlacementState.prune` found and did to a runner's job set."""
+
+    unaccounted: set[str]  # placements no in-flight record names now
+    forgotten: set[str]  # of them, those the last look saw too: no longer counted
+    released: bool = False  # a runner still loading left with no job: gone
 
 
 class PlacementState:
@@ -188,12 +198,14 @@ class PlacementState:
         counts = zip(ids, pipe.execute(), strict=True)
         return {runner_id: int(n) for runner_id, n in counts if n is not None}
 
-    def prune(self, runner_id: str, seen: set[str], now: float) -> tuple[set[str], set[str]]:
+    def prune(self, runner_id: str, seen: set[str], now: float) -> Pruned:
         """The placements a runner counts that no in-flight record accounts for, read with
         the records in one step (lua/prune.lua); of them, those also in ``seen`` (the last
-        look's) are forgotten. Returns (unaccounted for, forgotten)."""
-        unaccounted, forgotten = self._prune(keys=[keys.runner(runner_id)], args=[now, *seen])
-        return {text(p) for p in unaccounted}, {text(p) for p in forgotten}
+        look's) are forgotten, and a runner still loading left with none is released."""
+        unaccounted, forgotten, released = self._prune(
+            keys=[keys.runner(runner_id), keys.RUNNERS], args=[now, runner_id, *seen]
+        )
+        return Pruned({text(p) for p in unaccounted}, {text(p) for p in forgotten}, bool(released))
 
     def announce_recount(self, runner_id: str) -> None:
         """Wake parked jobs: a corrected runner has room."""

@@ -3,12 +3,17 @@
 -- never written (placement's reply lost between its commit and its record) would keep the
 -- runner full for good and never idle. Judged per placement, against the records read in
 -- this same step: a job whose record was written since the caller's last look stays.
--- KEYS[1] ggufq:runner:<id>  (hash: device_ids, keep_alive_s)
--- Also touches, by name: ggufq:runner:<id>:jobs, and ggufq:inflight:<dev> (read) for each
--- of the runner's devices
--- ARGV: now, then the placement ids the caller saw unaccounted for in its last look
--- Returns {placement ids unaccounted for now, those of them forgotten (in ARGV too)}.
-if redis.call('EXISTS', KEYS[1]) == 0 then return {{}, {}} end
+-- A runner still loading that is left with no job was never given to a worker (its jobs'
+-- records never came): nobody would load or release it, so it goes with its reservations.
+-- KEYS[1] ggufq:runner:<id>  (hash: device_ids, keep_alive_s, state)
+-- KEYS[2] ggufq:runners      (set)
+-- Also touches, by name: ggufq:runner:<id>:jobs, and ggufq:inflight:<dev> (read) and
+-- ggufq:resv:<dev> for each of the runner's devices
+-- ARGV: now, runner id, then the placement ids the caller saw unaccounted for in its last
+--       look
+-- Returns {placement ids unaccounted for now, those of them forgotten (in ARGV too),
+-- 1 when the runner was released}.
+if redis.call('EXISTS', KEYS[1]) == 0 then return {{}, {}, 0} end
 local recorded = {}
 local devices = redis.call('HGET', KEYS[1], 'device_ids') or ''
 for dev in string.gmatch(devices, '[^,]+') do
@@ -20,7 +25,7 @@ for dev in string.gmatch(devices, '[^,]+') do
   end
 end
 local seen = {}
-for i = 2, #ARGV do seen[ARGV[i]] = true end
+for i = 3, #ARGV do seen[ARGV[i]] = true end
 local unaccounted, forgotten = {}, {}
 for _, placement in ipairs(redis.call('SMEMBERS', jobs_of(KEYS[1]))) do
   if not recorded[placement] then
@@ -28,9 +33,19 @@ for _, placement in ipairs(redis.call('SMEMBERS', jobs_of(KEYS[1]))) do
     if seen[placement] then table.insert(forgotten, placement) end
   end
 end
+local released = 0
 if #forgotten > 0 then
   for _, placement in ipairs(forgotten) do count_out(KEYS[1], placement) end
-  if redis.call('SCARD', jobs_of(KEYS[1])) == 0 then
+  local idle = redis.call('SCARD', jobs_of(KEYS[1])) == 0
+  if idle and redis.call('HGET', KEYS[1], 'state') == 'loading' then
+    for dev in string.gmatch(devices, '[^,]+') do
+      redis.call('HDEL', 'ggufq:resv:' .. dev, ARGV[2])
+      changed('ggufq:resv:' .. dev)
+    end
+    forget_runner(KEYS[1])
+    redis.call('SREM', KEYS[2], ARGV[2])
+    released = 1
+  elseif idle then
     local keep = tonumber(redis.call('HGET', KEYS[1], 'keep_alive_s') or '-1')
     local expires = -1
     if keep >= 0 then expires = tonumber(ARGV[1]) + keep end
@@ -38,4 +53,4 @@ if #forgotten > 0 then
   end
   changed(KEYS[1])
 end
-return {unaccounted, forgotten}
+return {unaccounted, forgotten, released}
