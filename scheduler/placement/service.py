@@ -100,7 +100,13 @@ class PlacementService:
         self.shapes = Shapes()  # the memory each (model file, configuration) needs
         self.held = HeldJobs(self.parked, MAX_HELD)  # through a Redis outage
         self.recovery = Recovery(
-            client, app, self.state, self.held, self.fail_or_hold, self._replace
+            client,
+            app,
+            self.state,
+            self.held,
+            self.fail_or_hold,
+            self._replace,
+            settings.device_ttl_s,
         )
         # until then (monotonic), "no device is alive" parks a job instead of failing it:
         # Redis, or this process, was away, and the workers have yet to beat again

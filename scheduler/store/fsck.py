@@ -6,8 +6,8 @@ reservation lives; :func:`problems` is pure and says what is wrong with it:
 - always: each job is in one state (scheduler/custody.py) and its in-flight record names
   the job's owner; no device reserves memory for a runner that is gone, and each runner's
   reservations are its sizes; no runner sits on a device that is gone; each in-flight
-  record's placement is in its runner's job set (else the runner would be unloaded
-  mid-job), and the runner's in_flight is the set's size;
+  record's placement is in its runner's jobs (else the runner would be unloaded
+  mid-job), and the runner's in_flight is their number;
 - once settled (``settled=True``: nothing was submitted and everything ended): no job is
   left anywhere, and no runner counts a job.
 """

@@ -99,22 +99,23 @@ def sort_held(
     beat; a process gone has none), and those of ``name``: sent and not let go of (Redis
     failed that), or held that long and not sent, which no thread of it still decides on
     (Redis restored from an older snapshot gave it back a job it had long let go of; a
-    thread that does still hold it finds it swept, as from a stalled holder). An entry
-    that does not parse is another's, to be ended."""
+    thread that does still hold it finds it swept, as from a stalled holder), but not one
+    it was ending. An entry that does not parse is another's, to be ended."""
     others, own = [], []
     for field, text in entries.items():
         holder, _, job_id = field.rpartition("|")
         try:
             entry = json.loads(text)
             token, what, at = str(entry["token"]), str(entry["what"]), float(entry["at"])
-            sent = bool(entry.get("sent"))
+            sent, ending = bool(entry.get("sent")), bool(entry.get("ending"))
         except (ValueError, KeyError, TypeError, AttributeError):
-            token, what, at, sent = "", "parked", 0.0, False  # the sweep ends its job
+            token, what, at, sent, ending = "", "parked", 0.0, False, False  # the sweep ends it
         if at >= dead_before:
             continue
         held = Held(holder, job_id, token, what, sent)
         if holder == name:
-            own.append(held)
+            if sent or not ending:  # one it is ending: its own thread writes the end
+                own.append(held)
         elif beats.get(holder, 0.0) < dead_before:
             others.append(held)
     return others, own

@@ -46,8 +46,9 @@ def runner(runner_id: str) -> str:
 
 
 def runner_jobs(runner_id: str) -> str:
-    # set: the placement ids of the jobs the runner was given and has not ended; its hash's
-    # in_flight is its size, kept in the same step (lua/_jobs.lua)
+    # hash: placement id -> when the runner was given it (Redis's clock), for each job it
+    # was given and has not ended; its hash's in_flight is the count, kept in the same step
+    # (lua/_jobs.lua)
     return f"{PREFIX}:runner:{runner_id}:jobs"
 
 

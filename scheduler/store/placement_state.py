@@ -198,12 +198,14 @@ class PlacementState:
         counts = zip(ids, pipe.execute(), strict=True)
         return {runner_id: int(n) for runner_id, n in counts if n is not None}
 
-    def prune(self, runner_id: str, seen: set[str], now: float) -> Pruned:
+    def prune(self, runner_id: str, seen: set[str], now: float, min_age_s: float) -> Pruned:
         """The placements a runner counts that no in-flight record accounts for, read with
         the records in one step (lua/prune.lua); of them, those also in ``seen`` (the last
-        look's) are forgotten, and a runner still loading left with none is released."""
+        look's) and counted over ``min_age_s`` ago (Redis's clock) are forgotten, and a
+        runner still loading left with none is released."""
         unaccounted, forgotten, released = self._prune(
-            keys=[keys.runner(runner_id), keys.RUNNERS], args=[now, runner_id, *seen]
+            keys=[keys.runner(runner_id), keys.RUNNERS],
+            args=[now, runner_id, min_age_s, *seen],
         )
         return Pruned({text(p) for p in unaccounted}, {text(p) for p in forgotten}, bool(released))
 

@@ -21,7 +21,7 @@ local runners = {}
 for _, id in ipairs(redis.call('SMEMBERS', 'ggufq:runners')) do
   local r = redis.call('HMGET', 'ggufq:runner:' .. id, 'model', 'in_flight', 'devices')
   if r[1] then
-    local jobs = redis.call('SMEMBERS', 'ggufq:runner:' .. id .. ':jobs')
+    local jobs = redis.call('HKEYS', 'ggufq:runner:' .. id .. ':jobs')
     table.insert(runners, {id, r[1], r[2] or '0', r[3] or '{}', jobs})
   end
 end

@@ -5,8 +5,8 @@
 -- sees the last chunk finds the slot free and `ps` shows the runner idle; a worker that
 -- dies before this leaves the job in flight, for placement to re-place or fail with its
 -- device. A job handed back (its model could not load there) goes among the orphans in
--- the same step, and placement hears of it: never in flight and orphaned at once; not
--- when it is no longer this placement's (reaped or placed again meanwhile).
+-- the same step, and placement hears of it: never in flight and orphaned at once; only
+-- while its in-flight record is this placement's (once, and not after a reap).
 -- Moves a job (scheduler/custody.py): running -> done, running -> failed, running -> cancelled
 -- Moves a job (scheduler/custody.py): running -> orphaned
 -- KEYS[1] ggufq:job:<id>:owner                     (string) placement id, or "orphaned"
@@ -27,15 +27,16 @@ local appended = 1
 if ARGV[3] ~= '' then
   appended = append_chunk(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 end
-done_with(KEYS[4], KEYS[5], ARGV[5], ARGV[1])
+local was_recorded = done_with(KEYS[4], KEYS[5], ARGV[5], ARGV[1])
 local left = count_off(KEYS[6], ARGV[1], ARGV[6], ARGV[7])
 if left >= 0 then
   local model = redis.call('HGET', KEYS[6], 'model') or ''
   local event = {event = 'job_finished', runner = ARGV[8], model = model, in_flight = left}
   redis.call('PUBLISH', KEYS[7], cjson.encode(event))
 end
-local owner = redis.call('GET', KEYS[1])
-if ARGV[9] ~= '' and (not owner or owner == ARGV[1]) then
+-- only with its record: an end run again after a lost answer, or of a job reaped or
+-- placed again meanwhile, finds none and hands nothing back a second time
+if ARGV[9] ~= '' and was_recorded == 1 then
   redis.call('HSET', KEYS[8], ARGV[5], ARGV[9])
   redis.call('PUBLISH', KEYS[7], cjson.encode({event = 'handed_back', job = ARGV[5]}))
 end
