@@ -4,6 +4,7 @@
     python bench/gpu/kit.py trim SDIST_DIR OUT_DIR         # llama-cpp-python for a CUDA build
     python bench/gpu/kit.py wheels DIR present.txt        # drop what the GPU image has
     python bench/gpu/kit.py retag WHEEL TAG               # a wheel under other tags
+    python bench/gpu/kit.py slim WHEEL OUT_DIR [--patchelf P]  # a CUDA wheel, for the kit
 
 No third-party imports: it runs on any Python 3.11+.
 """
@@ -11,10 +12,15 @@ No third-party imports: it runs on any Python 3.11+.
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import re
 import shutil
+import subprocess
 import sys
+import tempfile
 import tomllib
+import zipfile
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -137,6 +143,50 @@ def retag(wheel: Path, tag: str) -> Path:
     return target
 
 
+# The libraries llama-cpp-python's ctypes modules load by name (_ggml.py, llama_cpp.py,
+# mtmd_cpp.py); the others are found by their sonames, from these.
+LOADED = ("libggml.so", "libllama.so", "libmtmd.so")
+
+
+def slim(wheel: Path, out_dir: Path, patchelf: str | None = None) -> Path:
+    """``wheel`` (llama-cpp-python with CUDA, from build_cuda.sh) rewritten into ``out_dir``
+    small enough for the kit: each shared library once, under its soname, and the names
+    Python loads (the wheel stores libX.so, libX.so.0 and libX.so.0.N.M as three copies,
+    and the C headers and libraries again at its top, which Python never reads: 263 MB
+    with a 60 MB libggml-cuda); RECORD made anew. With ``patchelf``, libggml-cuda gets
+    its NEEDED entry for the driver, libcuda.so.1, back: linked against a stub with no
+    symbols, the linker dropped it, and the driver calls (the VMM pool's cuMemCreate...)
+    would find no library at run time."""
+    target = out_dir / wheel.name
+    rows = []
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as dst:
+        record = next(n for n in src.namelist() if n.endswith(".dist-info/RECORD"))
+        for info in src.infolist():
+            name, base = info.filename, info.filename.rsplit("/", 1)[-1]
+            if name.split("/")[0] in ("lib", "include", "bin") or name == record:
+                continue
+            if name.startswith("llama_cpp/lib/") and not (
+                re.fullmatch(r"lib[\w-]+\.so\.\d+", base) or base in LOADED
+            ):
+                continue
+            data = src.read(info)
+            if patchelf and base == "libggml-cuda.so.0":
+                data = _add_needed(data, "libcuda.so.1", patchelf)
+            dst.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+            rows.append(f"{name},sha256={digest.decode()},{len(data)}")
+        dst.writestr(record, "\n".join([*rows, f"{record},,"]) + "\n")
+    return target
+
+
+def _add_needed(data: bytes, needed: str, patchelf: str) -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "lib.so"
+        path.write_bytes(data)
+        subprocess.run([patchelf, "--add-needed", needed, str(path)], check=True)
+        return path.read_bytes()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +201,10 @@ def main() -> None:
     retag_p = sub.add_parser("retag")
     retag_p.add_argument("wheel", type=Path)
     retag_p.add_argument("tag")
+    slim_p = sub.add_parser("slim")
+    slim_p.add_argument("wheel", type=Path)
+    slim_p.add_argument("out", type=Path)
+    slim_p.add_argument("--patchelf", default=shutil.which("patchelf"))
     args = parser.parse_args()
     if args.command == "requirements":
         print("\n".join(requirements(args.pyproject)))
@@ -160,6 +214,9 @@ def main() -> None:
     elif args.command == "wheels":
         dropped = drop_present(args.dir, args.present, args.fallback_max)
         print(f"left out (the GPU image has them): {', '.join(dropped) or 'none'}")
+    elif args.command == "slim":
+        made = slim(args.wheel, args.out, args.patchelf)
+        print(f"{made.name}: {made.stat().st_size / 2**20:.1f} MiB")
     else:
         print(retag(args.wheel, args.tag).name)
 

