@@ -77,6 +77,9 @@ CLIENT_OPTIONS: dict[str, Any] = {
     "socket_timeout": 30,
     "socket_keepalive": True,
     "health_check_interval": 15,
+    # redis-py 8 caps a pool at 100 connections and raises past that: a client with more
+    # jobs streaming at once (each waits on a pub/sub connection of its own) failed
+    "max_connections": 1024,
 }
 
 
