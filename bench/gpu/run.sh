@@ -209,6 +209,9 @@ fi
 # -- the GPU benchmarks ---------------------------------------------------------------------------
 bench() {  # name, then the command: its output in OUT/name.txt, its last line in OUT/name.json
   local name=$1; shift
+  # GGUFQ_KIT_BENCHES=a,b runs those alone (make_model is run whenever the model is missing)
+  if [ -n "${GGUFQ_KIT_BENCHES:-}" ] && [ "$name" != make_model ] \
+     && [[ ",$GGUFQ_KIT_BENCHES," != *",$name,"* ]]; then return; fi
   log "bench: $name"
   # GGUFQ_KIT_BENCH_S caps each bench (a lent device's minutes are few): one that runs over
   # fails with what it printed so far
