@@ -126,6 +126,32 @@ def test_a_job_taken_back_as_its_reply_is_lost_is_counted_off_once(db: redis.Red
     assert not db.exists(keys.job_owner(record.job.id))
 
 
+def test_a_runner_made_for_a_job_that_could_not_be_sent_stays_for_jobs_routed_to_it(
+    db: redis.Redis,
+) -> None:
+    """A runner created for a job whose send failed goes with it, unless placement routed
+    another job to it meanwhile: then it stays, with its memory, for that one."""
+    WorkerState(db).register_device(vgpu(0))
+    state = PlacementState(db)
+    assert state.reserve("r1", "p1", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
+    assert state.assign("r1", "p2", now=100.0)  # routed to the loading runner meanwhile
+    made_for = sent_job("vgpu:h:0", "r1", device_ids=["vgpu:h:0"])  # placement p1 created it
+    state.sent(made_for, ttl_s=60)
+    PlacementState(losing(db)).unsend(made_for)  # the broker refused it; the reply was lost
+    assert db.hkeys(keys.runner_jobs("r1")) == [b"p2"]
+    assert db.sismember(keys.RUNNERS, "r1")
+    assert db.hget(keys.reservations("vgpu:h:0"), "r1") == str(GIB).encode()
+    # alone, it goes with its job
+    assert state.reserve("r2", "p3", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
+    alone = sent_job("vgpu:h:0", "r2", device_ids=["vgpu:h:0"]).model_copy(
+        update={"placement": made_for.placement.model_copy(update={"id": "p3", "runner_id": "r2"})}
+    )
+    state.sent(alone, ttl_s=60)
+    state.unsend(alone)
+    assert not db.exists(keys.runner("r2"), keys.runner_jobs("r2"))
+    assert not db.hexists(keys.reservations("vgpu:h:0"), "r2")
+
+
 def test_this_projects_clients_never_resend_a_command_themselves(
     redis_server: EmbeddedRedis,
 ) -> None:

@@ -1,6 +1,7 @@
 -- Take back a job that placement recorded as sent but could not send (a broker error): its
 -- in-flight record and owner go, and the runner it was given forgets it (a runner created
--- for it is removed with its reservations).
+-- for it is removed with its reservations, unless placement routed other jobs to it
+-- meanwhile: it stays for them).
 -- Moves a job (scheduler/custody.py): sent -> placing
 -- KEYS[1] ggufq:inflight:<dev>   (hash)
 -- KEYS[2] ggufq:job:<id>:owner   (string)
@@ -19,15 +20,15 @@ if ARGV[4] ~= '0' then
   redis.call('DEL', KEYS[2])
   mark_held(KEYS[5], ARGV[5], ARGV[6], 'sent', nil)
 end
-if ARGV[3] == '1' then
+local others = 0
+if redis.call('EXISTS', KEYS[4]) == 1 then others = count_out(KEYS[4], ARGV[7]) end
+if ARGV[3] == '1' and others == 0 then
   for i = 6, #KEYS do
     redis.call('HDEL', KEYS[i], ARGV[2])
     changed(KEYS[i])
   end
   forget_runner(KEYS[4])
   redis.call('SREM', KEYS[3], ARGV[2])
-elseif redis.call('EXISTS', KEYS[4]) == 1 then
-  count_out(KEYS[4], ARGV[7])
 end
 changed(KEYS[4])
 return 1
