@@ -94,7 +94,8 @@ class PlacementState:
         """
         device_ids = list(reservations)
         record = dict(fields, device_ids=",".join(device_ids), devices=json.dumps(reservations))
-        record.update(state="loading", in_flight=1, last_used=now, expires_at=-1)
+        # in_flight: reserve.lua counts the job it is made for
+        record.update(state="loading", last_used=now, expires_at=-1)
         device_keys = []
         for device_id in device_ids:
             device_keys += [keys.device(device_id), keys.reservations(device_id)]

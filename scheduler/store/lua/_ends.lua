@@ -44,8 +44,7 @@ local function count_off(runner, placement, now, keep)
   local left = count_out(runner, placement)
   local alive_s = tonumber(keep)
   if keep == '' then alive_s = tonumber(redis.call('HGET', runner, 'keep_alive_s') or '-1') end
-  local expires = -1
-  if left == 0 and alive_s >= 0 then expires = tonumber(now) + alive_s end
+  local expires = expiry(now, left, alive_s)
   redis.call('HSET', runner, 'last_used', now, 'keep_alive_s', alive_s, 'expires_at', expires)
   changed(runner)
   return left

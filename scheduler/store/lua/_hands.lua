@@ -55,7 +55,9 @@ local function put_back(queue, record_key, what, job_id, raw)
   -- jobs of its runner's model, and a new job learns which models wait without any record
   local job = ok and type(record) == 'table' and record['job']
   local model = type(job) == 'table' and job['model']
-  if type(model) == 'string' and redis.call('HSETNX', 'ggufq:parked:model_of', job_id, model) == 1 then
+  local indexed = type(model) == 'string'
+    and redis.call('HSETNX', 'ggufq:parked:model_of', job_id, model) == 1
+  if indexed then
     redis.call('ZADD', 'ggufq:parked:model:' .. model, score, job_id)
     redis.call('HINCRBY', 'ggufq:parked:models', model, 1)
   end

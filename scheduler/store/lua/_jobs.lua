@@ -7,23 +7,51 @@
 
 local function jobs_of(runner) return runner .. ':jobs' end
 
--- The runner counts ``placement`` (from now, unless it did already); returns how many.
-local function count_on(runner, placement)
-  redis.call('HSETNX', jobs_of(runner), placement, now_s())
+-- The runner's in_flight set to the jobs it counts; returns how many.
+local function mirror_count(runner)
   local n = redis.call('HLEN', jobs_of(runner))
   redis.call('HSET', runner, 'in_flight', n)
   return n
+end
+
+-- The runner counts ``placement`` (from now, unless it did already); returns how many.
+local function count_on(runner, placement)
+  redis.call('HSETNX', jobs_of(runner), placement, now_s())
+  return mirror_count(runner)
 end
 
 -- The runner no longer counts ``placement``; returns how many it still counts.
 local function count_out(runner, placement)
   redis.call('HDEL', jobs_of(runner), placement)
-  local n = redis.call('HLEN', jobs_of(runner))
-  redis.call('HSET', runner, 'in_flight', n)
-  return n
+  return mirror_count(runner)
 end
 
--- The runner and its job set are gone.
-local function forget_runner(runner)
+-- When an idle runner expires: ``alive_s`` after ``now`` (-1, never, while it still has
+-- jobs or keeps no expiry).
+local function expiry(now, left, alive_s)
+  if left == 0 and alive_s >= 0 then return tonumber(now) + alive_s end
+  return -1
+end
+
+-- The runner goes: its hash, its job set, its place in ``runners`` (ggufq:runners) and its
+-- reservations under ``resv_keys`` (ggufq:resv:<dev> each). Returns how many it held.
+local function drop_runner(runners, runner, runner_id, resv_keys)
+  local removed = 0
+  for _, key in ipairs(resv_keys) do
+    removed = removed + redis.call('HDEL', key, runner_id)
+    changed(key)
+  end
   redis.call('DEL', runner, jobs_of(runner))
+  changed(runner)
+  redis.call('SREM', runners, runner_id)
+  return removed
+end
+
+-- The reservation keys of the devices in ``device_ids`` (a runner's "a,b,..." field).
+local function resv_keys_of(device_ids)
+  local found = {}
+  for dev in string.gmatch(device_ids or '', '[^,]+') do
+    table.insert(found, 'ggufq:resv:' .. dev)
+  end
+  return found
 end

@@ -3,14 +3,12 @@
 -- two of its own steps. Reads only.
 -- Touches, by name: ggufq:devices, ggufq:runners, ggufq:running, ggufq:parked,
 -- ggufq:orphans, ggufq:in_hand (their members), ggufq:resv:<dev>, ggufq:inflight:<dev>,
--- ggufq:runner:<id> (model, in_flight, devices) and its :jobs set, ggufq:parked:<id>,
--- ggufq:job:<id>:owner,
--- ggufq:parked:model_of (the parked jobs' index by model)
--- Returns {devices, running, parked, orphans, held (flat field, entry), parked ids that have their
--- record, {runner id, model, in_flight, devices JSON, its job set}..., {device id,
--- reservations (flat
--- runner, bytes), in-flight records (flat job, record)}..., owners (flat job, owner or ''),
--- the job ids in the parked jobs' index}
+-- ggufq:runner:<id> (model, in_flight, devices) and its :jobs, ggufq:parked:<id>,
+-- ggufq:job:<id>:owner, ggufq:parked:model_of (the parked jobs' index by model)
+-- Returns {devices, running, parked, orphans, held (flat field, entry), parked ids that
+-- have their record, {runner id, model, in_flight, devices JSON, its jobs' placement
+-- ids}..., {device id, reservations (flat runner, bytes), in-flight records (flat job,
+-- record)}..., owners (flat job, owner or ''), the job ids in the parked jobs' index}
 local devices = redis.call('SMEMBERS', 'ggufq:devices')
 local parked = redis.call('ZRANGE', 'ggufq:parked', 0, -1)
 local recorded = {}

@@ -43,19 +43,14 @@ if #forgotten > 0 then
   for _, placement in ipairs(forgotten) do count_out(KEYS[1], placement) end
   local idle = redis.call('HLEN', jobs_of(KEYS[1])) == 0
   if idle and redis.call('HGET', KEYS[1], 'state') == 'loading' then
-    for dev in string.gmatch(devices, '[^,]+') do
-      redis.call('HDEL', 'ggufq:resv:' .. dev, ARGV[2])
-      changed('ggufq:resv:' .. dev)
-    end
-    forget_runner(KEYS[1])
-    redis.call('SREM', KEYS[2], ARGV[2])
+    drop_runner(KEYS[2], KEYS[1], ARGV[2], resv_keys_of(devices))
     released = 1
-  elseif idle then
-    local keep = tonumber(redis.call('HGET', KEYS[1], 'keep_alive_s') or '-1')
-    local expires = -1
-    if keep >= 0 then expires = tonumber(ARGV[1]) + keep end
-    redis.call('HSET', KEYS[1], 'expires_at', expires)
+  else
+    if idle then
+      local keep = tonumber(redis.call('HGET', KEYS[1], 'keep_alive_s') or '-1')
+      redis.call('HSET', KEYS[1], 'expires_at', expiry(ARGV[1], 0, keep))
+    end
+    changed(KEYS[1])
   end
-  changed(KEYS[1])
 end
 return {unaccounted, forgotten, released}

@@ -18,14 +18,8 @@ for _, dev in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local beat = redis.call('HGET', 'ggufq:device:' .. dev, 'heartbeat')
   if not beat or (now - tonumber(beat)) > ttl then
     for _, rid in ipairs(redis.call('HKEYS', 'ggufq:resv:' .. dev)) do
-      local held = redis.call('HGET', 'ggufq:runner:' .. rid, 'device_ids') or ''
-      for other in string.gmatch(held, '[^,]+') do
-        redis.call('HDEL', 'ggufq:resv:' .. other, rid)
-        changed('ggufq:resv:' .. other)
-      end
-      forget_runner('ggufq:runner:' .. rid)
-      changed('ggufq:runner:' .. rid)
-      redis.call('SREM', KEYS[2], rid)
+      local runner = 'ggufq:runner:' .. rid
+      drop_runner(KEYS[2], runner, rid, resv_keys_of(redis.call('HGET', runner, 'device_ids')))
     end
     local sent = redis.call('HGETALL', 'ggufq:inflight:' .. dev)
     for i = 1, #sent, 2 do

@@ -6,8 +6,8 @@
 --                                (reported), heartbeat), then ggufq:resv:<dev> (hash:
 --                                runner id -> bytes reserved on the device)
 -- ARGV: runner_id, the job's placement id, device_ttl_s (a device counts as alive while
---       its last beat is that recent on Redis's clock), n devices, n byte counts, then field/value pairs for the
---       runner hash
+--       its last beat is that recent on Redis's clock), n devices, n byte counts, then
+--       field/value pairs for the runner hash
 -- Returns {1, 0} on success, {0, i} when device i (1-based) cannot hold its part now.
 -- Safe to run twice (its reply was lost): runner ids are new on every call, so the runner
 -- already there is this call's.

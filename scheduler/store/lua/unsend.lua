@@ -23,12 +23,8 @@ end
 local others = 0
 if redis.call('EXISTS', KEYS[4]) == 1 then others = count_out(KEYS[4], ARGV[7]) end
 if ARGV[3] == '1' and others == 0 then
-  for i = 6, #KEYS do
-    redis.call('HDEL', KEYS[i], ARGV[2])
-    changed(KEYS[i])
-  end
-  forget_runner(KEYS[4])
-  redis.call('SREM', KEYS[3], ARGV[2])
+  drop_runner(KEYS[3], KEYS[4], ARGV[2], {unpack(KEYS, 6)})
+else
+  changed(KEYS[4])
 end
-changed(KEYS[4])
 return 1
