@@ -151,7 +151,7 @@ def liveness_pass(cluster: Cluster, now: float) -> float:
     service.state.reap(ttl)
     service.recovery.dead_hands(now, ttl)
     service.recover_orphans()
-    service.recovery.lost_sends(service.state.device_ids(), now - 5.0)
+    service.recovery.lost_sends(now - 5.0)
     return (time.perf_counter() - started) * 1000
 
 

@@ -117,7 +117,8 @@ LAPSES: tuple[Lapse, ...] = (
         "its device's worker",
         "the device's beats stop for GGUFQ_DEVICE_TTL_S (Redis's clock)",
         "orphaned with the device; a message lost on a live device is sent again after "
-        "two looks find it nowhere",
+        "two looks find it nowhere (a look reads only the sends due, ggufq:due:sent; one "
+        "found queued is looked at again after as long again, at most 30 s)",
     ),
     Lapse(
         S.RUNNING,

@@ -28,6 +28,7 @@ from hypothesis.stateful import (
 from scheduler.custody import JobState, allowed, state_of
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import fsck, keys
+from scheduler.store.due import Deadlines
 from scheduler.store.hands import Hands, PutBack, Swept, parked_record
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.streams import Appended
@@ -240,6 +241,7 @@ class Custody(RuleBasedStateMachine):
         """Its worker stops beating: reaped with its runners; its jobs become orphans;
         then the worker comes back and registers again."""
         self.r.hset(keys.device(DEVICE), "heartbeat", 0.0)
+        self.r.zadd(keys.HEARTBEATS, {DEVICE: 0.0})
         assert self.state[P[0]].reap(TTL) == [DEVICE]
         for job_id in self.in_state(JobState.SENT, JobState.RUNNING):
             job = self.jobs[job_id]
@@ -267,6 +269,9 @@ class Custody(RuleBasedStateMachine):
         self._prune()
 
     def _prune(self) -> None:
+        due = Deadlines(self.r).counts(-1.0)  # every count due, even one made just now
+        for runner_id, lost in self.lost.items():  # the recount's look finds each lost one
+            assert lost <= due.get(runner_id, set())
         for runner_id in sorted(self.runners):
             seen = self.state[P[1]].prune(runner_id, set(), 1.0, 0).unaccounted
             pruned = self.state[P[1]].prune(runner_id, seen, 1.0, 0)

@@ -20,6 +20,7 @@ from scheduler.placement import service as service_module
 from scheduler.placement.service import MAX_PLACEMENT_ERRORS, PlacementService
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
+from scheduler.store.clock import redis_now
 from scheduler.store.hands import PutBack, parked_record
 from tests.conftest import placement_on_db1
 
@@ -205,17 +206,40 @@ def test_a_message_lost_on_its_way_to_a_live_device_is_sent_again_once(
     placement_id = json.loads(db.hget(keys.inflight("vgpu:fh:0"), started.id) or b"")
     db.set(keys.job_start(started.id, placement_id["placement"]["id"]), "delivery")
     recovery, later = service.recovery, 1e12  # every record counts as sent long ago
-    assert recovery.lost_sends(["vgpu:fh:0"], later) == 0  # first look: not yet
-    assert recovery.lost_sends(["vgpu:fh:0"], later) == 1  # still nowhere: sent again
+    assert recovery.lost_sends(later) == 0  # first look: not yet
+    assert recovery.lost_sends(later) == 1  # still nowhere: sent again
     again = db.lrange(queue, 0, -1)
     assert sum(lost.id.encode() in m for m in again) == 1
     assert not any(started.id.encode() in m for m in again)
-    assert recovery.lost_sends(["vgpu:fh:0"], later) == 0  # it is queued again now
+    assert recovery.lost_sends(later) == 0  # it is queued again now
     # a job running longer than its start claim lives is still running, not lost
     db.delete(keys.job_start(started.id, placement_id["placement"]["id"]))
     db.hset(keys.RUNNING, started.id, 1.0)
-    assert recovery.lost_sends(["vgpu:fh:0"], later) == 0
-    assert recovery.lost_sends(["vgpu:fh:0"], later) == 0
+    assert recovery.lost_sends(later) == 0
+    assert recovery.lost_sends(later) == 0
+
+
+def test_the_lost_send_look_reads_only_what_came_due(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    """A job found waiting in its device's queue is looked at again only once it has
+    waited as long again; an ended one is forgotten: a look costs the sends due, not the
+    jobs in the cluster."""
+    waiting, ended = (
+        JobRequest(model="tiny", prompt=p, submitted_at=1.0, options={"num_parallel": 4})
+        for p in ("a", "b")
+    )
+    for job in (waiting, ended):
+        assert "device" in service.place(job.model_dump(mode="json"))
+    db.hdel(keys.inflight("vgpu:fh:0"), ended.id)  # as its end does, but for the deadline
+    recovery, before = service.recovery, redis_now(db)
+    assert len(recovery.due.sends(1e12)) == 2
+    assert recovery.lost_sends(1e12) == 0
+    (due,) = recovery.due.sends(1e12)  # the ended one is forgotten
+    assert due.job_id == waiting.id
+    # queued: moved on past the look, so a look up to then reads nothing
+    assert (db.zscore(keys.DUE_SENT, due.member) or 0) >= before
+    assert recovery.due.sends(before) == []
 
 
 def test_a_count_no_record_accounts_for_is_corrected_after_two_looks(
@@ -228,17 +252,20 @@ def test_a_count_no_record_accounts_for_is_corrected_after_two_looks(
     assert service.state.assign(runner_id, "lost-2", time.time())
     recovery = service.recovery
     recovery.hold_ttl_s = 0.0  # as if counted longer ago than a placement holds a job
-    recovery.lost_sends(["vgpu:fh:0"], 0.0)
+    recovery.lost_sends(0.0)
     assert db.hget(keys.runner(runner_id), "in_flight") == b"3"  # one look: not yet
-    recovery.lost_sends(["vgpu:fh:0"], 0.0)
+    recovery.lost_sends(0.0)
     assert db.hget(keys.runner(runner_id), "in_flight") == b"1"  # the one job recorded
     assert db.hkeys(keys.runner_jobs(runner_id)) == [service_placement(db, job.id)]
-    # loaded, then its record lost too (Redis restored without it): idle, with its expiry,
-    # as after an end (one still loading would be released: no worker has it)
+    service_placement_id = service_placement(db, job.id).decode()
+    # loaded, then its record lost too (Redis restored from a snapshot taken between the
+    # commit and the record: the count's deadline is there, the record not): idle, with
+    # its expiry, as after an end (one still loading would be released: no worker has it)
     db.hset(keys.runner(runner_id), "state", "ready")
     db.hdel(keys.inflight("vgpu:fh:0"), job.id)
-    recovery.lost_sends(["vgpu:fh:0"], 0.0)
-    recovery.lost_sends(["vgpu:fh:0"], 0.0)
+    db.zadd(keys.DUE_COUNTED, {f"{runner_id}|{service_placement_id}": 1.0})
+    recovery.lost_sends(0.0)
+    recovery.lost_sends(0.0)
     assert db.hget(keys.runner(runner_id), "in_flight") == b"0"
     assert float(db.hget(keys.runner(runner_id), "expires_at") or -1) > 0
 
@@ -305,8 +332,8 @@ def test_a_parked_job_taken_by_a_process_that_stalls_runs_once_and_leaks_no_slot
     assert outcome == {"swept": job.id}
     assert messages_for(db, job.id) == 1 and survivor.parked.ids() == []
     # its commit counted the job on the runner: two looks correct the count to its record
-    survivor.recovery.lost_sends(["vgpu:fh:0"], 0.0)
-    survivor.recovery.lost_sends(["vgpu:fh:0"], 0.0)
+    survivor.recovery.lost_sends(0.0)
+    survivor.recovery.lost_sends(0.0)
     assert db.hget(keys.runner(runner_id), "in_flight") == b"1"
     assert db.hlen(keys.IN_HAND) == 0 and service.hands.token(job.id) == ""
 
@@ -404,8 +431,8 @@ def test_a_send_whose_record_cannot_be_taken_back_is_not_parked_too(
     monkeypatch.undo()
     assert service.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0
     assert db.hexists(keys.inflight("vgpu:fh:0"), job.id)
-    assert service.recovery.lost_sends(["vgpu:fh:0"], 1e12) == 0  # first look: not yet
-    assert service.recovery.lost_sends(["vgpu:fh:0"], 1e12) == 1
+    assert service.recovery.lost_sends(1e12) == 0  # first look: not yet
+    assert service.recovery.lost_sends(1e12) == 1
     assert messages_for(db, job.id) == 1
 
 

@@ -15,8 +15,9 @@ import redis
 from scheduler.cluster import DeviceInfo
 from scheduler.local.embedded import EmbeddedRedis
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
-from scheduler.store import keys
+from scheduler.store import fsck, keys
 from scheduler.store.clock import redis_now
+from scheduler.store.due import Deadlines, DueSend
 from scheduler.store.placement_state import PlacementState, Pruned
 from scheduler.store.scripts import execute, script
 from scheduler.store.streams import publish_final, queue_chunk, read_chunks
@@ -490,6 +491,39 @@ def test_a_prune_forgets_only_jobs_unaccounted_for_in_two_looks(db: redis.Redis)
     assert not db.exists(keys.runner("r2"), keys.runner_jobs("r2"))
     assert not db.sismember(keys.RUNNERS, "r2")
     assert not db.hexists(keys.reservations("vgpu:h:0"), "r2")
+
+
+def test_each_step_that_moves_a_job_keeps_its_deadlines_with_it(db: redis.Redis) -> None:
+    """A liveness look reads only what came due (scheduler/store/due.py): so the deadlines
+    must come and go in the same steps as what they stand for, or a lost message or a
+    count with no job would never be found."""
+    state, due = ClusterState(db), Deadlines(db)
+    state.register_device(vgpu(0))
+    assert state.reserve("r", "pa", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)
+    assert state.assign("r", "pb", now=100.5)
+    assert due.counts(-1.0) == {"r": {"pa", "pb"}}  # counted, no record yet
+    assert due.counts(3600.0) == {}  # not that old
+    a, b = JobRequest(model="m", prompt="a"), JobRequest(model="m", prompt="b")
+    for job, placement_id in ((a, "pa"), (b, "pb")):
+        placed = Placement(
+            id=placement_id, runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512)
+        )
+        state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
+    assert due.counts(-1.0) == {}  # the records account for both
+    sends = {DueSend(a.id, "pa", "vgpu:h:0"), DueSend(b.id, "pb", "vgpu:h:0")}
+    assert set(due.sends(1e12)) == sends
+    assert due.sends(0.0) == []  # sent after that
+    assert state.start("vgpu:h:0", a.id, "pa", "d1", ttl_s=60, now=101.0) is False
+    assert due.sends(1e12) == [DueSend(b.id, "pb", "vgpu:h:0")]  # a started
+    assert fsck.problems(fsck.read(db)) == []
+    db.zrem(keys.DUE_SENT, DueSend(b.id, "pb", "vgpu:h:0").member)  # as if never written
+    (problem,) = fsck.problems(fsck.read(db))
+    assert "with no deadline" in str(problem)
+    # a device's worker that falls silent takes its jobs' deadlines with it
+    db.zadd(keys.DUE_SENT, {DueSend(b.id, "pb", "vgpu:h:0").member: 1.0})
+    fall_silent(db, "vgpu:h:0", 120.0)
+    assert state.reap(60.0) == ["vgpu:h:0"]
+    assert db.zcard(keys.DUE_SENT) == 0 and db.zcard(keys.DUE_COUNTED) == 0
 
 
 def test_a_job_whose_start_claim_redis_lost_is_not_taken_for_a_lost_message(

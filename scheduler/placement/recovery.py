@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Callable
 
 import redis
@@ -19,11 +19,16 @@ from scheduler.protocol import JobRequest, SentJob
 from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
 from scheduler.store.celery_app import send_job
+from scheduler.store.due import Deadlines, DueSend
 from scheduler.store.hands import Swept
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.streams import progress
 
 log = logging.getLogger("ggufq.placement")
+# a send found waiting in its device's queue is looked at again after it has waited as
+# long again, at most this long: a message lost as a worker takes it is sent again within
+# that (plus a look's window) however long it had waited
+MAX_LOOK_AGAIN_S = 30.0
 
 Fail = Callable[[str, str, GgufqError], None]
 
@@ -57,9 +62,10 @@ class Recovery:
         # hold is swept: a runner's job counted longer ago with no record is never coming
         self.hold_ttl_s = hold_ttl_s
         self.fail, self.replace = fail, replace
-        # (job id, placement id) seen nowhere by the last sweep: sent again if the next
-        # sweep does not find them either
-        self._unseen: set[tuple[str, str]] = set()
+        self.due = Deadlines(client)
+        # sends due that the last look found nowhere: sent again if the next look does not
+        # find them either (a process that starts again looks twice)
+        self._unseen: set[DueSend] = set()
         # runner id -> the placements it counted that no record named, at the last look
         self._unaccounted: dict[str, set[str]] = {}
 
@@ -145,29 +151,41 @@ class Recovery:
                 self.fail(held.job_id, "", lost)
         return back
 
-    def lost_sends(self, device_ids: list[str], sent_before: float) -> int:
-        """Send again the jobs sent to a live device before ``sent_before`` that no worker
-        started and whose message is neither in the device's queues nor held by a worker:
-        kombu pops a message before recording it as unacknowledged, so a connection that
-        breaks in between (a Redis restart) loses it, and the job's slot with it. A job is
-        sent again only when two sweeps in a row find it nowhere; its start claim makes
-        sure it runs once if the first message turns up after all. Returns how many."""
-        unseen: set[tuple[str, str]] = set()
-        again, self._unseen, seen_before = 0, set(), self._unseen  # a failed look counts none
-        recorded: Counter[str] = Counter()
-        for device_id in device_ids:
-            records = self.state.sent_records(device_id)
-            recorded.update(r.placement.runner_id for r in records)
-            waiting = self.state.unstarted(records, sent_before)
-            if not waiting:
-                continue
+    def lost_sends(self, sent_before: float) -> int:
+        """Send again the jobs sent to a live device before ``sent_before`` (Redis's clock)
+        that no worker started and whose message is neither in the device's queues nor
+        held by a worker: kombu pops a message before recording it as unacknowledged, so a
+        connection that breaks in between (a Redis restart) loses it, and the job's slot
+        with it. A job is sent again only when two looks in a row find it nowhere; its
+        start claim makes sure it runs once if the first message turns up after all. Reads
+        only the sends due (``ggufq:due:sent``): one found waiting in its queue is looked at
+        again after it has waited as long again (at most MAX_LOOK_AGAIN_S). Then corrects
+        the runners' counts (:meth:`recount`). Returns how many were sent again."""
+        again, unseen = 0, set()
+        seen_before, self._unseen = self._unseen, set()  # a failed look counts none
+        by_device: dict[str, list[DueSend]] = defaultdict(list)
+        for due in self.due.sends(sent_before):
+            by_device[due.device_id].append(due)
+        settled: list[DueSend] = []
+        later: dict[DueSend, float] = {}
+        now = self.due.now() if by_device else 0.0
+        for device_id, dues in by_device.items():
+            records = self.due.records(device_id, [d.job_id for d in dues])
+            current = [records[d.job_id] for d in dues if d.job_id in records]
+            recorded = {DueSend.of(r) for r in current}
+            # ended, reaped or placed again (another placement id): not due any more
+            settled += [d for d in dues if d not in recorded]
+            waiting = self.state.unstarted(current, float("inf"))
+            still = {r.job.id for r in waiting}
+            settled += [DueSend.of(r) for r in current if r.job.id not in still]  # started
             present = self.state.in_broker(device_id, [r.job.id for r in waiting])
             for record in waiting:
+                due = DueSend.of(record)
                 if record.job.id in present:
+                    later[due] = now + min(max(now - record.sent_at, 0.0), MAX_LOOK_AGAIN_S)
                     continue
-                key = (record.job.id, record.placement.id)
-                if key not in seen_before:
-                    unseen.add(key)
+                if due not in seen_before:
+                    unseen.add(due)  # due again at the next look
                     continue
                 log.warning(
                     "job %s's message to %s was lost (a broken broker connection); sending it "
@@ -180,25 +198,27 @@ class Recovery:
                 send_job(
                     self.app, keys.TASK_RUN, req, req.id, queue, placement.model_dump(mode="json")
                 )
-                again += 1
+                later[due], again = now, again + 1
+        self.due.settled(settled)
+        self.due.look_again(later)
         self._unseen = unseen
-        self._recount(recorded)
+        self.recount()
         return again
 
-    def _recount(self, recorded: Counter[str]) -> None:
+    def recount(self) -> None:
         """Forget jobs a runner counts that its in-flight records do not account for, when two
         looks in a row find the same ones and they were counted longer ago than a job is
         held: a job counted whose record was never written (a reply lost mid-commit) would
         keep the runner full for good (placement parks a full runner's jobs) and never idle.
-        Only runners counting more than their records are read again."""
+        Only the runners with such a count due (``ggufq:due:counted``) are read."""
         unaccounted: dict[str, set[str]] = {}
-        for runner_id, n in self.state.in_flight_counts().items():
-            if n <= recorded[runner_id]:
-                continue
+        for runner_id, due in self.due.counts(self.hold_ttl_s).items():
             seen = self._unaccounted.get(runner_id, set())
             pruned = self.state.prune(runner_id, seen, time.time(), self.hold_ttl_s)
-            if pruned.unaccounted - pruned.forgotten:
-                unaccounted[runner_id] = pruned.unaccounted - pruned.forgotten
+            left = pruned.unaccounted - pruned.forgotten
+            if left:
+                unaccounted[runner_id] = left
+            self.due.counts_settled(runner_id, due - left)  # recorded meanwhile, or gone
             if pruned.forgotten:
                 what = "runner %s counted jobs %s that no in-flight record names: forgotten%s"
                 gone = "; it was loading for them only, and is released" if pruned.released else ""

@@ -7,7 +7,10 @@ reservation lives; :func:`problems` is pure and says what is wrong with it:
   the job's owner; no device reserves memory for a runner that is gone, and each runner's
   reservations are its sizes; no runner sits on a device that is gone; each in-flight
   record's placement is in its runner's jobs (else the runner would be unloaded
-  mid-job), and the runner's in_flight is their number;
+  mid-job), and the runner's in_flight is their number; each device has a beat to be
+  judged by, each job sent and not started a deadline for the lost-send look, and each
+  placement a runner counts without a record a deadline for the recount (else a lost
+  message, or a count with no job, would never be found: scheduler/store/due.py);
 - once settled (``settled=True``: nothing was submitted and everything ended): no job is
   left anywhere, and no runner counts a job.
 """
@@ -63,6 +66,9 @@ class Census:
     held: dict[str, list[str]] = field(default_factory=dict)  # job → placement processes
     # job → placement processes whose hold is marked sent: let go of at their next look
     letting_go: dict[str, list[str]] = field(default_factory=dict)
+    beating: set[str] = field(default_factory=set)  # devices in ggufq:heartbeats
+    due_sent: set[str] = field(default_factory=set)  # "<job>|<placement>|<device>"
+    due_counted: set[str] = field(default_factory=set)  # "<runner>|<placement>"
 
     @cached_property
     def sent_to(self) -> dict[str, tuple[str, ...]]:
@@ -93,7 +99,10 @@ class Census:
 def read(client: redis.Redis) -> Census:
     """One atomic look at the cluster's state (lua/census.lua: one round trip)."""
     reply = script(client, "census")()
-    devices, running, parked, orphans, held, recorded, runners, per_device, owners, indexed = reply
+    (devices, running, parked, orphans, held, recorded, runners, per_device, owners, indexed) = (
+        reply[:10]
+    )
+    beating, due_sent, due_counted = reply[10:]
     census = Census(
         devices={text(d) for d in devices},
         running={text(j) for j in running},
@@ -101,6 +110,9 @@ def read(client: redis.Redis) -> Census:
         parked_records={text(j) for j in recorded},
         orphans={text(j) for j in orphans},
         parked_indexed={text(j) for j in indexed},
+        beating={text(d) for d in beating},
+        due_sent={text(m) for m in due_sent},
+        due_counted={text(m) for m in due_counted},
     )
     for key, entry in _pairs(held):
         holder, _, job_id = text(key).rpartition("|")
@@ -139,7 +151,7 @@ def _sent(raw: bytes) -> SentJob | None:
 
 def problems(census: Census, settled: bool = False) -> list[Problem]:
     """What is wrong with the cluster's state (empty: nothing)."""
-    found = _jobs(census) + _reservations(census) + _runners(census)
+    found = _jobs(census) + _reservations(census) + _runners(census) + _deadlines(census)
     if settled:
         found += _left(census)
     return found
@@ -231,6 +243,41 @@ def _runners(census: Census) -> list[Problem]:
                     f"{len(runner.jobs)}",
                 )
             )
+    return found
+
+
+def _deadlines(census: Census) -> list[Problem]:
+    """What no liveness look would ever find: a device with no beat, a job sent with no
+    deadline for its start, a count with no record and no deadline."""
+    found = [
+        Problem(f"device {d}", "has no beat in ggufq:heartbeats (it would never be reaped)")
+        for d in sorted(census.devices - census.beating)
+    ]
+    recorded: set[str] = set()
+    for device_id, records in sorted(census.sent.items()):
+        for job_id, record in sorted(records.items()):
+            if record is None:
+                continue
+            recorded.add(record.placement.id)
+            due = f"{job_id}|{record.placement.id}|{device_id}"
+            if job_id not in census.running and due not in census.due_sent:
+                found.append(
+                    Problem(
+                        f"job {job_id}",
+                        f"sent to {device_id} and not started, with no deadline (a lost "
+                        "message would never be sent again)",
+                    )
+                )
+    for runner in sorted(census.runners.values(), key=lambda r: r.id):
+        for placement in sorted(runner.jobs - recorded):
+            if f"{runner.id}|{placement}" not in census.due_counted:
+                found.append(
+                    Problem(
+                        f"runner {runner.id} ({runner.model})",
+                        f"counts placement {placement}, which no in-flight record names, "
+                        "with no deadline (it would stay busy for good)",
+                    )
+                )
     return found
 
 

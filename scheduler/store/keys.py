@@ -23,6 +23,12 @@ ORPHANS = f"{PREFIX}:orphans"  # hash: job id → in-flight record of a device t
 # hash: "<placement>|<job id>" → JSON token, what, at, record, sent, ending: a job a
 # placement process has in hand (scheduler/store/hands.py)
 IN_HAND = f"{PREFIX}:in_hand"
+# custody deadlines (lua/_due.lua, scheduler/store/due.py): sorted sets a liveness look
+# reads only below its cutoff. "<job>|<placement>|<device>" → when its send counts from
+# (recorded as sent, not started); "<runner id>|<placement>" → when the runner counted a
+# job whose in-flight record is not written yet
+DUE_SENT = f"{PREFIX}:due:sent"
+DUE_COUNTED = f"{PREFIX}:due:counted"
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
 PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service
 BATCH_SUFFIX = ".batch"  # batch jobs go to a sibling queue that workers drain second

@@ -177,9 +177,6 @@ class PlacementState:
             )
         )
 
-    def device_ids(self) -> list[str]:
-        return sorted(text(d) for d in cast(set[bytes], self.r.smembers(keys.DEVICES)))
-
     def sent_records(self, device_id: str) -> list[SentJob]:
         """The jobs recorded as sent to a device and not ended."""
         records = []
@@ -189,15 +186,6 @@ class PlacementState:
             except ValueError:  # unreadable: the device's reaping deals with it
                 continue
         return records
-
-    def in_flight_counts(self) -> dict[str, int]:
-        """Each runner's in-flight count, as placement decides on it."""
-        ids = [text(i) for i in cast(set[bytes], self.r.smembers(keys.RUNNERS))]
-        pipe = self.r.pipeline(transaction=False)
-        for runner_id in ids:
-            pipe.hget(keys.runner(runner_id), "in_flight")
-        counts = zip(ids, pipe.execute(), strict=True)
-        return {runner_id: int(n) for runner_id, n in counts if n is not None}
 
     def prune(self, runner_id: str, seen: set[str], now: float, min_age_s: float) -> Pruned:
         """The placements a runner counts that no in-flight record accounts for, read with

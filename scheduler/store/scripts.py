@@ -16,8 +16,8 @@ def _lua_source(name: str) -> str:
     folder = resources.files("scheduler.store").joinpath("lua")
     # the preludes: every script logs the keys it changes (placement's snapshot cache reads
     # that log), and may count a model's demand, let go of a job in hand, read Redis's
-    # clock, count a runner's jobs, or take the steps of a job's end
-    parts = ("changes", "demand", "hands", "clock", "jobs", "ends")
+    # clock, keep custody deadlines, count a runner's jobs, or take the steps of a job's end
+    parts = ("changes", "demand", "hands", "clock", "due", "jobs", "ends")
     preludes = [folder.joinpath(f"_{part}.lua").read_text() for part in parts]
     return "".join(preludes) + folder.joinpath(f"{name}.lua").read_text()
 

@@ -31,6 +31,7 @@ local function done_with(running, inflight, job_id, placement_id)
   local raw = redis.call('HGET', inflight, job_id)
   if raw and cjson.decode(raw)['placement']['id'] == placement_id then
     redis.call('HDEL', inflight, job_id)
+    redis.call('ZREM', DUE_SENT, sent_due_of(job_id, raw))
     return 1
   end
   return 0

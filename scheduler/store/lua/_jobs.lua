@@ -2,8 +2,11 @@
 -- the jobs it runs or was given, each with when it was counted (Redis's clock), and its
 -- hash's in_flight (what placement decides on) mirrors the count in the same step. Adding
 -- or removing a placement twice changes nothing, so the count cannot drift from a step run
--- again after a lost answer, nor count a job's end against a later placement of it.
--- Touches, by name: ggufq:runner:<id>:jobs beside each runner hash the callers name.
+-- again after a lost answer, nor count a job's end against a later placement of it. A
+-- placement counted and not yet recorded in flight is due for the recount (_due.lua)
+-- until its record is written or it is counted off.
+-- Touches, by name: ggufq:runner:<id>:jobs beside each runner hash the callers name, and
+-- ggufq:due:counted.
 
 local function jobs_of(runner) return runner .. ':jobs' end
 
@@ -16,13 +19,23 @@ end
 
 -- The runner counts ``placement`` (from now, unless it did already); returns how many.
 local function count_on(runner, placement)
-  redis.call('HSETNX', jobs_of(runner), placement, now_s())
+  local now = now_s()
+  if redis.call('HSETNX', jobs_of(runner), placement, now) == 1 then
+    redis.call('ZADD', DUE_COUNTED, now, counted_due(runner, placement))
+  end
   return mirror_count(runner)
+end
+
+-- The runner's ``placement`` is not due for the recount: its job is recorded in flight
+-- (the device's records account for it from now on), counted off, or the runner is gone.
+local function no_longer_due(runner, placement)
+  redis.call('ZREM', DUE_COUNTED, counted_due(runner, placement))
 end
 
 -- The runner no longer counts ``placement``; returns how many it still counts.
 local function count_out(runner, placement)
   redis.call('HDEL', jobs_of(runner), placement)
+  no_longer_due(runner, placement)
   return mirror_count(runner)
 end
 
@@ -40,6 +53,9 @@ local function drop_runner(runners, runner, runner_id, resv_keys)
   for _, key in ipairs(resv_keys) do
     removed = removed + redis.call('HDEL', key, runner_id)
     changed(key)
+  end
+  for _, placement in ipairs(redis.call('HKEYS', jobs_of(runner))) do
+    no_longer_due(runner, placement)
   end
   redis.call('DEL', runner, jobs_of(runner))
   changed(runner)

@@ -4,11 +4,13 @@
 -- Touches, by name: ggufq:devices, ggufq:runners, ggufq:running, ggufq:parked,
 -- ggufq:orphans, ggufq:in_hand (their members), ggufq:resv:<dev>, ggufq:inflight:<dev>,
 -- ggufq:runner:<id> (model, in_flight, devices) and its :jobs, ggufq:parked:<id>,
--- ggufq:job:<id>:owner, ggufq:parked:model_of (the parked jobs' index by model)
+-- ggufq:job:<id>:owner, ggufq:parked:model_of (the parked jobs' index by model),
+-- ggufq:heartbeats, ggufq:due:sent and ggufq:due:counted (their members)
 -- Returns {devices, running, parked, orphans, held (flat field, entry), parked ids that
 -- have their record, {runner id, model, in_flight, devices JSON, its jobs' placement
 -- ids}..., {device id, reservations (flat runner, bytes), in-flight records (flat job,
--- record)}..., owners (flat job, owner or ''), the job ids in the parked jobs' index}
+-- record)}..., owners (flat job, owner or ''), the job ids in the parked jobs' index,
+-- the devices that have a beat, the sends due, the counts due}
 local devices = redis.call('SMEMBERS', 'ggufq:devices')
 local parked = redis.call('ZRANGE', 'ggufq:parked', 0, -1)
 local recorded = {}
@@ -43,4 +45,7 @@ return {
   per_device,
   owners,
   redis.call('HKEYS', 'ggufq:parked:model_of'),
+  redis.call('ZRANGE', 'ggufq:heartbeats', 0, -1),
+  redis.call('ZRANGE', 'ggufq:due:sent', 0, -1),
+  redis.call('ZRANGE', 'ggufq:due:counted', 0, -1),
 }

@@ -15,6 +15,7 @@
 -- KEYS[11] the device's Celery queue  (list)
 -- KEYS[12] ggufq:demand               (hash) counted as placement counts a job it sends
 -- KEYS[13] ggufq:job:<id>:hops        (hash) the client's hops: submitted, sent
+-- Also touches, by name: ggufq:runner:<id>:jobs, ggufq:due:sent, ggufq:due:counted
 -- ARGV: route (as the client read it), device id, now (the client's: last use, demand and
 --       hops), device ttl (the device's last beat must be that recent on Redis's clock),
 --       claim ttl, submitted at, placement claim, job id, in-flight record (its
@@ -49,6 +50,8 @@ changed(KEYS[2])
 -- compares with (no JSON string holds '":' unescaped, so the field is the one matched)
 local stamped = string.gsub(ARGV[9], '"sent_at":0%.0', '"sent_at":' .. string.format('%.6f', now_s()), 1)
 redis.call('HSET', KEYS[9], ARGV[8], stamped)
+redis.call('ZADD', DUE_SENT, now_s(), sent_due(ARGV[8], ARGV[10], ARGV[2]))
+no_longer_due(KEYS[2], ARGV[10])
 redis.call('SET', KEYS[10], ARGV[10], 'EX', ARGV[11])
 redis.call('LPUSH', KEYS[11], ARGV[12])
 redis.call('EXPIRE', KEYS[1], ARGV[13])

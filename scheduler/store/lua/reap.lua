@@ -8,13 +8,15 @@
 -- KEYS[4] ggufq:orphans   (hash) job id -> in-flight record
 -- Also touches, by name: ggufq:device:<dev>, ggufq:resv:<dev>, ggufq:runner:<id>[:jobs],
 -- ggufq:inflight:<dev> (hash) job id -> in-flight record, ggufq:job:<id>:owner (string),
--- ggufq:running (hash) job id -> start time, and the device's Celery queues (lists)
+-- ggufq:running (hash) job id -> start time, ggufq:due:sent, and the device's Celery
+-- queues (lists)
 -- ggufq.<dev with '.' for ':'> and ggufq.<...>.batch
 -- ARGV: device_ttl_s
 -- Returns the ids of the dropped devices.
 local now, ttl = now_s(), tonumber(ARGV[1])
 local dropped = {}
-for _, dev in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+-- only the devices whose last beat is that old: a look costs the devices due, not all
+for _, dev in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - ttl))) do
   local beat = redis.call('HGET', 'ggufq:device:' .. dev, 'heartbeat')
   if not beat or (now - tonumber(beat)) > ttl then
     for _, rid in ipairs(redis.call('HKEYS', 'ggufq:resv:' .. dev)) do
@@ -24,6 +26,7 @@ for _, dev in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     local sent = redis.call('HGETALL', 'ggufq:inflight:' .. dev)
     for i = 1, #sent, 2 do
       redis.call('HSET', KEYS[4], sent[i], sent[i + 1])
+      redis.call('ZREM', DUE_SENT, sent_due_of(sent[i], sent[i + 1]) or '')
       -- a worker that comes back must not go on running it (placement re-places or fails it)
       local owner = 'ggufq:job:' .. sent[i] .. ':owner'
       if redis.call('EXISTS', owner) == 1 then

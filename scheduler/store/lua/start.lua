@@ -6,6 +6,7 @@
 -- KEYS[2] ggufq:job:<id>:start:<pid>    the claim of the one run: the delivery's id
 -- KEYS[3] ggufq:running                 (hash) job id -> time it started
 -- KEYS[4..6] the job's cancel flag, reader-wanted and reader keys (scheduler/store/cancel.py)
+-- Also touches, by name: ggufq:due:sent (a started job is not due for the lost-send look)
 -- ARGV: job id, placement id, delivery id, claim ttl (s), now
 -- Returns {0} when the job is not this delivery's to run, else {1, flag, wanted, reader}.
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
@@ -22,4 +23,5 @@ if redis.call('GET', KEYS[2]) ~= ARGV[3] then
   return {0}
 end
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[5])
+redis.call('ZREM', DUE_SENT, sent_due(ARGV[1], ARGV[2], tostring(record['placement']['device_id'])))
 return {1, redis.call('GET', KEYS[4]), redis.call('GET', KEYS[5]), redis.call('GET', KEYS[6])}
