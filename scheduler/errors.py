@@ -113,6 +113,12 @@ class JobTimeout(GgufqError):
     code = "job_timeout"
 
 
+class BadSettings(GgufqError):
+    """A GGUFQ_ environment variable (or .env entry) holds a value ggufq cannot use."""
+
+    code = "bad_settings"
+
+
 ERRORS_BY_CODE: dict[str, type[GgufqError]] = {
     cls.code: cls
     for cls in (
@@ -131,6 +137,7 @@ ERRORS_BY_CODE: dict[str, type[GgufqError]] = {
         ChunksLost,
         JobCancelled,
         JobTimeout,
+        BadSettings,
     )
 }
 

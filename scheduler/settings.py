@@ -10,9 +10,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from scheduler.errors import BadSettings
 from scheduler.units import parse_duration_s
 
 _HOME = Path.home() / ".ggufq"
@@ -34,7 +35,8 @@ class Settings(BaseSettings):
     )
     host_id: str = Field(
         default_factory=lambda: socket.gethostname().split(".")[0] or "localhost",
-        description="This host's id in device names (gpu:<host>:<index>).",
+        pattern=r"^[^|\s]+$",
+        description="This host's id in device names (gpu:<host>:<index>): no spaces or '|'.",
     )
     keep_alive_s: float = Field(
         300.0,
@@ -198,7 +200,18 @@ class Settings(BaseSettings):
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    return Settings()
+    """The settings from the environment; :class:`BadSettings` names each variable that
+    holds a value ggufq cannot use, what is wrong with it, and what it is for."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        wrong = []
+        for error in exc.errors():
+            name = str(error["loc"][0]) if error["loc"] else ""
+            field = Settings.model_fields.get(name)
+            what = f" ({field.description})" if field and field.description else ""
+            wrong.append(f"GGUFQ_{name.upper()}={error.get('input')!r}: {error['msg']}{what}")
+        raise BadSettings("; ".join(wrong) + "; fix it in the environment or .env") from None
 
 
 def describe(settings: Settings) -> list[tuple[str, str, str]]:

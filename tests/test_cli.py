@@ -53,6 +53,14 @@ def test_config_prints_every_setting(cli_env: dict[str, str]) -> None:
     assert "testhost" in out.stdout and "512" in out.stdout
 
 
+def test_a_setting_ggufq_cannot_use_is_one_clear_line(cli_env: dict[str, str]) -> None:
+    env = {**cli_env, "GGUFQ_NUM_PARALLEL": "0", "GGUFQ_HOST_ID": "rack|7"}
+    out = ggufq("config", env=env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: ") and len(out.stderr.splitlines()) == 1
+    assert "GGUFQ_NUM_PARALLEL='0'" in out.stderr and "GGUFQ_HOST_ID='rack|7'" in out.stderr
+
+
 def test_run_streams_and_ps_devices_list(cli_env: dict[str, str]) -> None:
     out = ggufq(
         "run", "tiny", "hello", "-o", "num_predict=8", "-o", "temperature=0", "--json", env=cli_env
