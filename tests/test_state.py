@@ -519,8 +519,18 @@ def test_each_step_that_moves_a_job_keeps_its_deadlines_with_it(db: redis.Redis)
     db.zrem(keys.DUE_SENT, DueSend(b.id, "pb", "vgpu:h:0").member)  # as if never written
     (problem,) = fsck.problems(fsck.read(db))
     assert "with no deadline" in str(problem)
-    # a device's worker that falls silent takes its jobs' deadlines with it
+    # settling judges again in its own step: b waits to start, so it is not forgotten
     db.zadd(keys.DUE_SENT, {DueSend(b.id, "pb", "vgpu:h:0").member: 1.0})
+    assert due.settled([DueSend(b.id, "pb", "vgpu:h:0"), DueSend(a.id, "pa", "vgpu:h:0")]) == 0
+    assert due.settled([DueSend(b.id, "px", "vgpu:h:0")]) == 0  # no such deadline
+    # a Redis written by a version that kept no deadlines gets them back
+    assert state.assign("r", "pc", now=101.0)  # counted, never recorded
+    db.delete(keys.DUE_SENT, keys.DUE_COUNTED, keys.HEARTBEATS)
+    assert len(fsck.problems(fsck.read(db))) == 3
+    assert due.backfill() == 3 and due.backfill() == 0
+    assert fsck.problems(fsck.read(db)) == []
+    assert due.counts(-1.0) == {"r": {"pc"}}
+    # a device's worker that falls silent takes its jobs' deadlines with it
     fall_silent(db, "vgpu:h:0", 120.0)
     assert state.reap(60.0) == ["vgpu:h:0"]
     assert db.zcard(keys.DUE_SENT) == 0 and db.zcard(keys.DUE_COUNTED) == 0

@@ -171,18 +171,21 @@ class Recovery:
         now = self.due.now() if by_device else 0.0
         for device_id, dues in by_device.items():
             records = self.due.records(device_id, [d.job_id for d in dues])
-            current = [records[d.job_id] for d in dues if d.job_id in records]
+            current = [r for d in dues if (r := records.get(d.job_id)) and DueSend.of(r) == d]
             recorded = {DueSend.of(r) for r in current}
             # ended, reaped or placed again (another placement id): not due any more
             settled += [d for d in dues if d not in recorded]
             waiting = self.state.unstarted(current, float("inf"))
             still = {r.job.id for r in waiting}
-            settled += [DueSend.of(r) for r in current if r.job.id not in still]  # started
+            for record in current:
+                if record.job.id not in still:  # started: forgotten, or moved on if started
+                    settled.append(DueSend.of(record))  # only by its chunks (settle.lua)
+                    later[DueSend.of(record)] = _again_at(record, now)
             present = self.state.in_broker(device_id, [r.job.id for r in waiting])
             for record in waiting:
                 due = DueSend.of(record)
                 if record.job.id in present:
-                    later[due] = now + min(max(now - record.sent_at, 0.0), MAX_LOOK_AGAIN_S)
+                    later[due] = _again_at(record, now)
                     continue
                 if due not in seen_before:
                     unseen.add(due)  # due again at the next look
@@ -200,7 +203,7 @@ class Recovery:
                 )
                 later[due], again = now, again + 1
         self.due.settled(settled)
-        self.due.look_again(later)
+        self.due.look_again(later)  # after: only what settling kept moves on
         self._unseen = unseen
         self.recount()
         return again
@@ -225,3 +228,9 @@ class Recovery:
                 log.warning(what, runner_id, ", ".join(sorted(pruned.forgotten)), gone)
                 self.state.announce_recount(runner_id)
         self._unaccounted = unaccounted
+
+
+def _again_at(record: SentJob, now: float) -> float:
+    """When a send found waiting (or started only by its chunks) is looked at again: once
+    it has waited as long again, at most MAX_LOOK_AGAIN_S from ``now``."""
+    return now + min(max(now - record.sent_at, 0.0), MAX_LOOK_AGAIN_S)

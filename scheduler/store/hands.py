@@ -217,7 +217,16 @@ class Hands:
                     keys.IN_HAND,
                     keys.swept(token),
                 ],
-                args=[job_id, raw, placement.id, ttl_s, self.field(job_id), token],
+                args=[
+                    job_id,
+                    raw,
+                    placement.id,
+                    ttl_s,
+                    self.field(job_id),
+                    token,
+                    placement.runner_id,
+                    placement.device_id,
+                ],
             )
         )
         if not done:

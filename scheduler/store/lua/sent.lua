@@ -10,15 +10,15 @@
 -- KEYS[4] ggufq:swept:<token>
 -- Also touches, by name: ggufq:due:sent (due for the lost-send look from now) and
 -- ggufq:due:counted (its runner's count is accounted for)
--- ARGV: job id, record, placement id, owner ttl (s), field "<placement>|<job id>", token
+-- ARGV: job id, record, placement id, owner ttl (s), field "<placement>|<job id>", token,
+--       runner id, device id (the record's)
 -- Returns 1 when it was recorded, 0 when it was swept.
 if ARGV[6] ~= '' and put_back_from_us(KEYS[4]) then
   return 0
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-local placement = cjson.decode(ARGV[2])['placement']
-redis.call('ZADD', DUE_SENT, now_s(), sent_due(ARGV[1], ARGV[3], placement['device_id']))
-no_longer_due('ggufq:runner:' .. placement['runner_id'], ARGV[3])
+redis.call('ZADD', DUE_SENT, now_s(), sent_due(ARGV[1], ARGV[3], ARGV[8]))
+no_longer_due('ggufq:runner:' .. ARGV[7], ARGV[3])
 redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
 mark_held(KEYS[3], ARGV[5], ARGV[6], 'sent', 1)  -- unsend.lua clears it with the record
 return 1
