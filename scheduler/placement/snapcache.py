@@ -12,7 +12,7 @@ the reservation scripts re-check memory atomically, and a lost race means decidi
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -60,8 +60,7 @@ class SnapshotCache:
         pipe.get(keys.CHANGES_N)
         pipe.xread({keys.CHANGES: self._last_id})
         pipe.zcard(keys.PARKED)
-        pipe.hgetall(keys.DEMAND)
-        counter, entries, parked, demand_raw = pipe.execute()
+        counter, entries, parked = pipe.execute()
         changed = self._changed_keys(int(counter or 0), entries)
         if changed is None:
             self._reload()
@@ -69,7 +68,7 @@ class SnapshotCache:
             self._fetch(changed)
         alive = [d for d in self._devices.values() if now - self._beats[d.id] <= device_ttl_s]
         alive_ids = {d.id for d in alive}
-        demand = DecayedDemand(demand_raw, now)
+        demand = DecayedDemand(self.r, now)
         runners = list(self._runners.values())
         snap = Snapshot(alive, runners, int(parked), demand, parked_models)
         # cached_property stores in the instance dict: supply the indexes ready-made
@@ -183,10 +182,20 @@ class SnapshotCache:
 
 
 class DecayedDemand(Mapping[str, float]):
-    """The demand hash as decayed counts, decoded only for the models looked up."""
+    """The demand hash as decayed counts, read only when a decision looks one up (only an
+    eviction does: the hash holds every model ever asked for, and reading it whole for
+    each job cost more than the rest of the snapshot), and decoded only for the models
+    looked up."""
 
-    def __init__(self, raw: dict[bytes, bytes], now: float) -> None:
-        self._raw, self._now = raw, now
+    def __init__(self, client: redis.Redis, now: float) -> None:
+        self._client, self._now = client, now
+        self._read: dict[bytes, bytes] | None = None
+
+    @property
+    def _raw(self) -> dict[bytes, bytes]:
+        if self._read is None:
+            self._read = cast(dict[bytes, bytes], self._client.hgetall(keys.DEMAND))
+        return self._read
 
     def __getitem__(self, model: str) -> float:
         value = self._raw[model.encode()]
