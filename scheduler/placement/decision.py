@@ -262,18 +262,20 @@ def _larger_than_any_device(
 
 def usable_part(snap: Snapshot, job: JobNeeds) -> Snapshot | Refuse:
     """The part of the snapshot on the devices the job may use (branch 2)."""
-    where, alive = job.where, ", ".join(d.id for d in snap.devices)
+    where, everywhere = job.where, snap  # the devices alive, named only in a refusal
     if where.device is not None:
         snap = _restricted(snap, lambda d: d.id == where.device)
         if not snap.devices:
-            return _none_left(f"device {where.device!r} is not alive", alive, "invalid_request")
+            return _none_left(
+                f"device {where.device!r} is not alive", everywhere, "invalid_request"
+            )
     if where.avoid:
         snap = _restricted(snap, lambda d: d.id not in where.avoid)
         if not snap.devices:
             return _none_left(
                 f"model {job.model!r} could not be loaded on {', '.join(where.avoid)} and no "
                 "other device can take it",
-                alive,
+                everywhere,
                 "load_failed",
             )
     if where.processor == "cpu":
@@ -282,7 +284,7 @@ def usable_part(snap: Snapshot, job: JobNeeds) -> Snapshot | Refuse:
             return _none_left(
                 "num_gpu 0 asks for the CPU but no CPU device is alive: start a worker with "
                 "`ggufq worker --cpu`, or omit num_gpu",
-                alive,
+                everywhere,
                 "invalid_request",
             )
     if where.processor == "gpu":
@@ -292,7 +294,7 @@ def usable_part(snap: Snapshot, job: JobNeeds) -> Snapshot | Refuse:
                 f"num_gpu {where.num_gpu} asks for {where.layers} layers on a GPU but no GPU is "
                 "alive: omit "
                 "num_gpu (or set -1) to run where the model fits",
-                alive,
+                everywhere,
                 "invalid_request",
             )
     return snap
@@ -307,5 +309,6 @@ def _restricted(snap: Snapshot, keep: Callable[[DeviceState], bool]) -> Snapshot
     return Snapshot(devices, runners, snap.parked, snap.demand, snap.parked_models)
 
 
-def _none_left(why: str, alive: str, code: Literal["invalid_request", "load_failed"]) -> Refuse:
+def _none_left(why: str, snap: Snapshot, code: Literal["invalid_request", "load_failed"]) -> Refuse:
+    alive = ", ".join(d.id for d in snap.devices)
     return Refuse(code, f"{why}; alive devices: {alive} (`ggufq devices`)")

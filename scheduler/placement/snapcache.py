@@ -51,6 +51,11 @@ class SnapshotCache:
         self._counts: dict[str, int] = {}
         self._idle: dict[str, dict[str, RunnerState]] = {}
         self.reloads = 0
+        # the alive devices as last computed, valid until one's beat lapses or a key changes
+        self._alive_list: list[DeviceState] = []
+        self._alive_ids: set[str] = set()
+        self._alive_key: tuple[float, ...] = ()
+        self._alive_until = -float("inf")
 
     def snapshot(
         self, now: float, device_ttl_s: float, parked_models: Collection[str] = frozenset()
@@ -66,8 +71,7 @@ class SnapshotCache:
             self._reload()
         elif changed:
             self._fetch(changed)
-        alive = [d for d in self._devices.values() if now - self._beats[d.id] <= device_ttl_s]
-        alive_ids = {d.id for d in alive}
+        alive, alive_ids = self._alive(now, device_ttl_s, bool(changed) or changed is None)
         demand = DecayedDemand(self.r, now)
         runners = list(self._runners.values())
         snap = Snapshot(alive, runners, int(parked), demand, parked_models)
@@ -77,6 +81,19 @@ class SnapshotCache:
         snap.__dict__["counts"] = dict(self._counts)
         snap.__dict__["idle_by_device"] = _IdleByDevice(self._idle, demand, live)
         return snap
+
+    def _alive(
+        self, now: float, device_ttl_s: float, changed: bool
+    ) -> tuple[list[DeviceState], set[str]]:
+        """The devices whose last beat is within the TTL, recomputed only when a device
+        changed (a beat is a change) or the soonest of their beats lapsed."""
+        key = (device_ttl_s,)
+        if changed or key != self._alive_key or now > self._alive_until:
+            alive = [d for d in self._devices.values() if now - self._beats[d.id] <= device_ttl_s]
+            until = min((self._beats[d.id] + device_ttl_s for d in alive), default=float("inf"))
+            self._alive_list, self._alive_ids = alive, {d.id for d in alive}
+            self._alive_key, self._alive_until = key, until
+        return self._alive_list, self._alive_ids
 
     # -- change log ------------------------------------------------------------------------
     def _changed_keys(self, counter: int, entries: Any) -> set[str] | None:
