@@ -14,7 +14,7 @@ from tests.conftest import settings_from, stack_env, wait_for
 from tests.held_worker import HOLD, release
 from tests.tinymodel import write_slow_model
 
-BUSY = {"temperature": 0, "num_predict": 1500, "num_ctx": 8192}
+BUSY = {"temperature": 0, "num_predict": 8, "num_ctx": 8192}  # held: its length is the release
 QUICK = {"temperature": 0, "num_predict": 2, "num_ctx": 8192}
 
 

@@ -54,7 +54,9 @@ def test_parked_job_waits_then_runs_and_loaded_model_is_not_blocked(
     one_slot_stack: Client,
 ) -> None:
     client = one_slot_stack
-    a = client.submit("slow", f"{HOLD} a", options=LONG)  # runs until released
+    # held until released, then a few tokens more: its length is the event, not the
+    # machine's speed (2,000 tokens of `slow` outlasted result()'s 120 s on a busy machine)
+    a = client.submit("slow", f"{HOLD} a", options={**LONG, "num_predict": 8})
     assert wait_for(lambda: any(r.in_flight == 1 and r.state == "ready" for r in client.ps()))
     b = client.submit("slow", "b", options={"num_ctx": 4096, "num_predict": 4})
     assert wait_for(lambda: parked(client) == [b.id])
