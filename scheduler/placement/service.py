@@ -12,7 +12,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Collection
+from collections import Counter
+from collections.abc import Collection, Mapping
 from functools import partial
 from typing import Any, NoReturn
 
@@ -153,17 +154,22 @@ class PlacementService:
             execute(pipe)
         return outcome
 
-    def retry_parked(self, models: Collection[str] | None = None) -> int:
+    def retry_parked(
+        self, models: Collection[str] | None = None, slots: Mapping[str, int] | None = None
+    ) -> int:
         """Retry parked jobs in order (only those of ``models`` when given: a freed slot
-        serves its runner's model alone); returns how many left the queue.
+        serves its runner's model alone, and at most ``slots[model]`` of a model's jobs are
+        sent when given: one per slot freed); returns how many left the queue.
 
         After one job parks again, later jobs of its model and configuration are not
         tried: they could not run either, and must not overtake it.
         """
-        moved, blocked = 0, set()
+        moved, blocked, sent = 0, set(), Counter[str]()
         for job_id, req in self.parked.entries(self.passes.ahead(), models):
             if req is not None and _config_of(req) in blocked:
                 continue
+            if req is not None and slots is not None and sent[req.model] >= slots.get(req.model, 0):
+                continue  # the slots freed for its model are taken: it would park again
             try:
                 with self.held.takes():  # one Redis did not answer: asked again once it is back
                     claimed = self.parked.claim(job_id)
@@ -178,6 +184,7 @@ class PlacementService:
             )
             if "device" in outcome:
                 self._sent_off(job_id)
+                sent[claimed.job.model] += 1
             if "parked" in outcome:
                 blocked.add(_config_of(claimed.job))
             else:

@@ -5,14 +5,18 @@ that is all that happened. Pure: the events' texts in, a :class:`Wake` out."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Wake:
-    """Retry every parked job (``models`` None), or only those of ``models``."""
+    """Retry every parked job (``models`` None), or only those of ``models``, sending at
+    most ``slots[model]`` of each: the slots the events freed (one per job that ended)."""
 
     models: frozenset[str] | None = None
+    slots: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def everything(self) -> bool:
@@ -25,12 +29,13 @@ EVERYTHING = Wake()
 def wake_for(events: list[str]) -> Wake | None:
     """The parked jobs worth retrying after ``events`` (texts from ggufq:events); None when
     there were none. A job's end on a runner that still has jobs frees a slot of that
-    runner's model only: no memory frees and no runner turns idle. Anything else (a runner
+    runner's model only, one: no memory frees and no runner turns idle, so one parked job
+    of that model can run per such end. Anything else (a runner
     idle or unloaded, a device that joined, a job handed back, a text that does not parse)
     may free memory for any model."""
     if not events:
         return None
-    models: set[str] = set()
+    slots: Counter[str] = Counter()
     for text in events:
         try:
             event = json.loads(text)
@@ -40,5 +45,5 @@ def wake_for(events: list[str]) -> Wake | None:
             return EVERYTHING
         if not isinstance(model, str):
             return EVERYTHING
-        models.add(model)
-    return Wake(frozenset(models))
+        slots[model] += 1
+    return Wake(frozenset(slots), dict(slots))
