@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Callable
 
 import redis
@@ -163,45 +162,41 @@ class Recovery:
         the runners' counts (:meth:`recount`). Returns how many were sent again."""
         again, unseen = 0, set()
         seen_before, self._unseen = self._unseen, set()  # a failed look counts none
-        by_device: dict[str, list[DueSend]] = defaultdict(list)
-        for due in self.due.sends(sent_before):
-            by_device[due.device_id].append(due)
-        settled: list[DueSend] = []
+        dues = self.due.sends(sent_before)
+        if not dues:
+            self.recount()
+            return 0
+        now = self.due.now()
+        # three round trips for the whole look: the records, their starts, the queues
+        records = self.due.records(dues)
+        current = [r for d in dues if (r := records.get(d)) is not None]
+        # ended, reaped or placed again (another placement id): not due any more
+        settled = [d for d in dues if d not in records]
         later: dict[DueSend, float] = {}
-        now = self.due.now() if by_device else 0.0
-        for device_id, dues in by_device.items():
-            records = self.due.records(device_id, [d.job_id for d in dues])
-            current = [r for d in dues if (r := records.get(d.job_id)) and DueSend.of(r) == d]
-            recorded = {DueSend.of(r) for r in current}
-            # ended, reaped or placed again (another placement id): not due any more
-            settled += [d for d in dues if d not in recorded]
-            waiting = self.state.unstarted(current, float("inf"))
-            still = {r.job.id for r in waiting}
-            for record in current:
-                if record.job.id not in still:  # started: forgotten, or moved on if started
-                    settled.append(DueSend.of(record))  # only by its chunks (settle.lua)
-                    later[DueSend.of(record)] = _again_at(record, now)
-            present = self.state.in_broker(device_id, [r.job.id for r in waiting])
-            for record in waiting:
-                due = DueSend.of(record)
-                if record.job.id in present:
-                    later[due] = _again_at(record, now)
-                    continue
-                if due not in seen_before:
-                    unseen.add(due)  # due again at the next look
-                    continue
-                log.warning(
-                    "job %s's message to %s was lost (a broken broker connection); sending it "
-                    "again",
-                    record.job.id,
-                    device_id,
-                )
-                req, placement = record.job, record.placement
-                queue = keys.device_queue(device_id, req.priority)
-                send_job(
-                    self.app, keys.TASK_RUN, req, req.id, queue, placement.model_dump(mode="json")
-                )
-                later[due], again = now, again + 1
+        waiting = self.state.unstarted(current, float("inf"))
+        still = {DueSend.of(r) for r in waiting}
+        for record in current:
+            if DueSend.of(record) not in still:  # started: forgotten, or moved on if it
+                settled.append(DueSend.of(record))  # started only by its chunks (settle.lua)
+                later[DueSend.of(record)] = _again_at(record, now)
+        present = self.state.in_broker([DueSend.of(r) for r in waiting])
+        for record in waiting:
+            due = DueSend.of(record)
+            if due in present:
+                later[due] = _again_at(record, now)
+                continue
+            if due not in seen_before:
+                unseen.add(due)  # due again at the next look
+                continue
+            log.warning(
+                "job %s's message to %s was lost (a broken broker connection); sending it again",
+                record.job.id,
+                due.device_id,
+            )
+            req, placement = record.job, record.placement
+            queue = keys.device_queue(due.device_id, req.priority)
+            send_job(self.app, keys.TASK_RUN, req, req.id, queue, placement.model_dump(mode="json"))
+            later[due], again = now, again + 1
         self.due.settled(settled)
         self.due.look_again(later)  # after: only what settling kept moves on
         self._unseen = unseen

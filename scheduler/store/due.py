@@ -71,18 +71,23 @@ class Deadlines:
             self.r.zrem(keys.DUE_SENT, *unreadable)
         return [d for d in due if d is not None]
 
-    def records(self, device_id: str, job_ids: list[str]) -> dict[str, SentJob]:
-        """The in-flight records of ``job_ids`` on a device (a missing or unreadable one is
-        left out: its job ended, was reaped or is not readable, which the reap deals with)."""
-        raws = cast(list[bytes | None], self.r.hmget(keys.inflight(device_id), job_ids))
+    def records(self, sends: list[DueSend]) -> dict[DueSend, SentJob]:
+        """The in-flight records of ``sends`` that are still theirs (one round trip): a
+        send whose record is gone (its job ended or was reaped), unreadable (the reap deals
+        with it) or another placement's (placed again) is left out."""
+        pipe = self.r.pipeline(transaction=False)
+        for due in sends:
+            pipe.hget(keys.inflight(due.device_id), due.job_id)
         found = {}
-        for job_id, raw in zip(job_ids, raws, strict=True):
+        for due, raw in zip(sends, pipe.execute(), strict=True):
             if raw is None:
                 continue
             try:
-                found[job_id] = SentJob.model_validate_json(raw)
+                record = SentJob.model_validate_json(raw)
             except ValueError:
                 continue
+            if DueSend.of(record) == due:
+                found[due] = record
         return found
 
     def look_again(self, at: dict[DueSend, float]) -> None:

@@ -13,6 +13,7 @@ from scheduler.cluster import DEMAND_TAU_S, Snapshot
 from scheduler.protocol import SentJob
 from scheduler.store import keys
 from scheduler.store.connection import again_if_lost
+from scheduler.store.due import DueSend
 from scheduler.store.hands import Hands
 from scheduler.store.records import (
     decayed_demand,
@@ -221,16 +222,30 @@ class PlacementState:
         seen = pipe.execute()
         return [r for n, r in enumerate(records) if not any(seen[3 * n : 3 * n + 3])]
 
-    def in_broker(self, device_id: str, job_ids: list[str]) -> set[str]:
-        """Which of the jobs have a message waiting in the device's queues, or taken by a
-        worker and not yet acknowledged (a Celery message names its task id in plain JSON)."""
+    def in_broker(self, sends: list[DueSend]) -> set[DueSend]:
+        """Which of ``sends`` have a message waiting in their device's queues, or taken by
+        a worker and not yet acknowledged (a Celery message names its task id in plain
+        JSON); one round trip for all of them."""
+        if not sends:
+            return set()
+        devices = sorted({d.device_id for d in sends})
         pipe = self.r.pipeline(transaction=False)
-        for priority in ("interactive", "batch"):
-            pipe.lrange(keys.device_queue(device_id, priority), 0, -1)
         pipe.hvals(keys.UNACKED)
-        queued, batch, unacked = pipe.execute()
-        blob = b"\n".join([*queued, *batch, *unacked])
-        return {job_id for job_id in job_ids if job_id.encode() in blob}
+        for device_id in devices:
+            for priority in ("interactive", "batch"):
+                pipe.lrange(keys.device_queue(device_id, priority), 0, -1)
+        unacked, *queues = pipe.execute()
+        taken = b"\n".join(unacked)
+        blobs = {
+            device_id: b"\n".join([*queues[2 * n], *queues[2 * n + 1]])
+            for n, device_id in enumerate(devices)
+        }
+        found = set()
+        for due in sends:
+            needle = due.job_id.encode()
+            if needle in blobs[due.device_id] or needle in taken:
+                found.add(due)
+        return found
 
     def orphans(self) -> list[str]:
         return [text(j) for j in self.r.hkeys(keys.ORPHANS)]
