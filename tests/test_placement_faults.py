@@ -79,18 +79,23 @@ def test_a_broker_error_after_reserving_parks_the_job_and_releases_what_it_held(
 def test_a_wake_sends_one_parked_job_per_slot_freed_and_claims_no_other(
     service: PlacementService, db: redis.Redis
 ) -> None:
-    """A job's end frees one slot of its model: the waker sends one parked job of that
-    model and does not claim, decide and park the next one for nothing."""
+    """A job's end frees one slot of its runner: the waker sends one parked job onto it
+    and does not claim, decide and park the next one for nothing; a job that goes to
+    another runner takes none of the freed slots."""
+    options = {"num_parallel": 4}
+    first = JobRequest(model="tiny", prompt="a", submitted_at=1.0, options=options)
+    runner_id = service.place(first.model_dump(mode="json"))["runner"]
     jobs = [
-        JobRequest(model="tiny", prompt=p, submitted_at=1.0, options={"num_parallel": 4})
-        for p in ("a", "b", "c")
+        JobRequest(model="tiny", prompt=p, submitted_at=1.0, options=options)
+        for p in ("b", "c", "d")
     ]
     for n, job in enumerate(jobs):
         service.parked.park(job, score=float(n))
-    assert service.retry_parked({"tiny"}, {"tiny": 1}) == 1
+    assert service.retry_parked({"tiny"}, {"tiny": 1}, {runner_id}) == 1
     assert service.parked.ids() == [jobs[1].id, jobs[2].id]  # in order, never taken out
-    assert service.retry_parked({"tiny"}, {"other": 1}) == 0
-    assert service.retry_parked() == 2  # a sweep (no slots counted) sends what fits
+    assert service.retry_parked({"tiny"}, {"other": 1}, {runner_id}) == 0
+    # the slot freed was another runner's: these went elsewhere and took none of it
+    assert service.retry_parked({"tiny"}, {"tiny": 1}, {"another-runner"}) == 2
 
 
 def test_a_parked_record_that_does_not_parse_fails_alone(

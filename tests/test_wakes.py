@@ -19,10 +19,10 @@ def finished(model: str, in_flight: int) -> str:
     ("events", "wake"),
     [
         ([], None),
-        ([finished("a", 1)], Wake(frozenset({"a"}), {"a": 1})),
+        ([finished("a", 1)], Wake(frozenset({"a"}), {"a": 1}, frozenset({"r"}))),
         (
             [finished("a", 2), finished("b", 1), finished("a", 1)],
-            Wake(frozenset({"a", "b"}), {"a": 2, "b": 1}),
+            Wake(frozenset({"a", "b"}), {"a": 2, "b": 1}, frozenset({"r"})),
         ),
         # the runner turned idle: an eviction may make room for any model
         ([finished("a", 1), finished("a", 0)], EVERYTHING),

@@ -155,11 +155,15 @@ class PlacementService:
         return outcome
 
     def retry_parked(
-        self, models: Collection[str] | None = None, slots: Mapping[str, int] | None = None
+        self,
+        models: Collection[str] | None = None,
+        slots: Mapping[str, int] | None = None,
+        onto: Collection[str] = (),
     ) -> int:
         """Retry parked jobs in order (only those of ``models`` when given: a freed slot
-        serves its runner's model alone, and at most ``slots[model]`` of a model's jobs are
-        sent when given: one per slot freed); returns how many left the queue.
+        serves its runner's model alone, and, with ``slots``, at most ``slots[model]`` of a
+        model's jobs are sent onto the runners ``onto`` that freed them: one per slot; a job
+        sent elsewhere takes none); returns how many left the queue.
 
         After one job parks again, later jobs of its model and configuration are not
         tried: they could not run either, and must not overtake it.
@@ -184,7 +188,8 @@ class PlacementService:
             )
             if "device" in outcome:
                 self._sent_off(job_id)
-                sent[claimed.job.model] += 1
+                if outcome.get("runner") in onto:
+                    sent[claimed.job.model] += 1
             if "parked" in outcome:
                 blocked.add(_config_of(claimed.job))
             else:

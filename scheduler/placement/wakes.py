@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Wake:
     """Retry every parked job (``models`` None), or only those of ``models``, sending at
-    most ``slots[model]`` of each: the slots the events freed (one per job that ended)."""
+    most ``slots[model]`` of each onto the ``runners`` that freed them (one slot per job
+    that ended; a job sent elsewhere takes none of them)."""
 
     models: frozenset[str] | None = None
     slots: Mapping[str, int] = field(default_factory=dict)
+    runners: frozenset[str] = frozenset()
 
     @property
     def everything(self) -> bool:
@@ -36,6 +38,7 @@ def wake_for(events: list[str]) -> Wake | None:
     if not events:
         return None
     slots: Counter[str] = Counter()
+    runners: set[str] = set()
     for text in events:
         try:
             event = json.loads(text)
@@ -46,4 +49,5 @@ def wake_for(events: list[str]) -> Wake | None:
         if not isinstance(model, str):
             return EVERYTHING
         slots[model] += 1
-    return Wake(frozenset(slots), dict(slots))
+        runners.add(str(event.get("runner", "")))
+    return Wake(frozenset(slots), dict(slots), frozenset(runners))
