@@ -14,11 +14,19 @@ local function sent_due(job_id, placement, device_id)
   return job_id .. '|' .. placement .. '|' .. device_id
 end
 
--- The due member of an in-flight record's JSON ``raw``, nil when it does not parse.
-local function sent_due_of(job_id, raw)
+-- The placement (a table: id, device_id, runner_id, ...) an in-flight record's JSON
+-- ``raw`` names; nil when there is no record or it does not parse.
+local function placement_of(raw)
+  if not raw then return nil end
   local ok, record = pcall(cjson.decode, raw)
   if not ok or type(record) ~= 'table' or type(record['placement']) ~= 'table' then return nil end
-  local placement = record['placement']
+  return record['placement']
+end
+
+-- The due member of an in-flight record's JSON ``raw``, nil when it does not parse.
+local function sent_due_of(job_id, raw)
+  local placement = placement_of(raw)
+  if not placement then return nil end
   return sent_due(job_id, tostring(placement['id']), tostring(placement['device_id']))
 end
 

@@ -29,9 +29,10 @@ end
 local function done_with(running, inflight, job_id, placement_id)
   redis.call('HDEL', running, job_id)
   local raw = redis.call('HGET', inflight, job_id)
-  if raw and cjson.decode(raw)['placement']['id'] == placement_id then
+  local placement = raw and cjson.decode(raw)['placement']
+  if placement and placement['id'] == placement_id then
     redis.call('HDEL', inflight, job_id)
-    redis.call('ZREM', DUE_SENT, sent_due_of(job_id, raw))
+    redis.call('ZREM', DUE_SENT, sent_due(job_id, placement_id, tostring(placement['device_id'])))
     return 1
   end
   return 0

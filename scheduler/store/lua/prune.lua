@@ -20,10 +20,8 @@ local recorded = {}
 local devices = redis.call('HGET', KEYS[1], 'device_ids') or ''
 for dev in string.gmatch(devices, '[^,]+') do
   for _, raw in ipairs(redis.call('HVALS', 'ggufq:inflight:' .. dev)) do
-    local ok, record = pcall(cjson.decode, raw)
-    if ok and type(record) == 'table' and type(record['placement']) == 'table' then
-      recorded[tostring(record['placement']['id'])] = true
-    end
+    local placement = placement_of(raw)
+    if placement then recorded[tostring(placement['id'])] = true end
   end
 end
 local seen = {}

@@ -14,10 +14,8 @@ for _, member in ipairs(ARGV) do
   local job, placement, dev = string.match(member, '^(.*)|([^|]*)|([^|]*)$')
   local forget = job == nil
   if not forget then
-    local raw = redis.call('HGET', 'ggufq:inflight:' .. dev, job)
-    local ok, record = pcall(cjson.decode, raw or '')
-    forget = not ok or type(record) ~= 'table' or type(record['placement']) ~= 'table'
-      or tostring(record['placement']['id']) ~= placement
+    local recorded = placement_of(redis.call('HGET', 'ggufq:inflight:' .. dev, job))
+    forget = not recorded or tostring(recorded['id']) ~= placement
       or redis.call('HEXISTS', KEYS[2], job) == 1
       or redis.call('EXISTS', 'ggufq:job:' .. job .. ':start:' .. placement) == 1
   end

@@ -9,13 +9,8 @@
 -- Also touches, by name: ggufq:due:sent (a started job is not due for the lost-send look)
 -- ARGV: job id, placement id, delivery id, claim ttl (s), now
 -- Returns {0} when the job is not this delivery's to run, else {1, flag, wanted, reader}.
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then
-  return {0}
-end
-local ok, record = pcall(cjson.decode, raw)
-if not ok or type(record) ~= 'table' or type(record['placement']) ~= 'table'
-    or record['placement']['id'] ~= ARGV[2] then
+local placement = placement_of(redis.call('HGET', KEYS[1], ARGV[1]))
+if not placement or placement['id'] ~= ARGV[2] then
   return {0}
 end
 redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[4])
@@ -23,5 +18,5 @@ if redis.call('GET', KEYS[2]) ~= ARGV[3] then
   return {0}
 end
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[5])
-redis.call('ZREM', DUE_SENT, sent_due(ARGV[1], ARGV[2], tostring(record['placement']['device_id'])))
+redis.call('ZREM', DUE_SENT, sent_due(ARGV[1], ARGV[2], tostring(placement['device_id'])))
 return {1, redis.call('GET', KEYS[4]), redis.call('GET', KEYS[5]), redis.call('GET', KEYS[6])}
