@@ -136,7 +136,7 @@ def end_then_next(cluster: Cluster, ends: int) -> tuple[list[float], list[float]
         message = events.get_message(timeout=5.0)
         wake = wake_for([text(message["data"])] if message else [])
         if n % 2 == 0 and wake is not None:
-            cluster.service.retry_parked(wake.models, wake.slots or None, wake.runners)
+            cluster.service.retry_parked(wake)
             woken.append((time.perf_counter() - started) * 1000)
         else:
             cluster.service.retry_parked()

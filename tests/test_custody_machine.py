@@ -269,7 +269,7 @@ class Custody(RuleBasedStateMachine):
         self._prune()
 
     def _prune(self) -> None:
-        due = Deadlines(self.r).counts(-1.0)  # every count due, even one made just now
+        due = Deadlines(self.r).counts(FOREVER)  # every count due, even one made just now
         for runner_id, lost in self.lost.items():  # the recount's look finds each lost one
             assert lost <= due.get(runner_id, set())
         for runner_id in sorted(self.runners):

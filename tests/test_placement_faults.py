@@ -18,6 +18,7 @@ from scheduler.local.embedded import EmbeddedRedis
 from scheduler.placement import recovery as recovery_module
 from scheduler.placement import service as service_module
 from scheduler.placement.service import MAX_PLACEMENT_ERRORS, PlacementService
+from scheduler.placement.wakes import Wake
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
 from scheduler.store.clock import redis_now
@@ -91,11 +92,13 @@ def test_a_wake_sends_one_parked_job_per_slot_freed_and_claims_no_other(
     ]
     for n, job in enumerate(jobs):
         service.parked.park(job, score=float(n))
-    assert service.retry_parked({"tiny"}, {"tiny": 1}, {runner_id}) == 1
+    assert service.retry_parked(Wake(frozenset({"tiny"}), {"tiny": 1}, frozenset({runner_id}))) == 1
     assert service.parked.ids() == [jobs[1].id, jobs[2].id]  # in order, never taken out
-    assert service.retry_parked({"tiny"}, {"other": 1}, {runner_id}) == 0
+    assert (
+        service.retry_parked(Wake(frozenset({"tiny"}), {"other": 1}, frozenset({runner_id}))) == 0
+    )
     # the slot freed was another runner's: these went elsewhere and took none of it
-    assert service.retry_parked({"tiny"}, {"tiny": 1}, {"another-runner"}) == 2
+    assert service.retry_parked(Wake(frozenset({"tiny"}), {"tiny": 1}, frozenset({"another"}))) == 2
 
 
 def test_a_parked_record_that_does_not_parse_fails_alone(
@@ -254,10 +257,12 @@ def test_the_lost_send_look_reads_only_what_came_due(
     for job in (waiting, ended):
         assert "device" in service.place(job.model_dump(mode="json"))
     db.hdel(keys.inflight("vgpu:fh:0"), ended.id)  # as its end does, but for the deadline
+    db.zadd(keys.DUE_SENT, {"not a deadline": 1.0})  # malformed: dropped, the look goes on
     recovery, before = service.recovery, redis_now(db)
     assert len(recovery.due.sends(1e12)) == 2
     assert recovery.lost_sends(1e12) == 0
     (due,) = recovery.due.sends(1e12)  # the ended one is forgotten
+    assert db.zscore(keys.DUE_SENT, "not a deadline") is None
     assert due.job_id == waiting.id
     # queued: moved on past the look, so a look up to then reads nothing
     assert (db.zscore(keys.DUE_SENT, due.member) or 0) >= before

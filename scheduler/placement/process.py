@@ -139,7 +139,7 @@ class Liveness:
                 if due:
                     wake, next_sweep = EVERYTHING, time.monotonic() + sweep_s
                 if wake is not None and self.service.r.zcard(keys.PARKED):
-                    self.service.retry_parked(wake.models, wake.slots or None, wake.runners)
+                    self.service.retry_parked(wake)
         finally:
             pubsub.close()
 

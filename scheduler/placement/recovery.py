@@ -162,11 +162,11 @@ class Recovery:
         the runners' counts (:meth:`recount`). Returns how many were sent again."""
         again, unseen = 0, set()
         seen_before, self._unseen = self._unseen, set()  # a failed look counts none
+        now = self.due.now()
         dues = self.due.sends(sent_before)
         if not dues:
-            self.recount()
+            self.recount(now)
             return 0
-        now = self.due.now()
         # three round trips for the whole look: the records, their starts, the queues
         records = self.due.records(dues)
         current = [r for d in dues if (r := records.get(d)) is not None]
@@ -200,17 +200,18 @@ class Recovery:
         self.due.settled(settled)
         self.due.look_again(later)  # after: only what settling kept moves on
         self._unseen = unseen
-        self.recount()
+        self.recount(now)
         return again
 
-    def recount(self) -> None:
+    def recount(self, now: float) -> None:
         """Forget jobs a runner counts that its in-flight records do not account for, when two
         looks in a row find the same ones and they were counted longer ago than a job is
         held: a job counted whose record was never written (a reply lost mid-commit) would
         keep the runner full for good (placement parks a full runner's jobs) and never idle.
-        Only the runners with such a count due (``ggufq:due:counted``) are read."""
+        Only the runners with such a count due (``ggufq:due:counted``) are read; ``now`` is
+        Redis's time."""
         unaccounted: dict[str, set[str]] = {}
-        for runner_id, due in self.due.counts(self.hold_ttl_s).items():
+        for runner_id, due in self.due.counts(now - self.hold_ttl_s).items():
             seen = self._unaccounted.get(runner_id, set())
             pruned = self.state.prune(runner_id, seen, time.time(), self.hold_ttl_s)
             left = pruned.unaccounted - pruned.forgotten

@@ -13,7 +13,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Collection, Mapping
 from functools import partial
 from typing import Any, NoReturn
 
@@ -41,6 +40,7 @@ from scheduler.placement.recovery import Recovery
 from scheduler.placement.shapes import Shapes, runner_fields
 from scheduler.placement.snapcache import SnapshotCache
 from scheduler.placement.verdict import Park, Refuse
+from scheduler.placement.wakes import EVERYTHING, Wake
 from scheduler.protocol import JobRequest, Placement, SentJob, parse_request
 from scheduler.settings import Settings
 from scheduler.store import keys
@@ -154,25 +154,20 @@ class PlacementService:
             execute(pipe)
         return outcome
 
-    def retry_parked(
-        self,
-        models: Collection[str] | None = None,
-        slots: Mapping[str, int] | None = None,
-        onto: Collection[str] = (),
-    ) -> int:
-        """Retry parked jobs in order (only those of ``models`` when given: a freed slot
-        serves its runner's model alone, and, with ``slots``, at most ``slots[model]`` of a
-        model's jobs are sent onto the runners ``onto`` that freed them: one per slot; a job
-        sent elsewhere takes none); returns how many left the queue.
+    def retry_parked(self, wake: Wake = EVERYTHING) -> int:
+        """Retry the parked jobs ``wake`` names, in order: every one, or only those of the
+        models whose runners freed slots, sending at most one per slot onto those runners
+        (a job sent elsewhere takes none); returns how many left the queue.
 
         After one job parks again, later jobs of its model and configuration are not
         tried: they could not run either, and must not overtake it.
         """
         moved, blocked, sent = 0, set(), Counter[str]()
-        for job_id, req in self.parked.entries(self.passes.ahead(), models):
+        for job_id, req in self.parked.entries(self.passes.ahead(), wake.models):
             if req is not None and _config_of(req) in blocked:
                 continue
-            if req is not None and slots is not None and sent[req.model] >= slots.get(req.model, 0):
+            taken = req is not None and sent[req.model] >= wake.slots.get(req.model, 0)
+            if taken and not wake.everything:
                 continue  # the slots freed for its model are taken: it would park again
             try:
                 with self.held.takes():  # one Redis did not answer: asked again once it is back
@@ -188,7 +183,7 @@ class PlacementService:
             )
             if "device" in outcome:
                 self._sent_off(job_id)
-                if outcome.get("runner") in onto:
+                if outcome.get("runner") in wake.runners:
                     sent[claimed.job.model] += 1
             if "parked" in outcome:
                 blocked.add(_config_of(claimed.job))

@@ -54,7 +54,7 @@ class SnapshotCache:
         # the alive devices as last computed, valid until one's beat lapses or a key changes
         self._alive_list: list[DeviceState] = []
         self._alive_ids: set[str] = set()
-        self._alive_key: tuple[float, ...] = ()
+        self._alive_ttl_s: float | None = None
         self._alive_until = -float("inf")
 
     def snapshot(
@@ -87,12 +87,11 @@ class SnapshotCache:
     ) -> tuple[list[DeviceState], set[str]]:
         """The devices whose last beat is within the TTL, recomputed only when a device
         changed (a beat is a change) or the soonest of their beats lapsed."""
-        key = (device_ttl_s,)
-        if changed or key != self._alive_key or now > self._alive_until:
+        if changed or device_ttl_s != self._alive_ttl_s or now > self._alive_until:
             alive = [d for d in self._devices.values() if now - self._beats[d.id] <= device_ttl_s]
             until = min((self._beats[d.id] + device_ttl_s for d in alive), default=float("inf"))
             self._alive_list, self._alive_ids = alive, {d.id for d in alive}
-            self._alive_key, self._alive_until = key, until
+            self._alive_ttl_s, self._alive_until = device_ttl_s, until
         return self._alive_list, self._alive_ids
 
     # -- change log ------------------------------------------------------------------------

@@ -104,10 +104,9 @@ class Deadlines:
         return int(self._settle(keys=[keys.DUE_SENT, keys.RUNNING], args=[d.member for d in sends]))
 
     # -- counts ------------------------------------------------------------------------
-    def counts(self, age_s: float, limit: int = LOOK_LIMIT) -> dict[str, set[str]]:
-        """Runner id → the placements it counted over ``age_s`` ago (Redis's clock) whose
+    def counts(self, before: float, limit: int = LOOK_LIMIT) -> dict[str, set[str]]:
+        """Runner id → the placements it counted before ``before`` (Redis's clock) whose
         in-flight record was not written since."""
-        before = self.now() - age_s
         members = self.r.zrangebyscore(keys.DUE_COUNTED, "-inf", f"({before}", 0, limit)
         due: dict[str, set[str]] = defaultdict(set)
         for member in cast(list[bytes], members):

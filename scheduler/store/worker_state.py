@@ -67,11 +67,11 @@ class WorkerState:
 
     def deregister_devices(self, device_ids: list[str]) -> None:
         """A worker leaving cleanly: its runners and reservations go with it."""
-        for device_id in device_ids:  # expire these devices' heartbeats, then reap as usual
-            pipe = self.r.pipeline()
+        pipe = self.r.pipeline()  # expire these devices' heartbeats, then reap as usual
+        for device_id in device_ids:
             pipe.hset(keys.device(device_id), "heartbeat", GONE_BEAT)
             pipe.zadd(keys.HEARTBEATS, {device_id: GONE_BEAT}, xx=True)
-            pipe.execute()
+        pipe.execute()
         reap(self._reap, -GONE_BEAT / 2)  # only beats that old: the devices just let go of
 
     # -- runners ---------------------------------------------------------------------------
