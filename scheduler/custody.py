@@ -61,14 +61,14 @@ S = JobState
 TRANSITIONS: tuple[Transition, ...] = (
     Transition(S.SUBMITTED, S.PLACING, Actor.PLACEMENT, "place", "it takes the message"),
     Transition(S.SUBMITTED, S.SENT, Actor.CLIENT, "fast_send", "a resident runner has a slot"),
-    Transition(S.PLACING, S.SENT, Actor.PLACEMENT, "sent", "decided: recorded, then sent"),
+    Transition(S.PLACING, S.SENT, Actor.PLACEMENT, "sent", "decided: recorded and sent at once"),
     Transition(S.PLACING, S.PARKED, Actor.PLACEMENT, "put_back", "no room now"),
     Transition(S.PLACING, S.PARKED, Actor.SWEEP, "sweep", "its holder went silent"),
     Transition(S.PLACING, S.ORPHANED, Actor.SWEEP, "sweep", "its holder went silent"),
     Transition(S.PLACING, S.FAILED, Actor.PLACEMENT, "ending", "refused, or lost twice"),
     Transition(S.PLACING, S.CANCELLED, Actor.PLACEMENT, "ending", "asked to cancel"),
     Transition(S.PARKED, S.PLACING, Actor.PLACEMENT, "take", "capacity may have freed"),
-    Transition(S.SENT, S.PLACING, Actor.PLACEMENT, "unsend", "the broker refused the send"),
+    Transition(S.SENT, S.SENT, Actor.PLACEMENT, "resend", "its message was lost: a new placement"),
     Transition(S.SENT, S.RUNNING, Actor.WORKER, "start", "its one delivery starts it"),
     Transition(S.SENT, S.ORPHANED, Actor.SWEEP, "reap", "its device went silent"),
     Transition(S.RUNNING, S.ORPHANED, Actor.SWEEP, "reap", "its device went silent"),
@@ -117,8 +117,10 @@ LAPSES: tuple[Lapse, ...] = (
         "its device's worker",
         "the device's beats stop for GGUFQ_DEVICE_TTL_S (Redis's clock)",
         "orphaned with the device; a message lost on a live device is sent again after "
-        "two looks find it nowhere (a look reads only the sends due, ggufq:due:sent; one "
-        "found queued is looked at again after as long again, at most 30 s)",
+        "two looks find it nowhere, as a new placement of the job (its epoch raised: the "
+        "first message, should it turn up, and a run of it a crash forgot are fenced off); "
+        "a look reads only the sends due (ggufq:due:sent), and one found queued is looked "
+        "at again after as long again, at most 30 s",
     ),
     Lapse(
         S.RUNNING,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -20,10 +21,12 @@ from scheduler.gguf.registry import demo_installed
 from scheduler.local.embedded import EmbeddedRedis, free_port
 from scheduler.local.stack import LocalStack
 from scheduler.placement.service import PlacementService
+from scheduler.protocol import SentJob
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.celery_app import make_app
 from scheduler.store.clock import redis_now
+from scheduler.store.placement_state import PlacementState
 from scheduler.store.worker_state import WorkerState
 from tests.tinymodel import write_tiny_llama, write_unknown_arch
 
@@ -117,6 +120,12 @@ def placement_on_db1(
         yield PlacementService(settings, db, app)
     finally:
         app.close()
+
+
+def send(state: PlacementState, record: SentJob, ttl_s: int = 60) -> bool:
+    """``state.sent`` with a stand-in message that names the job (no worker reads it)."""
+    queue = keys.device_queue(record.placement.device_id, record.job.priority)
+    return state.sent(record, ttl_s, queue, json.dumps({"task_id": record.job.id}))
 
 
 def beat_forever(client: redis.Redis, device_id: str) -> None:

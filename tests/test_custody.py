@@ -17,7 +17,7 @@ from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import fsck, keys
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.worker_state import WorkerState
-from tests.conftest import ggufq, stack_env
+from tests.conftest import ggufq, send, stack_env
 from tests.test_state import GIB, vgpu
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def sent_job(db: redis.Redis, runner_id: str, placement_id: str = "p1") -> JobRe
     placed = Placement(
         id=placement_id, runner_id=runner_id, device_id="vgpu:h:0", config=RunnerConfig(512)
     )
-    assert PlacementState(db).sent(SentJob(job=job, placement=placed, worker="w@h"), 60)
+    assert send(PlacementState(db), SentJob(job=job, placement=placed, worker="w@h"))
     return job
 
 

@@ -11,6 +11,7 @@ The same scripts serve the real stack; only the processes around them are played
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from scheduler.store.hands import Hands, PutBack, Swept, parked_record
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.streams import Appended
 from scheduler.store.worker_state import WorkerState
-from tests.conftest import beat_forever
+from tests.conftest import beat_forever, send
 from tests.test_state import GIB, vgpu
 
 DEVICE = vgpu(0, total_gib=64).id
@@ -116,9 +117,9 @@ class Custody(RuleBasedStateMachine):
         placement = Placement(id=placement_id, runner_id=runner_id, device_id=DEVICE, config=CONFIG)
         self.runners[runner_id] = {placement_id}
         record = SentJob(job=job.request, placement=placement, worker="w@h")
-        assert state.sent(record, 600)
+        assert send(state, record, 600)
         if again:
-            assert state.sent(record, 600)  # the same record written twice is there once
+            assert send(state, record, 600)  # the same record written twice is there once
         if let_go:
             self.hands[job.holder].let_go(job_id)
         else:
@@ -182,6 +183,26 @@ class Custody(RuleBasedStateMachine):
     def start(self, data: st.DataObject, again: bool) -> None:
         self._start(data.draw(st.sampled_from(self.in_state(JobState.SENT))), again)
 
+    @precondition(lambda self: self.in_state(JobState.SENT))
+    @rule(data=st.data(), again=st.booleans())
+    def its_message_is_lost_and_sent_again(self, data: st.DataObject, again: bool) -> None:
+        """Two liveness looks found its message nowhere: it is sent again as a new placement
+        of the job, and the first delivery, should it turn up, cannot start it."""
+        job = self.jobs[data.draw(st.sampled_from(self.in_state(JobState.SENT)))]
+        first = job.placement
+        assert first is not None
+        record = SentJob(job=job.request, placement=first, worker="w@h")
+        placement = first.model_copy(update={"id": uuid.uuid4().hex[:12]})
+        moved = SentJob(job=job.request, placement=placement, worker="w@h")
+        queue, message = keys.device_queue(DEVICE), json.dumps({"task_id": job.request.id})
+        assert self.state[P[0]].resend(record, moved, 600, queue, message)
+        if again:  # its reply was lost: asked again, it finds the job moved already
+            assert not self.state[P[0]].resend(record, moved, 600, queue, message)
+        self.runners[first.runner_id] = self.runners[first.runner_id] - {first.id} | {placement.id}
+        job.placement = placement
+        self.move(job, JobState.SENT)
+        assert self.worker.start(DEVICE, job.request.id, first.id, "first", 600, 1.0) is None
+
     @precondition(lambda self: self.sent_held())
     @rule()
     def holders_let_go_of_what_they_sent_at_their_next_look(self) -> None:
@@ -232,7 +253,7 @@ class Custody(RuleBasedStateMachine):
             runner_id = f"r-{uuid.uuid4().hex[:8]}"
             placement = Placement(id="stale", runner_id=runner_id, device_id=DEVICE, config=CONFIG)
             stale = SentJob(job=job.request, placement=placement, worker="w@h")
-            assert not self.state[silent].sent(stale, 600)
+            assert not send(self.state[silent], stale, 600)
         self.r.zadd(keys.PLACEMENT_ALIVE, {silent: FOREVER})
 
     @precondition(lambda self: self.in_state(JobState.SENT, JobState.RUNNING))

@@ -23,6 +23,7 @@ from scheduler.store.connection import CLIENT_OPTIONS, connect
 from scheduler.store.hands import Hands, TakeUnsure
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.worker_state import WorkerState
+from tests.conftest import send
 from tests.test_state import GIB, vgpu
 
 
@@ -112,18 +113,30 @@ def test_a_runner_reserved_as_its_reply_is_lost_is_reserved_once(db: redis.Redis
     assert db.hget(keys.runner("r1"), "in_flight") == b"1"
 
 
-def test_a_job_taken_back_as_its_reply_is_lost_is_counted_off_once(db: redis.Redis) -> None:
+def test_a_commit_undone_as_its_reply_is_lost_is_counted_off_once(db: redis.Redis) -> None:
     WorkerState(db).register_device(vgpu(0))
     state = PlacementState(db)
     assert state.reserve("r1", "p0", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
     assert state.assign("r1", "p1", now=100.0)  # a second job for it: two in flight
-    record = sent_job("vgpu:h:0", "r1")  # the second job: the runner was not created for it
-    state.sent(record, ttl_s=60)
+    record = sent_job("vgpu:h:0", "r1")  # the second job, not sent: its send step failed
     PlacementState(losing(db)).unsend(record)
     assert db.hget(keys.runner("r1"), "in_flight") == b"1"  # not 0: the first job still runs
     assert db.hkeys(keys.runner_jobs("r1")) == [b"p0"]
-    assert not db.hexists(keys.inflight("vgpu:h:0"), record.job.id)
-    assert not db.exists(keys.job_owner(record.job.id))
+
+
+def test_a_job_whose_send_ran_is_not_undone(db: redis.Redis) -> None:
+    """Its send step ran and its answer was lost: undoing the commit would count a job
+    that runs off its runner (which could then be unloaded under it)."""
+    WorkerState(db).register_device(vgpu(0))
+    state = PlacementState(db)
+    assert state.reserve("r1", "p1", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
+    record = sent_job("vgpu:h:0", "r1", device_ids=["vgpu:h:0"])
+    assert send(state, record) and send(state, record)  # asked again: sent once
+    assert db.llen(keys.device_queue("vgpu:h:0")) == 1
+    state.unsend(record)
+    assert db.hkeys(keys.runner_jobs("r1")) == [b"p1"]
+    assert db.hget(keys.reservations("vgpu:h:0"), "r1") == str(GIB).encode()
+    assert db.hexists(keys.inflight("vgpu:h:0"), record.job.id)
 
 
 def test_a_runner_made_for_a_job_that_could_not_be_sent_stays_for_jobs_routed_to_it(
@@ -136,8 +149,7 @@ def test_a_runner_made_for_a_job_that_could_not_be_sent_stays_for_jobs_routed_to
     assert state.reserve("r1", "p1", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
     assert state.assign("r1", "p2", now=100.0)  # routed to the loading runner meanwhile
     made_for = sent_job("vgpu:h:0", "r1", device_ids=["vgpu:h:0"])  # placement p1 created it
-    state.sent(made_for, ttl_s=60)
-    PlacementState(losing(db)).unsend(made_for)  # the broker refused it; the reply was lost
+    PlacementState(losing(db)).unsend(made_for)  # its send failed; the reply was lost
     assert db.hkeys(keys.runner_jobs("r1")) == [b"p2"]
     assert db.sismember(keys.RUNNERS, "r1")
     assert db.hget(keys.reservations("vgpu:h:0"), "r1") == str(GIB).encode()
@@ -146,7 +158,6 @@ def test_a_runner_made_for_a_job_that_could_not_be_sent_stays_for_jobs_routed_to
     alone = sent_job("vgpu:h:0", "r2", device_ids=["vgpu:h:0"]).model_copy(
         update={"placement": made_for.placement.model_copy(update={"id": "p3", "runner_id": "r2"})}
     )
-    state.sent(alone, ttl_s=60)
     state.unsend(alone)
     assert not db.exists(keys.runner("r2"), keys.runner_jobs("r2"))
     assert not db.hexists(keys.reservations("vgpu:h:0"), "r2")

@@ -4,6 +4,7 @@ A claimed job always ends sent, parked or failed, and leaves no reservation behi
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from collections.abc import Iterator
@@ -11,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import redis
-from kombu.exceptions import OperationalError
 
 from scheduler.cluster import DeviceInfo
 from scheduler.local.embedded import EmbeddedRedis
@@ -23,6 +23,8 @@ from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
 from scheduler.store.clock import redis_now
 from scheduler.store.hands import PutBack, parked_record
+from scheduler.store.streams import Appended, write_chunk
+from scheduler.store.worker_state import WorkerState
 from tests.conftest import placement_on_db1
 
 GIB = 1 << 30
@@ -54,13 +56,13 @@ def orphan(db: redis.Redis, job: JobRequest) -> None:
     db.hset(keys.ORPHANS, job.id, record.model_dump_json())
 
 
-def test_a_broker_error_after_reserving_parks_the_job_and_releases_what_it_held(
+def test_a_send_that_fails_after_reserving_parks_the_job_and_releases_what_it_held(
     service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broker_down(*_args: object, **_kwargs: object) -> None:
-        raise OperationalError("Error 111 connecting to broker: Connection refused")
+        raise redis.ConnectionError("Error 111 connecting to broker: Connection refused")
 
-    monkeypatch.setattr(service_module, "send_job", broker_down)
+    monkeypatch.setattr(service.hands, "_sent", broker_down)
     job = JobRequest(model="tiny", prompt="hello", submitted_at=1.0)
     outcome = service.place(job.model_dump(mode="json"))
     assert "parked" in outcome
@@ -138,7 +140,7 @@ def test_a_job_redis_drops_mid_placement_is_held_then_parked_when_it_is_back(
     def redis_away(*_args: object, **_kwargs: object) -> None:
         raise redis.ConnectionError("Error 111 connecting to 127.0.0.1. Connection refused.")
 
-    monkeypatch.setattr(service_module, "send_job", redis_away)
+    monkeypatch.setattr(service.hands, "_sent", redis_away)
     monkeypatch.setattr(service.hands, "_put_back", redis_away)  # parking it fails too
     job = JobRequest(model="tiny", prompt="hello", submitted_at=1.0)
     assert "held" in service.place(job.model_dump(mode="json"))
@@ -242,6 +244,44 @@ def test_a_message_lost_on_its_way_to_a_live_device_is_sent_again_once(
     db.hset(keys.RUNNING, started.id, 1.0)
     assert recovery.lost_sends(later) == 0
     assert recovery.lost_sends(later) == 0
+
+
+def test_a_job_sent_again_is_a_new_placement_that_fences_the_first(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    """Redis lost the start claim of a run that goes on (a crash's last second), and the
+    job's message is nowhere: sent again, it is a new placement of the job, so that the
+    first delivery cannot start it again and the first run's chunks and end are refused:
+    one run writes its stream."""
+    job = JobRequest(model="tiny", prompt="a", submitted_at=1.0)
+    runner_id = service.place(job.model_dump(mode="json"))["runner"]
+    device, queue = "vgpu:fh:0", keys.device_queue("vgpu:fh:0")
+    first = SentJob.model_validate_json(db.hget(keys.inflight(device), job.id) or b"")
+    db.delete(queue)  # its worker took the message and started it; the crash lost the claim
+    recovery = service.recovery
+    assert recovery.lost_sends(1e12) == 0  # first look: not yet
+    assert recovery.lost_sends(1e12) == 1
+    again = SentJob.model_validate_json(db.hget(keys.inflight(device), job.id) or b"")
+    assert again.placement.id != first.placement.id
+    assert again.placement.model_copy(update={"id": first.placement.id}) == first.placement
+    (message,) = db.lrange(queue, 0, -1)
+    args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(message)["body"]))
+    assert args[1]["id"] == again.placement.id  # the placement the worker gets with it
+    assert db.get(keys.job_owner(job.id)) == again.placement.id.encode()
+    assert db.hkeys(keys.runner_jobs(runner_id)) == [again.placement.id.encode()]
+    assert db.hget(keys.runner(runner_id), "in_flight") == b"1"
+    dues = [m.decode() for m in db.zrange(keys.DUE_SENT, 0, -1)]
+    assert dues == [f"{job.id}|{again.placement.id}|{device}"]
+    # the first run: its start (a redelivery of its message), chunks and end are refused
+    state = WorkerState(db)
+    assert state.start(device, job.id, first.placement.id, "first", 60, time.time()) is None
+    chunk = {"response": "stale"}
+    assert write_chunk(db, job.id, 1, chunk, 60, first.placement.id) is Appended.FENCED
+    assert not db.exists(keys.job_chunks(job.id))
+    # the new one starts and writes
+    assert state.start(device, job.id, again.placement.id, "again", 60, time.time()) is False
+    assert write_chunk(db, job.id, 1, chunk, 60, again.placement.id) is Appended.WRITTEN
+    assert recovery.lost_sends(1e12) == 0  # started: not sent a third time
 
 
 def test_the_lost_send_look_reads_only_what_came_due(
@@ -421,46 +461,30 @@ def test_a_take_asked_again_after_its_job_was_swept_takes_nothing(
     assert survivor.parked.ids() == [job.id] and db.hlen(keys.IN_HAND) == 0
 
 
-def test_a_send_that_fails_after_the_sweep_let_go_of_the_job_still_parks_it(
+def test_a_send_whose_answer_is_lost_is_neither_parked_nor_sent_twice(
     service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The send step ran (record and message at once) and its answer never came, while the
+    process stalled past the TTL and another one's sweep let go of the job, sent: the job
+    stays sent, once; parking it too would run it twice."""
     job = JobRequest(model="tiny", prompt="hi", submitted_at=1.0)
     survivor, ttl = another(service, db), service.settings.device_ttl_s
+    send = service.hands._sent
 
-    def stalls_then_fails(*_args: object, **_kwargs: object) -> None:
-        # its record was written (marked sent); it stalls; the others let go of it only
-        assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0
-        raise OperationalError("Error 111 connecting to broker: Connection refused")
+    def sent_then_stalls(*args: object, **kwargs: object) -> None:
+        send(*args, **kwargs)  # asked again after a lost answer: sends nothing more
+        assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0  # let go only
+        raise redis.ConnectionError("Connection reset by peer")
 
-    monkeypatch.setattr(service_module, "send_job", stalls_then_fails)
-    assert "parked" in service.place(job.model_dump(mode="json"))
-    assert survivor.parked.ids() == [job.id] and db.hlen(keys.IN_HAND) == 0
+    monkeypatch.setattr(service.hands, "_sent", sent_then_stalls)
+    assert "parked" in service.place(job.model_dump(mode="json"))  # it tried to park it
     monkeypatch.undo()
-    assert survivor.retry_parked() == 1 and messages_for(db, job.id) == 1
-
-
-def test_a_send_whose_record_cannot_be_taken_back_is_not_parked_too(
-    service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Its in-flight record stands: the lost-send sweep sends it again; parking it as well
-    would run it twice."""
-    job = JobRequest(model="tiny", prompt="hi", submitted_at=1.0)
-
-    def broker_down(*_args: object, **_kwargs: object) -> None:
-        raise OperationalError("Error 111 connecting to broker: Connection refused")
-
-    def reply_lost(*_args: object, **_kwargs: object) -> None:
-        raise RuntimeError("unsend's reply was lost")
-
-    monkeypatch.setattr(service_module, "send_job", broker_down)
-    monkeypatch.setattr(service.state, "unsend", reply_lost)
-    service.place(job.model_dump(mode="json"))
-    monkeypatch.undo()
-    assert service.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0
-    assert db.hexists(keys.inflight("vgpu:fh:0"), job.id)
-    assert service.recovery.lost_sends(1e12) == 0  # first look: not yet
-    assert service.recovery.lost_sends(1e12) == 1
+    assert survivor.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0
     assert messages_for(db, job.id) == 1
+    record = SentJob.model_validate_json(db.hget(keys.inflight("vgpu:fh:0"), job.id) or b"")
+    assert db.hkeys(keys.runner_jobs(record.placement.runner_id)) == [record.placement.id.encode()]
+    assert survivor.recovery.lost_sends(1e12) == 0  # queued: not lost
+    assert survivor.recovery.lost_sends(1e12) == 0
 
 
 def test_a_job_its_placement_process_died_ending_is_ended_by_another(

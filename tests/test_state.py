@@ -22,7 +22,7 @@ from scheduler.store.placement_state import PlacementState, Pruned
 from scheduler.store.scripts import execute, script
 from scheduler.store.streams import publish_final, queue_chunk, read_chunks
 from scheduler.store.worker_state import WorkerState
-from tests.conftest import fall_silent
+from tests.conftest import fall_silent, send
 from workers.chunks import ChunkPublisher, ChunkWriter, Pending
 
 GIB = 1 << 30
@@ -98,7 +98,7 @@ def test_stale_device_refuses_reservations_and_is_reaped(db: redis.Redis) -> Non
     assert not state.reserve("late", "p2", {"vgpu:h:0": GIB}, {"model": "m"}, 120.0, 10)
     job = JobRequest(model="m", prompt="p")
     placed = Placement(id="p1", runner_id="r0", device_id="vgpu:h:0", config=RunnerConfig(512))
-    state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
+    send(state, SentJob(job=job, placement=placed, worker="w@h"))
     assert state.start("vgpu:h:0", job.id, "p1", "delivery", ttl_s=60, now=110.0) is False
     db.lpush(keys.device_queue("vgpu:h:0"), b"its message")
     assert state.reap(device_ttl_s=10) == ["vgpu:h:0"]
@@ -119,7 +119,7 @@ def test_a_job_starts_once_and_only_on_its_placement(db: redis.Redis) -> None:
     state.register_device(vgpu(0))
     job = JobRequest(model="m", prompt="p")
     placed = Placement(id="p1", runner_id="r0", device_id="vgpu:h:0", config=RunnerConfig(512))
-    state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
+    send(state, SentJob(job=job, placement=placed, worker="w@h"))
     assert state.start("vgpu:h:0", job.id, "p0", "d1", ttl_s=60, now=101.0) is None  # re-placed
     assert not db.hexists(keys.RUNNING, job.id)
     assert state.start("vgpu:h:0", job.id, "p1", "d1", ttl_s=60, now=101.0) is False
@@ -171,7 +171,7 @@ def test_a_job_handed_back_is_orphaned_in_the_step_that_ends_its_run(db: redis.R
     job = JobRequest(model="m", prompt="a")
     placed = Placement(id="p1", runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512))
     record = SentJob(job=job, placement=placed, worker="w@h")
-    assert state.sent(record, ttl_s=60)
+    assert send(state, record)
     events = db.pubsub()
     events.subscribe(keys.EVENTS)
     assert events.get_message(timeout=1) is not None  # the subscription's confirmation
@@ -475,7 +475,7 @@ def test_a_prune_forgets_only_jobs_unaccounted_for_in_two_looks(db: redis.Redis)
     assert state.prune("r", set(), 100.6, 0).unaccounted == {"pa", "pb"}  # a first look
     job = JobRequest(model="m", prompt="a")
     placed = Placement(id="pa", runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512))
-    state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
+    send(state, SentJob(job=job, placement=placed, worker="w@h"))
     # the second look: a's record came, b's never will (its reply was lost)
     # counted too recently: its holder may still be on its way to the record
     assert state.prune("r", {"pa", "pb"}, 101.0, 3600) == Pruned({"pb"}, set())
@@ -508,7 +508,7 @@ def test_each_step_that_moves_a_job_keeps_its_deadlines_with_it(db: redis.Redis)
         placed = Placement(
             id=placement_id, runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512)
         )
-        state.sent(SentJob(job=job, placement=placed, worker="w@h"), ttl_s=60)
+        send(state, SentJob(job=job, placement=placed, worker="w@h"))
     assert due.counts(1e12) == {}  # the records account for both
     sends = {DueSend(a.id, "pa", "vgpu:h:0"), DueSend(b.id, "pb", "vgpu:h:0")}
     assert set(due.sends(1e12)) == sends

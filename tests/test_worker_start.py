@@ -21,7 +21,7 @@ from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
 from scheduler.store.placement_state import PlacementState
-from tests.conftest import beat_forever
+from tests.conftest import beat_forever, send
 from tests.test_state import GIB, vgpu
 from workers.chunks import ChunkPublisher
 from workers.runtime import WorkerRuntime
@@ -53,7 +53,7 @@ def deliver(
     """Deliver a job placed on runner r as ``placement_id`` (recorded as sent as p1)."""
     placement = Placement(id="p1", runner_id="r", device_id=DEVICE.id, config=CONFIG)
     if not db.hexists(keys.inflight(DEVICE.id), job.id):
-        PlacementState(db).sent(SentJob(job=job, placement=placement, worker="w"), 60)
+        send(PlacementState(db), SentJob(job=job, placement=placement, worker="w"))
     sent = placement.model_copy(update={"id": placement_id}).model_dump(mode="json")
     return rt.run_job(job.model_dump(mode="json"), sent)
 
@@ -158,3 +158,4 @@ def test_a_run_fenced_off_mid_stream_stores_no_outcome(
     chunks = stream(db, taken.id)
     assert len(chunks) == 1 and not chunks[0].get("done")  # only what came before
     assert deliver(db, runtime, job("after"))["eval_count"] == 4  # the runner serves on
+

@@ -80,7 +80,7 @@ class ParkedJobs:
         if done is PutBack.SWEPT:
             log.warning("job %s was put back by another placement process: left to it", req.id)
         elif done is PutBack.SENT:
-            log.warning("job %s stays sent: its record could not be taken back", req.id)
+            log.warning("job %s stays sent: its send step ran, what failed came after", req.id)
 
     def claim(self, job_id: str) -> Claimed | None:
         """Take a parked job out for a retry, in hand; None when another placer took it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 
 import redis
@@ -17,7 +18,7 @@ from scheduler.placement.parking import HeldJobs
 from scheduler.protocol import JobRequest, SentJob
 from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
-from scheduler.store.celery_app import send_job
+from scheduler.store.celery_app import task_message
 from scheduler.store.due import Deadlines, DueSend
 from scheduler.store.hands import Swept
 from scheduler.store.placement_state import PlacementState
@@ -55,12 +56,14 @@ class Recovery:
         fail: Fail,
         replace: Callable[[JobRequest], object],
         hold_ttl_s: float,
+        owner_ttl_s: int,
     ) -> None:
         self.r, self.app, self.state, self.held = client, app, state, held
         # a placement process may hold a job that long (GGUFQ_DEVICE_TTL_S) before its
         # hold is swept: a runner's job counted longer ago with no record is never coming
         self.hold_ttl_s = hold_ttl_s
         self.fail, self.replace = fail, replace
+        self.owner_ttl_s = owner_ttl_s  # a job's owner key lives as long as its stream
         self.due = Deadlines(client)
         # sends due that the last look found nowhere: sent again if the next look does not
         # find them either (a process that starts again looks twice)
@@ -188,20 +191,36 @@ class Recovery:
             if due not in seen_before:
                 unseen.add(due)  # due again at the next look
                 continue
-            log.warning(
-                "job %s's message to %s was lost (a broken broker connection); sending it again",
-                record.job.id,
-                due.device_id,
-            )
-            req, placement = record.job, record.placement
-            queue = keys.device_queue(due.device_id, req.priority)
-            send_job(self.app, keys.TASK_RUN, req, req.id, queue, placement.model_dump(mode="json"))
-            later[due], again = now, again + 1
+            if self._send_again(record, now):
+                again += 1
         self.due.settled(settled)
         self.due.look_again(later)  # after: only what settling kept moves on
         self._unseen = unseen
         self.recount(now)
         return again
+
+    def _send_again(self, record: SentJob, now: float) -> bool:
+        """Send a job whose message was lost again, as a new placement of it (its epoch
+        raised, lua/resend.lua): its first message, should it turn up, and a run of it a
+        Redis crash forgot are fenced off, so it runs once into its stream. False when it
+        started, ended or was placed again since the look read it."""
+        req = record.job
+        placement = record.placement.model_copy(update={"id": uuid.uuid4().hex[:12]})
+        moved = record.model_copy(update={"placement": placement, "sent_at": now})
+        queue = keys.device_queue(placement.device_id, req.priority)
+        sent = placement.model_dump(mode="json")
+        message = task_message(self.app, keys.TASK_RUN, req, req.id, queue, sent)
+        if not self.state.resend(record, moved, self.owner_ttl_s, queue, message):
+            return False
+        log.warning(
+            "job %s's message to %s was lost (a broken broker connection); sending it again "
+            "as placement %s (was %s)",
+            req.id,
+            placement.device_id,
+            placement.id,
+            record.placement.id,
+        )
+        return True
 
     def recount(self, now: float) -> None:
         """Forget jobs a runner counts that its in-flight records do not account for, when two

@@ -45,7 +45,7 @@ from scheduler.protocol import JobRequest, Placement, SentJob, parse_request
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
-from scheduler.store.celery_app import send_job
+from scheduler.store.celery_app import task_message
 from scheduler.store.clock import RedisClock
 from scheduler.store.hands import Hands, parked_record
 from scheduler.store.hops import note as note_hops
@@ -108,6 +108,7 @@ class PlacementService:
             self.fail_or_hold,
             self._replace,
             settings.device_ttl_s,
+            settings.stream_ttl_s,
         )
         # until then (monotonic), "no device is alive" parks a job instead of failing it:
         # Redis, or this process, was away, and the workers have yet to beat again
@@ -311,20 +312,24 @@ class PlacementService:
         self._park(req, order)
 
     def _send(self, req: JobRequest, placement: Placement, snap: Snapshot) -> dict[str, Any]:
-        """Record the job as sent to its device, then send it to the device's queue."""
+        """Send the job to its device: its record and its message in one step. When that
+        step fails, or the job was swept from this process, the commit before it is undone
+        (not when the step ran after all: the job is sent, and stays so)."""
         worker = next(d.worker for d in snap.devices if d.id == placement.device_id)
         record = SentJob(job=req, placement=placement, worker=worker, sent_at=self.clock.now())
-        if not self.state.sent(record, self.settings.stream_ttl_s):
-            log.warning("job %s was put back by another placement process: left to it", req.id)
-            self.state.unsend(record, written=False)  # a runner made for it goes
-            raise SweptAway(req.id)
         queue = keys.device_queue(placement.device_id, req.priority)
+        sent = placement.model_dump(mode="json")
+        message = task_message(self.app, keys.TASK_RUN, req, req.id, queue, sent)
         try:
-            send_job(self.app, keys.TASK_RUN, req, req.id, queue, placement.model_dump(mode="json"))
+            if self.state.sent(record, self.settings.stream_ttl_s, queue, message):
+                return {"device": placement.device_id, "runner": placement.runner_id}
         except Exception:
-            self.state.unsend(record)  # the job parks, its runner forgets it
+            with contextlib.suppress(Exception):  # left to the recount when Redis is away
+                self.state.unsend(record)  # the job parks (or, sent, is let go of)
             raise
-        return {"device": placement.device_id, "runner": placement.runner_id}
+        log.warning("job %s was put back by another placement process: left to it", req.id)
+        self.state.unsend(record)  # a runner made for it goes
+        raise SweptAway(req.id)
 
     def _park(self, req: JobRequest, score: float) -> NoReturn:
         self.parked.park(req, score)

@@ -203,19 +203,21 @@ class Hands:
         return cast(bytes, raw)
 
     # -- letting go -------------------------------------------------------------------------
-    def sent(self, record: SentJob, ttl_s: int) -> bool:
-        """Record a job as sent to its device (lua/sent.lua), still in hand, marked sent: let
-        go of it once its message is sent (:meth:`let_go`); False when another placement
-        process swept it back from this one (it had stalled): it is not to be sent."""
+    def sent(self, record: SentJob, ttl_s: int, queue: str, message: str) -> bool:
+        """Send a job to its device: its record and its Celery ``message`` on ``queue`` in
+        one step (lua/sent.lua), still in hand, marked sent: let go of it next
+        (:meth:`let_go`); False when another placement process swept it back from this one
+        (it had stalled): it is not to be sent."""
         job_id, placement = record.job.id, record.placement
         token, raw = self.token(job_id), record.model_dump_json()
-        done = again_if_lost(  # the same record written twice is written once
+        done = again_if_lost(  # asked again, it finds the job sent and sends nothing more
             lambda: self._sent(
                 keys=[
                     keys.inflight(placement.device_id),
                     keys.job_owner(job_id),
                     keys.IN_HAND,
                     keys.swept(token),
+                    queue,
                 ],
                 args=[
                     job_id,
@@ -226,6 +228,7 @@ class Hands:
                     token,
                     placement.runner_id,
                     placement.device_id,
+                    message,
                 ],
             )
         )

@@ -43,6 +43,7 @@ class PlacementState:
         self._reap = script(client, "reap")
         self._demand = script(client, "demand")
         self._unsend = script(client, "unsend")
+        self._resend = script(client, "resend")
         self._prune = script(client, "prune")
         self._beat = script(client, "placement_beat")
 
@@ -142,38 +143,60 @@ class PlacementState:
         return reap(self._reap, device_ttl_s)
 
     # -- jobs sent to devices ----------------------------------------------------------------
-    def sent(self, record: SentJob, ttl_s: int) -> bool:
-        """Record a job sent to its device's queue, before sending it (still in hand, marked
-        sent: :meth:`Hands.sent`): if the device is dropped, placement finds the job among
-        the orphans. The job's owner key names this placement, so that a worker that
-        stalled and came back knows it was re-placed. False when the job was swept from
-        this process (it had stalled)."""
-        return self.hands.sent(record, ttl_s)
+    def sent(self, record: SentJob, ttl_s: int, queue: str, message: str) -> bool:
+        """Send a job to its device: its record and its Celery ``message`` on ``queue`` in
+        one step (:meth:`Hands.sent`), still in hand, marked sent. If the device is dropped,
+        placement finds the job among the orphans. The job's owner key names this
+        placement, so that a worker that stalled and came back knows it was re-placed.
+        False when the job was swept from this process (it had stalled)."""
+        return self.hands.sent(record, ttl_s, queue, message)
 
-    def unsend(self, record: SentJob, written: bool = True) -> None:
-        """Undo :meth:`sent` and the commit before it, for a job that could not be sent;
-        ``written`` False: the commit only (the job was swept from this process before its
-        record was written, and a record of it there is another placement's)."""
+    def unsend(self, record: SentJob) -> None:
+        """Undo the commit before :meth:`sent` for a job that was not sent (swept from this
+        process, or its send step failed): its runner forgets it, and a runner created for
+        it goes. Nothing when the job was sent after all (the step ran and its reply was
+        lost: its record is this placement's)."""
         placement, created = record.placement, bool(record.placement.device_ids)
         held = [keys.reservations(d) for d in placement.device_ids] if created else []
         again_if_lost(  # the runner's job set forgets the placement once
             lambda: self._unsend(
                 keys=[
                     keys.inflight(placement.device_id),
-                    keys.job_owner(record.job.id),
                     keys.RUNNERS,
                     keys.runner(placement.runner_id),
-                    keys.IN_HAND,
                     *held,
                 ],
+                args=[record.job.id, placement.runner_id, int(created), placement.id],
+            )
+        )
+
+    def resend(self, record: SentJob, moved: SentJob, ttl_s: int, queue: str, message: str) -> bool:
+        """Put ``moved`` (the same job under a new placement id: its epoch raised) in place
+        of ``record``, a send whose message was lost, and its ``message`` on ``queue``, in
+        one step (lua/resend.lua): the job's owner, its send deadline and its runner's count
+        move to the new id, so that the first message, if it turns up, or a run of it a
+        Redis crash forgot, is fenced off. False when the job no longer waits under
+        ``record``'s id."""
+        job_id, old = record.job.id, record.placement
+        return bool(
+            self._resend(
+                keys=[
+                    keys.inflight(old.device_id),
+                    keys.job_owner(job_id),
+                    keys.RUNNING,
+                    keys.job_start(job_id, old.id),
+                    keys.job_chunks(job_id),
+                    keys.runner(old.runner_id),
+                    queue,
+                ],
                 args=[
-                    record.job.id,
-                    placement.runner_id,
-                    int(created),
-                    int(written),
-                    self.hands.field(record.job.id),
-                    self.hands.token(record.job.id),
-                    placement.id,
+                    job_id,
+                    old.id,
+                    moved.model_dump_json(),
+                    moved.placement.id,
+                    ttl_s,
+                    old.device_id,
+                    message,
                 ],
             )
         )

@@ -1,8 +1,9 @@
 -- Its holder puts a job in hand back in its queue (parks it again, or returns an orphan it
 -- could not handle) and lets go of it. Not when another placement process put it back
--- already (the holder had stalled): the job is someone else's now. Not when its in-flight
--- record stands (marked sent: its send failed and the record could not be taken back):
--- its device's records account for it, and parking it too would run it twice.
+-- already (the holder had stalled): the job is someone else's now. Not when it was sent
+-- (marked sent, or let go of by a sweep because it was: its send step ran, and what
+-- failed came after): its device's records account for it, and parking it too would run
+-- it twice.
 -- Moves a job (scheduler/custody.py): placing -> parked
 -- KEYS[1] the queue: ggufq:parked or ggufq:orphans
 -- KEYS[2] ggufq:parked:<id> (string), unused for an orphan
@@ -16,7 +17,8 @@ if ARGV[5] ~= '' and put_back_from_us(KEYS[4]) then
   return 0
 end
 local entry = held_entry(KEYS[3], ARGV[4], ARGV[5])
-if entry and entry['sent'] then
+-- sent: marked so, or let go of already by another process's sweep because it was
+if (entry and entry['sent']) or (ARGV[5] ~= '' and redis.call('GET', KEYS[4]) == '2') then
   let_go(KEYS[3], ARGV[4], ARGV[5])
   return 2
 end
