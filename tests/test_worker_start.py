@@ -159,3 +159,40 @@ def test_a_run_fenced_off_mid_stream_stores_no_outcome(
     assert len(chunks) == 1 and not chunks[0].get("done")  # only what came before
     assert deliver(db, runtime, job("after"))["eval_count"] == 4  # the runner serves on
 
+
+def test_a_run_whose_chunks_are_refused_stops_at_its_next_step(
+    db: redis.Redis, runtime: WorkerRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its job was sent again as a new placement (its message seemed lost: a Redis crash
+    had lost this run's start claim): the owner fence refuses this run's chunks, and the run
+    stops at its next step instead of decoding on for nobody."""
+    deliver(db, runtime, job("load it"))
+    taken = JobRequest(
+        model="tiny", prompt="sent again", options={**OPTIONS, "num_predict": 200}, submitted_at=1.0
+    )
+    publish = ChunkPublisher.publish
+    after: list[dict[str, Any]] = []
+    disowned = threading.Event()
+
+    def then_sent_again(self: ChunkPublisher, chunk: dict[str, Any]) -> None:
+        publish(self, chunk)
+        if self.job_id != taken.id:
+            return
+        if not db.get(keys.job_owner(taken.id)) == b"p2":
+            db.set(keys.job_owner(taken.id), "p2")  # as lua/resend.lua does
+            return
+        after.append(chunk)
+        for _ in range(1000 if len(after) == 1 else 0):  # until the writer hears its chunk
+            if taken.id in runtime._disowned:
+                disowned.set()
+                break
+            threading.Event().wait(0.01)  # refused (10 s at most)
+
+    monkeypatch.setattr(ChunkPublisher, "publish", then_sent_again)
+    with pytest.raises(NotOwned):
+        deliver(db, runtime, taken)
+    assert disowned.is_set()
+    assert len(after) <= 2  # the step that heard it, and at most the one under way
+    assert not any(c.get("done") for c in stream(db, taken.id))
+    monkeypatch.undo()
+    assert deliver(db, runtime, job("after"))["eval_count"] == 4  # the runner serves on

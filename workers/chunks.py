@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -14,7 +15,7 @@ import redis
 from scheduler.local.procs import lower_thread_priority
 from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.scripts import execute
-from scheduler.store.streams import queue_chunk, write_chunk
+from scheduler.store.streams import Appended, queue_chunk, write_chunk
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,17 @@ class ChunkWriter:
     NOW_PAUSE_S = 5.0  # after one that failed, first chunks go through the thread this long
 
     def __init__(
-        self, client: redis.Redis, nice: int = 0, interval_s: float = 0.0, outage_s: float = 120.0
+        self,
+        client: redis.Redis,
+        nice: int = 0,
+        interval_s: float = 0.0,
+        outage_s: float = 120.0,
+        on_fenced: Callable[[str], None] = lambda _job_id: None,
     ) -> None:
         self.r = client
+        # told the id of a job whose chunk was refused: another placement of it owns the
+        # stream now (placed again, or sent again as a new placement), so its run here stops
+        self.on_fenced = on_fenced
         self._now = _quick_client(client, self.NOW_TIMEOUT_S)
         self._now_paused_until = 0.0
         self._last_write = -float("inf")  # monotonic time of the last write
@@ -87,13 +96,15 @@ class ChunkWriter:
             return False
         try:
             args = (pending.job_id, pending.seq, pending.chunk, pending.ttl_s, pending.fence)
-            write_chunk(self._now, *args)
+            appended = write_chunk(self._now, *args)
         except redis.RedisError as exc:
             log.warning("writing a first chunk at once failed (%s); the writer takes it", exc)
             self._now_paused_until = time.monotonic() + self.NOW_PAUSE_S
             return False
         pending.taken, pending.written_at = True, time.time()
         self._last_write = time.monotonic()  # the next chunks wait out the interval from here
+        if appended is Appended.FENCED:
+            self.on_fenced(pending.job_id)
         return True
 
     def extend(self, pending: Pending | None, chunk: dict[str, Any]) -> bool:
@@ -192,7 +203,11 @@ class ChunkWriter:
         except redis.RedisError as exc:
             return str(exc), False
         failed = [r for r in results if isinstance(r, Exception)]
-        return (str(failed[0]), False) if failed else (None, False)
+        if failed:
+            return str(failed[0]), False
+        for job_id in {c.job_id for c, r in zip(chunks, results, strict=True) if r == 0}:
+            self.on_fenced(job_id)  # Appended.FENCED: its run here is not the job's now
+        return None, False
 
     def _pipeline(self, chunks: list[Pending]) -> list[Any]:
         pipe = self.r.pipeline(transaction=False)

@@ -67,7 +67,9 @@ class WorkerRuntime(Residency):
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self.health = LoopHealth()
-        self.chunks = ChunkWriter(client, settings.helper_nice, settings.stream_interval_s)
+        self.chunks = ChunkWriter(
+            client, settings.helper_nice, settings.stream_interval_s, on_fenced=self._fenced
+        )
         self.cancels = CancelWatcher(client, self.health)
         self.membership = Membership(
             self.state, devices, self.health, settings.heartbeat_interval_s, self._let_go
@@ -115,6 +117,19 @@ class WorkerRuntime(Residency):
         for runner_id, runner in list(self.runners.items()):
             if gone & set(runner.device_ids) and not self._busy(runner_id):
                 self._drop_local(runner_id)
+
+    def _fenced(self, job_id: str) -> None:
+        """A chunk of a running job was refused: another placement of it owns its stream
+        (re-placed, or sent again when its message seemed lost), so its run here stops
+        without writing, as one placement took back."""
+        with self._jobs_lock:
+            if job_id not in self._running or job_id in self._disowned:
+                return
+            self._disowned.add(job_id)
+        log.warning(
+            "job %s belongs to another placement now (its chunk was refused); stopping it here",
+            job_id,
+        )
 
     # -- jobs -----------------------------------------------------------------------------
     def run_job(
