@@ -183,7 +183,7 @@ def test_a_run_whose_chunks_are_refused_stops_at_its_next_step(
             return
         after.append(chunk)
         for _ in range(1000 if len(after) == 1 else 0):  # until the writer hears its chunk
-            if taken.id in runtime._disowned:
+            if any(job == taken.id for job, _placement in runtime._disowned):
                 disowned.set()
                 break
             threading.Event().wait(0.01)  # refused (10 s at most)
@@ -196,3 +196,42 @@ def test_a_run_whose_chunks_are_refused_stops_at_its_next_step(
     assert not any(c.get("done") for c in stream(db, taken.id))
     monkeypatch.undo()
     assert deliver(db, runtime, job("after"))["eval_count"] == 4  # the runner serves on
+
+
+def test_a_job_sent_again_to_this_worker_runs_beside_its_fenced_first_run(
+    db: redis.Redis, runtime: WorkerRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its first run's start claim was lost (a Redis crash) and its message seemed lost, so
+    placement sent it again as a new placement, to this same worker: the first run stops
+    without writing, and the second, beside it, runs to its end with the whole stream; the
+    first's end takes neither the second's cancel watch nor its place among the runs."""
+    deliver(db, runtime, job("load it"))
+    twice = job("twice")
+    publish = ChunkPublisher.publish
+    second: dict[str, Any] = {}
+
+    def sent_again_first(self: ChunkPublisher, chunk: dict[str, Any]) -> None:
+        if self.job_id == twice.id and self.fence == "p1" and not second:
+            raw = db.hget(keys.inflight(DEVICE.id), twice.id) or b""
+            first = SentJob.model_validate_json(raw)
+            placement = first.placement.model_copy(update={"id": "p2"})
+            moved = first.model_copy(update={"placement": placement})
+            db.hset(keys.inflight(DEVICE.id), twice.id, moved.model_dump_json())
+            db.set(keys.job_owner(twice.id), "p2")  # as lua/resend.lua does
+
+            def run_again() -> None:
+                second["final"] = deliver(db, runtime, twice, "p2")
+
+            second["thread"] = threading.Thread(target=run_again)
+            second["thread"].start()
+        publish(self, chunk)
+
+    monkeypatch.setattr(ChunkPublisher, "publish", sent_again_first)
+    with pytest.raises(NotOwned):
+        deliver(db, runtime, twice)
+    second["thread"].join(timeout=60)
+    assert second["final"]["eval_count"] == 4
+    chunks = stream(db, twice.id)
+    assert [c["seq"] for c in chunks] == list(range(1, len(chunks) + 1))
+    assert chunks[-1]["done"] and "error" not in chunks[-1]
+    assert not runtime._running and not runtime._disowned

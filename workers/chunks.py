@@ -56,11 +56,11 @@ class ChunkWriter:
         nice: int = 0,
         interval_s: float = 0.0,
         outage_s: float = 120.0,
-        on_fenced: Callable[[str], None] = lambda _job_id: None,
+        on_fenced: Callable[[str, str], None] = lambda _job_id, _placement_id: None,
     ) -> None:
         self.r = client
-        # told the id of a job whose chunk was refused: another placement of it owns the
-        # stream now (placed again, or sent again as a new placement), so its run here stops
+        # told (job id, placement id) of a run whose chunk was refused: another placement of
+        # the job owns its stream now (placed again, or sent again), so that run stops
         self.on_fenced = on_fenced
         self._now = _quick_client(client, self.NOW_TIMEOUT_S)
         self._now_paused_until = 0.0
@@ -104,7 +104,7 @@ class ChunkWriter:
         pending.taken, pending.written_at = True, time.time()
         self._last_write = time.monotonic()  # the next chunks wait out the interval from here
         if appended is Appended.FENCED:
-            self.on_fenced(pending.job_id)
+            self.on_fenced(pending.job_id, pending.fence)
         return True
 
     def extend(self, pending: Pending | None, chunk: dict[str, Any]) -> bool:
@@ -205,8 +205,8 @@ class ChunkWriter:
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:
             return str(failed[0]), False
-        for job_id in {c.job_id for c, r in zip(chunks, results, strict=True) if r == 0}:
-            self.on_fenced(job_id)  # Appended.FENCED: its run here is not the job's now
+        for run in {(c.job_id, c.fence) for c, r in zip(chunks, results, strict=True) if r == 0}:
+            self.on_fenced(*run)  # Appended.FENCED: that run is not the job's now
         return None, False
 
     def _pipeline(self, chunks: list[Pending]) -> list[Any]:

@@ -43,7 +43,9 @@ class Residency:
         self.registry = registry
         self.clock = clock
         self.runners: dict[str, AnyRunner] = {}
-        self._running: dict[str, Placement] = {}  # job id → its placement, while it runs here
+        # (job id, placement id) → its placement, while it runs here: a job sent again as a
+        # new placement may run here twice at once, its first run fenced off and stopping
+        self._running: dict[tuple[str, str], Placement] = {}
         self._jobs_lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._expiry = ExpirySchedule()

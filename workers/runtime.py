@@ -63,7 +63,9 @@ class WorkerRuntime(Residency):
         clock: Clock = time.time,
     ) -> None:
         super().__init__(settings, client, devices, registry, clock)
-        self._disowned: set[str] = set()  # running jobs placement took back: stop, write nothing
+        # runs (job id, placement id) placement took back, or whose chunks were fenced off:
+        # they stop and write nothing
+        self._disowned: set[tuple[str, str]] = set()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self.health = LoopHealth()
@@ -108,24 +110,25 @@ class WorkerRuntime(Residency):
         it took back stop without writing, idle runners there unload (busy ones as their
         last job ends)."""
         with self._jobs_lock:
-            running = {j: p for j, p in self._running.items() if gone & set(p.devices)}
-        for job_id, placement in running.items():
+            running = [run for run, p in self._running.items() if gone & set(p.devices)]
+        for job_id, placement_id in running:
             owner = self.state.job_owner(job_id)
-            if owner is not None and owner != placement.id:
+            if owner is not None and owner != placement_id:
                 log.warning("job %s was taken back by placement; stopping it here", job_id)
-                self._disowned.add(job_id)
+                self._disowned.add((job_id, placement_id))
         for runner_id, runner in list(self.runners.items()):
             if gone & set(runner.device_ids) and not self._busy(runner_id):
                 self._drop_local(runner_id)
 
-    def _fenced(self, job_id: str) -> None:
-        """A chunk of a running job was refused: another placement of it owns its stream
-        (re-placed, or sent again when its message seemed lost), so its run here stops
-        without writing, as one placement took back."""
+    def _fenced(self, job_id: str, placement_id: str) -> None:
+        """A chunk of a run was refused: another placement of its job owns the stream
+        (re-placed, or sent again when its message seemed lost), so that run stops without
+        writing, as one placement took back; another run of the job here goes on."""
+        run = (job_id, placement_id)
         with self._jobs_lock:
-            if job_id not in self._running or job_id in self._disowned:
+            if run not in self._running or run in self._disowned:
                 return
-            self._disowned.add(job_id)
+            self._disowned.add(run)
         log.warning(
             "job %s belongs to another placement now (its chunk was refused); stopping it here",
             job_id,
@@ -153,7 +156,7 @@ class WorkerRuntime(Residency):
         start = StartClaim(self, req, placement, publisher)
 
         def cancelled() -> bool:
-            return watched() or req.id in self._disowned
+            return watched() or (req.id, placement.id) in self._disowned
 
         def begin(runner: AnyRunner) -> None:
             start.make()
@@ -211,7 +214,7 @@ class WorkerRuntime(Residency):
             raise
         except Exception as exc:
             if not start.ours(resident) or (
-                isinstance(exc, GgufqError) and req.id in self._disowned
+                isinstance(exc, GgufqError) and (req.id, placement.id) in self._disowned
             ):
                 raise NotOwned(req.id) from None  # its new run, or placement, writes the end
             error = self._failed(req, placement, exc)
@@ -270,9 +273,10 @@ class WorkerRuntime(Residency):
         False when the chunk was fenced off (the job was taken from this run): its outcome
         is not this run's to store."""
         with self._jobs_lock:  # together: a second delivery checks _running to unwatch
-            self.cancels.forget(req.id)
-            self._running.pop(req.id, None)
-        self._disowned.discard(req.id)
+            self._running.pop((req.id, placement.id), None)
+            if not self._runs_of(req.id):
+                self.cancels.forget(req.id)
+            self._disowned.discard((req.id, placement.id))
         ttl_s = self.settings.stream_ttl_s
         seq = publisher.last_seq() if last is not None else 0
         hops = dict(publisher.hops(), worker_received=received_at)
@@ -316,8 +320,12 @@ class WorkerRuntime(Residency):
     def _unwatch(self, job_id: str) -> None:
         """Stop watching a job that does not run here, unless another delivery of it does."""
         with self._jobs_lock:
-            if job_id not in self._running:
+            if not self._runs_of(job_id):
                 self.cancels.forget(job_id)
+
+    def _runs_of(self, job_id: str) -> bool:
+        """Whether a run of ``job_id`` is under way here (hold ``_jobs_lock``)."""
+        return any(job == job_id for job, _placement in self._running)
 
     def _counted_off(
         self, runner_id: str, left: int, now: float, keep_alive_s: float | None

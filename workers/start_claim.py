@@ -30,7 +30,7 @@ class Runs(Protocol):
     clock: Callable[[], float]
     cancels: CancelWatcher
     _jobs_lock: threading.Lock
-    _running: dict[str, Placement]
+    _running: dict[tuple[str, str], Placement]
 
     def _schedule_expiry(self, runner_id: str, at: float | None) -> None: ...
 
@@ -92,7 +92,7 @@ class StartClaim:
             self.publisher.discard()
             raise NotOwned(req.id)
         with rt._jobs_lock:
-            rt._running[req.id] = placement
+            rt._running[(req.id, placement.id)] = placement
         self.owned = True
         rt.cancels.watch(req.id, cancelled_now)
 
