@@ -282,6 +282,11 @@ def test_a_job_sent_again_is_a_new_placement_that_fences_the_first(
     assert state.start(device, job.id, again.placement.id, "again", 60, time.time()) is False
     assert write_chunk(db, job.id, 1, chunk, 60, again.placement.id) is Appended.WRITTEN
     assert recovery.lost_sends(1e12) == 0  # started: not sent a third time
+    # the first run's end, as it stops: refused, and the new run stays running and counted
+    last = (2, {"response": "", "done": True})
+    appended, left = state.end(first.placement, job.id, last, time.time(), None, 60)
+    assert (appended, left) == (Appended.FENCED, 1)
+    assert db.hexists(keys.RUNNING, job.id) and db.hexists(keys.inflight(device), job.id)
 
 
 def test_the_lost_send_look_reads_only_what_came_due(
@@ -461,12 +466,41 @@ def test_a_take_asked_again_after_its_job_was_swept_takes_nothing(
     assert survivor.parked.ids() == [job.id] and db.hlen(keys.IN_HAND) == 0
 
 
-def test_a_send_whose_answer_is_lost_is_neither_parked_nor_sent_twice(
+def test_a_send_whose_answer_is_lost_on_its_last_try_is_not_failed(
     service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parked job retried after two failed placements: its send step runs and its answer
+    is lost. Failing it as a third error would give it an error and a run: it is sent, and
+    a holder told to end it anyway (it is sent) leaves it be."""
+    job = JobRequest(model="tiny", prompt="hi", submitted_at=1.0)
+    service.parked.park(job, 1.0, errors=MAX_PLACEMENT_ERRORS - 1)
+    send = service.hands._sent
+
+    def sent_then_lost(*args: object, **kwargs: object) -> None:
+        send(*args, **kwargs)
+        raise redis.ConnectionError("Connection reset by peer")
+
+    monkeypatch.setattr(service.hands, "_sent", sent_then_lost)
+    with service.held.takes():
+        claimed = service.parked.claim(job.id)
+    assert claimed is not None and claimed.errors == MAX_PLACEMENT_ERRORS - 1
+    token = service.hands.token(job.id)
+    outcome = service._attempt(claimed.job, time.perf_counter_ns(), 1.0, claimed.errors)
+    monkeypatch.undo()
+    assert "device" in outcome and messages_for(db, job.id) == 1
+    assert not db.exists(keys.job_chunks(job.id))  # no error chunk
+    service.hands.adopt(job.id, token)  # the same take, asked to end it: it is sent
+    assert not service.hands.ending(job.id)
+
+
+@pytest.mark.parametrize("undo_fails", [False, True], ids=["undo-answers", "undo-fails"])
+def test_a_send_whose_answer_is_lost_is_neither_parked_nor_sent_twice(
+    service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch, undo_fails: bool
 ) -> None:
     """The send step ran (record and message at once) and its answer never came, while the
     process stalled past the TTL and another one's sweep let go of the job, sent: the job
-    stays sent, once; parking it too would run it twice."""
+    stays sent, once, whether the undo that follows finds it sent or fails too (then the
+    job is parked, and parking finds it sent); parking it too would run it twice."""
     job = JobRequest(model="tiny", prompt="hi", submitted_at=1.0)
     survivor, ttl = another(service, db), service.settings.device_ttl_s
     send = service.hands._sent
@@ -476,8 +510,14 @@ def test_a_send_whose_answer_is_lost_is_neither_parked_nor_sent_twice(
         assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0  # let go only
         raise redis.ConnectionError("Connection reset by peer")
 
+    def redis_away(*_args: object, **_kwargs: object) -> None:
+        raise redis.ConnectionError("Connection refused")
+
     monkeypatch.setattr(service.hands, "_sent", sent_then_stalls)
-    assert "parked" in service.place(job.model_dump(mode="json"))  # it tried to park it
+    if undo_fails:
+        monkeypatch.setattr(service.state, "unsend", redis_away)
+    outcome = service.place(job.model_dump(mode="json"))
+    assert ("parked" if undo_fails else "device") in outcome  # parking it let go of it
     monkeypatch.undo()
     assert survivor.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0
     assert messages_for(db, job.id) == 1

@@ -313,20 +313,26 @@ class PlacementService:
 
     def _send(self, req: JobRequest, placement: Placement, snap: Snapshot) -> dict[str, Any]:
         """Send the job to its device: its record and its message in one step. When that
-        step fails, or the job was swept from this process, the commit before it is undone
-        (not when the step ran after all: the job is sent, and stays so)."""
+        step fails, or the job was swept from this process, the commit before it is undone;
+        a step that ran after all (its answer was lost) leaves the job sent."""
         worker = next(d.worker for d in snap.devices if d.id == placement.device_id)
         record = SentJob(job=req, placement=placement, worker=worker, sent_at=self.clock.now())
-        queue = keys.device_queue(placement.device_id, req.priority)
-        sent = placement.model_dump(mode="json")
-        message = task_message(self.app, keys.TASK_RUN, req, req.id, queue, sent)
+        outcome = {"device": placement.device_id, "runner": placement.runner_id}
         try:
+            queue = keys.device_queue(placement.device_id, req.priority)
+            sent = placement.model_dump(mode="json")
+            message = task_message(self.app, keys.TASK_RUN, req, req.id, queue, sent)
             if self.state.sent(record, self.settings.stream_ttl_s, queue, message):
-                return {"device": placement.device_id, "runner": placement.runner_id}
-        except Exception:
-            with contextlib.suppress(Exception):  # left to the recount when Redis is away
-                self.state.unsend(record)  # the job parks (or, sent, is let go of)
-            raise
+                return outcome
+        except Exception as exc:
+            try:
+                undone = self.state.unsend(record)
+            except Exception:  # Redis away: the recount takes the commit back if not sent
+                raise exc from None
+            if not undone:
+                log.warning("job %s was sent, though its send's answer was lost", req.id)
+                return outcome
+            raise  # the job parks, or fails after repeated errors
         log.warning("job %s was put back by another placement process: left to it", req.id)
         self.state.unsend(record)  # a runner made for it goes
         raise SweptAway(req.id)
@@ -349,7 +355,8 @@ class PlacementService:
         if not job_id:
             return
         if not self.hands.ending(job_id):
-            log.warning("job %s was put back by another placement process: left to it", job_id)
+            what = "job %s is another's to end (put back by another placement process, or sent)"
+            log.warning(what, job_id)
             self.hands.hand_over(job_id)
             return
         self.parked.drop(job_id)

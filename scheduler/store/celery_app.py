@@ -98,7 +98,8 @@ def task_message(
 ) -> str:
     """The queue item :func:`send_job` would push onto ``queue``'s Redis list (Celery's
     message, in kombu's Redis envelope), for a script that pushes it itself in the same
-    atomic step as its other writes (the fast path: scheduler/store/routes.py)."""
+    atomic step as its other writes: a job's send (lua/sent.lua), its send again as a new
+    placement (lua/resend.lua) and the fast path's (lua/fast_send.lua)."""
     message = app.amqp.as_task_v2(
         task_id,
         task,

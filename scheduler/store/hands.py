@@ -48,8 +48,8 @@ class PutBack(IntEnum):
 
     SWEPT = 0  # another placement process put it back already: it is that one's now
     PUT_BACK = 1
-    SENT = 2  # its in-flight record stands (a send that failed and could not be taken
-    # back): let go of only, its device's records account for it
+    SENT = 2  # its send step ran (what failed came after): let go of only, its device's
+    # records account for it
 
 
 class TakeUnsure(redis.ConnectionError):

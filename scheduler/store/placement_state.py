@@ -151,14 +151,14 @@ class PlacementState:
         False when the job was swept from this process (it had stalled)."""
         return self.hands.sent(record, ttl_s, queue, message)
 
-    def unsend(self, record: SentJob) -> None:
+    def unsend(self, record: SentJob) -> bool:
         """Undo the commit before :meth:`sent` for a job that was not sent (swept from this
         process, or its send step failed): its runner forgets it, and a runner created for
-        it goes. Nothing when the job was sent after all (the step ran and its reply was
-        lost: its record is this placement's)."""
+        it goes. False, and nothing undone, when the job was sent after all (the step ran
+        and its reply was lost: its owner is this placement)."""
         placement, created = record.placement, bool(record.placement.device_ids)
         held = [keys.reservations(d) for d in placement.device_ids] if created else []
-        again_if_lost(  # the runner's job set forgets the placement once
+        undone = again_if_lost(  # the runner's job set forgets the placement once
             lambda: self._unsend(
                 keys=[
                     keys.inflight(placement.device_id),
@@ -169,6 +169,7 @@ class PlacementState:
                 args=[record.job.id, placement.runner_id, int(created), placement.id],
             )
         )
+        return bool(undone)
 
     def resend(self, record: SentJob, moved: SentJob, ttl_s: int, queue: str, message: str) -> bool:
         """Put ``moved`` (the same job under a new placement id: its epoch raised) in place

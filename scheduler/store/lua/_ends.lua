@@ -24,10 +24,13 @@ local function append_chunk(owner_key, chunks, channel, fence, seq, payload, ttl
 end
 
 -- The job is no longer running, nor in flight on its device, unless it was placed again
--- meanwhile (its record then has another placement id). Returns 1 when the record was
--- this placement's and is gone, else 0.
-local function done_with(running, inflight, job_id, placement_id)
-  redis.call('HDEL', running, job_id)
+-- meanwhile (its record, or its owner, then names another placement id: the new run's
+-- running mark stays). Returns 1 when the record was this placement's and is gone, else 0.
+local function done_with(owner_key, running, inflight, job_id, placement_id)
+  local owner = redis.call('GET', owner_key)
+  if not owner or owner == placement_id or owner == 'orphaned' then
+    redis.call('HDEL', running, job_id)
+  end
   local raw = redis.call('HGET', inflight, job_id)
   local placement = raw and cjson.decode(raw)['placement']
   if placement and placement['id'] == placement_id then

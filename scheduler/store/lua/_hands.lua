@@ -21,6 +21,14 @@ local function held_entry(in_hand, field, token)
   return nil
 end
 
+-- Whether a job held under ``token`` was sent by its send step (lua/sent.lua): its entry
+-- is marked sent, or a sweep let go of it because it was (``swept`` '2'; also for a job
+-- that had ended). Both outlive a reap of its device, which rewrites its owner.
+local function sent_from_us(in_hand, field, token, swept)
+  local entry = held_entry(in_hand, field, token)
+  return (entry ~= nil and entry['sent'] ~= nil) or (token ~= '' and redis.call('GET', swept) == '2')
+end
+
 -- Mark the entry of a job held under ``token`` (mark: 'sent', 'ending'; value nil clears).
 local function mark_held(in_hand, field, token, mark, value)
   local entry = held_entry(in_hand, field, token)

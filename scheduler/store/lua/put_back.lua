@@ -16,9 +16,7 @@
 if ARGV[5] ~= '' and put_back_from_us(KEYS[4]) then
   return 0
 end
-local entry = held_entry(KEYS[3], ARGV[4], ARGV[5])
--- sent: marked so, or let go of already by another process's sweep because it was
-if (entry and entry['sent']) or (ARGV[5] ~= '' and redis.call('GET', KEYS[4]) == '2') then
+if sent_from_us(KEYS[3], ARGV[4], ARGV[5], KEYS[4]) then
   let_go(KEYS[3], ARGV[4], ARGV[5])
   return 2
 end

@@ -5,7 +5,8 @@
 -- is marked sent, so that if its holder dies or fails before letting go of it, it is not
 -- put back to run twice. Nothing when another placement process swept the job back from
 -- this one (it had stalled): it is someone else's now. Asked again after a lost reply, it
--- finds the job sent already (its owner is this placement) and sends nothing more.
+-- finds the job sent already (its hold marked sent, or let go of by a sweep because it
+-- was; or its owner this placement) and sends nothing more.
 -- Moves a job (scheduler/custody.py): placing -> sent
 -- KEYS[1] ggufq:inflight:<dev> (hash: job id -> SentJob JSON)
 -- KEYS[2] ggufq:job:<id>:owner (string: the placement's id)
@@ -17,7 +18,7 @@
 -- ARGV: job id, record, placement id, owner ttl (s), field "<placement>|<job id>", token,
 --       runner id, device id (the record's), the Celery message
 -- Returns 1 when it was sent (now or by an earlier ask), 0 when it was swept.
-if redis.call('GET', KEYS[2]) == ARGV[3] then
+if redis.call('GET', KEYS[2]) == ARGV[3] or sent_from_us(KEYS[3], ARGV[5], ARGV[6], KEYS[4]) then
   return 1
 end
 if ARGV[6] ~= '' and put_back_from_us(KEYS[4]) then
