@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.errors import InvalidRequest
-from scheduler.gguf.calibration import compute_constants
+from scheduler.gguf.calibration import CUDA_FIRST_BATCH, compute_constants
 from scheduler.gguf.metadata import ModelInfo
 from scheduler.protocol import RunnerConfig
 
@@ -190,6 +190,19 @@ def compute_bytes(info: ModelInfo, cfg: RunnerConfig) -> int:
     return int(compute_model_bytes(info, cfg) * scale) + c.fixed
 
 
+def first_batch_bytes(info: ModelInfo, cfg: RunnerConfig) -> int:
+    """What a GPU holds for a runner beyond llama.cpp's buffers once its first batch ran
+    (:data:`CUDA_FIRST_BATCH`); with a quantized KV cache over several sequences, also one
+    sequence's K and V of one layer in f16 (the flash-attention path converts them: fitted
+    to the one such configuration measured, 8192 x 4 q8_0, 12.6 MB over llama.cpp's
+    reserve). Each GPU a runner spans holds it."""
+    extra = 0
+    if cfg.kv_type != "f16" and cfg.num_parallel > 1:
+        _n_ctx, cells, _streams, _t = context_sizes(cfg)
+        extra = cells * (info.key_length + info.value_length) * max(_kv_heads(info)) * 2
+    return CUDA_FIRST_BATCH[cfg.flash_attn] + extra
+
+
 def layers_on_gpu(info: ModelInfo, num_gpu: int) -> int:
     """llama.cpp's n_gpu_layers, clamped: -1 = every block and the output layer."""
     whole = info.block_count + 1
@@ -222,7 +235,7 @@ def estimate(info: ModelInfo, cfg: RunnerConfig, num_gpu: int = 0, gpu: str = "g
             (dev if il >= first_gpu else host).kv += per_layer
     host.output = output_bytes(info, cfg)
     if n_gpu:
-        dev.compute = compute_bytes(info, cfg)
+        dev.compute = compute_bytes(info, cfg) + first_batch_bytes(info, cfg)
         host.compute = _host_compute_when_offloaded(info, cfg)
         return Estimate(devices=[dev, host], kv_caches=caches, n_gpu_layers=n_gpu)
     host.compute = compute_bytes(info, cfg)
@@ -266,8 +279,10 @@ def _host_compute_when_offloaded(info: ModelInfo, cfg: RunnerConfig) -> int:
 
 
 def estimate_bytes(info: ModelInfo, cfg: RunnerConfig) -> int:
-    """Total bytes the runner will hold on one device (everything on it)."""
-    return estimate(info, cfg).total
+    """Total bytes placement reserves for a runner with everything on one device: the
+    estimate, and what a GPU holds once the first batch ran (:func:`first_batch_bytes`;
+    on the CPU, a margin of that size)."""
+    return estimate(info, cfg).total + first_batch_bytes(info, cfg)
 
 
 def gpu_bytes_by_layers(info: ModelInfo, cfg: RunnerConfig) -> tuple[int, ...]:
@@ -285,14 +300,15 @@ def max_layers_that_fit(info: ModelInfo, cfg: RunnerConfig, free_gpu: int) -> in
 
 def group_parts(info: ModelInfo, cfg: RunnerConfig) -> tuple[tuple[int, ...], int, int]:
     """For a model split over several GPUs: (weights + KV of each block, the compute buffer
-    every GPU holds, the output layer that goes with the last block)."""
+    and first batch's workspace every GPU holds, the output layer that goes with the last
+    block)."""
     per_block = list(info.layer_bytes)
     for cache in kv_caches(info, cfg):
         per_layer = cache.bytes // max(1, len(cache.layers))
         for il in cache.layers:
             per_block[il] += per_layer
     output = info.output_bytes + (_tied_projection_bytes(info) if info.tied_output else 0)
-    return tuple(per_block), compute_bytes(info, cfg), output
+    return tuple(per_block), compute_bytes(info, cfg) + first_batch_bytes(info, cfg), output
 
 
 def partial_table(info: ModelInfo, cfg: RunnerConfig) -> tuple[int, ...]:
