@@ -16,9 +16,8 @@ from pydantic import ValidationError
 from scheduler.errors import GgufqError, JobFailed
 from scheduler.placement.parking import HeldJobs
 from scheduler.protocol import JobRequest, SentJob
-from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
-from scheduler.store.celery_app import task_message
+from scheduler.store.celery_app import run_message
 from scheduler.store.due import Deadlines, DueSend
 from scheduler.store.hands import Swept
 from scheduler.store.placement_state import PlacementState
@@ -208,9 +207,7 @@ class Recovery:
         req = record.job
         placement = record.placement.model_copy(update={"id": uuid.uuid4().hex[:12]})
         moved = record.model_copy(update={"placement": placement, "sent_at": now})
-        queue = keys.device_queue(placement.device_id, req.priority)
-        sent = placement.model_dump(mode="json")
-        message = task_message(self.app, keys.TASK_RUN, req, req.id, queue, sent)
+        queue, message = run_message(self.app, req, placement)
         if not self.state.resend(record, moved, self.owner_ttl_s, queue, message):
             return False
         log.warning(

@@ -43,9 +43,8 @@ from scheduler.placement.verdict import Park, Refuse
 from scheduler.placement.wakes import EVERYTHING, Wake
 from scheduler.protocol import JobRequest, Placement, SentJob, parse_request
 from scheduler.settings import Settings
-from scheduler.store import keys
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
-from scheduler.store.celery_app import task_message
+from scheduler.store.celery_app import run_message
 from scheduler.store.clock import RedisClock
 from scheduler.store.hands import Hands, parked_record
 from scheduler.store.hops import note as note_hops
@@ -319,17 +318,11 @@ class PlacementService:
         record = SentJob(job=req, placement=placement, worker=worker, sent_at=self.clock.now())
         outcome = {"device": placement.device_id, "runner": placement.runner_id}
         try:
-            queue = keys.device_queue(placement.device_id, req.priority)
-            sent = placement.model_dump(mode="json")
-            message = task_message(self.app, keys.TASK_RUN, req, req.id, queue, sent)
+            queue, message = run_message(self.app, req, placement)
             if self.state.sent(record, self.settings.stream_ttl_s, queue, message):
                 return outcome
-        except Exception as exc:
-            try:
-                undone = self.state.unsend(record)
-            except Exception:  # Redis away: the recount takes the commit back if not sent
-                raise exc from None
-            if not undone:
+        except Exception:
+            if not self.state.undone(record):
                 log.warning("job %s was sent, though its send's answer was lost", req.id)
                 return outcome
             raise  # the job parks, or fails after repeated errors

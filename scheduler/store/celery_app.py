@@ -9,7 +9,7 @@ from typing import Any
 
 from celery import Celery
 
-from scheduler.protocol import JobRequest
+from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.transport import Transport
@@ -126,6 +126,14 @@ def task_message(
             "properties": properties,
         }
     )
+
+
+def run_message(app: Celery, req: JobRequest, placement: Placement) -> tuple[str, str]:
+    """The device queue a job's run goes on as ``placement`` names it, and its message
+    there (:func:`task_message`)."""
+    queue = keys.device_queue(placement.device_id, req.priority)
+    sent = placement.model_dump(mode="json")
+    return queue, task_message(app, keys.TASK_RUN, req, req.id, queue, sent)
 
 
 def _argsrepr(req: JobRequest) -> str:

@@ -171,6 +171,15 @@ class PlacementState:
         )
         return bool(undone)
 
+    def undone(self, record: SentJob) -> bool:
+        """:meth:`unsend` after a send step that raised: False when the job was sent after
+        all; True when the commit was undone, or Redis did not answer (then the recount
+        takes the commit back if the job was not sent)."""
+        try:
+            return self.unsend(record)
+        except redis.RedisError:
+            return True
+
     def resend(self, record: SentJob, moved: SentJob, ttl_s: int, queue: str, message: str) -> bool:
         """Put ``moved`` (the same job under a new placement id: its epoch raised) in place
         of ``record``, a send whose message was lost, and its ``message`` on ``queue``, in
