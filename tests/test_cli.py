@@ -208,9 +208,11 @@ def test_estimate_prints_devices_and_json(cli_env: dict[str, str]) -> None:
         "OUTPUT",
     ]
     assert "2 layers × 1024 cells × 2 streams" in out.stdout  # pad(2000) / 2
+    assert "placement reserves" in out.stdout and "after its first batch" in out.stdout
     data = json.loads(ggufq("estimate", "tiny", "--gpus", "1GiB", "--json", env=cli_env).stdout)
     assert data["n_gpu_layers"] == 3 and [d["device"] for d in data["devices"]] == ["gpu", "host"]
     assert data["total"] == sum(d["total"] for d in data["devices"])
+    assert data["reserved_on_one_device"] > data["total"] - data["devices"][0]["compute"]
     bad = ggufq("estimate", "tiny", "--kv-type", "q8_0", "--no-flash-attn", env=cli_env)
     assert bad.returncode == 1 and "flash attention" in bad.stderr
 

@@ -115,7 +115,9 @@ class WorkerRuntime(Residency):
             owner = self.state.job_owner(job_id)
             if owner is not None and owner != placement_id:
                 log.warning("job %s was taken back by placement; stopping it here", job_id)
-                self._disowned.add((job_id, placement_id))
+                with self._jobs_lock:  # unless it ended meanwhile: nothing left to stop
+                    if (job_id, placement_id) in self._running:
+                        self._disowned.add((job_id, placement_id))
         for runner_id, runner in list(self.runners.items()):
             if gone & set(runner.device_ids) and not self._busy(runner_id):
                 self._drop_local(runner_id)

@@ -11,7 +11,13 @@ import threading
 
 from api_client.cli.tables import print_table
 from scheduler.errors import GgufqError
-from scheduler.gguf.estimate import choose_num_ctx, estimate, max_layers_that_fit
+from scheduler.gguf.estimate import (
+    choose_num_ctx,
+    estimate,
+    estimate_bytes,
+    first_batch_bytes,
+    max_layers_that_fit,
+)
 from scheduler.gguf.metadata import format_params
 from scheduler.gguf.registry import Registry
 from scheduler.local.flower import run_flower
@@ -141,6 +147,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                     "devices": [dict(d.__dict__, total=d.total) for d in est.devices],
                     "kv_caches": [c.__dict__ for c in est.kv_caches],
                     "total": est.total,
+                    "reserved_on_one_device": estimate_bytes(info, cfg),
                 }
             )
         )
@@ -167,4 +174,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             f"offload: {layers}/{info.block_count + 1} layers (output layer first) fit in "
             f"{format_bytes(gpus[0])}"
         )
+    print(
+        f"placement reserves {format_bytes(estimate_bytes(info, cfg))} for it on one device: "
+        f"this and {format_bytes(first_batch_bytes(info, cfg))} a GPU holds after its first batch"
+    )
     return 0

@@ -50,7 +50,8 @@ def fallback(flash_attn: bool) -> ComputeConstants:
 
 # What CUDA holds beyond llama.cpp's own buffers once a runner's first batch has run (ggml's
 # CUDA memory pool and cuBLAS's workspace), by flash attention: NVML's used memory after a
-# 400-token prompt less what it showed once loaded, on an H100 (2026-11-26, bench/gpu's
-# estimate_vs_cuda.jsonl, 12 configurations of a 1B-wide model): exactly 10 MiB with flash
+# 400-token prompt less what it showed once loaded, on an H100 (2026-11-26,
+# bench/gpu/measured/2026-11-26-be8b289-estimate_vs_cuda.jsonl, 12 configurations of a
+# 1B-wide model): exactly 10 MiB with flash
 # attention in all of them, 108-110 MiB without, whatever the context and slots.
 CUDA_FIRST_BATCH: dict[bool, int] = {True: 10 << 20, False: 110 << 20}

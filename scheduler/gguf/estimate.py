@@ -197,7 +197,7 @@ def first_batch_bytes(info: ModelInfo, cfg: RunnerConfig) -> int:
     to the one such configuration measured, 8192 x 4 q8_0, 12.6 MB over llama.cpp's
     reserve). Each GPU a runner spans holds it."""
     extra = 0
-    if cfg.kv_type != "f16" and cfg.num_parallel > 1:
+    if KV_TYPES[cfg.kv_type][0] > 1 and cfg.num_parallel > 1:  # quantized: blocks of 32
         _n_ctx, cells, _streams, _t = context_sizes(cfg)
         extra = cells * (info.key_length + info.value_length) * max(_kv_heads(info)) * 2
     return CUDA_FIRST_BATCH[cfg.flash_attn] + extra

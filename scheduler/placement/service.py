@@ -327,7 +327,7 @@ class PlacementService:
                 return outcome
             raise  # the job parks, or fails after repeated errors
         log.warning("job %s was put back by another placement process: left to it", req.id)
-        self.state.unsend(record)  # a runner made for it goes
+        self.state.undone(record)  # a runner made for it goes (or the recount takes it)
         raise SweptAway(req.id)
 
     def _park(self, req: JobRequest, score: float) -> NoReturn:

@@ -251,8 +251,9 @@ class Hands:
 
     def ending(self, job_id: str) -> bool:
         """Whether this thread may end a job (fail or cancel it): it does not hold it, or
-        holds it and it was not put back by another placement process; then it is marked
-        ending, so that a sweep after this process stops ends it too, not runs it."""
+        holds it and it was neither put back by another placement process nor sent (its
+        device runs it); then it is marked ending, so that a sweep after this process stops
+        ends it too, not runs it."""
         token = self.token(job_id)
         if not token:
             return True

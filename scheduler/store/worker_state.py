@@ -138,7 +138,8 @@ class WorkerState:
         orphan: SentJob | None = None,
     ) -> tuple[Appended, int]:
         """A job's end in one round trip (lua/end.lua): its ``last`` chunk (seq, chunk; None
-        writes none) fenced by its owner, its in-flight record and running mark gone, its
+        writes none) fenced by its owner, its in-flight record and running mark gone (the
+        mark stays when the job is another placement's now), its
         runner counting this placement off (``keep_alive_s`` None keeps the runner's), and
         a job handed back among the orphans as ``orphan`` (placement hears of it). Returns
         what became of the chunk and how many jobs the runner still counts (-1: gone)."""

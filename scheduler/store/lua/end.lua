@@ -1,6 +1,6 @@
 -- A job's end on its worker, in one step: its last chunk (unless there is none to write:
--- handed back), fenced by its owner as append.lua's are; its running mark and in-flight
--- record gone; and its runner counting this placement off (its job set: an end written
+-- handed back), fenced by its owner as append.lua's are; its running mark (unless the job
+-- is another placement's now: a new run's mark stays) and in-flight record gone; and its runner counting this placement off (its job set: an end written
 -- again after a lost answer changes nothing), with its expiry if now idle. A reader that
 -- sees the last chunk finds the slot free and `ps` shows the runner idle; a worker that
 -- dies before this leaves the job in flight, for placement to re-place or fail with its
