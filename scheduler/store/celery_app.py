@@ -49,7 +49,7 @@ def make_app(redis_url: str, settings: Settings, *, stash_unacked: bool = True) 
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
         broker_transport=Transport,  # kombu's Redis transport, robust to bad queue items
-        worker_consumer="scheduler.store.transport:Consumer",  # reconnects within 1 s
+        worker_consumer="scheduler.store.transport:Consumer",  # reconnects within 0.25 s
         # a result stored as Redis goes away waits for it (tried again up to 1 s apart)
         # instead of failing the task after the job ran
         result_backend_always_retry=True,
