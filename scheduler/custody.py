@@ -72,7 +72,13 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(S.SENT, S.RUNNING, Actor.WORKER, "start", "its one delivery starts it"),
     Transition(S.SENT, S.ORPHANED, Actor.SWEEP, "reap", "its device went silent"),
     Transition(S.RUNNING, S.ORPHANED, Actor.SWEEP, "reap", "its device went silent"),
-    Transition(S.RUNNING, S.ORPHANED, Actor.WORKER, "end", "its model could not load there"),
+    Transition(
+        S.RUNNING,
+        S.ORPHANED,
+        Actor.WORKER,
+        "end",
+        "its model could not load there, or no run holds it there (Redis lost its end)",
+    ),
     Transition(S.RUNNING, S.DONE, Actor.WORKER, "end", "its final chunk, slot freed"),
     Transition(S.RUNNING, S.FAILED, Actor.WORKER, "end", "its error chunk, slot freed"),
     Transition(S.RUNNING, S.CANCELLED, Actor.WORKER, "end", "cancelled mid-run"),
@@ -127,7 +133,8 @@ LAPSES: tuple[Lapse, ...] = (
         "its device's worker",
         "the device's beats stop for GGUFQ_DEVICE_TTL_S (Redis's clock)",
         "orphaned; re-placed once if nothing was streamed, else failed with what happened; "
-        "the old run's chunks and result are fenced off by the job's owner",
+        "the old run's chunks and result are fenced off by the job's owner. A live worker "
+        "that holds no run of it (Redis lost its end) hands it back the same way",
     ),
     Lapse(
         S.ORPHANED,

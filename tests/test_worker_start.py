@@ -235,3 +235,37 @@ def test_a_job_sent_again_to_this_worker_runs_beside_its_fenced_first_run(
     assert [c["seq"] for c in chunks] == list(range(1, len(chunks) + 1))
     assert chunks[-1]["done"] and "error" not in chunks[-1]
     assert not runtime._running and not runtime._disowned
+
+
+def test_a_job_whose_end_redis_lost_is_handed_back_not_left_running(
+    db: redis.Redis, runtime: WorkerRuntime
+) -> None:
+    """Redis came back from an older state: a job this worker ended is in flight again,
+    marked running and counted on its runner, and no run here holds it. At the second look
+    (its minimum age past) the worker hands it back to placement, which finds its stream
+    finished; the runner counts nothing. A job that does run here is left alone."""
+    ended = job("ended before the crash")
+    assert deliver(db, runtime, ended)["done"]
+    placement = Placement(id="p1", runner_id="r", device_id=DEVICE.id, config=CONFIG)
+    lost = SentJob(job=ended, placement=placement, worker="w")
+    running = job("runs here").model_copy(update={"id": "runs-here"})
+    runs = SentJob(job=running, placement=placement.model_copy(update={"id": "p7"}), worker="w")
+    for record in (lost, runs):  # as Redis had them before the first one's end
+        db.hset(keys.inflight(DEVICE.id), record.job.id, record.model_dump_json())
+        db.hset(keys.RUNNING, record.job.id, 1.0)
+        db.hset(keys.runner_jobs("r"), record.placement.id, 1.0)
+        db.set(keys.job_owner(record.job.id), record.placement.id)
+    db.hset(keys.runner("r"), "in_flight", 2)
+    runtime._running[("runs-here", "p7")] = runs.placement
+    clock = [0.0]
+    runtime.strays.clock = lambda: clock[0]
+    assert runtime.strays.look() == 0  # first look: not yet
+    clock[0] = 60.0
+    assert runtime.strays.look() == 1
+    assert not db.hexists(keys.inflight(DEVICE.id), ended.id)
+    assert not db.hexists(keys.RUNNING, ended.id) and db.hexists(keys.ORPHANS, ended.id)
+    assert db.hkeys(keys.runner_jobs("r")) == [b"p7"]  # the job that runs here stays
+    assert db.hexists(keys.inflight(DEVICE.id), "runs-here")
+    clock[0] = 120.0
+    assert runtime.strays.look() == 0
+    runtime._running.pop(("runs-here", "p7"))

@@ -31,6 +31,7 @@ from workers.keepalive import expires_at
 from workers.membership import Membership
 from workers.residency import Clock, Residency
 from workers.start_claim import HandBack, NotOwned, StartClaim
+from workers.strays import Strays
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,14 @@ class WorkerRuntime(Residency):
         self.membership = Membership(
             self.state, devices, self.health, settings.heartbeat_interval_s, self._let_go
         )
+        self.strays = Strays(
+            self.state,
+            [d.id for d in devices],
+            self._runs,
+            lambda: len(self.backlog) > 0,
+            self._hand_back_stray,
+            min_age_s=max(10.0, 4 * settings.heartbeat_interval_s),
+        )
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -104,6 +113,7 @@ class WorkerRuntime(Residency):
     def _beat(self) -> None:
         self.membership.beat()  # first the heartbeat: a slow unload below must not delay it
         self.backlog.drain()  # then the job ends an outage held back
+        self.strays.look()  # and jobs Redis says run here that do not (their end was lost)
 
     def _let_go(self, gone: set[str]) -> None:
         """After placement dropped ``gone`` (and its jobs and runner records): running jobs
@@ -121,6 +131,22 @@ class WorkerRuntime(Residency):
         for runner_id, runner in list(self.runners.items()):
             if gone & set(runner.device_ids) and not self._busy(runner_id):
                 self._drop_local(runner_id)
+
+    def _runs(self) -> set[tuple[str, str]]:
+        with self._jobs_lock:
+            return set(self._running)
+
+    def _hand_back_stray(self, record: SentJob) -> None:
+        """Give placement a job Redis records as running here that no run here holds, in
+        one step: no chunk, its record gone, counted off its runner, among the orphans."""
+        placement, ttl_s = record.placement, self.settings.stream_ttl_s
+        runner = self.runners.get(placement.runner_id)
+        keep_alive_s = None if runner is None else runner.keep_alive_s
+        now = self.clock()
+        _appended, left = self.state.end(
+            placement, record.job.id, (0, None), now, keep_alive_s, ttl_s, record
+        )
+        self._counted_off(placement.runner_id, left, now, keep_alive_s)
 
     def _fenced(self, job_id: str, placement_id: str) -> None:
         """A chunk of a run was refused: another placement of its job owns the stream

@@ -121,6 +121,27 @@ class WorkerState:
         _, flag, wanted, reader = answer
         return cancelled_by(flag, wanted, reader)
 
+    def started(self, device_ids: list[str]) -> list[SentJob]:
+        """The jobs recorded in flight on ``device_ids`` that a worker started (a running
+        mark or a start claim), in two round trips; unreadable records are left to the
+        device's reaping."""
+        pipe = self.r.pipeline(transaction=False)
+        for device_id in device_ids:
+            pipe.hvals(keys.inflight(device_id))
+        records = []
+        for raw in (raw for values in pipe.execute() for raw in values):
+            try:
+                records.append(SentJob.model_validate_json(raw))
+            except ValueError:
+                continue
+        if not records:
+            return []
+        for record in records:
+            pipe.hexists(keys.RUNNING, record.job.id)
+            pipe.exists(keys.job_start(record.job.id, record.placement.id))
+        seen = pipe.execute()
+        return [r for n, r in enumerate(records) if seen[2 * n] or seen[2 * n + 1]]
+
     def job_owner(self, job_id: str) -> str | None:
         """The placement id that runs the job now, "orphaned", or None (the key is gone:
         Redis lost its data, or the job ended long ago)."""

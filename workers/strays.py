@@ -1,0 +1,69 @@
+"""Runs Redis says this worker has and it does not have.
+
+Redis that comes back from an older state (a crash that lost its last second of writes, a
+restore from a snapshot) can hold a job this worker ended as still in flight on its device,
+marked running, its runner counting it: its end was lost with the rest. Nothing would ever
+end it, and its runner would stay busy for good. At each heartbeat the worker reads its
+devices' started jobs; one that no run here holds, at two looks at least ``min_age_s``
+apart, with no end of this worker's waiting for Redis, is handed back to placement in one
+step (lua/end.lua: no chunk, record gone, counted off, among the orphans). Placement lets
+go of it if its stream has its final chunk (it had ended), re-places it once if nothing
+was streamed, or else fails it saying what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from scheduler.protocol import SentJob
+from scheduler.store.worker_state import WorkerState
+
+log = logging.getLogger(__name__)
+Run = tuple[str, str]  # (job id, placement id)
+
+
+class Strays:
+    def __init__(
+        self,
+        state: WorkerState,
+        device_ids: list[str],
+        runs_here: Callable[[], set[Run]],
+        ends_waiting: Callable[[], bool],
+        hand_back: Callable[[SentJob], None],
+        min_age_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.state, self.device_ids = state, device_ids
+        self.runs_here, self.ends_waiting, self.hand_back = runs_here, ends_waiting, hand_back
+        self.min_age_s, self.clock = min_age_s, clock
+        self._first_seen: dict[Run, float] = {}  # strays seen at an earlier look, and when
+
+    def look(self) -> int:
+        """Hand back the started jobs no run here holds, seen so at an earlier look at least
+        ``min_age_s`` ago; returns how many."""
+        if self.ends_waiting():  # an end Redis missed is on its way: its record is not stray
+            self._first_seen.clear()
+            return 0
+        started = self.state.started(self.device_ids)
+        here = self.runs_here()
+        now, seen, handed = self.clock(), self._first_seen, 0
+        self._first_seen = {}
+        for record in started:
+            run = (record.job.id, record.placement.id)
+            if run in here:
+                continue
+            since = seen.get(run, now)
+            if now - since < self.min_age_s or run not in seen:
+                self._first_seen[run] = since
+                continue
+            log.warning(
+                "job %s is recorded as running on %s, which does not run it (Redis lost its "
+                "end, or came back from an older state); handing it back to placement",
+                record.job.id,
+                record.placement.device_id,
+            )
+            self.hand_back(record)
+            handed += 1
+        return handed
