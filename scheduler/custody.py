@@ -134,7 +134,8 @@ LAPSES: tuple[Lapse, ...] = (
         "the device's beats stop for GGUFQ_DEVICE_TTL_S (Redis's clock)",
         "orphaned; re-placed once if nothing was streamed, else failed with what happened; "
         "the old run's chunks and result are fenced off by the job's owner. A live worker "
-        "that holds no run of it (Redis lost its end) hands it back the same way",
+        "that holds no run of it (Redis lost its end) writes that end again, or, if it did "
+        "not end it, hands it back the same way",
     ),
     Lapse(
         S.ORPHANED,

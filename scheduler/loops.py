@@ -47,7 +47,7 @@ class LoopHealth:
 
 def run_loop(
     name: str,
-    step: Callable[[], None],
+    step: Callable[[], object],
     stop: threading.Event,
     health: LoopHealth,
     every_s: float = 0.0,
@@ -86,7 +86,7 @@ def run_loop(
 
 def start_loop(
     name: str,
-    step: Callable[[], None],
+    step: Callable[[], object],
     stop: threading.Event,
     health: LoopHealth,
     every_s: float = 0.0,

@@ -237,35 +237,47 @@ def test_a_job_sent_again_to_this_worker_runs_beside_its_fenced_first_run(
     assert not runtime._running and not runtime._disowned
 
 
-def test_a_job_whose_end_redis_lost_is_handed_back_not_left_running(
+def test_a_job_whose_end_redis_lost_is_ended_again_not_left_running(
     db: redis.Redis, runtime: WorkerRuntime
 ) -> None:
     """Redis came back from an older state: a job this worker ended is in flight again,
-    marked running and counted on its runner, and no run here holds it. At the second look
-    (its minimum age past) the worker hands it back to placement, which finds its stream
-    finished; the runner counts nothing. A job that does run here is left alone."""
+    marked running, counted on its runner, its final chunk gone, and no run here holds it.
+    At the second look (its minimum age past) the worker writes its end again, final chunk
+    and all; a stray it never ended is handed back to placement; a job that runs here, or
+    whose end is being written, is left alone."""
     ended = job("ended before the crash")
     assert deliver(db, runtime, ended)["done"]
+    final = stream(db, ended.id)[-1]
+    db.xtrim(keys.job_chunks(ended.id), maxlen=len(stream(db, ended.id)) - 1)  # lost with it
     placement = Placement(id="p1", runner_id="r", device_id=DEVICE.id, config=CONFIG)
+
+    def record(job_id: str, placement_id: str) -> SentJob:
+        req = job(job_id).model_copy(update={"id": job_id})
+        return SentJob(
+            job=req, placement=placement.model_copy(update={"id": placement_id}), worker="w"
+        )
+
     lost = SentJob(job=ended, placement=placement, worker="w")
-    running = job("runs here").model_copy(update={"id": "runs-here"})
-    runs = SentJob(job=running, placement=placement.model_copy(update={"id": "p7"}), worker="w")
-    for record in (lost, runs):  # as Redis had them before the first one's end
-        db.hset(keys.inflight(DEVICE.id), record.job.id, record.model_dump_json())
-        db.hset(keys.RUNNING, record.job.id, 1.0)
-        db.hset(keys.runner_jobs("r"), record.placement.id, 1.0)
-        db.set(keys.job_owner(record.job.id), record.placement.id)
-    db.hset(keys.runner("r"), "in_flight", 2)
-    runtime._running[("runs-here", "p7")] = runs.placement
+    others = [record("runs-here", "p7"), record("never-here", "p8"), record("ending-now", "p9")]
+    for sent in (lost, *others):  # as Redis had them before the first one's end
+        db.hset(keys.inflight(DEVICE.id), sent.job.id, sent.model_dump_json())
+        db.hset(keys.RUNNING, sent.job.id, 1.0)
+        db.hset(keys.runner_jobs("r"), sent.placement.id, 1.0)
+        db.set(keys.job_owner(sent.job.id), sent.placement.id)
+    db.hset(keys.runner("r"), "in_flight", 4)
+    runtime._running[("runs-here", "p7")] = others[0].placement
+    runtime._ending.add(("ending-now", "p9"))
     clock = [0.0]
     runtime.strays.clock = lambda: clock[0]
     assert runtime.strays.look() == 0  # first look: not yet
     clock[0] = 60.0
-    assert runtime.strays.look() == 1
+    assert runtime.strays.look() == 2
+    assert stream(db, ended.id)[-1] == final  # its end, written again
     assert not db.hexists(keys.inflight(DEVICE.id), ended.id)
-    assert not db.hexists(keys.RUNNING, ended.id) and db.hexists(keys.ORPHANS, ended.id)
-    assert db.hkeys(keys.runner_jobs("r")) == [b"p7"]  # the job that runs here stays
-    assert db.hexists(keys.inflight(DEVICE.id), "runs-here")
+    assert not db.hexists(keys.RUNNING, ended.id) and not db.hexists(keys.ORPHANS, ended.id)
+    assert db.hexists(keys.ORPHANS, "never-here")  # for placement to re-place or fail
+    assert sorted(db.hkeys(keys.runner_jobs("r"))) == [b"p7", b"p9"]
     clock[0] = 120.0
     assert runtime.strays.look() == 0
     runtime._running.pop(("runs-here", "p7"))
+    runtime._ending.discard(("ending-now", "p9"))

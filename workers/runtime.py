@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -54,6 +55,10 @@ def failed_tally(error: GgufqError) -> dict[str, float]:
     return {"cancelled" if isinstance(error, JobCancelled) else "failed": 1}
 
 
+ENDS_KEPT = 4096  # the ends this process wrote lately, kept to write again if Redis lost them
+EndWritten = tuple[tuple[int, dict[str, Any] | None], SentJob | None]  # (seq, chunk), orphan
+
+
 class WorkerRuntime(Residency):
     def __init__(
         self,
@@ -67,6 +72,11 @@ class WorkerRuntime(Residency):
         # runs (job id, placement id) placement took back, or whose chunks were fenced off:
         # they stop and write nothing
         self._disowned: set[tuple[str, str]] = set()
+        # runs whose end is being written (out of _running, their record still in Redis),
+        # and the ends this process wrote lately, by run: a Redis back from an older state
+        # that lost one gets it written again (workers/strays.py)
+        self._ending: set[tuple[str, str]] = set()
+        self._ended_here: OrderedDict[tuple[str, str], EndWritten] = OrderedDict()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self.health = LoopHealth()
@@ -95,6 +105,7 @@ class WorkerRuntime(Residency):
         for name, step, every_s in (
             ("heartbeat", self._beat, every),
             ("expiry", self._expire_due, 0.0),
+            ("strays", self.strays.look, 2 * every),
         ):
             loop = start_loop(name, step, self._stopping, self.health, every_s, redis_away)
             self._threads.append(loop)
@@ -113,7 +124,6 @@ class WorkerRuntime(Residency):
     def _beat(self) -> None:
         self.membership.beat()  # first the heartbeat: a slow unload below must not delay it
         self.backlog.drain()  # then the job ends an outage held back
-        self.strays.look()  # and jobs Redis says run here that do not (their end was lost)
 
     def _let_go(self, gone: set[str]) -> None:
         """After placement dropped ``gone`` (and its jobs and runner records): running jobs
@@ -133,18 +143,22 @@ class WorkerRuntime(Residency):
                 self._drop_local(runner_id)
 
     def _runs(self) -> set[tuple[str, str]]:
+        """The runs under way here, those whose end is being written included."""
         with self._jobs_lock:
-            return set(self._running)
+            return set(self._running) | self._ending
 
     def _hand_back_stray(self, record: SentJob) -> None:
-        """Give placement a job Redis records as running here that no run here holds, in
-        one step: no chunk, its record gone, counted off its runner, among the orphans."""
+        """A job Redis records as running here that no run here holds: its end written
+        again when this process wrote it lately (Redis lost it), else given back to
+        placement in one step (no chunk, its record gone, counted off, among the orphans)."""
         placement, ttl_s = record.placement, self.settings.stream_ttl_s
+        run = (record.job.id, placement.id)
+        last, orphan = self._ended_here.get(run, ((0, None), record))
         runner = self.runners.get(placement.runner_id)
         keep_alive_s = None if runner is None else runner.keep_alive_s
         now = self.clock()
         _appended, left = self.state.end(
-            placement, record.job.id, (0, None), now, keep_alive_s, ttl_s, record
+            placement, record.job.id, last, now, keep_alive_s, ttl_s, orphan
         )
         self._counted_off(placement.runner_id, left, now, keep_alive_s)
 
@@ -300,8 +314,10 @@ class WorkerRuntime(Residency):
         with its ``orphan`` record when it is handed back, then its counters and hops.
         False when the chunk was fenced off (the job was taken from this run): its outcome
         is not this run's to store."""
+        run = (req.id, placement.id)
         with self._jobs_lock:  # together: a second delivery checks _running to unwatch
-            self._running.pop((req.id, placement.id), None)
+            self._running.pop(run, None)
+            self._ending.add(run)
             if not self._runs_of(req.id):
                 self.cancels.forget(req.id)
             self._disowned.discard((req.id, placement.id))
@@ -317,6 +333,9 @@ class WorkerRuntime(Residency):
             appended[0], left = self.state.end(
                 placement, req.id, done, now, keep_alive_s, ttl_s, orphan
             )
+            self._ended_here[run] = (done, orphan)
+            while len(self._ended_here) > ENDS_KEPT:
+                self._ended_here.popitem(last=False)
             self._counted_off(placement.runner_id, left, now, keep_alive_s)
 
         def bookkeeping() -> None:  # the counters and hops, in one round trip
@@ -326,7 +345,11 @@ class WorkerRuntime(Residency):
             pipe.execute()
 
         # through an outage too: else its slot stays taken in placement's view
-        self.backlog.run(f"ending job {req.id}", write_end)
+        try:
+            self.backlog.run(f"ending job {req.id}", write_end)
+        finally:
+            with self._jobs_lock:  # written, or waiting in the backlog
+                self._ending.discard(run)
         self.backlog.run(f"counting job {req.id}", bookkeeping)
         return appended[0] is not Appended.FENCED
 

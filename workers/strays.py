@@ -2,13 +2,15 @@
 
 Redis that comes back from an older state (a crash that lost its last second of writes, a
 restore from a snapshot) can hold a job this worker ended as still in flight on its device,
-marked running, its runner counting it: its end was lost with the rest. Nothing would ever
-end it, and its runner would stay busy for good. At each heartbeat the worker reads its
-devices' started jobs; one that no run here holds, at two looks at least ``min_age_s``
-apart, with no end of this worker's waiting for Redis, is handed back to placement in one
-step (lua/end.lua: no chunk, record gone, counted off, among the orphans). Placement lets
-go of it if its stream has its final chunk (it had ended), re-places it once if nothing
-was streamed, or else fails it saying what happened.
+marked running, its runner counting it: its end was lost with the rest, its final chunk
+too. Nothing would ever end it, and its runner would stay busy for good. Every other
+heartbeat (a loop of its own) the worker reads its devices' started jobs; one that no run
+here holds (nor one whose end is being written), at two looks at least ``min_age_s``
+apart, with no end of this worker's waiting for Redis, is a stray. Its end is written again
+when this process wrote it lately (it keeps its last ends), final chunk and all; else it
+is handed back to placement in one step (lua/end.lua: no chunk, record gone, counted off,
+among the orphans), which re-places it once if nothing was streamed or fails it saying
+what happened.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class Strays:
                 continue
             log.warning(
                 "job %s is recorded as running on %s, which does not run it (Redis lost its "
-                "end, or came back from an older state); handing it back to placement",
+                "end, or came back from an older state); ending it again",
                 record.job.id,
                 record.placement.device_id,
             )
