@@ -122,25 +122,27 @@ class WorkerState:
         return cancelled_by(flag, wanted, reader)
 
     def started(self, device_ids: list[str]) -> list[SentJob]:
-        """The jobs recorded in flight on ``device_ids`` that a worker started (a running
-        mark or a start claim), in two round trips; unreadable records are left to the
-        device's reaping."""
+        """The jobs recorded in flight on ``device_ids`` that are marked running (start.lua
+        marks a job running with its start claim, in one step), in three round trips that
+        read and parse only those records, not the queued ones' prompts; unreadable records
+        are left to the device's reaping."""
         pipe = self.r.pipeline(transaction=False)
         for device_id in device_ids:
-            pipe.hvals(keys.inflight(device_id))
+            pipe.hkeys(keys.inflight(device_id))
+        ids = [[text(j) for j in found] for found in pipe.execute()]
+        flat = [j for found in ids for j in found]
+        if not flat:
+            return []
+        marks = dict(zip(flat, cast(list[Any], self.r.hmget(keys.RUNNING, flat)), strict=True))
+        for device_id, found in zip(device_ids, ids, strict=True):
+            pipe.hmget(keys.inflight(device_id), [j for j in found if marks[j] is not None] or [""])
         records = []
-        for raw in (raw for values in pipe.execute() for raw in values):
+        for raw in (raw for values in pipe.execute() for raw in values if raw is not None):
             try:
                 records.append(SentJob.model_validate_json(raw))
             except ValueError:
                 continue
-        if not records:
-            return []
-        for record in records:
-            pipe.hexists(keys.RUNNING, record.job.id)
-            pipe.exists(keys.job_start(record.job.id, record.placement.id))
-        seen = pipe.execute()
-        return [r for n, r in enumerate(records) if seen[2 * n] or seen[2 * n + 1]]
+        return records
 
     def job_owner(self, job_id: str) -> str | None:
         """The placement id that runs the job now, "orphaned", or None (the key is gone:
