@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -55,10 +54,6 @@ def failed_tally(error: GgufqError) -> dict[str, float]:
     return {"cancelled" if isinstance(error, JobCancelled) else "failed": 1}
 
 
-ENDS_KEPT = 4096  # the ends this process wrote lately, kept to write again if Redis lost them
-EndWritten = tuple[tuple[int, dict[str, Any] | None], SentJob | None]  # (seq, chunk), orphan
-
-
 class WorkerRuntime(Residency):
     def __init__(
         self,
@@ -72,11 +67,8 @@ class WorkerRuntime(Residency):
         # runs (job id, placement id) placement took back, or whose chunks were fenced off:
         # they stop and write nothing
         self._disowned: set[tuple[str, str]] = set()
-        # runs whose end is being written (out of _running, their record still in Redis),
-        # and the ends this process wrote lately, by run: a Redis back from an older state
-        # that lost one gets it written again (workers/strays.py)
+        # runs whose end is being written (out of _running, their record still in Redis)
         self._ending: set[tuple[str, str]] = set()
-        self._ended_here: OrderedDict[tuple[str, str], EndWritten] = OrderedDict()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self.health = LoopHealth()
@@ -92,7 +84,7 @@ class WorkerRuntime(Residency):
             [d.id for d in devices],
             self._runs,
             lambda: len(self.backlog) > 0,
-            self._hand_back_stray,
+            self._write_end,
             min_age_s=max(10.0, 4 * settings.heartbeat_interval_s),
         )
 
@@ -147,20 +139,20 @@ class WorkerRuntime(Residency):
         with self._jobs_lock:
             return set(self._running) | self._ending
 
-    def _hand_back_stray(self, record: SentJob) -> None:
-        """A job Redis records as running here that no run here holds: its end written
-        again when this process wrote it lately (Redis lost it), else given back to
-        placement in one step (no chunk, its record gone, counted off, among the orphans)."""
-        placement, ttl_s = record.placement, self.settings.stream_ttl_s
-        run = (record.job.id, placement.id)
-        last, orphan = self._ended_here.get(run, ((0, None), record))
-        runner = self.runners.get(placement.runner_id)
+    def _write_end(
+        self,
+        placement: Placement,
+        job_id: str,
+        done: tuple[int, dict[str, Any] | None],
+        orphan: SentJob | None,
+    ) -> Appended:
+        """A job's end in one step (lua/end.lua), then its runner's expiry here."""
+        now, runner = self.clock(), self.runners.get(placement.runner_id)
         keep_alive_s = None if runner is None else runner.keep_alive_s
-        now = self.clock()
-        _appended, left = self.state.end(
-            placement, record.job.id, last, now, keep_alive_s, ttl_s, orphan
-        )
+        ttl_s = self.settings.stream_ttl_s
+        appended, left = self.state.end(placement, job_id, done, now, keep_alive_s, ttl_s, orphan)
         self._counted_off(placement.runner_id, left, now, keep_alive_s)
+        return appended
 
     def _fenced(self, job_id: str, placement_id: str) -> None:
         """A chunk of a run was refused: another placement of its job owns the stream
@@ -318,25 +310,37 @@ class WorkerRuntime(Residency):
         with self._jobs_lock:  # together: a second delivery checks _running to unwatch
             self._running.pop(run, None)
             self._ending.add(run)
+            self._disowned.discard(run)
+        try:
+            return self._end_now(req, placement, publisher, last, tally, received_at, orphan)
+        finally:
+            with self._jobs_lock:  # written, or waiting in the backlog
+                self._ending.discard(run)
+
+    def _end_now(
+        self,
+        req: JobRequest,
+        placement: Placement,
+        publisher: ChunkPublisher,
+        last: dict[str, Any] | None,
+        tally: dict[str, float],
+        received_at: float,
+        orphan: SentJob | None,
+    ) -> bool:
+        """:meth:`_ended`'s writes, the run already out of ``_running``."""
+        run = (req.id, placement.id)
+        with self._jobs_lock:
             if not self._runs_of(req.id):
                 self.cancels.forget(req.id)
-            self._disowned.discard((req.id, placement.id))
         ttl_s = self.settings.stream_ttl_s
         seq = publisher.last_seq() if last is not None else 0
         hops = dict(publisher.hops(), worker_received=received_at)
         appended = [Appended.WRITTEN]  # unknown while Redis is away: as before, stored
 
         def write_end() -> None:
-            now, runner = self.clock(), self.runners.get(placement.runner_id)
-            keep_alive_s = None if runner is None else runner.keep_alive_s
-            done = (seq, last)
-            appended[0], left = self.state.end(
-                placement, req.id, done, now, keep_alive_s, ttl_s, orphan
-            )
-            self._ended_here[run] = (done, orphan)
-            while len(self._ended_here) > ENDS_KEPT:
-                self._ended_here.popitem(last=False)
-            self._counted_off(placement.runner_id, left, now, keep_alive_s)
+            appended[0] = self._write_end(placement, req.id, (seq, last), orphan)
+            if last is not None or orphan is not None:  # an end without either is a stop
+                self.strays.keep(run, (seq, last), orphan)
 
         def bookkeeping() -> None:  # the counters and hops, in one round trip
             pipe = self.r.pipeline(transaction=False)
@@ -345,11 +349,7 @@ class WorkerRuntime(Residency):
             pipe.execute()
 
         # through an outage too: else its slot stays taken in placement's view
-        try:
-            self.backlog.run(f"ending job {req.id}", write_end)
-        finally:
-            with self._jobs_lock:  # written, or waiting in the backlog
-                self._ending.discard(run)
+        self.backlog.run(f"ending job {req.id}", write_end)
         self.backlog.run(f"counting job {req.id}", bookkeeping)
         return appended[0] is not Appended.FENCED
 

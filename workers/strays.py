@@ -7,7 +7,7 @@ too. Nothing would ever end it, and its runner would stay busy for good. Every o
 heartbeat (a loop of its own) the worker reads its devices' started jobs; one that no run
 here holds (nor one whose end is being written), at two looks at least ``min_age_s``
 apart, with no end of this worker's waiting for Redis, is a stray. Its end is written again
-when this process wrote it lately (it keeps its last ends), final chunk and all; else it
+when this process wrote it in the last two minutes (its final chunk, or its hand-back); else it
 is handed back to placement in one step (lua/end.lua: no chunk, record gone, counted off,
 among the orphans), which re-places it once if nothing was streamed or fails it saying
 what happened.
@@ -16,14 +16,22 @@ what happened.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
-from scheduler.protocol import SentJob
+from scheduler.protocol import Placement, SentJob
 from scheduler.store.worker_state import WorkerState
 
 log = logging.getLogger(__name__)
 Run = tuple[str, str]  # (job id, placement id)
+End = tuple[tuple[int, dict[str, Any] | None], SentJob | None]  # ((seq, last chunk), orphan)
+WriteEnd = Callable[[Placement, str, tuple[int, dict[str, Any] | None], SentJob | None], object]
+# the ends kept to be written again (at most this many, this long): a stray is found
+# within two looks 10 s apart
+ENDS_KEPT, ENDS_KEPT_S = 4096, 120.0
 
 
 class Strays:
@@ -33,14 +41,39 @@ class Strays:
         device_ids: list[str],
         runs_here: Callable[[], set[Run]],
         ends_waiting: Callable[[], bool],
-        hand_back: Callable[[SentJob], None],
+        write_end: WriteEnd,
         min_age_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.state, self.device_ids = state, device_ids
-        self.runs_here, self.ends_waiting, self.hand_back = runs_here, ends_waiting, hand_back
+        self.runs_here, self.ends_waiting, self.write_end = runs_here, ends_waiting, write_end
         self.min_age_s, self.clock = min_age_s, clock
         self._first_seen: dict[Run, float] = {}  # strays seen at an earlier look, and when
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[Run, tuple[float, End]] = OrderedDict()  # run -> (at, end)
+
+    def keep(
+        self, run: Run, done: tuple[int, dict[str, Any] | None], orphan: SentJob | None
+    ) -> None:
+        """Remember an end this process wrote (its last chunk, or its hand-back)."""
+        now = time.monotonic()
+        with self._lock:
+            self._kept[run] = (now, (done, orphan))
+            kept = self._kept
+            while kept and (
+                len(kept) > ENDS_KEPT or next(iter(kept.values()))[0] < now - ENDS_KEPT_S
+            ):
+                kept.popitem(last=False)
+
+    def _end_again(self, record: SentJob) -> None:
+        """Write a stray's end again when this process wrote it lately, else give it back
+        to placement (no chunk, among the orphans)."""
+        run = (record.job.id, record.placement.id)
+        with self._lock:
+            _at, (done, orphan) = self._kept.get(run, (0.0, ((0, None), record)))
+        what = "writing its end again" if orphan is not record else "handing it back"
+        log.warning("job %s: %s", record.job.id, what)
+        self.write_end(record.placement, record.job.id, done, orphan)
 
     def look(self) -> int:
         """Hand back the started jobs no run here holds, seen so at an earlier look at least
@@ -62,10 +95,10 @@ class Strays:
                 continue
             log.warning(
                 "job %s is recorded as running on %s, which does not run it (Redis lost its "
-                "end, or came back from an older state); ending it again",
+                "end, or came back from an older state)",
                 record.job.id,
                 record.placement.device_id,
             )
-            self.hand_back(record)
+            self._end_again(record)
             handed += 1
         return handed
