@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -291,6 +292,20 @@ class WorkerRuntime(Residency):
         log.error("job %s failed", req.id, exc_info=exc)
         return JobFailed(f"job {req.id} failed on {placement.device_id}: {exc}")
 
+    @contextmanager
+    def _end_of(self, run: tuple[str, str]) -> Iterator[None]:
+        """While a run's end is written: out of ``_running`` (a second delivery checks it to
+        unwatch), in ``_ending`` (not a stray) until it landed or waits in the backlog."""
+        with self._jobs_lock:
+            self._running.pop(run, None)
+            self._ending.add(run)
+            self._disowned.discard(run)
+        try:
+            yield
+        finally:
+            with self._jobs_lock:
+                self._ending.discard(run)
+
     def _ended(
         self,
         req: JobRequest,
@@ -307,51 +322,30 @@ class WorkerRuntime(Residency):
         False when the chunk was fenced off (the job was taken from this run): its outcome
         is not this run's to store."""
         run = (req.id, placement.id)
-        with self._jobs_lock:  # together: a second delivery checks _running to unwatch
-            self._running.pop(run, None)
-            self._ending.add(run)
-            self._disowned.discard(run)
-        try:
-            return self._end_now(req, placement, publisher, last, tally, received_at, orphan)
-        finally:
-            with self._jobs_lock:  # written, or waiting in the backlog
-                self._ending.discard(run)
+        with self._end_of(run):
+            with self._jobs_lock:
+                if not self._runs_of(req.id):
+                    self.cancels.forget(req.id)
+            ttl_s = self.settings.stream_ttl_s
+            seq = publisher.last_seq() if last is not None else 0
+            hops = dict(publisher.hops(), worker_received=received_at)
+            appended = [Appended.WRITTEN]  # unknown while Redis is away: as before, stored
 
-    def _end_now(
-        self,
-        req: JobRequest,
-        placement: Placement,
-        publisher: ChunkPublisher,
-        last: dict[str, Any] | None,
-        tally: dict[str, float],
-        received_at: float,
-        orphan: SentJob | None,
-    ) -> bool:
-        """:meth:`_ended`'s writes, the run already out of ``_running``."""
-        run = (req.id, placement.id)
-        with self._jobs_lock:
-            if not self._runs_of(req.id):
-                self.cancels.forget(req.id)
-        ttl_s = self.settings.stream_ttl_s
-        seq = publisher.last_seq() if last is not None else 0
-        hops = dict(publisher.hops(), worker_received=received_at)
-        appended = [Appended.WRITTEN]  # unknown while Redis is away: as before, stored
+            def write_end() -> None:
+                appended[0] = self._write_end(placement, req.id, (seq, last), orphan)
+                if last is not None or orphan is not None:  # an end without either is a stop
+                    self.strays.keep(run, (seq, last), orphan)
 
-        def write_end() -> None:
-            appended[0] = self._write_end(placement, req.id, (seq, last), orphan)
-            if last is not None or orphan is not None:  # an end without either is a stop
-                self.strays.keep(run, (seq, last), orphan)
+            def bookkeeping() -> None:  # the counters and hops, in one round trip
+                pipe = self.r.pipeline(transaction=False)
+                count(pipe, req.model, **tally)
+                note_hops(pipe, req.id, ttl_s, hops)
+                pipe.execute()
 
-        def bookkeeping() -> None:  # the counters and hops, in one round trip
-            pipe = self.r.pipeline(transaction=False)
-            count(pipe, req.model, **tally)
-            note_hops(pipe, req.id, ttl_s, hops)
-            pipe.execute()
-
-        # through an outage too: else its slot stays taken in placement's view
-        self.backlog.run(f"ending job {req.id}", write_end)
-        self.backlog.run(f"counting job {req.id}", bookkeeping)
-        return appended[0] is not Appended.FENCED
+            # through an outage too: else its slot stays taken in placement's view
+            self.backlog.run(f"ending job {req.id}", write_end)
+            self.backlog.run(f"counting job {req.id}", bookkeeping)
+            return appended[0] is not Appended.FENCED
 
     def _left(
         self,
