@@ -293,6 +293,7 @@ class SentJob(BaseModel):
     worker: str
     sent_at: float = 0.0
     avoid: list[str] = Field(default_factory=list, description="devices its load failed on")
+    lost: str = Field("", description="why its run was lost, when not its device's silence")
 
 
 def parse_placement(data: dict[str, Any]) -> Placement:

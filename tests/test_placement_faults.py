@@ -214,6 +214,23 @@ def test_an_orphan_whose_handling_redis_interrupts_is_handled_once_it_is_back(
     assert final_error(db, job.id)["code"] == "model_not_found"
 
 
+def test_an_orphan_whose_run_redis_lost_fails_saying_so(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    """A worker gave back a job Redis held as running there without a run of it, after it
+    had streamed: its error says what happened, not that the worker went silent."""
+    job = JobRequest(model="tiny", prompt="hello", submitted_at=1.0)
+    config = RunnerConfig.for_generation(256, 1, False)
+    placement = Placement(id="p1", runner_id="r1", device_id="vgpu:fh:0", config=config)
+    why = "Redis holds it as running on vgpu:fh:0, whose worker has no run of it"
+    record = SentJob(job=job, placement=placement, worker="w@fh", lost=why)
+    db.hset(keys.ORPHANS, job.id, record.model_dump_json())
+    write_chunk(db, job.id, 1, {"response": "partial"}, 60)  # streamed: not run again
+    assert service.recover_orphans() == 1
+    message = final_error(db, job.id)["message"]
+    assert why in message and "stopped heartbeating" not in message
+
+
 def test_a_message_lost_on_its_way_to_a_live_device_is_sent_again_once(
     service: PlacementService, db: redis.Redis, models_dir: Path
 ) -> None:

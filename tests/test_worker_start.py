@@ -279,7 +279,8 @@ def test_a_job_whose_end_redis_lost_is_ended_again_not_left_running(
     assert stream(db, ended.id)[-1] == final  # its end, written again
     assert not db.hexists(keys.inflight(DEVICE.id), ended.id)
     assert not db.hexists(keys.RUNNING, ended.id) and not db.hexists(keys.ORPHANS, ended.id)
-    assert db.hexists(keys.ORPHANS, "never-here")  # for placement to re-place or fail
+    handed = SentJob.model_validate_json(db.hget(keys.ORPHANS, "never-here") or b"")
+    assert "whose worker has no run of it" in handed.lost  # for placement to say why
     assert sorted(db.hkeys(keys.runner_jobs("r"))) == [b"p7", b"p9"]
     clock[0] = 120.0
     assert runtime.strays.look() == 0

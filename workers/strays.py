@@ -69,9 +69,14 @@ class Strays:
         """Write a stray's end again when this process wrote it lately, else give it back
         to placement (no chunk, among the orphans)."""
         run = (record.job.id, record.placement.id)
+        why = (
+            f"Redis holds it as running on {record.placement.device_id}, whose worker has no "
+            "run of it (Redis lost the run's records, or came back from an older state)"
+        )
+        gone = record.model_copy(update={"lost": why})
         with self._lock:
-            _at, (done, orphan) = self._kept.get(run, (0.0, ((0, None), record)))
-        what = "writing its end again" if orphan is not record else "handing it back"
+            _at, (done, orphan) = self._kept.get(run, (0.0, ((0, None), gone)))
+        what = "writing its end again" if orphan is not gone else "handing it back"
         log.warning("job %s: %s", record.job.id, what)
         self.write_end(record.placement, record.job.id, done, orphan)
 

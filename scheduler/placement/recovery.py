@@ -32,17 +32,15 @@ MAX_LOOK_AGAIN_S = 30.0
 Fail = Callable[[str, str, GgufqError], None]
 
 
-def lost_job_message(job_id: str, where: str, streamed: int) -> str:
+def lost_job_message(job_id: str, where: str, streamed: int, why: str = "") -> str:
     what = (
         f"after it had streamed {streamed} chunks (its partial output stays in the job's "
         "stream), so it was not re-run"
         if streamed
         else "after it had already been re-run once"
     )
-    return (
-        f"job {job_id} was lost: worker {where} stopped heartbeating while it held the job, "
-        f"{what}; submit it again"
-    )
+    why = why or f"worker {where} stopped heartbeating while it held the job"
+    return f"job {job_id} was lost: {why}, {what}; submit it again"
 
 
 class Recovery:
@@ -109,7 +107,8 @@ class Recovery:
             avoid = req.avoid + record.avoid
             self.replace(req.model_copy(update={"attempt": 1, "avoid": avoid}))
         else:
-            self.fail(job_id, req.model, JobFailed(lost_job_message(job_id, where, streamed)))
+            lost = lost_job_message(job_id, where, streamed, record.lost)
+            self.fail(job_id, req.model, JobFailed(lost))
 
     def dead_hands(self, now: float, ttl_s: float) -> int:
         """Put back the jobs that placement processes silent for ``ttl_s`` (killed, or
