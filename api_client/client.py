@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -29,7 +30,7 @@ from scheduler.protocol import parse_request as _parse
 from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
-from scheduler.store.celery_app import ask_unload, make_app, send_job, task_message
+from scheduler.store.celery_app import ask_unload, make_app, run_message, send_job
 from scheduler.store.connection import connect, resolve_redis_url
 from scheduler.store.readers import ClusterReader
 from scheduler.store.routes import FastPath
@@ -151,16 +152,13 @@ class Client:
         self._claim_id(request)
         self.place(request)
 
-    def fast_parts(self, request: JobRequest) -> tuple[Callable[[str, Placement], str], list[str]]:
-        """What the fast path sends for ``request`` beside its route: the Celery message
-        (made for a queue and a placement), and the job's warnings."""
-
-        def message(queue: str, placement: Placement) -> str:
-            sent = placement.model_dump(mode="json")
-            return task_message(self.app, keys.TASK_RUN, request, request.id, queue, sent)
-
+    def fast_parts(
+        self, request: JobRequest
+    ) -> tuple[Callable[[Placement], tuple[str, str]], list[str]]:
+        """What the fast path sends for ``request`` beside its route: its device queue and
+        Celery message (made for a placement), and the job's warnings."""
         warning = format_warning(request)
-        return message, [warning] if warning else []
+        return partial(run_message, self.app, request), [warning] if warning else []
 
     def _send_fast(self, request: JobRequest) -> bool:
         """Send the job straight to its runner's queue when that is resident with a free

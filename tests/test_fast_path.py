@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from scheduler.placement.service import PlacementService
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
 from scheduler.store import keys
-from scheduler.store.celery_app import task_message
+from scheduler.store.celery_app import run_message
 from scheduler.store.routes import FastPath, shape
 from scheduler.store.scripts import script
 from tests.conftest import placement_on_db1, wait_for
@@ -44,9 +45,7 @@ def service(
 def fast_send(service: PlacementService, db: redis.Redis, req: JobRequest) -> Placement | None:
     fast = FastPath(db, device_ttl_s=60, claim_ttl_s=60, owner_ttl_s=60)
 
-    def message(queue: str, placement: Placement) -> str:
-        sent = placement.model_dump(mode="json")
-        return task_message(service.app, keys.TASK_RUN, req, req.id, queue, sent)
+    message = partial(run_message, service.app, req)
 
     return fast.send(req, message)
 
@@ -108,9 +107,7 @@ def test_the_same_attempt_run_again_after_a_lost_reply_is_sent_once(
     raw = fast.route(name)
     assert raw is not None
 
-    def message(queue: str, placement: Placement) -> str:
-        sent = placement.model_dump(mode="json")
-        return task_message(service.app, keys.TASK_RUN, req, req.id, queue, sent)
+    message = partial(run_message, service.app, req)
 
     attempt = fast.attempt(req, name, raw, message, [])
     assert attempt is not None

@@ -27,8 +27,9 @@ from scheduler.store.worker_state import WorkerState
 
 log = logging.getLogger(__name__)
 Run = tuple[str, str]  # (job id, placement id)
-End = tuple[tuple[int, dict[str, Any] | None], SentJob | None]  # ((seq, last chunk), orphan)
-WriteEnd = Callable[[Placement, str, tuple[int, dict[str, Any] | None], SentJob | None], object]
+Last = tuple[int, dict[str, Any] | None]  # (seq, last chunk: None writes none)
+End = tuple[Last, SentJob | None]  # its last chunk, and its orphan record when handed back
+WriteEnd = Callable[[Placement, str, Last, SentJob | None], object]
 # the ends kept to be written again (at most this many, this long): a stray is found
 # within two looks 10 s apart
 ENDS_KEPT, ENDS_KEPT_S = 4096, 120.0
@@ -52,11 +53,9 @@ class Strays:
         self._lock = threading.Lock()
         self._kept: OrderedDict[Run, tuple[float, End]] = OrderedDict()  # run -> (at, end)
 
-    def keep(
-        self, run: Run, done: tuple[int, dict[str, Any] | None], orphan: SentJob | None
-    ) -> None:
+    def keep(self, run: Run, done: Last, orphan: SentJob | None) -> None:
         """Remember an end this process wrote (its last chunk, or its hand-back)."""
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             self._kept[run] = (now, (done, orphan))
             kept = self._kept

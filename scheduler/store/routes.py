@@ -147,8 +147,7 @@ class _Routes:
             warnings=[*route.warnings, *(more_warnings or [])],
             placement_ns=time.perf_counter_ns() - started,
         )
-        queue = keys.device_queue(route.device_id, req.priority)
-        sending = message(queue, placement)
+        queue, sending = message(placement)
         now = time.time()  # the client's: last use, demand and hops
         # sent_at 0.0 is stamped by the script on Redis's clock (the lost-send look's)
         record = SentJob(job=req, placement=placement, worker=route.worker, sent_at=0.0)
@@ -207,10 +206,11 @@ class FastPath(_Routes):
     def send(
         self, req: JobRequest, message: Any, more_warnings: list[str] | None = None
     ) -> Placement | None:
-        """Send ``req`` to its runner's queue if the fast path holds, with ``message(queue,
-        placement)`` making the Celery message and ``more_warnings`` for the job (beside
-        the route's); None when the normal path must place it. Raises InvalidRequest when
-        the job id is taken."""
+        """Send ``req`` to its runner's queue if the fast path holds, with
+        ``message(placement)`` making its device queue and Celery message
+        (celery_app.run_message) and ``more_warnings`` for the job (beside the route's);
+        None when the normal path must place it. Raises InvalidRequest when the job id is
+        taken."""
         name = shape(req)
         raw = None if name is None else self.route(name)
         attempt = self.attempt(req, name, raw, message, more_warnings)

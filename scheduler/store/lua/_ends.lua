@@ -32,7 +32,7 @@ local function done_with(owner_key, running, inflight, job_id, placement_id)
     redis.call('HDEL', running, job_id)
   end
   local raw = redis.call('HGET', inflight, job_id)
-  local placement = raw and cjson.decode(raw)['placement']
+  local placement = placement_of(raw)
   if placement and placement['id'] == placement_id then
     redis.call('HDEL', inflight, job_id)
     redis.call('ZREM', DUE_SENT, sent_due(job_id, placement_id, tostring(placement['device_id'])))
