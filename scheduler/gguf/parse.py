@@ -16,6 +16,9 @@ from typing import Any
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 MAX_ARRAY_DECODE = 4096  # longer arrays are skipped; their length is kept
+# string arrays longer than this (a vocabulary, merges) are skipped too: placement reads
+# only their lengths and at most the BOS and EOS items (string_item)
+MAX_STRINGS_DECODE = 64
 _SCALAR = {
     GGUFValueType.UINT8: "<B",
     GGUFValueType.INT8: "<b",
@@ -29,6 +32,9 @@ _SCALAR = {
     GGUFValueType.INT64: "<q",
     GGUFValueType.FLOAT64: "<d",
 }
+
+
+_TYPES = frozenset(int(t) for t in GGUFValueType)
 
 
 class GGUFFormatError(ValueError):
@@ -76,6 +82,10 @@ class _Cursor:
         start = self.pos
         self.pos += n
         return start
+
+    def take_place(self, n: int) -> int:
+        """Where the next ``n`` bytes start, stepping past them."""
+        return self._advance(n)
 
     def take(self, n: int) -> bytes:
         start = self._advance(n)
@@ -141,7 +151,13 @@ def _value(cur: _Cursor, vtype: int, depth: int = 0) -> Any:
         if depth >= MAX_NESTING:
             raise GGUFFormatError(f"arrays nested deeper than {MAX_NESTING} at offset {cur.pos}")
         item_type, length = cur.unpack("<I"), cur.unpack("<Q")
-        if length <= MAX_ARRAY_DECODE:
+        scalar = _SCALAR.get(GGUFValueType(item_type)) if item_type in _TYPES else None
+        if scalar is not None and length <= MAX_ARRAY_DECODE:  # per-layer numbers: one read
+            fmt = f"<{length}{scalar[1]}"
+            return list(struct.unpack_from(fmt, cur.buf, cur.take_place(struct.calcsize(fmt))))
+        if length <= (
+            MAX_STRINGS_DECODE if item_type == GGUFValueType.STRING else MAX_ARRAY_DECODE
+        ):
             return [_value(cur, item_type, depth + 1) for _ in range(length)]
         start = cur.pos
         if item_type == GGUFValueType.STRING:
