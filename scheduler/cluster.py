@@ -4,7 +4,7 @@ placement decides on. Pure: no Redis, no clock."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -54,6 +54,16 @@ class DeviceState:
     @property
     def free(self) -> int:
         return free_bytes(self.reported_free, self.total, self.reserved)
+
+
+def device_order(device: DeviceState) -> int:
+    """GPUs before CPUs: a job goes to a CPU device only when no GPU takes it."""
+    return 1 if device.kind == "cpu" else 0
+
+
+def free_order(device: DeviceState) -> tuple[int, int, str]:
+    """The order :attr:`Snapshot.by_free` keeps: GPUs first, then by free memory, then id."""
+    return (device_order(device), device.free, device.id)
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,19 @@ class Snapshot:
     # Indexes built once per snapshot, so that a decision costs O(devices) plus the runners
     # of the job's model, not O(devices × runners). scheduler/placement/snapcache.py supplies them
     # ready-made, kept current between snapshots.
+    @cached_property
+    def device_by_id(self) -> Mapping[str, DeviceState]:
+        return {d.id: d for d in self.devices}
+
+    @cached_property
+    def by_free(self) -> Sequence[DeviceState]:
+        """The devices in :func:`free_order` (a placement finds room by bisection)."""
+        return sorted(self.devices, key=free_order)
+
+    @cached_property
+    def largest_total(self) -> int:
+        return max((d.total for d in self.devices), default=0)
+
     @cached_property
     def live_by_model(self) -> Mapping[str, list[RunnerState]]:
         """Live runners per model, on alive devices only (never route to a dead one)."""

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from scheduler.cluster import DeviceState, RunnerState, Snapshot
 from scheduler.placement.commit import Assigned, Wait, commit
 from scheduler.placement.decision import decide
+from scheduler.placement.fitting import first_fit, pick
 from scheduler.placement.needs import GroupNeeds, JobNeeds
 from scheduler.placement.verdict import Evict, Load, Park, Refuse, Route
 
@@ -255,3 +256,27 @@ def test_simulated_cluster_keeps_invariants(trace: list, placers: int) -> None:
         parked = still
     assert not parked
     assert all(o == "served" or o.startswith("refused:") for o in outcomes)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["gpu", "vgpu", "cpu"]), st.integers(0, 8), st.booleans()),
+        max_size=12,
+    ),
+    st.integers(0, 8),
+    st.sampled_from(["binpack", "spread"]),
+)
+def test_first_fit_finds_what_pick_picks_among_all(
+    specs: list[tuple[str, int, bool]], need: int, policy: str
+) -> None:
+    """The bisection over devices sorted by free memory picks the device the walk over
+    every device picks (ties of free memory included: ids decide)."""
+    devices = [
+        DeviceState(f"d{i % 5}{i}", "w", "q", kind, 8, free, 0)  # type: ignore[arg-type]
+        for i, (kind, free, _ok) in enumerate(specs)
+    ]
+    ok = {d.id for d, (_k, _f, good) in zip(devices, specs, strict=True) if good}
+    snap = Snapshot(devices, [])
+    fits = [d for d in devices if d.free >= need and d.id in ok]
+    found = first_fit(snap.by_free, need, policy, lambda d: d.id in ok)  # type: ignore[arg-type]
+    assert found == (pick(fits, need, policy) if fits else None)  # type: ignore[arg-type]

@@ -24,6 +24,9 @@ def view(snap: Snapshot) -> dict[str, object]:
         "counts": {d: c for d, c in snap.counts.items() if c and d in alive},
         "idle": {d: [r.id for r in snap.idle_by_device.get(d, [])] for d in sorted(alive)},
         "parked": snap.parked,
+        "by_free": [d.id for d in snap.by_free],
+        "largest": snap.largest_total,
+        "by_id": sorted(snap.device_by_id),
     }
 
 

@@ -82,7 +82,7 @@ def commit(
             fields = runner_fields(load)
             if not ledger.reserve(runner_id, placement_id, load.reservations, fields, now):
                 return LOST_RACE
-            kind = next(d.kind for d in snap.devices if d.id == device_id)
+            kind = snap.device_by_id[device_id].kind
             return Assigned(
                 runner_id,
                 device_id,

@@ -17,10 +17,10 @@ from scheduler.placement.fitting import (
     cheapest_victims,
     emptied,
     fewest_devices,
+    first_fit,
     group_victims,
     new_replica,
     partial_offload,
-    pick,
 )
 from scheduler.placement.needs import JobNeeds
 from scheduler.placement.verdict import (
@@ -143,13 +143,13 @@ def _where(
     if stale:
         return Evict([r.id for r in stale])
     # 6
-    if job.bytes > max(d.total for d in snap.devices):
+    if job.bytes > snap.largest_total:
         return _larger_than_any_device(job, snap, max_loaded, victim_key)
     # 7
     counts = snap.counts
-    fits = [d for d in snap.devices if d.free >= job.bytes and counts.get(d.id, 0) < max_loaded]
-    if fits:
-        return Load(pick(fits, job.bytes, policy).id, job.bytes, max(-1, job.n_gpu_layers or -1))
+    chosen = first_fit(snap.by_free, job.bytes, policy, lambda d: counts.get(d.id, 0) < max_loaded)
+    if chosen is not None:
+        return Load(chosen.id, job.bytes, max(-1, job.n_gpu_layers or -1))
     # 8
     if job.group is not None:
         spanning = fewest_devices(job.group, snap, max_loaded)
@@ -249,7 +249,7 @@ def _larger_than_any_device(
             return Evict(victims)
         return Park(f"{job.model!r} spans several GPUs whose memory is in use")
     # 6d
-    largest = max(d.total for d in snap.devices)
+    largest = snap.largest_total
     sizes = {d.id: f"total {format_bytes(d.total)}" for d in snap.devices}
     return Refuse(
         "no_capacity",

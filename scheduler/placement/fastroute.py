@@ -22,12 +22,13 @@ def route_for(
     num_ctx ``warning`` its jobs share. Called after the job is sent, so it must not
     raise (the job would be placed again)."""
     devices = assigned.device_ids or [assigned.device_id]
-    for runner in snap.runners:
+    for runner in snap.live_by_model.get(req.model, ()):
         if runner.id == assigned.runner_id:
             devices = list(runner.devices)
-        elif runner.model == req.model and runner.config_key == config_key:
+        elif runner.config_key == config_key:
             return None  # replicas: placement chooses among them
-    worker = next((d.worker for d in snap.devices if d.id == devices[0]), None)
+    device = snap.device_by_id.get(devices[0])
+    worker = device.worker if device is not None else None
     if len(devices) != 1 or worker is None:
         return None
     return Route(

@@ -4,6 +4,7 @@ Pure, like the decision."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Literal
@@ -12,6 +13,7 @@ from scheduler.cluster import (
     DeviceState,
     RunnerState,
     Snapshot,
+    device_order,
     eviction_order,
     has_replica,
     is_live,
@@ -118,8 +120,31 @@ def split_blocks(
     return tuple(split)
 
 
-def device_order(device: DeviceState) -> int:
-    return 1 if device.kind == "cpu" else 0
+def first_fit(
+    by_free: Sequence[DeviceState],
+    need: int,
+    policy: Policy,
+    ok: Callable[[DeviceState], bool],
+) -> DeviceState | None:
+    """What :func:`pick` picks among the devices with ``need`` bytes free that ``ok``
+    accepts, found by bisection in ``by_free`` (:attr:`Snapshot.by_free`): it reads the
+    devices that fit, in the policy's order, until one is ``ok``, not every device."""
+    for order in (0, 1):
+        start = bisect.bisect_left(by_free, (order, need), key=lambda d: (device_order(d), d.free))
+        end = bisect.bisect_left(by_free, (order + 1, 0), key=lambda d: (device_order(d), d.free))
+        if policy != "spread":
+            found = next((by_free[i] for i in range(start, end) if ok(by_free[i])), None)
+        else:  # the most free; among equals the first id, which sorts first
+            found = None
+            for i in range(end - 1, start - 1, -1):
+                device = by_free[i]
+                if found is not None and device.free < found.free:
+                    break
+                if ok(device):
+                    found = device
+        if found is not None:
+            return found
+    return None
 
 
 def pick(devices: list[DeviceState], need: int, policy: Policy) -> DeviceState:

@@ -25,6 +25,7 @@ from scheduler.cluster import (
     is_idle,
     is_live,
 )
+from scheduler.placement.alive import AliveDevices
 from scheduler.store import keys
 from scheduler.store.records import decoded, device_from_hash, runner_from_hash, text
 
@@ -51,11 +52,7 @@ class SnapshotCache:
         self._counts: dict[str, int] = {}
         self._idle: dict[str, dict[str, RunnerState]] = {}
         self.reloads = 0
-        # the alive devices as last computed, valid until one's beat lapses or a key changes
-        self._alive_list: list[DeviceState] = []
-        self._alive_ids: set[str] = set()
-        self._alive_ttl_s: float | None = None
-        self._alive_until = -float("inf")
+        self._alive = AliveDevices()
 
     def snapshot(
         self, now: float, device_ttl_s: float, parked_models: Collection[str] = frozenset()
@@ -67,32 +64,28 @@ class SnapshotCache:
         pipe.zcard(keys.PARKED)
         counter, entries, parked = pipe.execute()
         changed = self._changed_keys(int(counter or 0), entries)
+        touched: set[str] | None = set()
         if changed is None:
             self._reload()
+            touched = None
         elif changed:
-            self._fetch(changed)
-        alive, alive_ids = self._alive(now, device_ttl_s, bool(changed) or changed is None)
+            touched = self._fetch(changed)
+        alive = self._alive
+        alive.update(self._devices, self._beats, now, device_ttl_s, touched)
         demand = DecayedDemand(self.r, now)
         runners = list(self._runners.values())
-        snap = Snapshot(alive, runners, int(parked), demand, parked_models)
+        snap = Snapshot(list(alive.by_id.values()), runners, int(parked), demand, parked_models)
         # cached_property stores in the instance dict: supply the indexes ready-made
-        live = _LiveByModel(self._by_model, alive_ids)
-        snap.__dict__["live_by_model"] = live
-        snap.__dict__["counts"] = dict(self._counts)
-        snap.__dict__["idle_by_device"] = _IdleByDevice(self._idle, demand, live)
+        live = _LiveByModel(self._by_model, alive.by_id)
+        snap.__dict__.update(
+            live_by_model=live,
+            counts=dict(self._counts),
+            idle_by_device=_IdleByDevice(self._idle, demand, live),
+            device_by_id=alive.by_id,
+            by_free=alive.by_free(),
+            largest_total=alive.largest_total,
+        )
         return snap
-
-    def _alive(
-        self, now: float, device_ttl_s: float, changed: bool
-    ) -> tuple[list[DeviceState], set[str]]:
-        """The devices whose last beat is within the TTL, recomputed only when a device
-        changed (a beat is a change) or the soonest of their beats lapsed."""
-        if changed or device_ttl_s != self._alive_ttl_s or now > self._alive_until:
-            alive = [d for d in self._devices.values() if now - self._beats[d.id] <= device_ttl_s]
-            until = min((self._beats[d.id] + device_ttl_s for d in alive), default=float("inf"))
-            self._alive_list, self._alive_ids = alive, {d.id for d in alive}
-            self._alive_ttl_s, self._alive_until = device_ttl_s, until
-        return self._alive_list, self._alive_ids
 
     # -- change log ------------------------------------------------------------------------
     def _changed_keys(self, counter: int, entries: Any) -> set[str] | None:
@@ -135,7 +128,8 @@ class SnapshotCache:
         wanted |= {keys.runner(text(r)) for r in runner_ids}
         self._fetch(wanted)
 
-    def _fetch(self, changed: set[str]) -> None:
+    def _fetch(self, changed: set[str]) -> set[str]:
+        """Read the ``changed`` keys again; returns the devices they touched."""
         ordered = sorted(changed)
         pipe = self.r.pipeline(transaction=False)
         for key in ordered:
@@ -161,6 +155,7 @@ class SnapshotCache:
                     self._add_runner(record)
         for device_id in touched:
             self._rebuild_device(device_id)
+        return touched
 
     def _rebuild_device(self, device_id: str) -> None:
         h = self._hashes.get(device_id)
@@ -226,11 +221,14 @@ class DecayedDemand(Mapping[str, float]):
 
 
 class _LiveByModel(Mapping[str, list[RunnerState]]):
-    def __init__(self, index: dict[str, dict[str, RunnerState]], alive: set[str]) -> None:
+    def __init__(
+        self, index: dict[str, dict[str, RunnerState]], alive: Mapping[str, DeviceState]
+    ) -> None:
         self._index, self._alive = index, alive
 
     def __getitem__(self, model: str) -> list[RunnerState]:
-        runners = [r for r in self._index[model].values() if self._alive.issuperset(r.devices)]
+        alive = self._alive
+        runners = [r for r in self._index[model].values() if all(d in alive for d in r.devices)]
         if not runners:
             raise KeyError(model)
         return runners
