@@ -142,3 +142,9 @@ def format_warning(req: JobRequest) -> str | None:
         "format asks for JSON but the prompt never mentions JSON; models then tend to emit "
         "endless whitespace: ask for JSON in the prompt"
     )
+
+
+def config_of(req: JobRequest) -> tuple[object, ...]:
+    """What decides a job's runner configuration, as far as its request tells."""
+    o = req.options
+    return (req.model, req.kind, o.num_ctx, o.num_parallel, o.num_gpu, req.device)

@@ -29,12 +29,7 @@ from scheduler.placement.commit import Assigned, Wait, commit
 from scheduler.placement.decision import decide
 from scheduler.placement.fastroute import route_for
 from scheduler.placement.ledger import RedisLedger
-from scheduler.placement.needs import (
-    Defaults,
-    format_warning,
-    job_needs,
-    runner_config,
-)
+from scheduler.placement.needs import Defaults, config_of, format_warning, job_needs, runner_config
 from scheduler.placement.parking import HeldJobs, LazySet, ParkedJobs, park_score
 from scheduler.placement.recovery import Recovery
 from scheduler.placement.shapes import Shapes, runner_fields
@@ -131,13 +126,13 @@ class PlacementService:
         score, delivery = park_score(req, time.time()), uuid.uuid4().hex
         try:
             record = parked_record(job, score)  # what it is put back as, if this process dies
-            first = self.state.place_once(req.id, delivery, self._claim_ttl_s, record)
+            claim = self.state.place_once(req.id, delivery, self._claim_ttl_s, record)
         except redis.RedisError as exc:  # Redis away: whether it is ours is known later
             return self._hold(req, exc, score, 0, delivery)
-        if not first:
+        if not claim.first:
             log.warning("job %s was delivered again; it is placed once", req.id)
             return {"duplicate": req.id}
-        outcome = self._attempt(req, started, score, errors=0, new=True)
+        outcome = self._attempt(req, started, score, errors=0, new=True, cancelled=claim.cancelled)
         sent = "route" in outcome  # with its hops and route (None: no single runner)
         route = outcome.pop("route", None)
         hops = dict(outcome.pop("hops", {}), submitted=req.submitted_at, placement_received=at)
@@ -164,7 +159,7 @@ class PlacementService:
         """
         moved, blocked, sent = 0, set(), Counter[str]()
         for job_id, req in self.parked.entries(self.passes.ahead(), wake.models):
-            if req is not None and _config_of(req) in blocked:
+            if req is not None and config_of(req) in blocked:
                 continue
             taken = req is not None and sent[req.model] >= wake.slots.get(req.model, 0)
             if taken and not wake.everything:
@@ -186,19 +181,26 @@ class PlacementService:
                 if outcome.get("runner") in wake.runners:
                     sent[claimed.job.model] += 1
             if "parked" in outcome:
-                blocked.add(_config_of(claimed.job))
+                blocked.add(config_of(claimed.job))
             else:
                 moved += 1
                 self.passes.served(claimed.job.tenant, claimed.job.weight)
         return moved
 
     def _attempt(
-        self, req: JobRequest, started: int, score: float, errors: int, new: bool = False
+        self,
+        req: JobRequest,
+        started: int,
+        score: float,
+        errors: int,
+        new: bool = False,
+        cancelled: bool | None = None,
     ) -> dict[str, Any]:
         """Place a job that nobody else holds now (new, claimed from the parked queue, or an
-        orphan): every way out ends with the job sent, parked or failed, never dropped."""
+        orphan): every way out ends with the job sent, parked or failed, never dropped.
+        ``cancelled`` is given when known (read with a new job's claim), else read here."""
         try:
-            if is_cancelled(self.r, req.id):
+            if cancelled if cancelled is not None else is_cancelled(self.r, req.id):
                 raise cancelled_before_start(req.id)
             return self._place(req, started, None if new else score)
         except Parked as parked:
@@ -245,7 +247,7 @@ class PlacementService:
         Redis answers again); returns how many were parked. Raises while Redis is away."""
 
         def claim(job_id: str, delivery: str, record: str) -> bool:
-            return self.state.place_once(job_id, delivery, self._claim_ttl_s, record)
+            return self.state.place_once(job_id, delivery, self._claim_ttl_s, record).first
 
         return self.held.park_all(claim, self.fail)
 
@@ -314,7 +316,7 @@ class PlacementService:
         """Send the job to its device: its record and its message in one step. When that
         step fails, or the job was swept from this process, the commit before it is undone;
         a step that ran after all (its answer was lost) leaves the job sent."""
-        worker = next(d.worker for d in snap.devices if d.id == placement.device_id)
+        worker = snap.device_by_id[placement.device_id].worker
         record = SentJob(job=req, placement=placement, worker=worker, sent_at=self.clock.now())
         outcome = {"device": placement.device_id, "runner": placement.runner_id}
         try:
@@ -391,9 +393,3 @@ class PlacementService:
             return False
         self.fail_or_hold(job_id, claimed.job.model, cancelled_before_start(job_id))
         return True
-
-
-def _config_of(req: JobRequest) -> tuple[object, ...]:
-    """What decides a job's runner configuration, as far as its request tells."""
-    o = req.options
-    return (req.model, req.kind, o.num_ctx, o.num_parallel, o.num_gpu, req.device)

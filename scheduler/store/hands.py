@@ -24,7 +24,7 @@ import redis
 from scheduler.protocol import SentJob
 from scheduler.store import keys
 from scheduler.store.connection import REDIS_AWAY, again_if_lost
-from scheduler.store.scripts import queue, script
+from scheduler.store.scripts import execute, queue, script
 
 # how long a swept token is remembered: its holder, stalled, may come back this late
 SWEPT_KEPT_S = 3600
@@ -162,22 +162,35 @@ class Hands:
             self._tokens()[job_id] = token
 
     # -- taking in hand ---------------------------------------------------------------------
-    def claim(self, job_id: str, delivery: str, ttl_s: int, record: str) -> bool:
+    def claim(
+        self, job_id: str, delivery: str, ttl_s: int, record: str, read: list[str] | None = None
+    ) -> tuple[bool, list[Any]]:
         """Claim a submission's placement for ``delivery`` (PlacementState.place_once) and
         hold it, its ``record`` as :func:`parked_record` makes it; False when another
-        delivery has it."""
+        delivery has it. The values of the keys ``read`` come back with it, read in the
+        same round trip."""
         token = self.token(job_id) or uuid.uuid4().hex
         self.adopt(job_id, token)
         entry = json.dumps({"token": token, "what": "parked", "record": record})
-        owned = again_if_lost(  # the same delivery asking again finds the claim its own
-            lambda: self._place(
-                keys=[keys.job_placed(job_id), keys.IN_HAND, keys.swept(token)],
-                args=[delivery, ttl_s, self.field(job_id), entry],
+
+        def claimed() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            queue(
+                pipe,
+                self._place,
+                [keys.job_placed(job_id), keys.IN_HAND, keys.swept(token)],
+                [delivery, ttl_s, self.field(job_id), entry],
             )
-        )
+            if read:
+                pipe.mget(read)
+            return execute(pipe)
+
+        # the same delivery asking again finds the claim its own
+        replies = again_if_lost(claimed)
+        owned = bool(replies[0])
         if not owned:
             self.hand_over(job_id)
-        return bool(owned)
+        return owned, list(replies[1]) if read else []
 
     def take(self, what: Taken, job_id: str, token: str = "") -> bytes | None:
         """Take a job's record out of the orphans or the parked queue (lua/take.lua) and

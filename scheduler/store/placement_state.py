@@ -12,6 +12,7 @@ import redis
 from scheduler.cluster import DEMAND_TAU_S, Snapshot
 from scheduler.protocol import SentJob
 from scheduler.store import keys
+from scheduler.store.cancel import cancelled_by, watch_keys
 from scheduler.store.connection import again_if_lost
 from scheduler.store.due import DueSend
 from scheduler.store.hands import Hands
@@ -32,6 +33,15 @@ class Pruned:
     unaccounted: set[str]  # placements no in-flight record names now
     forgotten: set[str]  # of them, those the last look saw too: no longer counted
     released: bool = False  # a runner still loading left with no job: gone
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A submission's claim: whether this delivery is the first, and whether the job was
+    already asked to cancel (read with it)."""
+
+    first: bool
+    cancelled: bool
 
 
 class PlacementState:
@@ -121,13 +131,15 @@ class PlacementState:
         False if it is unloading or gone."""
         return bool(self._assign(keys=[keys.runner(runner_id)], args=[now, placement_id]))
 
-    def place_once(self, job_id: str, delivery: str, ttl_s: int, record: str) -> bool:
+    def place_once(self, job_id: str, delivery: str, ttl_s: int, record: str) -> Claim:
         """Claim a submitted job's placement for ``delivery`` (an id of this delivery of its
         message, so that a claim tried again after a lost reply is still found ours) and
-        hold it in hand, its parked ``record`` ready (:class:`Hands`); False when another
-        delivery has it (the broker hands an unacknowledged message out again after its
-        visibility timeout, and a reader sends a lost one again)."""
-        return self.hands.claim(job_id, delivery, ttl_s, record)
+        hold it in hand, its parked ``record`` ready (:class:`Hands`); not ``first`` when
+        another delivery has it (the broker hands an unacknowledged message out again after
+        its visibility timeout, and a reader sends a lost one again). Whether the job was
+        asked to cancel is read in the same round trip."""
+        first, watched = self.hands.claim(job_id, delivery, ttl_s, record, watch_keys(job_id))
+        return Claim(first, cancelled_by(*watched))
 
     def count_request(self, model: str, now: float, pipe: Any = None) -> None:
         """One more request for ``model`` (queued on ``pipe`` when given)."""
