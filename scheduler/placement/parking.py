@@ -25,6 +25,7 @@ from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.fairness import fair_order
 from scheduler.protocol import JobRequest, parse_request
 from scheduler.store import keys
+from scheduler.store.cancel import cancelled_by, watch_keys
 from scheduler.store.hands import Hands, PutBack, Taken, TakeUnsure, parked_record
 from scheduler.store.records import text
 from scheduler.store.scripts import script
@@ -44,6 +45,7 @@ class Claimed:
     job: JobRequest
     score: float
     errors: int  # unexpected failures of its earlier placements
+    cancelled: bool = False  # asked to cancel (read with the claim)
 
 
 def _readable(raw: bytes | None) -> JobRequest | None:
@@ -86,13 +88,14 @@ class ParkedJobs:
         """Take a parked job out for a retry, in hand; None when another placer took it
         first. Raises InvalidRequest when its record does not parse (the job is out of the
         queue, still in hand: failing it lets go of it)."""
-        raw = self.hands.take("parked", job_id)
+        raw, watched = self.hands.take_reading("parked", job_id, read=watch_keys(job_id))
         if raw is None:
             return None
         try:
             record = json.loads(raw)
             req = parse_request(record["job"])
-            return Claimed(req, float(record["score"]), int(record.get("errors", 0)))
+            errors = int(record.get("errors", 0))
+            return Claimed(req, float(record["score"]), errors, cancelled_by(*watched))
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidRequest(f"parked job {job_id}'s record cannot be read: {exc}") from None
 

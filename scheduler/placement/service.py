@@ -174,7 +174,11 @@ class PlacementService:
             if claimed is None:
                 continue  # another placement process took it
             outcome = self._attempt(
-                claimed.job, time.perf_counter_ns(), claimed.score, claimed.errors
+                claimed.job,
+                time.perf_counter_ns(),
+                claimed.score,
+                claimed.errors,
+                cancelled=claimed.cancelled,
             )
             if "device" in outcome:
                 self._sent_off(job_id)

@@ -198,22 +198,36 @@ class Hands:
         under the same token, so the record is neither lost with it nor handed to two
         takers; TakeUnsure when Redis does not answer that either. ``token``: a take asked
         again after one."""
+        return self.take_reading(what, job_id, token)[0]
+
+    def take_reading(
+        self, what: Taken, job_id: str, token: str = "", read: list[str] | None = None
+    ) -> tuple[bytes | None, list[Any]]:
+        """:meth:`take`, and the values of the keys ``read``, read in the same round trip."""
         token = token or uuid.uuid4().hex
         self.adopt(job_id, token)
-        try:
-            raw = again_if_lost(
-                lambda: self._take(
-                    keys=[_queue(what), keys.parked_job(job_id), keys.IN_HAND, keys.swept(token)],
-                    args=[job_id, self.field(job_id), token, what],
-                )
+
+        def taken() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            queue(
+                pipe,
+                self._take,
+                [_queue(what), keys.parked_job(job_id), keys.IN_HAND, keys.swept(token)],
+                [job_id, self.field(job_id), token, what],
             )
+            if read:
+                pipe.mget(read)
+            return execute(pipe)
+
+        try:
+            replies = again_if_lost(taken)
         except REDIS_AWAY as exc:
             self.hand_over(job_id)
             raise TakeUnsure(what, job_id, token, exc) from exc
-        if not raw:
+        if not replies[0]:
             self.hand_over(job_id)
-            return None
-        return cast(bytes, raw)
+            return None, []
+        return cast(bytes, replies[0]), list(replies[1]) if read else []
 
     # -- letting go -------------------------------------------------------------------------
     def sent(self, record: SentJob, ttl_s: int, queue: str, message: str) -> bool:
