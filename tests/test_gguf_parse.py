@@ -17,6 +17,7 @@ from scheduler.gguf.parse import (
     parse_header,
     string_item,
 )
+from tests.tinymodel import finish
 
 
 def write(path: Path) -> Path:
@@ -28,11 +29,7 @@ def write(path: Path) -> Path:
     writer.add_array("t.flags", [True, False])
     writer.add_uint32("t.one", 42)
     writer.add_tensor("x", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path)
 
 
 def test_arrays_read_as_placement_needs_them(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ loads in milliseconds, generates (nonsense) text.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -15,6 +16,15 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+
+def finish(writer: Any, path: Path) -> Path:
+    """Write out what a GGUFWriter was given, and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def write_slow_model(path: Path) -> Path:
@@ -123,11 +133,7 @@ def write_tiny_model(
         writer.add_tensor(f"{blk}.ffn_gate.weight", weight(n_ff, n_embd))
         writer.add_tensor(f"{blk}.ffn_up.weight", weight(n_ff, n_embd))
         writer.add_tensor(f"{blk}.ffn_down.weight", weight(n_embd, n_ff))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path)
 
 
 def _vocab() -> tuple[list[str], list[float], list[int]]:
@@ -156,11 +162,7 @@ def write_unknown_arch(path: Path) -> Path:
     writer.add_block_count(1)
     writer.add_head_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path)
 
 
 def calibration_models(directory: Path) -> dict[str, Path]:

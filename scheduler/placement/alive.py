@@ -20,7 +20,10 @@ FreeKey = tuple[int, int, str]
 
 
 class AliveDevices:
-    def __init__(self) -> None:
+    """Over the snapshot cache's own ``devices`` and their ``beats`` (kept current by it)."""
+
+    def __init__(self, devices: Mapping[str, DeviceState], beats: Mapping[str, float]) -> None:
+        self._devices, self._beats = devices, beats
         self.by_id: dict[str, DeviceState] = {}
         self._keys: list[FreeKey] = []  # free_order of each alive device, sorted
         self._key_of: dict[str, FreeKey] = {}
@@ -28,28 +31,21 @@ class AliveDevices:
         self._ttl_s: float | None = None
         self._until = -float("inf")  # no alive device's beat lapses before this
 
-    def update(
-        self,
-        devices: Mapping[str, DeviceState],
-        beats: Mapping[str, float],
-        now: float,
-        ttl_s: float,
-        touched: Collection[str] | None,
-    ) -> None:
+    def update(self, now: float, ttl_s: float, touched: Collection[str] | None) -> None:
         """Bring the index up to ``now``; ``touched`` names the devices changed since the
         last call (None: anything may have changed)."""
         if touched is None or ttl_s != self._ttl_s or now > self._until:
-            self._recompute(devices, beats, now, ttl_s)
+            self._recompute(now, ttl_s)
             return
         for device_id in touched:
-            device = devices.get(device_id)
-            beat = beats.get(device_id, -float("inf"))
+            device = self._devices.get(device_id)
+            beat = self._beats.get(device_id, -float("inf"))
             alive = device is not None and now - beat <= ttl_s
             old = self.by_id.get(device_id)
             if alive != (old is not None) or (
                 device is not None and old is not None and device.total != old.total
             ):
-                self._recompute(devices, beats, now, ttl_s)  # joined, left, or re-registered
+                self._recompute(now, ttl_s)  # joined, left, or re-registered
                 return
             if device is None or old is None:
                 continue  # dead before and after
@@ -61,14 +57,11 @@ class AliveDevices:
                 bisect.insort(self._keys, new_key)
                 self._key_of[device_id] = new_key
 
-    def _recompute(
-        self,
-        devices: Mapping[str, DeviceState],
-        beats: Mapping[str, float],
-        now: float,
-        ttl_s: float,
-    ) -> None:
-        alive = {i: d for i, d in devices.items() if now - beats.get(i, -float("inf")) <= ttl_s}
+    def _recompute(self, now: float, ttl_s: float) -> None:
+        beats = self._beats
+        alive = {
+            i: d for i, d in self._devices.items() if now - beats.get(i, -float("inf")) <= ttl_s
+        }
         self.by_id = alive
         self._key_of = {i: free_order(d) for i, d in alive.items()}
         self._keys = sorted(self._key_of.values())

@@ -52,7 +52,7 @@ class SnapshotCache:
         self._counts: dict[str, int] = {}
         self._idle: dict[str, dict[str, RunnerState]] = {}
         self.reloads = 0
-        self._alive = AliveDevices()
+        self._alive = AliveDevices(self._devices, self._beats)
 
     def snapshot(
         self, now: float, device_ttl_s: float, parked_models: Collection[str] = frozenset()
@@ -71,7 +71,7 @@ class SnapshotCache:
         elif changed:
             touched = self._fetch(changed)
         alive = self._alive
-        alive.update(self._devices, self._beats, now, device_ttl_s, touched)
+        alive.update(now, device_ttl_s, touched)
         demand = DecayedDemand(self.r, now)
         runners = list(self._runners.values())
         snap = Snapshot(list(alive.by_id.values()), runners, int(parked), demand, parked_models)
