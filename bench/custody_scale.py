@@ -1,13 +1,17 @@
 """Custody at scale: jobs parked and queued over 1,000 devices, through the placement service
 in this process against a real Redis (no models run: workers are played by their scripts).
 
-    python bench/custody_scale.py [--devices 1000] [--jobs 100,2000,10000] [--ends 10]
+    python bench/custody_scale.py [--devices 1000] [--jobs 100,2000,10000] [--per-model 10]
+                                  [--ends 10]
 
-1,000 virtual devices that each hold one runner of a tiny model, and 1,000 models (copies
-of one file), so that the first 1,000 jobs load a runner each, the next 1,000 wait at
-their runners and the rest park. For each total of jobs in the system it measures, per job:
+1,000 virtual devices that each hold one runner of a tiny model, and one model (a copy of
+one file) per ``--per-model`` jobs, at most one per device: each model's first job loads
+its runner, the second waits at it (one slot, one queued), the rest park. Every total of
+jobs has the same shape per model, so that what grows is the jobs in the system alone
+(10,000 jobs: 1,000 runners, 8,000 parked). For each total it measures, per job:
 
-- submit -> decision -> send (or park): ``PlacementService.place``, the Celery task's body;
+- submit -> decision -> send (or park): ``PlacementService.place``, the Celery task's body,
+  over all jobs and by what became of each (loaded a runner, queued at one, parked);
 - a job's end -> the next parked job of its model sent: the worker's end script (end.lua,
   which publishes job_finished) and the waker's ``retry_parked`` of what the event wakes
   (its runner's model), beside the same with every parked job retried (as before);
@@ -105,12 +109,16 @@ def job(model: str, n: int) -> dict[str, Any]:
     return JobRequest(id=f"j{n:06d}", model=model, prompt="x").model_dump(mode="json")
 
 
-def fill(cluster: Cluster, total: int, n_models: int) -> list[float]:
-    times = []
+def fill(cluster: Cluster, total: int, n_models: int) -> dict[str, list[float]]:
+    """Place ``total`` jobs, ``n_models`` models in turn; their times, by what became of
+    each: its model's first job loads its runner, the second queues at it, the rest park."""
+    times: dict[str, list[float]] = {"load": [], "queue": [], "park": []}
     for n in range(total):
         started = time.perf_counter()
-        cluster.service.place(job(f"m{n % n_models:04d}", n))
-        times.append((time.perf_counter() - started) * 1000)
+        outcome = cluster.service.place(job(f"m{n % n_models:04d}", n))
+        elapsed = (time.perf_counter() - started) * 1000
+        kind = "park" if "parked" in outcome else "load" if n < n_models else "queue"
+        times[kind].append(elapsed)
     return times
 
 
@@ -118,16 +126,18 @@ def end_then_next(cluster: Cluster, ends: int) -> tuple[list[float], list[float]
     """A running job ends (the worker's end script, which publishes job_finished), and the
     waker sends what can now run: as the placement process's waker does (the events that
     came together, wake_for, retry_parked of what they wake), and, on every other end, as
-    it did before (every parked job retried). Returns both arms' times."""
+    it did before (every parked job retried). Ends go round the devices that hold jobs, so
+    that a small total ends as many jobs as a large one. Returns both arms' times."""
     woken, every = [], []
     events = cluster.r.pubsub(ignore_subscribe_messages=True)
     events.subscribe(keys.EVENTS)
     devices = sorted(text(d) for d in cluster.r.smembers(keys.DEVICES))
-    for n, device_id in enumerate(devices[: 2 * ends]):
-        records = cluster.service.state.sent_records(device_id)  # sent, none started
+    busy = [d for d in devices if cluster.service.state.sent_records(d)]
+    for n in range(2 * ends if busy else 0):
+        records = cluster.service.state.sent_records(busy[n % len(busy)])  # none started
         if not records:
             continue
-        record = records[0]
+        record = min(records, key=lambda r: r.sent_at)  # the one in the slot
         while events.get_message(timeout=0) is not None:
             pass
         started = time.perf_counter()
@@ -167,9 +177,9 @@ def run(args: argparse.Namespace, total: int, models: Path, device_bytes: int) -
     root = Path(tempfile.mkdtemp(prefix="ggufq-custody-"))
     cluster = Cluster(root, models, args.devices, device_bytes)
     try:
-        placed = fill(cluster, total, args.devices)
+        n_models = max(1, min(args.devices, total // args.per_model))
+        placed = fill(cluster, total, n_models)
         parked = cluster.r.zcard(keys.PARKED)
-        tail = placed[-min(len(placed), 200) :]  # the last jobs, with the most in the system
         woken, every = end_then_next(cluster, args.ends)
         sweep_0 = [liveness_pass(cluster, redis_now(cluster.r)) for _ in range(3)]
         held_by_the_silent(cluster, 100)
@@ -178,7 +188,9 @@ def run(args: argparse.Namespace, total: int, models: Path, device_bytes: int) -
         return {
             "jobs": total,
             "parked": int(parked),
-            "place": ms(tail),
+            "models": n_models,
+            "place": ms([t for times in placed.values() for t in times]),
+            "by_outcome": {kind: ms(times) for kind, times in placed.items()},
             "end_to_next": ms(woken),
             "end_to_next_retry_all": ms(every),
             "sweep_0_expired_ms": statistics.median(sweep_0),
@@ -204,6 +216,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--devices", type=int, default=1000)
     parser.add_argument("--jobs", default="100,2000,10000", help="totals of jobs, comma-separated")
+    parser.add_argument("--per-model", type=int, default=10, help="jobs per model")
     parser.add_argument("--ends", type=int, default=10, help="job ends timed per total")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the sweep's "put back" warnings, 100 of them
@@ -215,14 +228,16 @@ def main() -> None:
     device_bytes = one + one // 2  # one runner each, not two
     rows = [run(args, int(total), models, device_bytes) for total in args.jobs.split(",")]
     print(
-        f"{'jobs':>7}{'parked':>8}{'place p50':>11}{'p99':>9}{'end->next p50':>15}{'p99':>9}"
-        f"{'(retry all)':>12}{'sweep 0':>9}{'sweep 100':>11}  (ms)"
+        f"{'jobs':>7}{'parked':>8}{'place p50':>11}{'p99':>8}{'load':>7}{'queue':>7}{'park':>7}"
+        f"{'end->next p50':>15}{'p99':>8}{'(retry all)':>12}{'sweep 0':>9}{'sweep 100':>11}  (ms)"
     )
     for row in rows:
+        kinds = row["by_outcome"]
         print(
             f"{row['jobs']:>7}{row['parked']:>8}{row['place']['p50_ms']:>11.2f}"
-            f"{row['place']['p99_ms']:>9.2f}{row['end_to_next']['p50_ms']:>15.2f}"
-            f"{row['end_to_next']['p99_ms']:>9.2f}"
+            f"{row['place']['p99_ms']:>8.2f}{kinds['load']['p50_ms']:>7.2f}"
+            f"{kinds['queue']['p50_ms']:>7.2f}{kinds['park']['p50_ms']:>7.2f}"
+            f"{row['end_to_next']['p50_ms']:>15.2f}{row['end_to_next']['p99_ms']:>8.2f}"
             f"{row['end_to_next_retry_all']['p50_ms']:>12.2f}{row['sweep_0_expired_ms']:>9.1f}"
             f"{row['sweep_100_expired_ms']:>11.1f}"
         )
