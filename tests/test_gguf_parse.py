@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
+from api_client.gateway.catalog import model_info
+from scheduler.gguf.metadata import read_model_info
 from scheduler.gguf.parse import (
     MAX_STRINGS_DECODE,
     GGUFFormatError,
@@ -17,7 +19,7 @@ from scheduler.gguf.parse import (
     parse_header,
     string_item,
 )
-from tests.tinymodel import finish
+from tests.tinymodel import finish, write_tiny_llama
 
 
 def write(path: Path) -> Path:
@@ -59,3 +61,13 @@ def test_a_header_cut_inside_an_array_is_a_format_error(tmp_path: Path) -> None:
     cut = data.index(b"t.ints") + 20  # inside the array's items
     with pytest.raises(GGUFFormatError, match="ends early"):
         parse_header(data[:cut])
+
+
+def test_show_lists_the_vocabulary_only_when_verbose(tmp_path: Path) -> None:
+    """/api/show's model_info decodes what placement skips (Ollama's verbose view)."""
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    n_vocab = read_model_info(path).vocab_size
+    assert n_vocab > MAX_STRINGS_DECODE
+    tokens = model_info(path, verbose=True)["tokenizer.ggml.tokens"]
+    assert len(tokens) == n_vocab and all(isinstance(t, str) for t in tokens)
+    assert model_info(path, verbose=False)["tokenizer.ggml.tokens"] == []

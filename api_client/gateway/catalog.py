@@ -13,7 +13,7 @@ from api_client.gateway.ollama_schema import FOREVER, timestamp
 from scheduler.cluster import RunnerView
 from scheduler.errors import InvalidModelFile
 from scheduler.gguf.metadata import ModelInfo, format_params
-from scheduler.gguf.parse import GGUFFormatError, parse_header
+from scheduler.gguf.parse import MAX_ARRAY_DECODE, GGUFFormatError, parse_header
 from scheduler.gguf.registry import ModelEntry, Registry
 
 # encoder architectures: they embed, they do not complete
@@ -80,7 +80,7 @@ def model_info(path: Path, verbose: bool) -> dict[str, Any]:
     arrays empty unless ``verbose`` (and arrays too long to decode always)."""
     try:
         with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            fields = parse_header(mm).fields
+            fields = parse_header(mm, max_strings=MAX_ARRAY_DECODE).fields
     except (OSError, ValueError, GGUFFormatError) as exc:
         raise InvalidModelFile(f"cannot read the GGUF header of {path}: {exc}") from None
     out: dict[str, Any] = {}

@@ -71,8 +71,9 @@ class GGUFHeader:
 class _Cursor:
     """Reads from bytes or an mmap without exporting buffers (an mmap must stay closable)."""
 
-    def __init__(self, buf: bytes | mmap.mmap) -> None:
+    def __init__(self, buf: bytes | mmap.mmap, max_strings: int = MAX_ARRAY_DECODE) -> None:
         self.buf = buf
+        self.max_strings = max_strings  # longer string arrays are skipped
         self.size = len(buf)
         self.pos = 0
 
@@ -105,8 +106,10 @@ class _Cursor:
         self.skip(self.unpack("<Q"))
 
 
-def parse_header(buf: bytes | mmap.mmap) -> GGUFHeader:
-    cur = _Cursor(buf)
+def parse_header(buf: bytes | mmap.mmap, max_strings: int = MAX_STRINGS_DECODE) -> GGUFHeader:
+    """The header; string arrays longer than ``max_strings`` (at most MAX_ARRAY_DECODE) come
+    back as :class:`SkippedArray`, as every longer array does."""
+    cur = _Cursor(buf, min(max_strings, MAX_ARRAY_DECODE))
     if cur.take(4) != b"GGUF":
         raise GGUFFormatError("wrong magic: not a GGUF file")
     version = cur.unpack("<I")
@@ -155,9 +158,7 @@ def _value(cur: _Cursor, vtype: int, depth: int = 0) -> Any:
         if scalar is not None and length <= MAX_ARRAY_DECODE:  # per-layer numbers: one read
             fmt = f"<{length}{scalar[1]}"
             return list(struct.unpack_from(fmt, cur.buf, cur.take_place(struct.calcsize(fmt))))
-        if length <= (
-            MAX_STRINGS_DECODE if item_type == GGUFValueType.STRING else MAX_ARRAY_DECODE
-        ):
+        if length <= (cur.max_strings if item_type == GGUFValueType.STRING else MAX_ARRAY_DECODE):
             return [_value(cur, item_type, depth + 1) for _ in range(length)]
         start = cur.pos
         if item_type == GGUFValueType.STRING:
