@@ -154,6 +154,15 @@ class Snapshot:
         return index
 
     @cached_property
+    def all_live_by_model(self) -> Mapping[str, list[RunnerState]]:
+        """Live runners per model on any device, one whose beat lapsed included: replicas
+        that placement may yet route to once their device beats again."""
+        index: dict[str, list[RunnerState]] = {}
+        for runner in filter(is_live, self.runners):
+            index.setdefault(runner.model, []).append(runner)
+        return index
+
+    @cached_property
     def counts(self) -> Mapping[str, int]:
         """Live runners per device."""
         counts: dict[str, int] = {}

@@ -12,11 +12,20 @@ from collections.abc import Callable
 import pytest
 import redis
 
+from scheduler.cluster import DeviceState, RunnerState, Snapshot
 from scheduler.errors import ChunksLost, InvalidRequest, ModelNotFound, error_from_code
 from scheduler.gguf.estimate import choose_num_ctx
 from scheduler.local.procs import lower_thread_priority, niced_child_preexec
 from scheduler.loops import LoopHealth, run_loop
-from scheduler.protocol import check_model_name, parse_request
+from scheduler.placement.commit import Assigned
+from scheduler.placement.fastroute import route_for
+from scheduler.protocol import (
+    JobRequest,
+    Placement,
+    RunnerConfig,
+    check_model_name,
+    parse_request,
+)
 from scheduler.store.streams import ChunkOrder
 from scheduler.units import format_duration, parse_bytes, parse_duration_s
 from workers.backlog import Backlog
@@ -395,3 +404,22 @@ def test_writes_redis_missed_are_kept_in_order_and_done_when_it_is_back() -> Non
     assert done == ["end c", "end d"]
     backlog.run("end e", write("end e"))  # nothing kept: written at once
     assert done[-1] == "end e" and len(backlog) == 0
+
+
+def test_no_fast_path_route_beside_a_replica_whose_device_lapsed() -> None:
+    """A model with two replicas has no route (placement chooses between them), also while
+    one replica's device is between a lapsed beat and its reap (after a Redis outage)."""
+
+    def runner(rid: str, device: str, state: str = "ready") -> RunnerState:
+        return RunnerState(rid, "m", "c", {device: 1}, state, 0, -1, 0.0)  # type: ignore[arg-type]
+
+    alive = DeviceState("d1", "w1", "q1", "gpu", 8, 8, 1)
+    req = JobRequest(model="m", prompt="p")
+    placement = Placement(id="p", runner_id="r1", device_id="d1", config=RunnerConfig(512))
+
+    def route(*others: RunnerState) -> object:
+        snap = Snapshot([alive], [runner("r1", "d1"), *others])  # d2 beat no more
+        return route_for(req, Assigned("r1", "d1"), placement, snap, "c", None)
+
+    assert route() is not None and route(runner("r2", "d2", "unloading")) is not None
+    assert route(runner("r2", "d2")) is None

@@ -21,6 +21,7 @@ def view(snap: Snapshot) -> dict[str, object]:
     return {
         "devices": sorted(snap.devices, key=lambda d: d.id),
         "live": {m: sorted(r.id for r in rs) for m, rs in snap.live_by_model.items() if rs},
+        "all_live": {m: sorted(r.id for r in rs) for m, rs in snap.all_live_by_model.items()},
         "counts": {d: c for d, c in snap.counts.items() if c and d in alive},
         "idle": {d: [r.id for r in snap.idle_by_device.get(d, [])] for d in sorted(alive)},
         "parked": snap.parked,

@@ -22,7 +22,7 @@ def route_for(
     num_ctx ``warning`` its jobs share. Called after the job is sent, so it must not
     raise (the job would be placed again)."""
     devices = assigned.device_ids or [assigned.device_id]
-    for runner in snap.live_by_model.get(req.model, ()):
+    for runner in snap.all_live_by_model.get(req.model, ()):  # a lapsed replica counts
         if runner.id == assigned.runner_id:
             devices = list(runner.devices)
         elif runner.config_key == config_key:

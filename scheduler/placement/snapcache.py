@@ -79,6 +79,7 @@ class SnapshotCache:
         live = _LiveByModel(self._by_model, alive.by_id)
         snap.__dict__.update(
             live_by_model=live,
+            all_live_by_model=_LiveByModel(self._by_model, None),
             counts=dict(self._counts),
             idle_by_device=_IdleByDevice(self._idle, demand, live),
             device_by_id=alive.by_id,
@@ -221,14 +222,17 @@ class DecayedDemand(Mapping[str, float]):
 
 
 class _LiveByModel(Mapping[str, list[RunnerState]]):
+    """Live runners per model, on the ``alive`` devices only (None: on any device)."""
+
     def __init__(
-        self, index: dict[str, dict[str, RunnerState]], alive: Mapping[str, DeviceState]
+        self, index: dict[str, dict[str, RunnerState]], alive: Mapping[str, DeviceState] | None
     ) -> None:
         self._index, self._alive = index, alive
 
     def __getitem__(self, model: str) -> list[RunnerState]:
-        alive = self._alive
-        runners = [r for r in self._index[model].values() if all(d in alive for d in r.devices)]
+        alive, runners = self._alive, list(self._index[model].values())
+        if alive is not None:
+            runners = [r for r in runners if all(d in alive for d in r.devices)]
         if not runners:
             raise KeyError(model)
         return runners
