@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
+import pytest
 import redis
 
 from scheduler.cluster import Snapshot
@@ -110,3 +112,38 @@ def test_cache_reloads_when_the_log_has_a_gap(db: redis.Redis) -> None:
     state.register_device(vgpu(1))
     assert [d.id for d in cache.snapshot(2.0, 30).devices] == [vgpu(1).id]
     assert cache.reloads == 3
+
+
+def test_a_fetch_that_failed_is_read_again(db: redis.Redis, monkeypatch: Any) -> None:
+    """The change log was read past the changes a failed fetch lost: the next snapshot
+    reloads, and a runner released meanwhile is gone from it."""
+    state, cache = ClusterState(db), SnapshotCache(db)
+    state.register_device(vgpu(0))
+    state.reserve("r1", "p1", {vgpu(0).id: GIB}, {"model": "m", "config_key": "c"}, 1.0, 30)
+    cache.snapshot(1.0, 30)
+    state.release("r1", [vgpu(0).id])
+    fetch = cache._fetch
+
+    def broken(changed: set[str]) -> set[str]:
+        raise redis.ConnectionError("Connection reset by peer")
+
+    monkeypatch.setattr(cache, "_fetch", broken)
+    with pytest.raises(redis.ConnectionError):
+        cache.snapshot(2.0, 30)
+    monkeypatch.setattr(cache, "_fetch", fetch)
+    snap = cache.snapshot(2.0, 30)
+    assert snap.runners == [] and snap.devices[0].reserved == 0
+    assert view(snap) == view(state.snapshot(2.0, 30))
+
+
+def test_a_clock_set_back_finds_a_device_that_had_just_lapsed(db: redis.Redis) -> None:
+    state, cache = ClusterState(db), SnapshotCache(db)
+    for i in range(2):
+        state.register_device(vgpu(i))
+    beat = float(db.hget(keys.device(vgpu(0).id), "heartbeat") or 0)
+    db.hset(keys.device(vgpu(1).id), "heartbeat", beat - 1.0)  # read whole by the first look
+    assert [d.id for d in cache.snapshot(beat + 29.5, 30).devices] == [vgpu(0).id]
+    state.heartbeat({vgpu(0).id: 4 * GIB})  # alive before and after: no join, no leave
+    now = beat + 28.5  # Redis's clock, resynced, is a second behind the last look's
+    assert view(cache.snapshot(now, 30)) == view(state.snapshot(now, 30))
+    assert vgpu(1).id in cache.snapshot(now, 30).device_by_id

@@ -30,11 +30,13 @@ class AliveDevices:
         self.largest_total = 0
         self._ttl_s: float | None = None
         self._until = -float("inf")  # no alive device's beat lapses before this
+        self._at = float("inf")  # the now of the last recompute
 
     def update(self, now: float, ttl_s: float, touched: Collection[str] | None) -> None:
         """Bring the index up to ``now``; ``touched`` names the devices changed since the
-        last call (None: anything may have changed)."""
-        if touched is None or ttl_s != self._ttl_s or now > self._until:
+        last call (None: anything may have changed). A clock set back since the last
+        recompute (a resync) may bring a device that had just lapsed back: recompute."""
+        if touched is None or ttl_s != self._ttl_s or not self._at <= now <= self._until:
             self._recompute(now, ttl_s)
             return
         for device_id in touched:
@@ -66,7 +68,7 @@ class AliveDevices:
         self._key_of = {i: free_order(d) for i, d in alive.items()}
         self._keys = sorted(self._key_of.values())
         self.largest_total = max((d.total for d in alive.values()), default=0)
-        self._ttl_s = ttl_s
+        self._ttl_s, self._at = ttl_s, now
         self._until = min((beats[i] + ttl_s for i in alive), default=float("inf"))
 
     def by_free(self) -> Sequence[DeviceState]:

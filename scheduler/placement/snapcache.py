@@ -65,11 +65,15 @@ class SnapshotCache:
         counter, entries, parked = pipe.execute()
         changed = self._changed_keys(int(counter or 0), entries)
         touched: set[str] | None = set()
-        if changed is None:
-            self._reload()
-            touched = None
-        elif changed:
-            touched = self._fetch(changed)
+        try:
+            if changed is None:
+                self._reload()
+                touched = None
+            elif changed:
+                touched = self._fetch(changed)
+        except BaseException:
+            self._n = -1  # the log was read past what this failed to fetch: reload next time
+            raise
         alive = self._alive
         alive.update(now, device_ttl_s, touched)
         demand = DecayedDemand(self.r, now)
