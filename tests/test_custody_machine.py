@@ -155,7 +155,7 @@ class Custody(RuleBasedStateMachine):
         # ids in submission order: hypothesis replays a run, and draws by sorted ids
         request = JobRequest(id=f"job-{len(self.jobs):03d}", model="m", prompt="p")
         record = parked_record(request.model_dump(mode="json"), 1.0)
-        assert self.state[p].place_once(request.id, uuid.uuid4().hex, 600, record)
+        assert self.state[p].place_once(request.id, uuid.uuid4().hex, 600, record).first
         self.jobs[request.id] = Job(request, JobState.PLACING, holder=p)
 
     @precondition(lambda self: self.in_state(JobState.PLACING))

@@ -580,7 +580,7 @@ def test_a_job_redis_gives_back_to_a_holder_that_let_go_of_it_is_put_back(
     job = JobRequest(model="m", prompt="hello", submitted_at=1.0)
     hands = service.state.hands
     record = parked_record(job.model_dump(mode="json"), 1.0)
-    assert hands.claim(job.id, "delivery", 600, record)
+    assert hands.claim(job.id, "delivery", 600, record)[0]
     token = hands.hand_over(job.id)  # as a snapshot from before it let go of the job has it
     ttl = service.settings.device_ttl_s
     db.zadd(keys.PLACEMENT_ALIVE, {hands.name: time.time() + 3600})  # its holder beats
