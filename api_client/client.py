@@ -30,7 +30,7 @@ from scheduler.protocol import parse_request as _parse
 from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
-from scheduler.store.celery_app import ask_unload, make_app, run_message, send_job
+from scheduler.store.celery_app import ask_unload, close_app, make_app, run_message, send_job
 from scheduler.store.connection import connect, resolve_redis_url
 from scheduler.store.readers import ClusterReader
 from scheduler.store.routes import FastPath
@@ -77,7 +77,7 @@ class Client:
     def close(self) -> None:
         self.subscriptions.close()
         self.r.close()
-        self.app.close()
+        close_app(self.app)
 
     def __enter__(self) -> Client:
         return self

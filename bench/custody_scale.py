@@ -48,7 +48,7 @@ from scheduler.placement.wakes import wake_for  # noqa: E402
 from scheduler.protocol import JobRequest  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from scheduler.store import keys  # noqa: E402
-from scheduler.store.celery_app import make_app  # noqa: E402
+from scheduler.store.celery_app import close_app, make_app  # noqa: E402
 from scheduler.store.clock import redis_now  # noqa: E402
 from scheduler.store.hands import Hands, parked_record  # noqa: E402
 from scheduler.store.records import text  # noqa: E402
@@ -100,7 +100,7 @@ class Cluster:
         self.workers = workers
 
     def close(self) -> None:
-        self.app.close()
+        close_app(self.app)
         self.r.close()
         self.server.stop()
 

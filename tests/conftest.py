@@ -24,7 +24,7 @@ from scheduler.placement.service import PlacementService
 from scheduler.protocol import SentJob
 from scheduler.settings import Settings
 from scheduler.store import keys
-from scheduler.store.celery_app import make_app
+from scheduler.store.celery_app import close_app, make_app
 from scheduler.store.clock import redis_now
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.worker_state import WorkerState
@@ -119,7 +119,7 @@ def placement_on_db1(
     try:
         yield PlacementService(settings, db, app)
     finally:
-        app.close()
+        close_app(app)
 
 
 def send(state: PlacementState, record: SentJob, ttl_s: int = 60) -> bool:

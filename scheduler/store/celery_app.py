@@ -67,6 +67,13 @@ def make_app(redis_url: str, settings: Settings, *, stash_unacked: bool = True) 
     return app
 
 
+def close_app(app: Celery) -> None:
+    """Close an app made by :func:`make_app`: the result backend's connections too, which
+    ``app.close()`` leaves to the garbage collector (a ResourceWarning, sometimes)."""
+    app.backend.client.close()
+    app.close()
+
+
 def ask_unload(app: Celery, worker: str, runner_id: str, when_idle: bool = False) -> None:
     """Ask a worker to unload a runner. A remote-control command, not a task: it runs in the
     worker's consumer at once, never queued behind the jobs of its device."""
