@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 log = logging.getLogger("ggufq.loops")
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)  # after 1, 2, ... failures in a row
+EXPECTED_RETRY_S = 0.5  # the longest pause after an expected failure (Redis away)
 
 
 class LoopHealth:
@@ -59,8 +60,9 @@ def run_loop(
     that waits by itself; a step that never returns, such as a pub/sub listener, reports
     ``health.ok(name)`` itself as it goes, or it would stay "failing" after one error).
     A failure is logged (``expected`` kinds, such as Redis being away, without a
-    traceback) and retried after a back-off (for ``expected`` kinds, at most ``every_s``
-    or half a second); the loop itself never ends on one."""
+    traceback) and retried after a back-off (for ``expected`` kinds, at most half a
+    second: a loop that failed only while Redis was away succeeds, and reads healthy,
+    within a heartbeat of its return); the loop itself never ends on one."""
     errors = 0
     while not stop.is_set():
         try:
@@ -71,7 +73,7 @@ def run_loop(
             pause = backoff_s[min(errors, len(backoff_s)) - 1]
             if isinstance(exc, expected):
                 # Redis away: try at least once a beat, so the loop is back soon after it
-                pause = min(pause, max(every_s, 0.5))
+                pause = min(pause, EXPECTED_RETRY_S)
                 if errors == 1 or errors % 20 == 0:
                     log.warning("%s: %s (%d in a row)", name, exc, errors)
             else:

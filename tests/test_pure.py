@@ -16,7 +16,7 @@ from scheduler.cluster import DeviceState, RunnerState, Snapshot
 from scheduler.errors import ChunksLost, InvalidRequest, ModelNotFound, error_from_code
 from scheduler.gguf.estimate import choose_num_ctx
 from scheduler.local.procs import lower_thread_priority, niced_child_preexec
-from scheduler.loops import LoopHealth, run_loop
+from scheduler.loops import EXPECTED_RETRY_S, LoopHealth, run_loop
 from scheduler.placement.commit import Assigned
 from scheduler.placement.fastroute import route_for
 from scheduler.protocol import (
@@ -423,3 +423,27 @@ def test_no_fast_path_route_beside_a_replica_whose_device_lapsed() -> None:
 
     assert route() is not None and route(runner("r2", "d2", "unloading")) is not None
     assert route(runner("r2", "d2")) is None
+
+
+def test_a_loop_failing_while_redis_is_away_retries_within_a_beat() -> None:
+    """A loop that runs every few seconds, failing only because Redis is away, tries again
+    within half a second (a heartbeat), so it reads healthy soon after Redis returns."""
+
+    class Pauses(threading.Event):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked: list[float] = []
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.asked.append(float(timeout or 0.0))
+            if len(self.asked) >= 4:
+                self.set()
+            return self.is_set()
+
+    stop = Pauses()
+
+    def step() -> None:
+        raise redis.ConnectionError("Error 111 connecting: Connection refused")
+
+    run_loop("strays", step, stop, LoopHealth(), every_s=5.0, expected=(redis.RedisError,))
+    assert stop.asked and max(stop.asked) <= EXPECTED_RETRY_S
