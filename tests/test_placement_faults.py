@@ -21,6 +21,7 @@ from scheduler.placement.service import MAX_PLACEMENT_ERRORS, PlacementService
 from scheduler.placement.wakes import Wake
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
+from scheduler.store.celery_app import task_message
 from scheduler.store.clock import redis_now
 from scheduler.store.hands import PutBack, parked_record
 from scheduler.store.streams import Appended, write_chunk
@@ -261,6 +262,23 @@ def test_a_message_lost_on_its_way_to_a_live_device_is_sent_again_once(
     db.hset(keys.RUNNING, started.id, 1.0)
     assert recovery.lost_sends(later) == 0
     assert recovery.lost_sends(later) == 0
+
+
+def test_a_lost_send_is_sent_again_though_its_place_message_is_unacknowledged(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    """A Redis restart lost both placement's ack of a job's place message (kombu's unacked
+    hash keeps it, naming the job, until its visibility timeout) and the reply that
+    carried its run message to a worker: the look must not take the first for the
+    second (it did, and resent the job after 95 s, at a chaos trial's bound)."""
+    job = JobRequest(model="tiny", prompt="a", submitted_at=1.0)
+    assert "device" in service.place(job.model_dump(mode="json"))
+    queue = keys.placement_queue(job.priority)
+    place = task_message(service.app, keys.TASK_PLACE, job, f"{job.id}.place", queue)
+    db.hset(keys.UNACKED, "a delivery tag", json.dumps([json.loads(place), "", queue]))
+    db.delete(keys.device_queue("vgpu:fh:0"))  # its run message, taken and lost
+    assert service.recovery.lost_sends(1e12) == 0  # first look: not yet
+    assert service.recovery.lost_sends(1e12) == 1  # nowhere on its device: sent again
 
 
 def test_a_job_sent_again_is_a_new_placement_that_fences_the_first(

@@ -153,12 +153,12 @@ class Recovery:
 
     def lost_sends(self, sent_before: float) -> int:
         """Send again the jobs sent to a live device before ``sent_before`` (Redis's clock)
-        that no worker started and whose message is neither in the device's queues nor
-        held by a worker: kombu pops a message before recording it as unacknowledged, so a
-        connection that breaks in between (a Redis restart) loses it, and the job's slot
-        with it. A job is sent again only when two looks in a row find it nowhere, as a
-        new placement of it (:meth:`_send_again`): the first message, should it turn up,
-        and a run of it a crash forgot are refused, so it runs once into its stream. Reads
+        that no worker started and whose message is not in the device's queues: a worker
+        pops a message with no record of it (its consumer keeps none of unacknowledged
+        ones), so a connection that breaks as it arrives (a Redis restart) loses it, and
+        the job's slot with it. A job is sent again only when two looks in a row find it
+        nowhere, as a new placement of it (:meth:`_send_again`): the first message, should
+        it turn up, and a run of it a crash forgot are refused, so it runs once. Reads
         only the sends due (``ggufq:due:sent``): one found waiting in its queue is looked at
         again after it has waited as long again (at most MAX_LOOK_AGAIN_S). Then corrects
         the runners' counts (:meth:`recount`). Returns how many were sent again."""

@@ -268,29 +268,24 @@ class PlacementState:
         return [r for n, r in enumerate(records) if not any(seen[3 * n : 3 * n + 3])]
 
     def in_broker(self, sends: list[DueSend]) -> set[DueSend]:
-        """Which of ``sends`` have a message waiting in their device's queues, or taken by
-        a worker and not yet acknowledged (a Celery message names its task id in plain
-        JSON); one round trip for all of them."""
+        """Which of ``sends`` have a message waiting in their device's queues (a Celery
+        message names its task id in plain JSON); one round trip for all of them. A
+        message a worker took is in no record: workers keep none of unacknowledged ones
+        (``make_app``'s ``stash_unacked``), and kombu's unacked hash holds placement's own
+        messages, which name the job too and must not count as its run's."""
         if not sends:
             return set()
         devices = sorted({d.device_id for d in sends})
         pipe = self.r.pipeline(transaction=False)
-        pipe.hvals(keys.UNACKED)
         for device_id in devices:
             for priority in ("interactive", "batch"):
                 pipe.lrange(keys.device_queue(device_id, priority), 0, -1)
-        unacked, *queues = pipe.execute()
-        taken = b"\n".join(unacked)
+        queues = pipe.execute()
         blobs = {
             device_id: b"\n".join([*queues[2 * n], *queues[2 * n + 1]])
             for n, device_id in enumerate(devices)
         }
-        found = set()
-        for due in sends:
-            needle = due.job_id.encode()
-            if needle in blobs[due.device_id] or needle in taken:
-                found.add(due)
-        return found
+        return {due for due in sends if due.job_id.encode() in blobs[due.device_id]}
 
     def orphans(self) -> list[str]:
         return [text(j) for j in self.r.hkeys(keys.ORPHANS)]
