@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from scheduler.gguf.registry import Registry
+from scheduler.protocol import JobRequest, Placement, RunnerConfig
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.placement_state import PlacementState
@@ -24,6 +25,7 @@ class FakeRunner:
     device_ids: list[str]
     closed: list[int] = field(default_factory=list)
     keep_alive_s: float = 300.0
+    load_duration_ns: int = 1
 
     def close(self) -> None:
         self.closed.append(1)
@@ -53,4 +55,35 @@ def test_an_unload_whose_reply_redis_lost_is_finished_on_the_next_try(
     assert runtime._unload("r")  # its own earlier try: carried through, not refused
     assert runner.closed == [1]
     assert not db.exists(keys.runner("r")) and db.hlen(keys.reservations(device.id)) == 0
+    runtime.chunks.close()
+
+
+def test_a_ready_that_redis_missed_is_written_once_it_is_back(
+    db: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis crashed as a load ended: the runner's "ready" did not land. The job that
+    loaded it goes on, and the write is made once Redis answers (it stayed "loading" for
+    good: never evictable, refused by the fast path; a chaos trial found one)."""
+    device = vgpu(0)
+    runtime = WorkerRuntime(Settings(), db, [device], Registry(tmp_path))
+    runtime.state.register_device(device)
+    assert PlacementState(db).reserve("r", "p1", {device.id: GIB}, {"model": "m"}, 100.0, 10)
+    req = JobRequest(model="m", prompt="hi", submitted_at=1.0)
+    placement = Placement(id="p1", runner_id="r", device_id=device.id, config=RunnerConfig(512))
+    runner = FakeRunner("r", [device.id])
+    monkeypatch.setattr(runtime, "_load", lambda *_args: runner)
+    update = runtime.state.update_runner
+
+    def redis_crashed(*_args: Any, **_kwargs: Any) -> bool:
+        raise redis.ConnectionError("Error while reading: Connection reset by peer")
+
+    monkeypatch.setattr(runtime.state, "update_runner", redis_crashed)
+    assert runtime._runner_for(req, placement)[0] is runner  # the job goes on
+    assert db.hget(keys.runner("r"), "state") == b"loading"
+    monkeypatch.setattr(runtime.state, "update_runner", update)  # Redis is back
+    assert runtime.backlog.drain() == 2  # its "ready", then its load counted
+    assert db.hget(keys.runner("r"), "state") == b"ready"
+    assert runtime.state.begin_unload("r", force=True)  # a late "ready" never undoes it
+    assert runtime.state.update_runner("r", {"state": "ready", "worker": "w"})
+    assert db.hmget(keys.runner("r"), ["state", "worker"]) == [b"unloading", b"w"]
     runtime.chunks.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 
 import redis
 
@@ -67,13 +68,19 @@ class Residency:
                 )
             runner = self._load(req, placement)
             self.runners[runner_id] = runner
-        self.state.update_runner(
-            runner_id, {"state": "ready", "loaded_at": self.clock(), "worker": self.worker_name}
+        # through an outage too: a "ready" that Redis missed (it crashed as the load ended)
+        # left the runner "loading" for good: never evictable, refused by the fast path
+        ready = {"state": "ready", "loaded_at": self.clock(), "worker": self.worker_name}
+        self.backlog.run(
+            f"marking runner {runner_id} ready", lambda: self.state.update_runner(runner_id, ready)
         )
+        self.backlog.run(f"counting runner {runner_id}'s load", partial(self._tally, req, runner))
+        return runner, runner.load_duration_ns
+
+    def _tally(self, req: JobRequest, runner: AnyRunner) -> None:
         pipe = self.r.pipeline(transaction=False)
         count(pipe, req.model, loads=1, load_seconds=runner.load_duration_ns / 1e9)
         pipe.execute()
-        return runner, runner.load_duration_ns
 
     def _load(self, req: JobRequest, placement: Placement) -> AnyRunner:
         try:
