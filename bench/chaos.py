@@ -570,8 +570,11 @@ class Trial:
             self.res.note(f"A ran on {self.a_device}, not on h2")
 
     def burst(self, n: int) -> None:
-        for i in range(n):
-            self.submit(f"D{i + 1}", "tiny", {"temperature": 0, "num_predict": 64})
+        """``n`` short jobs, D1, D2, ... numbered on across the trial's bursts (a second
+        burst's D1 replaced the first's, whose outcome then went uncounted)."""
+        first = 1 + sum(name.startswith("D") for name in self.jobs)
+        for i in range(first, first + n):
+            self.submit(f"D{i}", "tiny", {"temperature": 0, "num_predict": 64})
 
     # -- the client that dies ------------------------------------------------------------------
     CHILD = (

@@ -87,3 +87,30 @@ def test_a_ready_that_redis_missed_is_written_once_it_is_back(
     assert runtime.state.update_runner("r", {"state": "ready", "worker": "w"})
     assert db.hmget(keys.runner("r"), ["state", "worker"]) == [b"unloading", b"w"]
     runtime.chunks.close()
+
+
+def test_a_job_that_arrives_as_redis_restarts_waits_for_it_to_load_its_runner(
+    db: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its runner's record is read as Redis goes away: the job waits for Redis and loads
+    the runner (it failed, 'Connection reset by peer', in a chaos trial of a crash)."""
+    device = vgpu(0)
+    runtime = WorkerRuntime(Settings(), db, [device], Registry(tmp_path))
+    runtime.state.register_device(device)
+    assert PlacementState(db).reserve("r", "p1", {device.id: GIB}, {"model": "m"}, 100.0, 10)
+    req = JobRequest(model="m", prompt="hi", submitted_at=1.0)
+    placement = Placement(id="p1", runner_id="r", device_id=device.id, config=RunnerConfig(512))
+    runner = FakeRunner("r", [device.id])
+    monkeypatch.setattr(runtime, "_load", lambda *_args: runner)
+    phase, tries = runtime.state.runner_phase, []
+
+    def back_on_the_second_try(runner_id: str) -> str | None:
+        tries.append(runner_id)
+        if len(tries) == 1:
+            raise redis.ConnectionError("Error while reading: Connection reset by peer")
+        return phase(runner_id)
+
+    monkeypatch.setattr(runtime.state, "runner_phase", back_on_the_second_try)
+    assert runtime._runner_for(req, placement)[0] is runner
+    assert tries == ["r", "r"] and db.hget(keys.runner("r"), "state") == b"ready"
+    runtime.chunks.close()

@@ -18,7 +18,7 @@ from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
 from scheduler.store.stats import count
 from scheduler.store.worker_state import WorkerState
-from workers.backlog import AWAY, Backlog
+from workers.backlog import AWAY, Backlog, patiently
 from workers.devices import close_and_wait
 from workers.generation import AnyRunner, open_runner
 from workers.keepalive import ExpirySchedule
@@ -60,7 +60,14 @@ class Residency:
             runner = self.runners.get(runner_id)
             if runner is not None:
                 return runner, 0
-            if self.state.runner_phase(runner_id) is None:
+            # a job that arrives as Redis goes away waits for it (a crash is back in a
+            # second or two; past the TTL, placement re-places the device's jobs anyway)
+            phase = patiently(
+                lambda: self.state.runner_phase(runner_id),
+                f"looking up runner {runner_id}",
+                self.settings.device_ttl_s,
+            )
+            if phase is None:
                 raise LoadFailed(
                     f"the runner for {req.model!r} on {placement.device_id} was unloaded "
                     "before this job reached it (its load failed or it expired); "
