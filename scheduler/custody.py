@@ -77,7 +77,8 @@ TRANSITIONS: tuple[Transition, ...] = (
         S.ORPHANED,
         Actor.WORKER,
         "end",
-        "its model could not load there, or no run holds it there (Redis lost its end)",
+        "its model could not load there, its runner was gone before it arrived, or no run "
+        "holds it there (Redis lost its end)",
     ),
     Transition(S.RUNNING, S.DONE, Actor.WORKER, "end", "its final chunk, slot freed"),
     Transition(S.RUNNING, S.FAILED, Actor.WORKER, "end", "its error chunk, slot freed"),

@@ -25,7 +25,7 @@ from tests.conftest import beat_forever, send
 from tests.test_state import GIB, vgpu
 from workers.chunks import ChunkPublisher
 from workers.runtime import WorkerRuntime
-from workers.start_claim import NotOwned
+from workers.start_claim import HandBack, NotOwned
 
 DEVICE = vgpu(0)
 CONFIG = RunnerConfig.for_generation(256, 2, False)
@@ -286,3 +286,20 @@ def test_a_job_whose_end_redis_lost_is_ended_again_not_left_running(
     assert runtime.strays.look() == 0
     runtime._running.pop(("runs-here", "p7"))
     runtime._ending.discard(("ending-now", "p9"))
+
+
+def test_a_job_whose_runner_is_gone_before_it_arrives_is_handed_back(
+    db: redis.Redis, runtime: WorkerRuntime
+) -> None:
+    """A job sent (or sent again, lua/resend.lua) to a runner Redis no longer has, nothing
+    of it run: handed back to placement, which places it again once, on any device (it
+    failed, 'submit the job again')."""
+    job = JobRequest(model="tiny", prompt="a", submitted_at=1.0, options=OPTIONS)
+    db.delete(keys.runner("r"), keys.runner_jobs("r"))  # unloaded, or its load failed
+    with pytest.raises(HandBack):
+        deliver(db, runtime, job)
+    assert not db.exists(keys.job_chunks(job.id))  # nothing streamed, no error
+    record = SentJob.model_validate_json(db.hget(keys.ORPHANS, job.id) or b"")
+    assert record.job.attempt == 0 and record.avoid == []  # placed again once, anywhere
+    assert not db.hexists(keys.inflight(DEVICE.id), job.id)
+    assert not db.hexists(keys.RUNNING, job.id)

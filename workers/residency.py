@@ -22,7 +22,7 @@ from workers.backlog import AWAY, Backlog, patiently
 from workers.devices import close_and_wait
 from workers.generation import AnyRunner, open_runner
 from workers.keepalive import ExpirySchedule
-from workers.start_claim import HandBack
+from workers.start_claim import HandBack, RunnerGone
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
@@ -68,11 +68,13 @@ class Residency:
                 self.settings.device_ttl_s,
             )
             if phase is None:
-                raise LoadFailed(
+                gone = (
                     f"the runner for {req.model!r} on {placement.device_id} was unloaded "
-                    "before this job reached it (its load failed or it expired); "
-                    "submit the job again"
+                    "before this job reached it (its load failed or it expired)"
                 )
+                if req.attempt == 0:  # nothing of it ran: placed again, once
+                    raise RunnerGone(gone)
+                raise LoadFailed(gone + "; submit the job again")
             runner = self._load(req, placement)
             self.runners[runner_id] = runner
         # through an outage too: a "ready" that Redis missed (it crashed as the load ended)

@@ -271,7 +271,7 @@ class WorkerRuntime(Residency):
         log.warning("handing job %s back to placement: %s", start.req.id, exc)
         device = start.placement.device_id
         record = SentJob(job=start.req, placement=start.placement, worker=self.worker_name)
-        return record.model_copy(update={"avoid": [device]})
+        return record.model_copy(update={"avoid": [device] if exc.avoid_here else []})
 
     def _start_now(
         self, start: StartClaim, cancelled: Callable[[], bool], progress: Progress

@@ -42,6 +42,16 @@ class NotOwned(Exception):
 class HandBack(NotOwned):
     """This device could not load the job's model: placement places the job again."""
 
+    avoid_here = True  # placement places it on another device
+
+
+class RunnerGone(HandBack):
+    """The job's runner was gone from Redis before the job reached it (unloaded, its load
+    failed, or its message was sent again after the runner went): placement places the
+    job again, once, on any device."""
+
+    avoid_here = False
+
 
 class StartClaim:
     """Whether one delivery of a job runs it: the job's start claim (lua/start.lua), made
