@@ -58,12 +58,11 @@ def test_an_unload_whose_reply_redis_lost_is_finished_on_the_next_try(
     runtime.chunks.close()
 
 
-def test_a_ready_that_redis_missed_is_written_once_it_is_back(
+def about_to_load(
     db: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Redis crashed as a load ended: the runner's "ready" did not land. The job that
-    loaded it goes on, and the write is made once Redis answers (it stayed "loading" for
-    good: never evictable, refused by the fast path; a chaos trial found one)."""
+) -> tuple[WorkerRuntime, JobRequest, Placement, FakeRunner]:
+    """A worker, and a job whose runner "r" placement reserved and the worker is to load
+    (its load gives a FakeRunner)."""
     device = vgpu(0)
     runtime = WorkerRuntime(Settings(), db, [device], Registry(tmp_path))
     runtime.state.register_device(device)
@@ -72,6 +71,16 @@ def test_a_ready_that_redis_missed_is_written_once_it_is_back(
     placement = Placement(id="p1", runner_id="r", device_id=device.id, config=RunnerConfig(512))
     runner = FakeRunner("r", [device.id])
     monkeypatch.setattr(runtime, "_load", lambda *_args: runner)
+    return runtime, req, placement, runner
+
+
+def test_a_ready_that_redis_missed_is_written_once_it_is_back(
+    db: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis crashed as a load ended: the runner's "ready" did not land. The job that
+    loaded it goes on, and the write is made once Redis answers (it stayed "loading" for
+    good: never evictable, refused by the fast path; a chaos trial found one)."""
+    runtime, req, placement, runner = about_to_load(db, tmp_path, monkeypatch)
     update = runtime.state.update_runner
 
     def redis_crashed(*_args: Any, **_kwargs: Any) -> bool:
@@ -94,14 +103,7 @@ def test_a_job_that_arrives_as_redis_restarts_waits_for_it_to_load_its_runner(
 ) -> None:
     """Its runner's record is read as Redis goes away: the job waits for Redis and loads
     the runner (it failed, 'Connection reset by peer', in a chaos trial of a crash)."""
-    device = vgpu(0)
-    runtime = WorkerRuntime(Settings(), db, [device], Registry(tmp_path))
-    runtime.state.register_device(device)
-    assert PlacementState(db).reserve("r", "p1", {device.id: GIB}, {"model": "m"}, 100.0, 10)
-    req = JobRequest(model="m", prompt="hi", submitted_at=1.0)
-    placement = Placement(id="p1", runner_id="r", device_id=device.id, config=RunnerConfig(512))
-    runner = FakeRunner("r", [device.id])
-    monkeypatch.setattr(runtime, "_load", lambda *_args: runner)
+    runtime, req, placement, runner = about_to_load(db, tmp_path, monkeypatch)
     phase, tries = runtime.state.runner_phase, []
 
     def back_on_the_second_try(runner_id: str) -> str | None:
