@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import redis
 
+from scheduler.errors import LoadFailed
 from scheduler.gguf.registry import Registry
 from scheduler.protocol import JobRequest, Placement, RunnerConfig
 from scheduler.settings import Settings
@@ -17,6 +18,7 @@ from scheduler.store import keys
 from scheduler.store.placement_state import PlacementState
 from tests.test_state import GIB, ended, vgpu
 from workers.runtime import WorkerRuntime
+from workers.start_claim import HandBack, RunnerGone
 
 
 @dataclass
@@ -115,4 +117,27 @@ def test_a_job_that_arrives_as_redis_restarts_waits_for_it_to_load_its_runner(
     monkeypatch.setattr(runtime.state, "runner_phase", back_on_the_second_try)
     assert runtime._runner_for(req, placement)[0] is runner
     assert tries == ["r", "r"] and db.hget(keys.runner("r"), "state") == b"ready"
+    runtime.chunks.close()
+
+
+def test_jobs_waiting_on_a_runner_whose_load_failed_end_as_its_first_did(
+    db: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner's load failed here (out of GPU memory, say) and it was released: a job
+    that waited on it is handed back avoiding this device, as the first was, not placed
+    again onto it as if the runner had merely gone; at its second try it fails saying why."""
+    runtime, req, placement, _runner = about_to_load(db, tmp_path, monkeypatch)
+    monkeypatch.undo()  # the real load, which fails
+
+    def out_of_memory(*_args: Any) -> None:
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr("workers.residency.open_runner", out_of_memory)
+    for _job in range(2):  # the first job, then one that waited on the same runner
+        with pytest.raises(HandBack, match="out of memory") as raised:
+            runtime._runner_for(req, placement)
+        assert raised.value.avoid_here and not isinstance(raised.value, RunnerGone)
+        assert not db.exists(keys.runner("r"))
+    with pytest.raises(LoadFailed, match="out of memory"):
+        runtime._runner_for(req.model_copy(update={"attempt": 1}), placement)
     runtime.chunks.close()

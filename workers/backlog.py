@@ -73,12 +73,14 @@ class Backlog:
 def patiently(do: Callable[[], T], what: str, give_up_s: float, pause_s: float = 0.25) -> T:
     """``do()``, tried again while Redis is away, for up to ``give_up_s`` seconds (then its
     error is raised): a job that arrives as Redis goes away waits for it, not fails."""
-    deadline = time.monotonic() + give_up_s
+    deadline, tries = time.monotonic() + give_up_s, 0
     while True:
         try:
             return do()
         except AWAY as exc:
             if time.monotonic() >= deadline:
                 raise
-            log.warning("%s: Redis is away (%s); trying again", what, exc)
+            tries += 1
+            if tries == 1 or tries % 40 == 0:  # every 10 s or so, not every try
+                log.warning("%s: Redis is away (%s); trying again (%d)", what, exc, tries)
             time.sleep(pause_s)

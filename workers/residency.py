@@ -5,7 +5,9 @@ idle past its keep_alive, when placement asks for room, or when its device was d
 from __future__ import annotations
 
 import logging
+import math
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 
@@ -25,6 +27,7 @@ from workers.keepalive import ExpirySchedule
 from workers.start_claim import HandBack, RunnerGone
 
 log = logging.getLogger(__name__)
+FAILED_LOADS_KEPT = 256
 Clock = Callable[[], float]
 
 
@@ -52,6 +55,9 @@ class Residency:
         self._expiry = ExpirySchedule()
         self._wake = threading.Condition()
         self.backlog = Backlog()  # job ends that Redis missed while it was away
+        # runners whose load failed here, with why: the jobs that waited on one end as
+        # its first job did (not placed again onto this device as if it had just gone)
+        self._failed_loads: OrderedDict[str, Exception] = OrderedDict()
 
     # -- loading ----------------------------------------------------------------------------
     def _runner_for(self, req: JobRequest, placement: Placement) -> tuple[AnyRunner, int]:
@@ -60,13 +66,16 @@ class Residency:
             runner = self.runners.get(runner_id)
             if runner is not None:
                 return runner, 0
-            # a job that arrives as Redis goes away waits for it (a crash is back in a
-            # second or two; past the TTL, placement re-places the device's jobs anyway)
+            # a job that arrives as Redis goes away waits for it, as its start claim did
+            # (were its device dropped meanwhile, its hand-back or end is refused)
             phase = patiently(
                 lambda: self.state.runner_phase(runner_id),
                 f"looking up runner {runner_id}",
-                self.settings.device_ttl_s,
+                math.inf,
             )
+            failed = self._failed_loads.get(runner_id)
+            if phase is None and failed is not None:  # its load failed here, as it would again
+                raise self._load_error(req, placement, failed)
             if phase is None:
                 gone = (
                     f"the runner for {req.model!r} on {placement.device_id} was unloaded "
@@ -96,19 +105,27 @@ class Residency:
             return open_runner(req, placement, self.registry, self.settings)
         except (GgufqError, ValueError, RuntimeError, OSError) as exc:
             self._release(placement.runner_id, placement.devices)
-            if isinstance(exc, InvalidModelFile | LoadFailed):
-                raise
-            device = placement.device_id
-            if req.attempt == 0 and not device.startswith("cpu:"):
-                # perhaps out of GPU memory (drivers and other processes take some):
-                # placement tries once more, on another device
-                raise HandBack(f"loading {req.model!r} on {device} failed: {exc}") from None
-            raise LoadFailed(
-                f"llama.cpp could not load model {req.model!r} on {device}"
-                + (f" (nor on {', '.join(req.avoid)})" if req.avoid else "")
-                + f" ({exc}); check that the file is a "
-                "complete GGUF of an architecture this llama.cpp supports (`ggufq models`)"
-            ) from None
+            self._failed_loads[placement.runner_id] = exc  # for the jobs that wait on it
+            while len(self._failed_loads) > FAILED_LOADS_KEPT:
+                self._failed_loads.popitem(last=False)
+            raise self._load_error(req, placement, exc) from None
+
+    def _load_error(self, req: JobRequest, placement: Placement, exc: Exception) -> Exception:
+        """How a job ends whose runner could not load here (``exc``): placed again once
+        elsewhere, or failed saying why."""
+        if isinstance(exc, InvalidModelFile | LoadFailed):
+            return exc
+        device = placement.device_id
+        if req.attempt == 0 and not device.startswith("cpu:"):
+            # perhaps out of GPU memory (drivers and other processes take some):
+            # placement tries once more, on another device
+            return HandBack(f"loading {req.model!r} on {device} failed: {exc}")
+        return LoadFailed(
+            f"llama.cpp could not load model {req.model!r} on {device}"
+            + (f" (nor on {', '.join(req.avoid)})" if req.avoid else "")
+            + f" ({exc}); check that the file is a "
+            "complete GGUF of an architecture this llama.cpp supports (`ggufq models`)"
+        )
 
     # -- unloading --------------------------------------------------------------------------
     def request_unload(self, runner_id: str, when_idle: bool = False) -> bool:

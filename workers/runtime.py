@@ -23,6 +23,7 @@ from scheduler.loops import LoopHealth, start_loop
 from scheduler.protocol import JobRequest, Placement, SentJob, parse_placement, parse_request
 from scheduler.settings import Settings
 from scheduler.store.cancel import CancelWatcher, cancelled_before_start
+from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.hops import note as note_hops
 from scheduler.store.stats import count
 from scheduler.store.streams import Appended, error_chunk
@@ -94,7 +95,7 @@ class WorkerRuntime(Residency):
         self.membership.join()
         self.cancels.start()
         every = self.settings.heartbeat_interval_s
-        redis_away = (redis.RedisError,)
+        redis_away = REDIS_AWAY  # else a Redis error (out of memory, read-only) is logged whole
         for name, step, every_s in (
             ("heartbeat", self._beat, every),
             ("expiry", self._expire_due, 0.0),

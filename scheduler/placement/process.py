@@ -24,7 +24,7 @@ from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
 from scheduler.store.cancel import message_text
 from scheduler.store.celery_app import make_app
-from scheduler.store.connection import connect, resolve_redis_url
+from scheduler.store.connection import REDIS_AWAY, connect, resolve_redis_url
 
 log = logging.getLogger("ggufq.placement")
 # how often placement looks for jobs whose message to a live device was lost (a job sent
@@ -48,7 +48,7 @@ class Liveness:
         settings = self.service.settings
         if settings.metrics_port:
             serve_metrics(self.service.r, settings.metrics_port, settings.device_ttl_s)
-        away = (redis.RedisError,)
+        away = REDIS_AWAY  # else a Redis error (out of memory, read-only) is logged whole
         every = settings.heartbeat_interval_s
         start_loop("placement-alive", self._beat, self.stopping, self.health, every, away)
         start_loop("placement-heart", self._heart, self.stopping, self.health, every, away)

@@ -18,6 +18,7 @@ import redis
 from scheduler.errors import JobCancelled
 from scheduler.loops import LoopHealth, start_loop
 from scheduler.store import keys
+from scheduler.store.connection import REDIS_AWAY
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class CancelWatcher:
         self._stop = threading.Event()
 
     def start(self) -> None:
-        start_loop("cancels", self._listen, self._stop, self.health, 0.0, (redis.RedisError,))
+        start_loop("cancels", self._listen, self._stop, self.health, 0.0, REDIS_AWAY)
 
     def stop(self) -> None:
         self._stop.set()
