@@ -141,3 +141,27 @@ def test_jobs_waiting_on_a_runner_whose_load_failed_end_as_its_first_did(
     with pytest.raises(LoadFailed, match="out of memory"):
         runtime._runner_for(req.model_copy(update={"attempt": 1}), placement)
     runtime.chunks.close()
+
+
+def test_an_unload_placement_asked_for_as_redis_went_away_is_tried_again(
+    db: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Placement asked to unload an idle runner (its control command runs in a thread of
+    its own) as Redis went away: the unload is tried again by the expiry loop, not lost
+    with the thread (the runner stayed loaded, its expiry cleared, for good)."""
+    runtime, req, placement, runner = about_to_load(db, tmp_path, monkeypatch)
+    runtime._runner_for(req, placement)
+    assert ended(runtime.state, "j") == 0  # its one job ended: idle
+    begin = runtime.state.begin_unload
+
+    def redis_away(*_args: Any, **_kwargs: Any) -> bool:
+        raise redis.ConnectionError("Error 111 connecting: Connection refused")
+
+    monkeypatch.setattr(runtime.state, "begin_unload", redis_away)
+    assert not runtime.request_unload("r")  # no exception: the thread would die with it
+    monkeypatch.setattr(runtime.state, "begin_unload", begin)  # Redis is back
+    assert runtime._expiry.next_at() is not None  # the unload is due again
+    monkeypatch.setattr(runtime, "clock", lambda: 1e12)
+    runtime._expire_due()
+    assert runner.closed == [1] and not db.exists(keys.runner("r"))
+    runtime.chunks.close()

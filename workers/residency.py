@@ -139,7 +139,12 @@ class Residency:
         if when_idle:
             runner.keep_alive_s = 0
         self._schedule_expiry(runner_id, None)
-        return self._unload(runner_id)
+        try:
+            return self._unload(runner_id)
+        except AWAY as exc:  # tried again in a second by the expiry loop, as an expiry is
+            log.warning("unloading runner %s waits for Redis: %s", runner_id, exc)
+            self._schedule_expiry(runner_id, self.clock() + 1.0)
+            return False
 
     def _unload(self, runner_id: str, force: bool = False) -> bool:
         if not self.state.begin_unload(runner_id, force=force):
