@@ -165,3 +165,20 @@ def test_an_unload_placement_asked_for_as_redis_went_away_is_tried_again(
     runtime._expire_due()
     assert runner.closed == [1] and not db.exists(keys.runner("r"))
     runtime.chunks.close()
+
+
+def test_a_ready_that_redis_acknowledged_and_lost_is_written_again(
+    db: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash with appendfsync everysec lost the "ready" that Redis had acknowledged: the
+    worker's look finds its loaded runner held as loading and writes "ready" again."""
+    runtime, req, placement, runner = about_to_load(db, tmp_path, monkeypatch)
+    assert runtime._runner_for(req, placement)[0] is runner
+    assert runtime.mark_loaded_ready() == 0  # ready: nothing to do
+    db.hset(keys.runner("r"), "state", "loading")  # Redis came back from an older state
+    assert runtime.mark_loaded_ready() == 1
+    assert db.hget(keys.runner("r"), "state") == b"ready"
+    assert runtime.state.begin_unload("r", force=True)
+    assert runtime.mark_loaded_ready() == 0  # an unload under way is left alone
+    assert db.hget(keys.runner("r"), "state") == b"unloading"
+    runtime.chunks.close()

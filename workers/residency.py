@@ -95,6 +95,17 @@ class Residency:
         self.backlog.run(f"counting runner {runner_id}'s load", partial(self._tally, req, runner))
         return runner, runner.load_duration_ns
 
+    def mark_loaded_ready(self) -> int:
+        """Mark "ready" again the runners loaded here that Redis holds as loading: Redis
+        acknowledged their "ready" and lost it (a crash takes its last second of writes),
+        and nothing else would write it again. Returns how many."""
+        phases = self.state.runner_phases(list(self.runners))
+        stale = [r for r, phase in phases.items() if phase == "loading" and r in self.runners]
+        for runner_id in stale:
+            log.warning("runner %s is loaded but Redis lost its 'ready': written again", runner_id)
+            self.state.update_runner(runner_id, {"state": "ready", "worker": self.worker_name})
+        return len(stale)
+
     def _tally(self, req: JobRequest, runner: AnyRunner) -> None:
         pipe = self.r.pipeline(transaction=False)
         count(pipe, req.model, loads=1, load_seconds=runner.load_duration_ns / 1e9)

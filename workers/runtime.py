@@ -99,7 +99,7 @@ class WorkerRuntime(Residency):
         for name, step, every_s in (
             ("heartbeat", self._beat, every),
             ("expiry", self._expire_due, 0.0),
-            ("strays", self.strays.look, 2 * every),
+            ("strays", lambda: (self.strays.look(), self.mark_loaded_ready()), 2 * every),
         ):
             loop = start_loop(name, step, self._stopping, self.health, every_s, redis_away)
             self._threads.append(loop)

@@ -86,6 +86,15 @@ class WorkerState:
         raw = self.r.hget(keys.runner(runner_id), "state")
         return None if raw is None else text(raw)
 
+    def runner_phases(self, runner_ids: list[str]) -> dict[str, str | None]:
+        """:meth:`runner_phase` of each of ``runner_ids``, in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for runner_id in runner_ids:
+            pipe.hget(keys.runner(runner_id), "state")
+        raws = pipe.execute()
+        phases = zip(runner_ids, raws, strict=True)
+        return {r: None if raw is None else text(raw) for r, raw in phases}
+
     def runner_devices(self, runner_id: str) -> dict[str, int]:
         """Bytes reserved per device for a runner (empty when it has no record)."""
         raw = self.r.hget(keys.runner(runner_id), "devices")
