@@ -146,12 +146,12 @@ class Snapshot:
     @cached_property
     def live_by_model(self) -> Mapping[str, list[RunnerState]]:
         """Live runners per model, on alive devices only (never route to a dead one)."""
-        alive = {d.id for d in self.devices}
-        index: dict[str, list[RunnerState]] = {}
-        for runner in filter(is_live, self.runners):
-            if alive.issuperset(runner.devices):
-                index.setdefault(runner.model, []).append(runner)
-        return index
+        alive = self.device_by_id
+        on_alive = {
+            model: [r for r in runners if all(d in alive for d in r.devices)]
+            for model, runners in self.all_live_by_model.items()
+        }
+        return {model: runners for model, runners in on_alive.items() if runners}
 
     @cached_property
     def all_live_by_model(self) -> Mapping[str, list[RunnerState]]:

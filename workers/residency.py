@@ -150,12 +150,22 @@ class Residency:
         if when_idle:
             runner.keep_alive_s = 0
         self._schedule_expiry(runner_id, None)
-        try:
-            return self._unload(runner_id)
-        except AWAY as exc:  # tried again in a second by the expiry loop, as an expiry is
-            log.warning("unloading runner %s waits for Redis: %s", runner_id, exc)
-            self._schedule_expiry(runner_id, self.clock() + 1.0)
-            return False
+        return self._unload_or_later([runner_id])
+
+    def _unload_or_later(self, runner_ids: list[str]) -> bool:
+        """Unload each runner; when Redis is away, it and the rest are left to the expiry
+        loop a second later (else they would stay loaded, their expiry cleared). Whether
+        the last one unloaded now."""
+        unloaded = False
+        for i, runner_id in enumerate(runner_ids):
+            try:
+                unloaded = self._unload(runner_id)
+            except AWAY as exc:
+                log.warning("unloading runner %s waits for Redis: %s", runner_id, exc)
+                for later in runner_ids[i:]:
+                    self._schedule_expiry(later, self.clock() + 1.0)
+                return False
+        return unloaded
 
     def _unload(self, runner_id: str, force: bool = False) -> bool:
         if not self.state.begin_unload(runner_id, force=force):
@@ -218,14 +228,7 @@ class Residency:
                 timeout = 1.0 if next_at is None else max(0.0, next_at - self.clock())
                 self._wake.wait(min(timeout, 1.0))
                 return
-        for i, runner_id in enumerate(due):
-            try:
-                self._unload(runner_id)
-            except AWAY as exc:  # tried again in a second: else it would stay loaded
-                log.warning("unloading runner %s waits for Redis: %s", runner_id, exc)
-                for later in due[i:]:
-                    self._schedule_expiry(later, self.clock() + 1.0)
-                return
+        self._unload_or_later(due)
 
     def _schedule_expiry(self, runner_id: str, at: float | None) -> None:
         with self._wake:

@@ -34,9 +34,6 @@ _SCALAR = {
 }
 
 
-_TYPES = frozenset(int(t) for t in GGUFValueType)
-
-
 class GGUFFormatError(ValueError):
     pass
 
@@ -154,7 +151,7 @@ def _value(cur: _Cursor, vtype: int, depth: int = 0) -> Any:
         if depth >= MAX_NESTING:
             raise GGUFFormatError(f"arrays nested deeper than {MAX_NESTING} at offset {cur.pos}")
         item_type, length = cur.unpack("<I"), cur.unpack("<Q")
-        scalar = _SCALAR.get(GGUFValueType(item_type)) if item_type in _TYPES else None
+        scalar = _SCALAR.get(item_type)  # an int finds its IntEnum key
         if scalar is not None and length <= MAX_ARRAY_DECODE:  # per-layer numbers: one read
             fmt = f"<{length}{scalar[1]}"
             return list(struct.unpack_from(fmt, cur.buf, cur.take_place(struct.calcsize(fmt))))

@@ -172,25 +172,32 @@ class Hands:
         token = self.token(job_id) or uuid.uuid4().hex
         self.adopt(job_id, token)
         entry = json.dumps({"token": token, "what": "parked", "record": record})
+        # the same delivery asking again finds the claim its own
+        owned, values = self._reading(
+            self._place,
+            [keys.job_placed(job_id), keys.IN_HAND, keys.swept(token)],
+            [delivery, ttl_s, self.field(job_id), entry],
+            read,
+        )
+        if not owned:
+            self.hand_over(job_id)
+        return bool(owned), values
 
-        def claimed() -> list[Any]:
+    def _reading(
+        self, registered: Any, keys_: list[str], args: list[Any], read: list[str] | None
+    ) -> tuple[Any, list[Any]]:
+        """A script's answer, and the values of the keys ``read`` (none: an empty list), in
+        one round trip, asked again once if the connection was lost (again_if_lost)."""
+
+        def run() -> list[Any]:
             pipe = self.r.pipeline(transaction=False)
-            queue(
-                pipe,
-                self._place,
-                [keys.job_placed(job_id), keys.IN_HAND, keys.swept(token)],
-                [delivery, ttl_s, self.field(job_id), entry],
-            )
+            queue(pipe, registered, keys_, args)
             if read:
                 pipe.mget(read)
             return execute(pipe)
 
-        # the same delivery asking again finds the claim its own
-        replies = again_if_lost(claimed)
-        owned = bool(replies[0])
-        if not owned:
-            self.hand_over(job_id)
-        return owned, list(replies[1]) if read else []
+        replies = again_if_lost(run)
+        return replies[0], list(replies[1]) if read else []
 
     def take(self, what: Taken, job_id: str, token: str = "") -> bytes | None:
         """Take a job's record out of the orphans or the parked queue (lua/take.lua) and
@@ -206,28 +213,20 @@ class Hands:
         """:meth:`take`, and the values of the keys ``read``, read in the same round trip."""
         token = token or uuid.uuid4().hex
         self.adopt(job_id, token)
-
-        def taken() -> list[Any]:
-            pipe = self.r.pipeline(transaction=False)
-            queue(
-                pipe,
+        try:
+            raw, values = self._reading(
                 self._take,
                 [_queue(what), keys.parked_job(job_id), keys.IN_HAND, keys.swept(token)],
                 [job_id, self.field(job_id), token, what],
+                read,
             )
-            if read:
-                pipe.mget(read)
-            return execute(pipe)
-
-        try:
-            replies = again_if_lost(taken)
         except REDIS_AWAY as exc:
             self.hand_over(job_id)
             raise TakeUnsure(what, job_id, token, exc) from exc
-        if not replies[0]:
+        if not raw:
             self.hand_over(job_id)
             return None, []
-        return cast(bytes, replies[0]), list(replies[1]) if read else []
+        return cast(bytes, raw), values
 
     # -- letting go -------------------------------------------------------------------------
     def sent(self, record: SentJob, ttl_s: int, queue: str, message: str) -> bool:
