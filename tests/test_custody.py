@@ -16,6 +16,7 @@ from scheduler.placement.parking import ParkedJobs
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import fsck, keys
 from scheduler.store.placement_state import PlacementState
+from scheduler.store.streams import publish_final
 from scheduler.store.worker_state import WorkerState
 from tests.conftest import ggufq, send, stack_env
 from tests.test_state import GIB, vgpu
@@ -81,6 +82,7 @@ def test_fsck_finds_what_breaks_an_invariant(db: redis.Redis) -> None:
     assert fsck.problems(fsck.read(db)) == []
     assert [str(p) for p in fsck.problems(fsck.read(db), settled=True)] == [
         f"job {job.id}: still in flight once settled",
+        f"job {job.id}: recorded sent once settled",
         "runner r (m): counts 1 jobs in flight once settled",
     ]
 
@@ -94,6 +96,7 @@ def test_fsck_finds_what_breaks_an_invariant(db: redis.Redis) -> None:
         f"job {job.id}: in two states at once: parked, in flight on vgpu:h:0",
         f"job {job.id}: parked without its record",
         f"job {job.id}: missing from its model's index of parked jobs",
+        f"job {job.id}: recorded sent, found parked",
         "device vgpu:h:0: reserves 1073741824 bytes for runner gone, which is gone",
         "runner r (m): does not count placements p1, which in-flight records give it (it "
         "would unload mid-job)",
@@ -113,9 +116,11 @@ def test_ggufq_fsck_on_the_live_stack(stack: LocalStack, models_dir: Path, tmp_p
 def test_parked_jobs_are_indexed_by_model(db: redis.Redis) -> None:
     """A job's end wakes the parked jobs of its runner's model only: they are read from
     that model's index, kept with the parked queue by the same scripts."""
-    parked = ParkedJobs(db)
+    state = PlacementState(db)
+    parked = ParkedJobs(db, state.hands)
     jobs = [JobRequest(model=m, prompt="p") for m in ("a", "b", "a", "c")]
     for order, job in enumerate(jobs):
+        assert state.place_once(job.id, "delivery", 60, "{}").first  # placement takes it
         parked.park(job, float(order))
     assert parked.models() == {"a", "b", "c"}
     assert parked.ids({"a"}) == [jobs[0].id, jobs[2].id]
@@ -125,8 +130,10 @@ def test_parked_jobs_are_indexed_by_model(db: redis.Redis) -> None:
         jobs[3].id,
     ]
     assert parked.claim(jobs[0].id) is not None  # taken for a retry: out of the index too
-    parked.drop(jobs[3].id)  # ended while it waited
+    failed = {"error": {"code": "job_failed", "message": "it can never run"}}
+    publish_final(db, jobs[3].id, failed, 60)  # ended while it waited
     assert parked.models() == {"a", "b"} and parked.ids({"a"}) == [jobs[2].id]
+    assert db.hget(keys.job_custody(jobs[3].id), "state") == b"failed"
     assert [str(p) for p in fsck.problems(fsck.read(db))] == []
     parked.park(jobs[0], 0.0)  # back in the queue
     assert parked.ids({"a"}) == [jobs[0].id, jobs[2].id]

@@ -53,6 +53,7 @@ class Job:
     sent_holds: set[str] = field(default_factory=set)
     placement: Placement | None = None  # where it was sent (SENT, RUNNING)
     ended: int = 0  # times its end was written
+    moves: int = 1  # its custody record's epoch: raised at every move (claimed: the first)
 
 
 class Custody(RuleBasedStateMachine):
@@ -79,6 +80,7 @@ class Custody(RuleBasedStateMachine):
     def move(self, job: Job, target: JobState) -> None:
         assert allowed(job.state, target), f"{job.state} -> {target} is not a transition"
         job.state = target
+        job.moves += 1
 
     # -- the steps, each as its process takes it ------------------------------------
     def _park(self, job_id: str, again: bool = False) -> None:
@@ -327,6 +329,20 @@ class Custody(RuleBasedStateMachine):
             assert evidence.held_by == ((job.holder,) if job.holder else ())
             assert evidence.letting_go == tuple(sorted(job.sent_holds))
             assert job.ended <= 1
+
+    @invariant()
+    def each_job_record_says_its_state_holder_and_epoch(self) -> None:
+        for job_id, job in self.jobs.items():
+            raw = self.r.hgetall(keys.job_custody(job_id))
+            record = {k.decode(): v.decode() for k, v in raw.items()}
+            holder = job.holder
+            if job.state in (JobState.SENT, JobState.RUNNING, JobState.DONE):
+                holder = job.placement.id if job.placement else ""
+            assert (record["state"], record["holder"], int(record["epoch"])) == (
+                job.state.value,
+                holder,
+                job.moves,
+            ), f"job {job_id}"
 
     def teardown(self) -> None:
         """Every job can still end: each is taken on to its end, and then nothing is

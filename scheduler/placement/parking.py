@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import redis
 
@@ -28,7 +28,6 @@ from scheduler.store import keys
 from scheduler.store.cancel import cancelled_by, watch_keys
 from scheduler.store.hands import Hands, PutBack, Taken, TakeUnsure, parked_record
 from scheduler.store.records import text
-from scheduler.store.scripts import script
 
 _BATCH_OFFSET = 1e12  # every batch job sorts after every interactive one
 
@@ -63,7 +62,6 @@ class ParkedJobs:
     def __init__(self, client: redis.Redis, hands: Hands | None = None) -> None:
         self.r = client
         self._hands = hands
-        self._unpark: Any = None  # lua/unpark.lua, registered on first use
 
     @property
     def hands(self) -> Hands:
@@ -98,12 +96,6 @@ class ParkedJobs:
             return Claimed(req, float(record["score"]), errors, cancelled_by(*watched))
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidRequest(f"parked job {job_id}'s record cannot be read: {exc}") from None
-
-    def drop(self, job_id: str) -> None:
-        """The job leaves the queue for good (it ended while it waited)."""
-        if self._unpark is None:
-            self._unpark = script(self.r, "unpark")
-        self._unpark(keys=[keys.PARKED, keys.parked_job(job_id)], args=[job_id])
 
     def ids(self, models: Collection[str] | None = None) -> list[str]:
         """Parked job ids in queue order; only those of ``models`` when given (read from

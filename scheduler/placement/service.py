@@ -358,7 +358,6 @@ class PlacementService:
             log.warning(what, job_id)
             self.hands.hand_over(job_id)
             return
-        self.parked.drop(job_id)
         publish_final(self.r, job_id, error_chunk(model, job_id, exc), self.settings.stream_ttl_s)
         if isinstance(exc, JobCancelled):
             self.app.backend.mark_as_revoked(job_id, reason=str(exc))

@@ -25,7 +25,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from scheduler.custody import Evidence, state_of
+from scheduler.custody import Evidence, JobState, state_of
 from scheduler.protocol import SentJob
 from scheduler.store.records import text
 from scheduler.store.scripts import script
@@ -69,6 +69,10 @@ class Census:
     beating: set[str] = field(default_factory=set)  # devices in ggufq:heartbeats
     due_sent: set[str] = field(default_factory=set)  # "<job>|<placement>|<device>"
     due_counted: set[str] = field(default_factory=set)  # "<runner>|<placement>"
+    # the custody records of the jobs not ended (job → its recorded state; "" when the
+    # record is gone), and the moves the custody table does not allow ("<from> -> <to>" → n)
+    custody: dict[str, str] = field(default_factory=dict)
+    unexpected: dict[str, int] = field(default_factory=dict)
 
     @cached_property
     def sent_to(self) -> dict[str, tuple[str, ...]]:
@@ -102,7 +106,7 @@ def read(client: redis.Redis) -> Census:
     (devices, running, parked, orphans, held, recorded, runners, per_device, owners, indexed) = (
         reply[:10]
     )
-    beating, due_sent, due_counted = reply[10:]
+    beating, due_sent, due_counted, custody, unexpected = reply[10:]
     census = Census(
         devices={text(d) for d in devices},
         running={text(j) for j in running},
@@ -113,6 +117,8 @@ def read(client: redis.Redis) -> Census:
         beating={text(d) for d in beating},
         due_sent={text(m) for m in due_sent},
         due_counted={text(m) for m in due_counted},
+        custody={text(j): text(s) for j, s in _pairs(custody)},
+        unexpected={text(m): int(n) for m, n in _pairs(unexpected)},
     )
     for key, entry in _pairs(held):
         holder, _, job_id = text(key).rpartition("|")
@@ -151,7 +157,8 @@ def _sent(raw: bytes) -> SentJob | None:
 
 def problems(census: Census, settled: bool = False) -> list[Problem]:
     """What is wrong with the cluster's state (empty: nothing)."""
-    found = _jobs(census) + _reservations(census) + _runners(census) + _deadlines(census)
+    found = _jobs(census) + _custody(census) + _reservations(census) + _runners(census)
+    found += _deadlines(census)
     if settled:
         found += _left(census)
     return found
@@ -185,6 +192,27 @@ def _jobs(census: Census) -> list[Problem]:
             found.append(Problem(f"job {job_id}", f"{where} its model's index of parked jobs"))
     for job_id in sorted(census.parked_indexed - ids):
         found.append(Problem(f"job {job_id}", "left in its model's index of parked jobs"))
+    return found
+
+
+def _custody(census: Census) -> list[Problem]:
+    """Each job's custody record says the state its keys show; a job not ended is
+    somewhere; every move was one the table allows."""
+    found = []
+    for job_id in sorted(census.job_ids() | set(census.custody)):
+        evidence = census.evidence(job_id)
+        state, _wrong = state_of(evidence)
+        recorded = census.custody.get(job_id)
+        if recorded is None:
+            # not live: ended (or never recorded); a hold is let go of by its holder
+            if state is not None and not (state is JobState.PLACING and evidence.held_by):
+                found.append(Problem(f"job {job_id}", f"{state.value} with no live record"))
+        elif state is None:
+            found.append(Problem(f"job {job_id}", f"recorded {recorded or '?'}, found nowhere"))
+        elif recorded != state.value:
+            found.append(Problem(f"job {job_id}", f"recorded {recorded}, found {state.value}"))
+    for move, n in sorted(census.unexpected.items()):
+        found.append(Problem("custody", f"{n} moves {move}, which its table does not allow"))
     return found
 
 
@@ -293,6 +321,8 @@ def _left(census: Census) -> list[Problem]:
     }
     for where, ids in places.items():
         found += [Problem(f"job {j}", f"still {where} once settled") for j in sorted(ids)]
+    for job_id, state in sorted(census.custody.items()):
+        found.append(Problem(f"job {job_id}", f"recorded {state or '?'} once settled"))
     for runner in sorted(census.runners.values(), key=lambda r: r.id):
         if runner.in_flight:
             found.append(

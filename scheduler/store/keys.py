@@ -29,6 +29,10 @@ IN_HAND = f"{PREFIX}:in_hand"
 # job whose in-flight record is not written yet
 DUE_SENT = f"{PREFIX}:due:sent"
 DUE_COUNTED = f"{PREFIX}:due:counted"
+# the custody records' set of jobs not ended, and the count of moves the custody table does
+# not allow ("<from> -> <to>" → count): lua/_custody.lua
+CUSTODY_LIVE = f"{PREFIX}:custody:live"
+CUSTODY_UNEXPECTED = f"{PREFIX}:custody:unexpected"
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
 PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service
 BATCH_SUFFIX = ".batch"  # batch jobs go to a sibling queue that workers drain second
@@ -78,6 +82,11 @@ def job_submitted(job_id: str) -> str:
 def route(shape: str) -> str:
     # string: the one runner that serves jobs of this shape (scheduler/store/routes.py)
     return f"{PREFIX}:route:{shape}"
+
+
+def job_custody(job_id: str) -> str:
+    # hash: state, holder, epoch, at: the job's custody record (lua/_custody.lua)
+    return f"{PREFIX}:job:{job_id}:custody"
 
 
 def job_hops(job_id: str) -> str:

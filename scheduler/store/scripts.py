@@ -10,16 +10,30 @@ from typing import Any
 import redis
 import redis.asyncio
 
+from scheduler.custody import ENDED, TRANSITIONS
+
 
 @cache
 def _lua_source(name: str) -> str:
     folder = resources.files("scheduler.store").joinpath("lua")
     # the preludes: every script logs the keys it changes (placement's snapshot cache reads
     # that log), and may count a model's demand, let go of a job in hand, read Redis's
-    # clock, keep custody deadlines, count a runner's jobs, or take the steps of a job's end
-    parts = ("changes", "demand", "hands", "clock", "due", "jobs", "ends")
+    # clock, keep custody deadlines, move a job's custody record, count a runner's jobs, or
+    # take the steps of a job's end
+    parts = ("changes", "demand", "hands", "clock", "due", "custody", "jobs", "ends")
     preludes = [folder.joinpath(f"_{part}.lua").read_text() for part in parts]
-    return "".join(preludes) + folder.joinpath(f"{name}.lua").read_text()
+    return custody_tables() + "".join(preludes) + folder.joinpath(f"{name}.lua").read_text()
+
+
+def custody_tables() -> str:
+    """The custody table (scheduler/custody.py) as the Lua sets lua/_custody.lua checks each
+    move against: written from the one table, never copied by hand."""
+    moves = sorted({t.name for t in TRANSITIONS})
+    ended = sorted(state.value for state in ENDED)
+    return (
+        "local CUSTODY_MOVES = {" + ", ".join(f"[{m!r}] = true" for m in moves) + "}\n"
+        "local CUSTODY_ENDED = {" + ", ".join(f"[{e!r}] = true" for e in ended) + "}\n"
+    )
 
 
 _SOURCES: dict[str, Any] = {}  # sha1 → source, of every script made by script()

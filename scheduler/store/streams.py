@@ -17,6 +17,7 @@ from typing import Any, cast
 import redis
 import redis.asyncio
 
+from scheduler.custody import JobState
 from scheduler.errors import ChunksLost, GgufqError, JobCancelled
 from scheduler.store import keys
 from scheduler.store.cancel import ReaderLease
@@ -35,25 +36,35 @@ class Appended(IntEnum):
     DUPLICATE = -1  # not written again: the stream has this seq already
 
 
+def outcome_of(chunk: dict[str, Any] | None) -> JobState | None:
+    """The state a job ends in with ``chunk`` (its custody record moves there when the chunk
+    is written), None for a chunk that is not final."""
+    if not chunk or not chunk.get("done"):
+        return None
+    if chunk.get("done_reason") == "cancel":
+        return JobState.CANCELLED
+    return JobState.FAILED if chunk.get("error") else JobState.DONE
+
+
 def _append_call(
     job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str
 ) -> tuple[list[str], list[Any]]:
     """lua/append.lua's keys and arguments for one chunk: written only while the job's
     owner is ``fence`` (a placement id; "" always writes)."""
-    payload = json.dumps(dict(chunk, seq=seq))
-    job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
-    return job_keys, [fence, seq, payload, ttl_s]
+    keys_, args = chunk_call(job_id, seq, chunk, ttl_s, fence)
+    outcome = outcome_of(chunk)
+    return [*keys_, keys.job_custody(job_id)], [*args, outcome.value if outcome else ""]
 
 
 def chunk_call(
     job_id: str, seq: int, chunk: dict[str, Any] | None, ttl_s: int, fence: str
 ) -> tuple[list[str], list[Any]]:
-    """:func:`write_chunk`'s keys and arguments, for a script that writes a job's chunk
-    among other things (lua/end.lua); ``chunk`` None writes none."""
-    if chunk is None:
-        job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
-        return job_keys, [fence, seq, "", ttl_s]
-    return _append_call(job_id, seq, chunk, ttl_s, fence)
+    """The owner, stream and channel keys and the fence, seq, payload and ttl arguments of a
+    script that writes a job's chunk among other things (lua/end.lua); ``chunk`` None
+    writes none."""
+    payload = "" if chunk is None else json.dumps(dict(chunk, seq=seq))
+    job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
+    return job_keys, [fence, seq, payload, ttl_s]
 
 
 def write_chunk(
@@ -108,11 +119,16 @@ def progress(client: redis.Redis, job_id: str) -> tuple[int, bool]:
 
 
 def publish_final(client: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s: int) -> None:
-    """Record the final chunk of a job from a process that published nothing before it."""
-    stream = keys.job_chunks(job_id)
-    last = cast(list[tuple[bytes, Any]], client.xrevrange(stream, count=1))
-    seq = int(last[0][0].decode().split("-")[1]) if last else 0
-    write_chunk(client, job_id, seq + 1, dict(chunk, done=True), ttl_s)
+    """End a job from a process that published nothing before it (placement fails or
+    cancels it): its final chunk after whatever its stream holds, and out of the parked
+    queue if it waits there, in one step (lua/final.lua)."""
+    final = dict(chunk, done=True)
+    job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
+    outcome = outcome_of(final) or JobState.FAILED
+    script(client, "final")(
+        keys=[keys.PARKED, keys.parked_job(job_id), *job_keys, keys.job_custody(job_id)],
+        args=[job_id, json.dumps(final), ttl_s, outcome.value],
+    )
 
 
 class ChunkOrder:

@@ -15,7 +15,7 @@ from scheduler.store.cancel import cancelled_by, watch_keys
 from scheduler.store.placement_state import GONE_BEAT, reap
 from scheduler.store.records import text
 from scheduler.store.scripts import flatten, script
-from scheduler.store.streams import Appended, chunk_call
+from scheduler.store.streams import Appended, chunk_call, outcome_of
 
 
 class WorkerState:
@@ -186,6 +186,7 @@ class WorkerState:
                 keys.runner(placement.runner_id),
                 keys.EVENTS,
                 keys.ORPHANS,
+                keys.job_custody(job_id),
             ],
             args=[
                 *chunk_args,
@@ -194,6 +195,7 @@ class WorkerState:
                 keep,
                 placement.runner_id,
                 "" if orphan is None else orphan.model_dump_json(),
+                outcome.value if (outcome := outcome_of(chunk)) else "",
             ],
         )
         return Appended(int(appended)), int(left)

@@ -4,8 +4,10 @@
 
 -- Append one chunk to a job's stream and publish it, unless the job's owner is another
 -- placement id than ``fence`` ('' writes whatever the owner). Returns streams.Appended:
--- 1 WRITTEN, 0 FENCED, -1 DUPLICATE (this seq is there already).
-local function append_chunk(owner_key, chunks, channel, fence, seq, payload, ttl)
+-- 1 WRITTEN, 0 FENCED, -1 DUPLICATE (this seq is there already). A final chunk written
+-- moves the job's custody record ``custody`` to ``outcome`` (done, failed, cancelled; ''
+-- for a chunk that is not final).
+local function append_chunk(owner_key, chunks, channel, fence, seq, payload, ttl, custody, outcome)
   local owner = redis.call('GET', owner_key)
   local id = '0-' .. seq
   if fence ~= '' and owner and owner ~= fence then
@@ -20,6 +22,7 @@ local function append_chunk(owner_key, chunks, channel, fence, seq, payload, ttl
   redis.call('PUBLISH', channel, payload)
   -- every write renews the expiry, so a stream outlives its job by ttl however long it runs
   redis.call('EXPIRE', chunks, ttl)
+  if outcome ~= '' then move_record(custody, outcome, fence, ttl) end
   return 1
 end
 

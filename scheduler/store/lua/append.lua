@@ -4,7 +4,9 @@
 -- KEYS[1] ggufq:job:<id>:owner  (string) placement id, or "orphaned"
 -- KEYS[2] ggufq:job:<id>:chunks (stream) entry ids 0-<seq>
 -- KEYS[3] ggufq:job:<id>        (pub/sub channel)
--- ARGV: fence (the writer's placement id; "" writes whatever the owner), seq, payload, ttl_s
+-- KEYS[4] ggufq:job:<id>:custody (hash) moved to the outcome by a final chunk
+-- ARGV: fence (the writer's placement id; "" writes whatever the owner), seq, payload, ttl_s,
+--       outcome of a final chunk (done, failed, cancelled; '' for another chunk)
 -- Returns streams.Appended: 1 WRITTEN, 0 FENCED (the owner is another placement id),
 -- -1 DUPLICATE (the stream already had this seq).
-return append_chunk(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
+return append_chunk(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], KEYS[4], ARGV[5])

@@ -5,12 +5,14 @@
 -- ggufq:orphans, ggufq:in_hand (their members), ggufq:resv:<dev>, ggufq:inflight:<dev>,
 -- ggufq:runner:<id> (model, in_flight, devices) and its :jobs, ggufq:parked:<id>,
 -- ggufq:job:<id>:owner, ggufq:parked:model_of (the parked jobs' index by model),
--- ggufq:heartbeats, ggufq:due:sent and ggufq:due:counted (their members)
+-- ggufq:heartbeats, ggufq:due:sent and ggufq:due:counted (their members),
+-- ggufq:custody:live (its members' ggufq:job:<id>:custody state), ggufq:custody:unexpected
 -- Returns {devices, running, parked, orphans, held (flat field, entry), parked ids that
 -- have their record, {runner id, model, in_flight, devices JSON, its jobs' placement
 -- ids}..., {device id, reservations (flat runner, bytes), in-flight records (flat job,
 -- record)}..., owners (flat job, owner or ''), the job ids in the parked jobs' index,
--- the devices that have a beat, the sends due, the counts due}
+-- the devices that have a beat, the sends due, the counts due, the custody records of the
+-- jobs not ended (flat job, state), the unexpected moves (flat move, count)}
 local devices = redis.call('SMEMBERS', 'ggufq:devices')
 local parked = redis.call('ZRANGE', 'ggufq:parked', 0, -1)
 local recorded = {}
@@ -34,6 +36,11 @@ for _, dev in ipairs(devices) do
   end
   table.insert(per_device, {dev, redis.call('HGETALL', 'ggufq:resv:' .. dev), sent})
 end
+local custody = {}
+for _, id in ipairs(redis.call('SMEMBERS', 'ggufq:custody:live')) do
+  table.insert(custody, id)
+  table.insert(custody, redis.call('HGET', 'ggufq:job:' .. id .. ':custody', 'state') or '')
+end
 return {
   devices,
   redis.call('HKEYS', 'ggufq:running'),
@@ -48,4 +55,6 @@ return {
   redis.call('ZRANGE', 'ggufq:heartbeats', 0, -1),
   redis.call('ZRANGE', 'ggufq:due:sent', 0, -1),
   redis.call('ZRANGE', 'ggufq:due:counted', 0, -1),
+  custody,
+  redis.call('HGETALL', 'ggufq:custody:unexpected'),
 }

@@ -18,14 +18,15 @@
 -- KEYS[7] ggufq:events                             (pub/sub channel) job_finished, with
 --                                                  the runner's model: wakes parked jobs
 -- KEYS[8] ggufq:orphans                            (hash) job id -> in-flight record
+-- KEYS[9] ggufq:job:<id>:custody                   (hash) its custody record
 -- ARGV: placement id (the fence), seq, payload ('' for no chunk), stream ttl_s, job id,
 --       now, keep_alive_s ('' keeps the runner's), runner id, the orphan record of a job
---       handed back ('' for none)
+--       handed back ('' for none), the final chunk's outcome (done, failed, cancelled)
 -- Returns {streams.Appended (1 also when there was no chunk), jobs the runner still counts
 -- (-1: it is gone)}.
 local appended = 1
 if ARGV[3] ~= '' then
-  appended = append_chunk(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
+  appended = append_chunk(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], KEYS[9], ARGV[10])
 end
 local was_recorded = done_with(KEYS[1], KEYS[4], KEYS[5], ARGV[5], ARGV[1])
 local left = count_off(KEYS[6], ARGV[1], ARGV[6], ARGV[7])
@@ -38,6 +39,7 @@ end
 -- placed again meanwhile, finds none and hands nothing back a second time
 if ARGV[9] ~= '' and was_recorded == 1 then
   redis.call('HSET', KEYS[8], ARGV[5], ARGV[9])
+  move(ARGV[5], 'orphaned', '')
   redis.call('PUBLISH', KEYS[7], cjson.encode({event = 'handed_back', job = ARGV[5]}))
 end
 return {appended, left}

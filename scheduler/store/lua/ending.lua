@@ -3,8 +3,7 @@
 -- another placement process put it back already (the holder had stalled), nor when it was
 -- sent (marked so, or let go of by a sweep because it was: its send step ran, and what
 -- failed came after): it runs on its device, and ending it here too would give it two
--- outcomes.
--- Moves a job (scheduler/custody.py): placing -> failed, placing -> cancelled
+-- outcomes. Moves no job: its final chunk (lua/final.lua) does.
 -- KEYS[1] ggufq:in_hand (hash)
 -- KEYS[2] ggufq:swept:<token>
 -- ARGV: field "<placement>|<job id>", token

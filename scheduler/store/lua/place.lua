@@ -21,4 +21,5 @@ end
 -- which a decode and encode here would parse and copy on every placement
 local at = string.format('{"at": %.6f, ', now_s())
 redis.call('HSET', KEYS[2], ARGV[3], at .. string.sub(ARGV[4], 2))
+move_held(ARGV[3], 'placing')
 return 1

@@ -4,7 +4,7 @@
 -- (marked sent, or let go of by a sweep because it was: its send step ran, and what
 -- failed came after): its device's records account for it, and parking it too would run
 -- it twice.
--- Moves a job (scheduler/custody.py): placing -> parked
+-- Moves a job (scheduler/custody.py): placing -> parked, placing -> orphaned
 -- KEYS[1] the queue: ggufq:parked or ggufq:orphans
 -- KEYS[2] ggufq:parked:<id> (string), unused for an orphan
 -- KEYS[3] ggufq:in_hand (hash)
@@ -21,5 +21,6 @@ if sent_from_us(KEYS[3], ARGV[4], ARGV[5], KEYS[4]) then
   return 2
 end
 put_back(KEYS[1], KEYS[2], ARGV[2], ARGV[1], ARGV[3])
+move(ARGV[1], ARGV[2] == 'orphan' and 'orphaned' or 'parked', '')
 let_go(KEYS[3], ARGV[4], ARGV[5])
 return 1

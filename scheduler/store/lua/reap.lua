@@ -35,6 +35,7 @@ for _, dev in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - 
         redis.call('SET', owner, 'orphaned', 'EX', 86400)
       end
       redis.call('HDEL', 'ggufq:running', sent[i])
+      move(sent[i], 'orphaned', '')
     end
     redis.call('DEL', 'ggufq:resv:' .. dev, 'ggufq:device:' .. dev, 'ggufq:inflight:' .. dev)
     -- its queues hold only messages of the jobs just orphaned: nothing will read them

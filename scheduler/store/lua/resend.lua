@@ -36,4 +36,5 @@ if redis.call('EXISTS', KEYS[6]) == 1 then
   changed(KEYS[6])
 end
 redis.call('LPUSH', KEYS[7], ARGV[7])
+move(ARGV[1], 'sent', ARGV[4])
 return 1

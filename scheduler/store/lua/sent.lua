@@ -30,4 +30,5 @@ no_longer_due('ggufq:runner:' .. ARGV[7], ARGV[3])
 redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
 mark_held(KEYS[3], ARGV[5], ARGV[6], 'sent', 1)
 redis.call('LPUSH', KEYS[5], ARGV[9])
+move(ARGV[1], 'sent', ARGV[3])
 return 1

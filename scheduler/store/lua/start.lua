@@ -18,5 +18,6 @@ if redis.call('GET', KEYS[2]) ~= ARGV[3] then
   return {0}
 end
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[5])
+move(ARGV[1], 'running', ARGV[2])
 redis.call('ZREM', DUE_SENT, sent_due(ARGV[1], ARGV[2], tostring(placement['device_id'])))
 return {1, redis.call('GET', KEYS[4]), redis.call('GET', KEYS[5]), redis.call('GET', KEYS[6])}

@@ -40,5 +40,6 @@ if ARGV[2] ~= '' then
 end
 if outcome == 1 then
   put_back(KEYS[3], KEYS[4], entry['what'], ARGV[5], entry['record'])
+  move(ARGV[5], entry['what'] == 'orphan' and 'orphaned' or 'parked', '')
 end
 return outcome

@@ -36,4 +36,5 @@ else
 end
 local entry = {token = ARGV[3], what = ARGV[4], at = now_s(), record = raw}
 redis.call('HSET', KEYS[3], ARGV[2], cjson.encode(entry))
+move_held(ARGV[2], 'placing')
 return raw

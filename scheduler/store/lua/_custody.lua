@@ -1,0 +1,52 @@
+-- A job's custody record, a prelude: ggufq:job:<id>:custody (hash) names the state the job
+-- is in (scheduler/custody.py), who holds it (a placement process, or the placement id a
+-- device runs it under; '' for a queue), its epoch (raised at every move: each move hands
+-- the job over) and when it moved (Redis's clock). Every script that moves a job writes it
+-- in the same step as the job's other keys, so the two cannot part; a move the custody
+-- table does not allow from the recorded state is counted in ggufq:custody:unexpected
+-- (``ggufq fsck`` reports it). ggufq:custody:live holds the ids of jobs not ended: one
+-- that stays there with no place in Redis is a job lost.
+-- CUSTODY_MOVES and CUSTODY_ENDED are written above this prelude from the table
+-- (scheduler/store/scripts.py).
+-- Touches, by name: ggufq:job:<id>:custody, ggufq:custody:live, ggufq:custody:unexpected.
+
+local CUSTODY_LIVE, CUSTODY_UNEXPECTED = 'ggufq:custody:live', 'ggufq:custody:unexpected'
+local CUSTODY_LIVE_TTL = 7 * 86400  -- a record of a job not ended outlives no week
+
+local function custody_key(job_id) return 'ggufq:job:' .. job_id .. ':custody' end
+
+-- Move the job whose record is ``key`` to ``target`` under ``holder``; an ended record
+-- expires after ``ended_ttl`` s, with the job's stream. Returns the new epoch.
+local function move_record(key, target, holder, ended_ttl)
+  local job_id = string.sub(key, #'ggufq:job:' + 1, -#':custody' - 1)
+  local record = redis.call('HMGET', key, 'state', 'epoch', 'holder')
+  local source = record[1] or 'submitted'
+  if source == target and record[3] == holder then
+    return tonumber(record[2])  -- asked again after a lost reply: it moved already
+  end
+  local name = source .. ' -> ' .. target
+  if not CUSTODY_MOVES[name] then
+    redis.call('HINCRBY', CUSTODY_UNEXPECTED, name, 1)
+  end
+  local epoch = (tonumber(record[2]) or 0) + 1
+  redis.call('HSET', key, 'state', target, 'epoch', epoch, 'holder', holder, 'at', now_s())
+  if CUSTODY_ENDED[target] then
+    redis.call('SREM', CUSTODY_LIVE, job_id)
+    redis.call('EXPIRE', key, tonumber(ended_ttl) or 86400)
+  else
+    redis.call('SADD', CUSTODY_LIVE, job_id)
+    redis.call('EXPIRE', key, CUSTODY_LIVE_TTL)
+  end
+  return epoch
+end
+
+local function move(job_id, target, holder)
+  return move_record(custody_key(job_id), target, holder)
+end
+
+-- ``move`` for a job in hand under ``field`` ("<placement>|<job id>"): held by that process.
+local function move_held(field, target)
+  local holder, job_id = string.match(field, '^([^|]*)|(.*)$')
+  if job_id then return move(job_id, target, holder) end
+  return 0
+end
