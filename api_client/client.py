@@ -12,7 +12,7 @@ from typing import Any, Literal, overload
 from api_client.batch import run_batch
 from api_client.batch_files import BatchInput, BatchSummary
 from api_client.job import Job
-from scheduler.cluster import DeviceView, JobView, RunnerView
+from scheduler.cluster import CustodyView, DeviceView, JobView, RunnerView
 from scheduler.errors import NoWorkers, job_id_taken
 from scheduler.gguf.registry import Registry
 from scheduler.placement.needs import format_warning
@@ -317,6 +317,12 @@ class Client:
         they will be retried, ``model_position`` among their model's), then ``queued`` at a
         worker (``position`` in their device's queue) and ``running``."""
         return ParkedJobs(self.r).listing() + self.state.sent_jobs()
+
+    def custody(self, job_id: str) -> CustodyView | None:
+        """Where a job is, as its custody record says: ``state`` (placing, parked, sent,
+        running, orphaned, done, failed, cancelled), ``holder``, ``epoch`` (its moves) and
+        ``moved_at``; None before placement takes it, or once its record expired."""
+        return self.state.custody([job_id])[0]
 
     # -- state ------------------------------------------------------------------------------
     def models(self) -> list[dict[str, Any]]:

@@ -251,3 +251,18 @@ class JobView(BaseModel):
     device: str | None = None
     submitted_at: float
     started_at: float | None = None
+
+
+class CustodyView(BaseModel):
+    """Where a job is, as its custody record says (``Client.custody()``, ``ggufq where``):
+    its state (scheduler/custody.py), who holds it (a placement process, or the placement a
+    device runs it under; "" for a queue), its epoch (raised at every move) and when it
+    last moved, on Redis's clock. Kept for ``GGUFQ_STREAM_TTL_S`` after it ends."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    state: str
+    holder: str
+    epoch: int
+    moved_at: float

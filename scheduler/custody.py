@@ -4,8 +4,12 @@ which Lua script), and what happens when whoever holds it stops answering.
 This module is the map a reader opens first to answer "what happens to a job when ...":
 README's "When things fail" prints :data:`TRANSITIONS` and :data:`LAPSES` as tables, every
 Lua script that moves a job names its transitions in its header (``-- Moves a job:``), and
-``tests/test_custody.py`` holds the three to each other. ``ggufq fsck`` reads where each job
-is in Redis (:func:`state_of`) and reports a job found in two states at once.
+``tests/test_custody.py`` holds the three to each other. Each job's custody record
+(``ggufq:job:<id>:custody``: state, holder, epoch, when) is moved by those scripts in the same
+step as the job's other keys, and checked against :data:`TRANSITIONS`, which the scripts are
+given as a Lua table (scheduler/store/scripts.py). ``ggufq fsck`` reads where each job is in
+Redis (:func:`state_of`) and reports a job found in two states at once, or in another state
+than its record names.
 
 Pure: no Redis, no clock.
 """
@@ -17,7 +21,8 @@ from enum import StrEnum
 
 
 class JobState(StrEnum):
-    """Where a job is. Its Redis evidence is named in each member's comment."""
+    """Where a job is: its custody record's state. The job's other keys in Redis, which
+    fsck holds the record to, are named in each member's comment."""
 
     SUBMITTED = "submitted"  # job:<id>:submitted; its message on a placement queue
     PLACING = "placing"  # in_hand under a placement process (a claim or a take)
@@ -67,6 +72,13 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(S.PLACING, S.ORPHANED, Actor.PLACEMENT, "put_back", "an orphan it cannot place now"),
     Transition(S.PLACING, S.PARKED, Actor.SWEEP, "sweep", "its holder went silent"),
     Transition(S.PLACING, S.ORPHANED, Actor.SWEEP, "sweep", "its holder went silent"),
+    Transition(
+        S.PLACING,
+        S.FAILED,
+        Actor.SWEEP,
+        "sweep",
+        "its holder went silent as it ended it, or its entry cannot be read",
+    ),
     Transition(S.PLACING, S.FAILED, Actor.PLACEMENT, "final", "refused, or lost twice"),
     Transition(S.PLACING, S.CANCELLED, Actor.PLACEMENT, "final", "asked to cancel"),
     Transition(S.PARKED, S.PLACING, Actor.PLACEMENT, "take", "capacity may have freed"),
@@ -115,7 +127,8 @@ LAPSES: tuple[Lapse, ...] = (
         "itself finds it held that long and no longer decides on it (Redis restored from "
         "an older snapshot)",
         "put back where it was taken from, once; a job already sent is let go, one being "
-        "ended is failed; the holder, if it resumes, finds it swept and does nothing more",
+        "ended is failed in the same step; the holder, if it resumes, finds it swept and "
+        "does nothing more",
     ),
     Lapse(
         S.PARKED,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from api_client.client import Client
 from scheduler.custody import TRANSITIONS, Evidence, JobState, state_of, tables, transitions_of
 from scheduler.local.stack import LocalStack
 from scheduler.placement.parking import ParkedJobs
@@ -111,6 +112,27 @@ def test_ggufq_fsck_on_the_live_stack(stack: LocalStack, models_dir: Path, tmp_p
     assert json.loads(out.stdout) == {"problems": [], "ok": True}
     human = ggufq("fsck", env=env)
     assert human.returncode == 0 and human.stdout.rstrip().endswith("no problems")
+
+
+def test_where_a_job_is_says_its_custody(
+    client: Client, stack: LocalStack, models_dir: Path, tmp_path: Path
+) -> None:
+    """A job's record follows it: placed (or sent by the fast path), run, done; its epoch
+    counts the moves, and ``ggufq where`` prints it."""
+    job = client.submit("tiny", "Where am I?", options={"num_predict": 2, "temperature": 0})
+    job.result()
+    record = client.custody(job.id)
+    assert record is not None and (record.state, record.id) == ("done", job.id)
+    # placing -> sent -> running -> done, or sent -> running -> done by the fast path
+    assert record.epoch in (3, 4) and record.holder  # the placement it ran under
+    assert client.custody("no-such-job") is None
+    env = {**stack_env(models_dir, tmp_path / "state"), "GGUFQ_REDIS_URL": stack.redis_url}
+    out = ggufq("where", job.id, "no-such-job", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["JOB", "STATE", "HOLDER", "EPOCH", "MOVED"]
+    assert lines[1].split()[:4] == [job.id, "done", record.holder, str(record.epoch)]
+    assert lines[2].startswith("no-such-job") and "unknown" in lines[2]
 
 
 def test_parked_jobs_are_indexed_by_model(db: redis.Redis) -> None:

@@ -42,6 +42,7 @@ TTL = 60
 CONFIG = RunnerConfig(512)
 FOREVER = 1e12
 P = ("p1", "p2")
+ENDS = ('{"done": true, "error": {}}', '{"done": true, "error": {}}')  # none ends here
 
 
 @dataclass
@@ -243,11 +244,11 @@ class Custody(RuleBasedStateMachine):
             job = self.jobs[held.job_id]
             if held.sent:  # the job is its device's (or ended): let go of only
                 assert silent in job.sent_holds
-                assert survivor.sweep(held, dead_before, finished=False) is Swept.LET_GO
+                assert survivor.sweep(held, dead_before, False, ENDS, 600) is Swept.LET_GO
                 job.sent_holds.discard(silent)
                 continue
             assert job.holder == silent
-            assert survivor.sweep(held, dead_before, finished=False) is Swept.PUT_BACK
+            assert survivor.sweep(held, dead_before, False, ENDS, 600) is Swept.PUT_BACK
             back = JobState.ORPHANED if held.what == "orphan" else JobState.PARKED
             self.move(job, back)
             job.holder = ""

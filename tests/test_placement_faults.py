@@ -20,7 +20,7 @@ from scheduler.placement import service as service_module
 from scheduler.placement.service import MAX_PLACEMENT_ERRORS, PlacementService
 from scheduler.placement.wakes import Wake
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
-from scheduler.store import keys
+from scheduler.store import fsck, keys
 from scheduler.store.celery_app import task_message
 from scheduler.store.clock import redis_now
 from scheduler.store.hands import PutBack, parked_record
@@ -575,6 +575,9 @@ def test_a_job_its_placement_process_died_ending_is_ended_by_another(
     error = final_error(db, job.id)
     assert error["code"] == "job_failed" and "as it was ending it" in error["message"]
     assert survivor.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0
+    # ended in the sweep's own step: never held by nobody and not ended
+    assert db.hget(keys.job_custody(job.id), "state") == b"failed"
+    assert [str(p) for p in fsck.problems(fsck.read(db), settled=True)] == []
 
 
 def test_a_held_entry_that_does_not_parse_ends_its_job_when_its_holder_is_gone(

@@ -20,6 +20,7 @@ from api_client.cli.cluster import (
     cmd_load,
     cmd_ps,
     cmd_unload,
+    cmd_where,
 )
 from api_client.cli.demo import cmd_demo
 from api_client.cli.gateway import add_keys_commands, add_serve_arguments, cmd_serve
@@ -149,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true")
     p = command("jobs", cmd_jobs, "list jobs not ended: parked, queued, running, with position")
+    p.add_argument("--json", action="store_true")
+    p = command("where", cmd_where, "where jobs are: their custody state, holder and epoch")
+    p.add_argument("job_ids", nargs="+", metavar="JOB_ID")
     p.add_argument("--json", action="store_true")
     p = command("ps", cmd_ps, "list the loaded models (runners)")
     p.add_argument("--json", action="store_true")

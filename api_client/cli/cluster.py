@@ -1,5 +1,5 @@
-"""The commands that look at and steer a running cluster: ps, devices, jobs, load, unload,
-cancel, fsck."""
+"""The commands that look at and steer a running cluster: ps, devices, jobs, where, load,
+unload, cancel, fsck."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from api_client.cli.tables import print_table, ps_table
 from api_client.client import Client
 from scheduler.store import fsck
+from scheduler.store.clock import redis_now
 from scheduler.units import format_bytes, format_duration
 
 
@@ -65,6 +66,23 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         for r in rows
     ]
     print_table(["JOB", "MODEL", "STATE", "POS", "DEVICE", "PRIORITY", "TENANT", "AGE"], table)
+    return 0
+
+
+def cmd_where(args: argparse.Namespace) -> int:
+    with Client() as client:
+        views = [client.custody(job_id) for job_id in args.job_ids]
+        now = redis_now(client.r)
+    if args.json:
+        print(json.dumps([v.model_dump(mode="json") if v else None for v in views], indent=2))
+        return 0
+    rows = [
+        [v.id, v.state, v.holder or "-", str(v.epoch), format_duration(now - v.moved_at) + " ago"]
+        if v
+        else [job_id, "unknown: not placed yet, or ended long ago", "", "", ""]
+        for job_id, v in zip(args.job_ids, views, strict=True)
+    ]
+    print_table(["JOB", "STATE", "HOLDER", "EPOCH", "MOVED"], rows)
     return 0
 
 

@@ -4,6 +4,7 @@ once, sent again, or ended with an error that says what happened; never dropped.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -19,9 +20,9 @@ from scheduler.protocol import JobRequest, SentJob
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
 from scheduler.store.celery_app import run_message
 from scheduler.store.due import Deadlines, DueSend
-from scheduler.store.hands import Swept
+from scheduler.store.hands import Held, Swept
 from scheduler.store.placement_state import PlacementState
-from scheduler.store.streams import progress
+from scheduler.store.streams import error_chunk, progress
 
 log = logging.getLogger("ggufq.placement")
 # a send found waiting in its device's queue is looked at again after it has waited as
@@ -127,7 +128,9 @@ class Recovery:
                 others.append(held)
         for held in others:
             _streamed, finished = progress(self.r, held.job_id)
-            outcome = hands.sweep(held, dead_before, finished)
+            lost = {why: _lost_in_hand(held, why) for why in (Swept.ENDING, Swept.UNREADABLE)}
+            ends = (_final(held, lost[Swept.ENDING]), _final(held, lost[Swept.UNREADABLE]))
+            outcome = hands.sweep(held, dead_before, finished, ends, self.owner_ttl_s)
             if outcome is Swept.PUT_BACK:
                 what = "among the orphans" if held.what == "orphan" else "in the parked queue"
                 why = (
@@ -138,17 +141,12 @@ class Recovery:
                 )
                 log.warning("job %s was in the hands of %s: put back %s", held.job_id, why, what)
                 back += 1
-            elif outcome in (Swept.UNREADABLE, Swept.ENDING):
-                why = (
-                    "as it was ending it"
-                    if outcome is Swept.ENDING
-                    else "as it handled it, and its record there cannot be read"
-                )
-                lost = JobFailed(
-                    f"job {held.job_id} was lost: placement process {held.holder} stopped "
-                    f"{why}; submit it again"
-                )
-                self.fail(held.job_id, "", lost)
+            elif outcome in (Swept.UNREADABLE, Swept.ENDING):  # ended in the sweep's step
+                log.warning("%s", lost[outcome])
+                try:
+                    self.app.backend.mark_as_failure(held.job_id, lost[outcome])
+                except Exception as exc:  # its stream's final chunk ends it for readers
+                    log.warning("job %s's failed result was not written: %s", held.job_id, exc)
         return back
 
     def lost_sends(self, sent_before: float) -> int:
@@ -246,3 +244,19 @@ def _again_at(record: SentJob, now: float) -> float:
     """When a send found waiting (or started only by its chunks) is looked at again: once
     it has waited as long again, at most MAX_LOOK_AGAIN_S from ``now``."""
     return now + min(max(now - record.sent_at, 0.0), MAX_LOOK_AGAIN_S)
+
+
+def _lost_in_hand(held: Held, outcome: Swept) -> JobFailed:
+    why = (
+        "as it was ending it"
+        if outcome is Swept.ENDING
+        else "as it handled it, and its record there cannot be read"
+    )
+    return JobFailed(
+        f"job {held.job_id} was lost: placement process {held.holder} stopped {why}; "
+        "submit it again"
+    )
+
+
+def _final(held: Held, exc: JobFailed) -> str:
+    return json.dumps(dict(error_chunk("", held.job_id, exc), done=True))

@@ -38,8 +38,8 @@ class Swept(IntEnum):
     NOTHING = 0  # gone, held under another token, or its holder beats again
     PUT_BACK = 1  # back where it was taken from
     LET_GO = 2  # let go only: it was sent (its device's records hold it) or it ended
-    ENDING = 3  # let go of a job its holder was ending: the caller ends it
-    UNREADABLE = -1  # let go of an entry that does not parse: the caller ends its job
+    ENDING = 3  # let go of a job its holder was ending, and ended with the chunk given
+    UNREADABLE = -1  # let go of an entry that does not parse, and its job ended so
 
 
 class PutBack(IntEnum):
@@ -321,10 +321,14 @@ class Hands:
         """Let go of ``held`` (under its holder's field and token)."""
         again_if_lost(lambda: self._let_go(keys=[keys.IN_HAND], args=[held.field, held.token]))
 
-    def sweep(self, held: Held, dead_before: float, finished: bool) -> Swept:
+    def sweep(
+        self, held: Held, dead_before: float, finished: bool, ends: tuple[str, str], ttl_s: int
+    ) -> Swept:
         """Put ``held`` back in its queue, once, if its holder is still silent (or is this
         process: an entry of its own held past ``dead_before``), or let go of it
-        (:class:`Swept` says which)."""
+        (:class:`Swept` says which). A job its holder was ending, or whose entry does not
+        parse, is ended in the same step with the final chunk ``ends`` gives for each (JSON
+        objects without a seq; its stream kept ``ttl_s``)."""
         outcome = self._sweep(
             keys=[
                 keys.IN_HAND,
@@ -342,6 +346,8 @@ class Hands:
                 SWEPT_KEPT_S,
                 int(finished),
                 int(held.holder == self.name),
+                *ends,
+                ttl_s,
             ],
         )
         return Swept(int(outcome))

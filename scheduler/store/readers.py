@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 import redis
 from pydantic import ValidationError
 
-from scheduler.cluster import DeviceView, JobView, RunnerView
+from scheduler.cluster import CustodyView, DeviceView, JobView, RunnerView
 from scheduler.protocol import SentJob
 from scheduler.store import keys
 from scheduler.store.clock import redis_now
@@ -75,6 +75,29 @@ class ClusterReader:
                     )
                 )
         return rows
+
+    def custody(self, job_ids: list[str]) -> list[CustodyView | None]:
+        """Each job's custody record; None for a job with none (never placed, or ended
+        longer ago than its stream is kept)."""
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(keys.job_custody(job_id))
+        views: list[CustodyView | None] = []
+        for job_id, raw in zip(job_ids, pipe.execute(), strict=True):
+            h = decoded(raw)
+            try:
+                views.append(
+                    CustodyView(
+                        id=job_id,
+                        state=h["state"],
+                        holder=h.get("holder", ""),
+                        epoch=int(h["epoch"]),
+                        moved_at=float(h["at"]),
+                    )
+                )
+            except (KeyError, ValueError):
+                views.append(None)
+        return views
 
     def alive_counts(self, ttl_s: float) -> tuple[int, int]:
         """(devices, placement services) that beat within the last ``ttl_s`` seconds of

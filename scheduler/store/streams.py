@@ -123,12 +123,8 @@ def publish_final(client: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s
     cancels it): its final chunk after whatever its stream holds, and out of the parked
     queue if it waits there, in one step (lua/final.lua)."""
     final = dict(chunk, done=True)
-    job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
     outcome = outcome_of(final) or JobState.FAILED
-    script(client, "final")(
-        keys=[keys.PARKED, keys.parked_job(job_id), *job_keys, keys.job_custody(job_id)],
-        args=[job_id, json.dumps(final), ttl_s, outcome.value],
-    )
+    script(client, "final")(keys=[], args=[job_id, json.dumps(final), ttl_s, outcome.value])
 
 
 class ChunkOrder:

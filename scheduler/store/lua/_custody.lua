@@ -4,7 +4,7 @@
 -- the job over) and when it moved (Redis's clock). Every script that moves a job writes it
 -- in the same step as the job's other keys, so the two cannot part; a move the custody
 -- table does not allow from the recorded state is counted in ggufq:custody:unexpected
--- (``ggufq fsck`` reports it). ggufq:custody:live holds the ids of jobs not ended: one
+-- (``ggufq fsck`` reports it for a day), and a job recorded ended stays so. ggufq:custody:live holds the ids of jobs not ended: one
 -- that stays there with no place in Redis is a job lost.
 -- CUSTODY_MOVES and CUSTODY_ENDED are written above this prelude from the table
 -- (scheduler/store/scripts.py).
@@ -20,13 +20,18 @@ local function custody_key(job_id) return 'ggufq:job:' .. job_id .. ':custody' e
 local function move_record(key, target, holder, ended_ttl)
   local job_id = string.sub(key, #'ggufq:job:' + 1, -#':custody' - 1)
   local record = redis.call('HMGET', key, 'state', 'epoch', 'holder')
-  local source = record[1] or 'submitted'
+  local source = record[1]
   if source == target and record[3] == holder then
     return tonumber(record[2])  -- asked again after a lost reply: it moved already
   end
-  local name = source .. ' -> ' .. target
-  if not CUSTODY_MOVES[name] then
+  -- no record: a job not placed yet, or one whose record Redis lost with its data (a
+  -- restart without it): nothing to hold the move to
+  local name = (source or 'submitted') .. ' -> ' .. target
+  if source and not CUSTODY_MOVES[name] then
     redis.call('HINCRBY', CUSTODY_UNEXPECTED, name, 1)
+    redis.call('EXPIRE', CUSTODY_UNEXPECTED, 86400)  -- reported for a day after the last
+    -- an end is final: a job whose end was written stays ended whatever comes after
+    if CUSTODY_ENDED[source] then return tonumber(record[2]) end
   end
   local epoch = (tonumber(record[2]) or 0) + 1
   redis.call('HSET', key, 'state', target, 'epoch', epoch, 'holder', holder, 'at', now_s())
@@ -46,7 +51,7 @@ end
 
 -- ``move`` for a job in hand under ``field`` ("<placement>|<job id>"): held by that process.
 local function move_held(field, target)
-  local holder, job_id = string.match(field, '^([^|]*)|(.*)$')
+  local holder, job_id = string.match(field, '^(.*)|([^|]*)$')
   if job_id then return move(job_id, target, holder) end
   return 0
 end

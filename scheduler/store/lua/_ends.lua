@@ -26,6 +26,26 @@ local function append_chunk(owner_key, chunks, channel, fence, seq, payload, ttl
   return 1
 end
 
+-- End a job that will not run (or not run again): out of the parked queue if it waits
+-- there, and its final chunk ``chunk`` (a JSON object with keys and no seq) after whatever
+-- its stream holds, unfenced; its custody record moves to ``outcome``. Touches, by name,
+-- the job's keys: ggufq:parked, ggufq:parked:<id> and its model's index, and
+-- ggufq:job:<id>:owner, :chunks, :custody and its channel. Returns streams.Appended.
+local function end_unrun(job_id, chunk, ttl, outcome)
+  local job = 'ggufq:job:' .. job_id
+  redis.call('ZREM', 'ggufq:parked', job_id)
+  redis.call('DEL', 'ggufq:parked:' .. job_id)
+  unindex(job_id)
+  local last = redis.call('XREVRANGE', job .. ':chunks', '+', '-', 'COUNT', 1)
+  local seq = 1
+  if #last > 0 then seq = tonumber(string.match(last[1][1], '%-(%d+)$')) + 1 end
+  -- the seq goes in front of the chunk's other keys as text: a decode and encode here
+  -- would turn its empty lists into objects
+  local payload = string.format('{"seq": %d, ', seq) .. string.sub(chunk, 2)
+  return append_chunk(job .. ':owner', job .. ':chunks', job, '', seq, payload, ttl,
+    job .. ':custody', outcome)
+end
+
 -- The job is no longer running, nor in flight on its device, unless it was placed again
 -- meanwhile (its record, or its owner, then names another placement id: the new run's
 -- running mark stays). Returns 1 when the record was this placement's and is gone, else 0.

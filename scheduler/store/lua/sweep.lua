@@ -3,20 +3,26 @@
 -- token is marked swept ('1': put back), so that a holder that was only stalled does
 -- nothing more with it (its send, park, end and take scripts look). A job marked sent
 -- (its in-flight record stands: the device's records account for it) or that ended is let
--- go only ('2'); one its holder was ending is let go, for the caller to end. A holder
+-- go only ('2'); one its holder was ending, or whose entry does not parse, is ended in the
+-- same step with the final chunk the caller gave for it (a crash between letting go and
+-- ending would leave it nowhere). A holder
 -- sweeps its own entry held past the TTL that none of its threads decides on any more (a
 -- Redis restored from an older snapshot gave it back): then its own beat does not stop it.
 -- Moves a job (scheduler/custody.py): placing -> parked, placing -> orphaned
+-- Moves a job (scheduler/custody.py): placing -> failed
 -- KEYS[1] ggufq:in_hand (hash)
 -- KEYS[2] ggufq:placement:alive (sorted set: placement -> last beat)
 -- KEYS[3] the queue the entry names: ggufq:parked or ggufq:orphans
 -- KEYS[4] ggufq:parked:<id> (string), unused for an orphan
 -- KEYS[5] ggufq:swept:<token>
+-- Also touches, by name: the job's keys lua/_ends.lua's end_unrun names, when it ends it
 -- ARGV: field, token, placement, dead_before, job id, swept ttl (s), '1' when the job has
---       ended already, '1' when the placement sweeps its own entry
+--       ended already, '1' when the placement sweeps its own entry, the final chunk of a
+--       job its holder was ending, that of a job whose entry does not parse (JSON objects
+--       with keys and no seq), stream ttl (s)
 -- Returns hands.Swept: 1 PUT_BACK, 2 LET_GO, 3 ENDING (let go of a job its holder was
--- ending: the caller ends it), -1 UNREADABLE (let go of an entry that does not parse: the
--- caller ends its job), 0 NOTHING (gone, another token, or its holder is alive).
+-- ending, and ended), -1 UNREADABLE (let go of an entry that does not parse, and its job
+-- ended), 0 NOTHING (gone, another token, or its holder is alive).
 local held = redis.call('HGET', KEYS[1], ARGV[1])
 if not held then return 0 end
 local ok, entry = pcall(cjson.decode, held)
@@ -41,5 +47,7 @@ end
 if outcome == 1 then
   put_back(KEYS[3], KEYS[4], entry['what'], ARGV[5], entry['record'])
   move(ARGV[5], entry['what'] == 'orphan' and 'orphaned' or 'parked', '')
+elseif outcome == 3 or outcome == -1 then
+  end_unrun(ARGV[5], outcome == 3 and ARGV[9] or ARGV[10], ARGV[11], 'failed')
 end
 return outcome
