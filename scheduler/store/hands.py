@@ -3,9 +3,10 @@ orphan it took, until it sends, parks or ends it.
 
 Each is held in Redis (``ggufq:in_hand``) under a token, with the record it came with, so
 that a placement process that dies (or stalls past the TTL) mid-step loses nothing: any
-other one puts the job back where it came from (:meth:`Hands.sweep`), once, and marks the
-token swept, so that a holder that was only stalled does nothing more with it (its send and
-put-back scripts look, and it ends no job swept from it). The token of a job is kept for
+other one puts the job back where it came from (:meth:`Hands.sweep`), once, and marks that
+hold swept in the job's custody record (which keeps its last hold's token), so that a
+holder that was only stalled does nothing more with it (its send and put-back scripts
+look, and it ends no job swept from it). The token of a job is kept for
 the thread that handles it: a placement process handles jobs on more than one thread, each
 from start to end on one (:meth:`Hands.hand_over` and :meth:`Hands.adopt` move one).
 """
@@ -26,8 +27,6 @@ from scheduler.store import keys
 from scheduler.store.connection import REDIS_AWAY, again_if_lost
 from scheduler.store.scripts import execute, queue, script
 
-# how long a swept token is remembered: its holder, stalled, may come back this late
-SWEPT_KEPT_S = 3600
 Taken = Literal["orphan", "parked"]
 
 
@@ -175,8 +174,8 @@ class Hands:
         # the same delivery asking again finds the claim its own
         owned, values = self._reading(
             self._place,
-            [keys.job_placed(job_id), keys.IN_HAND, keys.swept(token)],
-            [delivery, ttl_s, self.field(job_id), entry],
+            [keys.job_placed(job_id), keys.IN_HAND, keys.job_custody(job_id)],
+            [delivery, ttl_s, self.field(job_id), entry, token],
             read,
         )
         if not owned:
@@ -216,7 +215,7 @@ class Hands:
         try:
             raw, values = self._reading(
                 self._take,
-                [_queue(what), keys.parked_job(job_id), keys.IN_HAND, keys.swept(token)],
+                [_queue(what), keys.parked_job(job_id), keys.IN_HAND, keys.job_custody(job_id)],
                 [job_id, self.field(job_id), token, what],
                 read,
             )
@@ -242,7 +241,7 @@ class Hands:
                     keys.inflight(placement.device_id),
                     keys.job_owner(job_id),
                     keys.IN_HAND,
-                    keys.swept(token),
+                    keys.job_custody(job_id),
                     queue,
                 ],
                 args=[
@@ -268,7 +267,12 @@ class Hands:
         token = self.token(job_id)
         done = again_if_lost(  # the same record put back twice is there once
             lambda: self._put_back(
-                keys=[_queue(what), keys.parked_job(job_id), keys.IN_HAND, keys.swept(token)],
+                keys=[
+                    _queue(what),
+                    keys.parked_job(job_id),
+                    keys.IN_HAND,
+                    keys.job_custody(job_id),
+                ],
                 args=[job_id, what, record, self.field(job_id), token],
             )
         )
@@ -285,7 +289,7 @@ class Hands:
             return True
         ok = again_if_lost(
             lambda: self._ending(
-                keys=[keys.IN_HAND, keys.swept(token)], args=[self.field(job_id), token]
+                keys=[keys.IN_HAND, keys.job_custody(job_id)], args=[self.field(job_id), token]
             )
         )
         return bool(ok)
@@ -335,7 +339,7 @@ class Hands:
                 keys.PLACEMENT_ALIVE,
                 _queue(held.what),
                 keys.parked_job(held.job_id),
-                keys.swept(held.token),
+                keys.job_custody(held.job_id),
             ],
             args=[
                 held.field,
@@ -343,7 +347,6 @@ class Hands:
                 held.holder,
                 dead_before,
                 held.job_id,
-                SWEPT_KEPT_S,
                 int(finished),
                 int(held.holder == self.name),
                 *ends,

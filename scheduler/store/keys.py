@@ -132,12 +132,6 @@ def parked_job(job_id: str) -> str:
     return f"{PREFIX}:parked:{job_id}"  # string: the parked job's JSON
 
 
-def swept(token: str) -> str:
-    # string: a job in hand under this token was swept by another placement process: "1"
-    # put back (its holder must leave it), "2" let go only (it was sent or had ended)
-    return f"{PREFIX}:swept:{token}"
-
-
 def device_queue(device_id: str, priority: str = "interactive") -> str:
     """The Celery queue of a device: ``gpu:host:0`` → ``ggufq.gpu.host.0`` (+ ``.batch``)."""
     base = f"{PREFIX}." + device_id.replace(":", ".")

@@ -4,7 +4,9 @@
 -- the job over) and when it moved (Redis's clock). Every script that moves a job writes it
 -- in the same step as the job's other keys, so the two cannot part; a move the custody
 -- table does not allow from the recorded state is counted in ggufq:custody:unexpected
--- (``ggufq fsck`` reports it for a day), and a job recorded ended stays so. ggufq:custody:live holds the ids of jobs not ended: one
+-- (``ggufq fsck`` reports it for a day), and a job recorded ended stays so. The record also
+-- fences a job's holds (lua/_hands.lua): the token of its last hold, and '1' (put back or
+-- ended) or '2' (let go only) once a sweep took that hold from a silent holder. ggufq:custody:live holds the ids of jobs not ended: one
 -- that stays there with no place in Redis is a job lost.
 -- CUSTODY_MOVES and CUSTODY_ENDED are written above this prelude from the table
 -- (scheduler/store/scripts.py).
@@ -49,9 +51,13 @@ local function move(job_id, target, holder)
   return move_record(custody_key(job_id), target, holder)
 end
 
--- ``move`` for a job in hand under ``field`` ("<placement>|<job id>"): held by that process.
-local function move_held(field, target)
+-- A job taken in hand under ``field`` ("<placement>|<job id>") and ``token``: placing,
+-- held by that process; the record keeps the token of its last hold, and whether a sweep
+-- ended that hold (``swept``), until the next hold.
+local function hold(field, token)
   local holder, job_id = string.match(field, '^(.*)|([^|]*)$')
-  if job_id then return move(job_id, target, holder) end
-  return 0
+  if not job_id then return 0 end
+  local epoch = move(job_id, 'placing', holder)
+  redis.call('HSET', custody_key(job_id), 'token', token, 'swept', '')
+  return epoch
 end

@@ -5,11 +5,16 @@
 -- model), ggufq:parked:model:<model> (sorted set, as ggufq:parked), ggufq:parked:models
 -- (hash: model -> its parked jobs).
 
--- Whether a job held under a token was put back by another placement process: its holder
--- (it had stalled) must not send, park or end it. ``swept`` is ggufq:swept:<token>: '1'
--- put back, '2' let go only (it was sent or had ended: its holder still answers for it).
-local function put_back_from_us(swept)
-  return redis.call('GET', swept) == '1'
+-- Whether a job held under ``token`` was taken from its holder by another placement
+-- process: its holder (it had stalled) must not send, park or end it. ``record`` is the
+-- job's custody record (ggufq:job:<id>:custody): its last hold's token and what a sweep did
+-- with that hold ('1' put back or ended, '2' let go only: it was sent or had ended, its
+-- holder still answers for it). A later hold under another token took it too; a record
+-- with no token (gone with Redis's data) tells nothing.
+local function put_back_from_us(record, token)
+  local last = redis.call('HMGET', record, 'token', 'swept')
+  if not last[1] or last[1] == '' then return false end
+  return last[1] ~= token or last[2] == '1'
 end
 
 -- The entry a job is held under when it is held under ``token``, decoded; nil otherwise.
@@ -22,11 +27,15 @@ local function held_entry(in_hand, field, token)
 end
 
 -- Whether a job held under ``token`` was sent by its send step (lua/sent.lua): its entry
--- is marked sent, or a sweep let go of it because it was (``swept`` '2'; also for a job
--- that had ended). Both outlive a reap of its device, which rewrites its owner.
-local function sent_from_us(in_hand, field, token, swept)
+-- is marked sent, or a sweep let go of it because it was (its ``record``'s swept '2', under
+-- this token; also for a job that had ended). Both outlive a reap of its device, which
+-- rewrites its owner.
+local function sent_from_us(in_hand, field, token, record)
   local entry = held_entry(in_hand, field, token)
-  return (entry ~= nil and entry['sent'] ~= nil) or (token ~= '' and redis.call('GET', swept) == '2')
+  if entry ~= nil and entry['sent'] ~= nil then return true end
+  if token == '' then return false end
+  local last = redis.call('HMGET', record, 'token', 'swept')
+  return last[1] == token and last[2] == '2'
 end
 
 -- Mark the entry of a job held under ``token`` (mark: 'sent', 'ending'; value nil clears).

@@ -5,10 +5,10 @@
 -- failed came after): it runs on its device, and ending it here too would give it two
 -- outcomes. Moves no job: its final chunk (lua/final.lua) does.
 -- KEYS[1] ggufq:in_hand (hash)
--- KEYS[2] ggufq:swept:<token>
+-- KEYS[2] ggufq:job:<id>:custody (hash) the job's record: its hold's token and sweep
 -- ARGV: field "<placement>|<job id>", token
 -- Returns 1 when the holder may end it, 0 when it was put back or sent.
-if put_back_from_us(KEYS[2]) or sent_from_us(KEYS[1], ARGV[1], ARGV[2], KEYS[2]) then
+if put_back_from_us(KEYS[2], ARGV[2]) or sent_from_us(KEYS[1], ARGV[1], ARGV[2], KEYS[2]) then
   return 0
 end
 mark_held(KEYS[1], ARGV[1], ARGV[2], 'ending', 1)

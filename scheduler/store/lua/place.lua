@@ -5,12 +5,12 @@
 -- Moves a job (scheduler/custody.py): submitted -> placing
 -- KEYS[1] ggufq:job:<id>:placed (string: the delivery's id)
 -- KEYS[2] ggufq:in_hand (hash)
--- KEYS[3] ggufq:swept:<token> of the entry
+-- KEYS[3] ggufq:job:<id>:custody (hash) the job's record: its hold's token and sweep
 -- ARGV: delivery id, claim ttl (s), field "<placement>|<job id>", entry (JSON; its "at" is
---       stamped here, on Redis's clock, as the holder's beats are)
+--       stamped here, on Redis's clock, as the holder's beats are), token
 -- Returns 1 when the job is this delivery's, else 0 (also when it was held under this token
 -- and swept from this process meanwhile: the claim was asked again after an outage).
-if redis.call('EXISTS', KEYS[3]) == 1 then
+if put_back_from_us(KEYS[3], ARGV[5]) then
   return 0
 end
 redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
@@ -21,5 +21,5 @@ end
 -- which a decode and encode here would parse and copy on every placement
 local at = string.format('{"at": %.6f, ', now_s())
 redis.call('HSET', KEYS[2], ARGV[3], at .. string.sub(ARGV[4], 2))
-move_held(ARGV[3], 'placing')
+hold(ARGV[3], ARGV[5])
 return 1

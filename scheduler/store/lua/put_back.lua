@@ -8,12 +8,12 @@
 -- KEYS[1] the queue: ggufq:parked or ggufq:orphans
 -- KEYS[2] ggufq:parked:<id> (string), unused for an orphan
 -- KEYS[3] ggufq:in_hand (hash)
--- KEYS[4] ggufq:swept:<token>
+-- KEYS[4] ggufq:job:<id>:custody (hash) the job's record: its hold's token and sweep
 -- ARGV: job id, 'orphan' or 'parked', record, field "<placement>|<job id>", token ('' for
 --       a job not in hand)
 -- Returns hands.PutBack: 1 PUT_BACK, 0 SWEPT (another placement process put it back),
 -- 2 SENT (let go only).
-if ARGV[5] ~= '' and put_back_from_us(KEYS[4]) then
+if ARGV[5] ~= '' and put_back_from_us(KEYS[4], ARGV[5]) then
   return 0
 end
 if sent_from_us(KEYS[3], ARGV[4], ARGV[5], KEYS[4]) then

@@ -11,7 +11,7 @@
 -- KEYS[1] ggufq:inflight:<dev> (hash: job id -> SentJob JSON)
 -- KEYS[2] ggufq:job:<id>:owner (string: the placement's id)
 -- KEYS[3] ggufq:in_hand (hash)
--- KEYS[4] ggufq:swept:<token>
+-- KEYS[4] ggufq:job:<id>:custody (hash) the job's record: its hold's token and sweep
 -- KEYS[5] the device's Celery queue (list)
 -- Also touches, by name: ggufq:due:sent (due for the lost-send look from now) and
 -- ggufq:due:counted (its runner's count is accounted for)
@@ -21,7 +21,7 @@
 if redis.call('GET', KEYS[2]) == ARGV[3] or sent_from_us(KEYS[3], ARGV[5], ARGV[6], KEYS[4]) then
   return 1
 end
-if ARGV[6] ~= '' and put_back_from_us(KEYS[4]) then
+if ARGV[6] ~= '' and put_back_from_us(KEYS[4], ARGV[6]) then
   return 0
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])

@@ -1,7 +1,8 @@
 -- Put back a job that a placement process had in hand when it died or stalled past the
 -- TTL: its holder has not beaten since ``dead_before``, and took the job before that. The
--- token is marked swept ('1': put back), so that a holder that was only stalled does
--- nothing more with it (its send, park, end and take scripts look). A job marked sent
+-- job's custody record marks that hold swept ('1': put back), so that a holder that was
+-- only stalled does nothing more with it (its send, park, end and take scripts look). A
+-- job marked sent
 -- (its in-flight record stands: the device's records account for it) or that ended is let
 -- go only ('2'); one its holder was ending, or whose entry does not parse, is ended in the
 -- same step with the final chunk the caller gave for it (a crash between letting go and
@@ -14,12 +15,12 @@
 -- KEYS[2] ggufq:placement:alive (sorted set: placement -> last beat)
 -- KEYS[3] the queue the entry names: ggufq:parked or ggufq:orphans
 -- KEYS[4] ggufq:parked:<id> (string), unused for an orphan
--- KEYS[5] ggufq:swept:<token>
+-- KEYS[5] ggufq:job:<id>:custody (hash) the job's record: its hold's token and sweep
 -- Also touches, by name: the job's keys lua/_ends.lua's end_unrun names, when it ends it
--- ARGV: field, token, placement, dead_before, job id, swept ttl (s), '1' when the job has
---       ended already, '1' when the placement sweeps its own entry, the final chunk of a
---       job its holder was ending, that of a job whose entry does not parse (JSON objects
---       with keys and no seq), stream ttl (s)
+-- ARGV: field, token, placement, dead_before, job id, '1' when the job has ended already,
+--       '1' when the placement sweeps its own entry, the final chunk of a job its holder
+--       was ending, that of a job whose entry does not parse (JSON objects with keys and
+--       no seq), stream ttl (s)
 -- Returns hands.Swept: 1 PUT_BACK, 2 LET_GO, 3 ENDING (let go of a job its holder was
 -- ending, and ended), -1 UNREADABLE (let go of an entry that does not parse, and its job
 -- ended), 0 NOTHING (gone, another token, or its holder is alive).
@@ -31,23 +32,26 @@ if readable and (entry['token'] ~= ARGV[2] or (tonumber(entry['at']) or 0) >= to
   return 0
 end
 local beat = redis.call('ZSCORE', KEYS[2], ARGV[3])
-if ARGV[8] ~= '1' and beat and tonumber(beat) >= tonumber(ARGV[4]) then return 0 end
+if ARGV[7] ~= '1' and beat and tonumber(beat) >= tonumber(ARGV[4]) then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 local outcome = 1
 if not readable then
   outcome = -1
-elseif ARGV[7] == '1' or entry['sent'] then
+elseif ARGV[6] == '1' or entry['sent'] then
   outcome = 2
 elseif entry['ending'] then
   outcome = 3
-end
-if ARGV[2] ~= '' then
-  redis.call('SET', KEYS[5], outcome == 2 and '2' or '1', 'EX', ARGV[6])
 end
 if outcome == 1 then
   put_back(KEYS[3], KEYS[4], entry['what'], ARGV[5], entry['record'])
   move(ARGV[5], entry['what'] == 'orphan' and 'orphaned' or 'parked', '')
 elseif outcome == 3 or outcome == -1 then
-  end_unrun(ARGV[5], outcome == 3 and ARGV[9] or ARGV[10], ARGV[11], 'failed')
+  end_unrun(ARGV[5], outcome == 3 and ARGV[8] or ARGV[9], ARGV[10], 'failed')
+end
+-- the hold is the sweep's now: its stalled holder, should it come back, leaves the job
+local token = redis.call('HGET', KEYS[5], 'token')
+if ARGV[2] ~= '' and (not token or token == ARGV[2]) then
+  redis.call('HSET', KEYS[5], 'token', ARGV[2], 'swept', outcome == 2 and '2' or '1')
+  if redis.call('TTL', KEYS[5]) < 0 then redis.call('EXPIRE', KEYS[5], CUSTODY_LIVE_TTL) end
 end
 return outcome

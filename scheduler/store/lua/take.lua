@@ -7,12 +7,13 @@
 --         record)
 -- KEYS[2] the record: ggufq:parked:<id> (string) for the parked queue, unused otherwise
 -- KEYS[3] ggufq:in_hand (hash)
--- KEYS[4] ggufq:swept:<token>
+-- KEYS[4] ggufq:job:<id>:custody (hash) the job's record: its hold's token and sweep
 -- ARGV: job id, field "<placement>|<job id>", token, 'orphan' or 'parked' (the entry's "at"
 --       is stamped on Redis's clock, as the holder's beats are)
 -- Returns the record, or false when it is not there (another taker has it, or it was taken
 -- under this token and swept back from this taker since: asked again after an outage).
-if redis.call('EXISTS', KEYS[4]) == 1 then
+local last = redis.call('HMGET', KEYS[4], 'token', 'swept')
+if last[1] == ARGV[3] and last[2] and last[2] ~= '' then
   return false
 end
 local held = redis.call('HGET', KEYS[3], ARGV[2])
@@ -36,5 +37,5 @@ else
 end
 local entry = {token = ARGV[3], what = ARGV[4], at = now_s(), record = raw}
 redis.call('HSET', KEYS[3], ARGV[2], cjson.encode(entry))
-move_held(ARGV[2], 'placing')
+hold(ARGV[2], ARGV[3])
 return raw
