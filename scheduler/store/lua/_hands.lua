@@ -5,16 +5,22 @@
 -- model), ggufq:parked:model:<model> (sorted set, as ggufq:parked), ggufq:parked:models
 -- (hash: model -> its parked jobs).
 
--- Whether a job held under ``token`` was taken from its holder by another placement
--- process: its holder (it had stalled) must not send, park or end it. ``record`` is the
--- job's custody record (ggufq:job:<id>:custody): its last hold's token and what a sweep did
--- with that hold ('1' put back or ended, '2' let go only: it was sent or had ended, its
--- holder still answers for it). A later hold under another token took it too; a record
--- with no token (gone with Redis's data) tells nothing.
+-- Whether a job held under ``token`` was taken from its holder: its custody record
+-- ``record`` (ggufq:job:<id>:custody) says another hold took it since (its last hold's
+-- token is another), or a sweep took this hold ('1': put back or ended; '2': let go only,
+-- it was sent or had ended). Its holder (it had stalled) must not send, park or end it. A
+-- record with no token (gone with Redis's data, or never held) tells nothing.
 local function put_back_from_us(record, token)
   local last = redis.call('HMGET', record, 'token', 'swept')
   if not last[1] or last[1] == '' then return false end
-  return last[1] ~= token or last[2] == '1'
+  return last[1] ~= token or (last[2] and last[2] ~= '')
+end
+
+-- Whether a job's custody record says it moved on from being placed (it was sent, parked
+-- or ended since): its holder must not send or park it again. No record tells nothing.
+local function moved_on(record)
+  local state = redis.call('HGET', record, 'state')
+  return state and state ~= 'placing'
 end
 
 -- The entry a job is held under when it is held under ``token``, decoded; nil otherwise.

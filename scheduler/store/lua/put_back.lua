@@ -1,6 +1,7 @@
 -- Its holder puts a job in hand back in its queue (parks it again, or returns an orphan it
 -- could not handle) and lets go of it. Not when another placement process put it back
--- already (the holder had stalled): the job is someone else's now. Not when it was sent
+-- already (the holder had stalled): the job is someone else's now; nor when its custody
+-- record says it moved on (ended, say, while this holder waited for Redis). Not when it was sent
 -- (marked sent, or let go of by a sweep because it was: its send step ran, and what
 -- failed came after): its device's records account for it, and parking it too would run
 -- it twice.
@@ -13,12 +14,12 @@
 --       a job not in hand)
 -- Returns hands.PutBack: 1 PUT_BACK, 0 SWEPT (another placement process put it back),
 -- 2 SENT (let go only).
-if ARGV[5] ~= '' and put_back_from_us(KEYS[4], ARGV[5]) then
-  return 0
-end
 if sent_from_us(KEYS[3], ARGV[4], ARGV[5], KEYS[4]) then
   let_go(KEYS[3], ARGV[4], ARGV[5])
   return 2
+end
+if ARGV[5] ~= '' and (put_back_from_us(KEYS[4], ARGV[5]) or moved_on(KEYS[4])) then
+  return 0
 end
 put_back(KEYS[1], KEYS[2], ARGV[2], ARGV[1], ARGV[3])
 move(ARGV[1], ARGV[2] == 'orphan' and 'orphaned' or 'parked', '')

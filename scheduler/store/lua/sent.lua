@@ -21,7 +21,7 @@
 if redis.call('GET', KEYS[2]) == ARGV[3] or sent_from_us(KEYS[3], ARGV[5], ARGV[6], KEYS[4]) then
   return 1
 end
-if ARGV[6] ~= '' and put_back_from_us(KEYS[4], ARGV[6]) then
+if ARGV[6] ~= '' and (put_back_from_us(KEYS[4], ARGV[6]) or moved_on(KEYS[4])) then
   return 0
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
