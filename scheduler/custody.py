@@ -67,7 +67,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(S.SUBMITTED, S.PLACING, Actor.PLACEMENT, "place", "it takes the message"),
     Transition(S.SUBMITTED, S.SENT, Actor.CLIENT, "fast_send", "a resident runner has a slot"),
     Transition(S.SUBMITTED, S.FAILED, Actor.PLACEMENT, "final", "its message cannot be read"),
-    Transition(S.PLACING, S.SENT, Actor.PLACEMENT, "sent", "decided: recorded and sent at once"),
+    Transition(S.PLACING, S.SENT, Actor.PLACEMENT, "sent", "decided: recorded, sent, let go"),
     Transition(S.PLACING, S.PARKED, Actor.PLACEMENT, "put_back", "no room now"),
     Transition(S.PLACING, S.ORPHANED, Actor.PLACEMENT, "put_back", "an orphan it cannot place now"),
     Transition(S.PLACING, S.PARKED, Actor.SWEEP, "sweep", "its holder went silent"),
@@ -180,16 +180,13 @@ class Evidence:
     parked: bool = False
     orphaned: bool = False
     held_by: tuple[str, ...] = ()  # placement processes that hold it in hand
-    # placement processes whose hold is marked sent (the job is its device's now): let go
-    # of at their next look, or by a sweep; not a state of the job's
-    letting_go: tuple[str, ...] = ()
     sent_to: tuple[str, ...] = ()  # devices whose in-flight records name it
     running: bool = False
 
 
 def state_of(evidence: Evidence) -> tuple[JobState | None, list[str]]:
     """The state the evidence shows, and what is wrong with it: a job is in one state at a
-    time. A hold marked sent is not one: the job is its device's, and its holder lets go."""
+    time."""
     places: list[tuple[JobState, str]] = []
     if evidence.parked:
         places.append((S.PARKED, "parked"))

@@ -48,9 +48,6 @@ def test_readme_prints_the_custody_tables() -> None:
         (Evidence(parked=True), JobState.PARKED, ""),
         (Evidence(sent_to=("d1",)), JobState.SENT, ""),
         (Evidence(sent_to=("d1",), running=True), JobState.RUNNING, ""),
-        (Evidence(sent_to=("d1",), letting_go=("p1",)), JobState.SENT, ""),  # not let go yet
-        (Evidence(orphaned=True, letting_go=("p1",)), JobState.ORPHANED, ""),  # reaped since
-        (Evidence(letting_go=("p1",)), None, ""),  # it ended since
         (Evidence(sent_to=("d1",), held_by=("p1",)), JobState.SENT, "two states"),
         (Evidence(held_by=("p1",)), JobState.PLACING, ""),
         (Evidence(parked=True, sent_to=("d1",)), JobState.PARKED, "two states"),

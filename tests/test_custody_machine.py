@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 from hypothesis import HealthCheck, Phase, settings
@@ -50,8 +50,6 @@ class Job:
     request: JobRequest
     state: JobState
     holder: str = ""  # the placement process that holds it (PLACING)
-    # those whose hold is marked sent, not yet let go of (one per run it was sent for)
-    sent_holds: set[str] = field(default_factory=set)
     placement: Placement | None = None  # where it was sent (SENT, RUNNING)
     ended: int = 0  # times its end was written
     moves: int = 1  # its custody record's epoch: raised at every move (claimed: the first)
@@ -107,11 +105,9 @@ class Custody(RuleBasedStateMachine):
             assert hands.take(what, job_id, token) == raw
         self.move(job, JobState.PLACING)
         job.holder = p
-        job.sent_holds.discard(p)  # its field's old entry, marked sent, is this take's now
 
-    def _send(self, job_id: str, again: bool = False, let_go: bool = True) -> None:
-        """Record the job as sent and let go of it; without ``let_go`` its holder stops
-        between the two (its entry stays, marked sent, for a sweep or its own look)."""
+    def _send(self, job_id: str, again: bool = False) -> None:
+        """Record the job as sent and let go of it, in one step."""
         job = self.jobs[job_id]
         runner_id = f"r-{uuid.uuid4().hex[:8]}"
         state = self.state[job.holder]
@@ -123,10 +119,6 @@ class Custody(RuleBasedStateMachine):
         assert send(state, record, 600)
         if again:
             assert send(state, record, 600)  # the same record written twice is there once
-        if let_go:
-            self.hands[job.holder].let_go(job_id)
-        else:
-            job.sent_holds.add(job.holder)
         job.holder = ""
         self.move(job, JobState.SENT)
         job.placement = placement
@@ -173,13 +165,9 @@ class Custody(RuleBasedStateMachine):
         self._take(data.draw(st.sampled_from(waiting)), p, again)
 
     @precondition(lambda self: self.in_state(JobState.PLACING))
-    @rule(data=st.data(), again=st.booleans(), let_go=st.booleans())
-    def send(self, data: st.DataObject, again: bool, let_go: bool) -> None:
-        self._send(data.draw(st.sampled_from(self.in_state(JobState.PLACING))), again, let_go)
-
-    def sent_held(self) -> list[str]:
-        """Jobs a placement process sent and has not let go of yet."""
-        return sorted(j for j, job in self.jobs.items() if job.sent_holds)
+    @rule(data=st.data(), again=st.booleans())
+    def send(self, data: st.DataObject, again: bool) -> None:
+        self._send(data.draw(st.sampled_from(self.in_state(JobState.PLACING))), again)
 
     @precondition(lambda self: self.in_state(JobState.SENT))
     @rule(data=st.data(), again=st.booleans())
@@ -206,35 +194,18 @@ class Custody(RuleBasedStateMachine):
         self.move(job, JobState.SENT)
         assert self.worker.start(DEVICE, job.request.id, first.id, "first", 600, 1.0) is None
 
-    @precondition(lambda self: self.sent_held())
-    @rule()
-    def holders_let_go_of_what_they_sent_at_their_next_look(self) -> None:
-        """A process that could not let go of jobs it sent (Redis failed that) lets go of
-        them at its next liveness look, wherever the jobs went since."""
-        self._let_go_of_sent()
-
-    def _let_go_of_sent(self) -> None:
-        sec, micros = self.r.time()
-        dead_before = float(sec) + micros / 1e6 + 1
-        for holder in P:
-            _others, own = self.hands[holder].look(dead_before)
-            for held in (h for h in own if h.sent):
-                self.hands[holder].let_go_of(held)
-                assert holder in self.jobs[held.job_id].sent_holds
-                self.jobs[held.job_id].sent_holds.discard(holder)
-
     @precondition(lambda self: self.in_state(JobState.RUNNING))
     @rule(data=st.data(), again=st.booleans())
     def end(self, data: st.DataObject, again: bool) -> None:
         self._end(data.draw(st.sampled_from(self.in_state(JobState.RUNNING))), again)
 
     # -- faults -----------------------------------------------------------------------
-    @precondition(lambda self: self.in_state(JobState.PLACING) or self.sent_held())
+    @precondition(lambda self: self.in_state(JobState.PLACING))
     @rule(silent=st.sampled_from(P))
     def a_placement_process_goes_silent(self, silent: str) -> None:
         """Its beats stop past the TTL: the other sweeps what it held back to where it
-        came from (what it had sent is let go of only: it stays sent); then it resumes
-        (its beats come back), stale."""
+        came from (what it sent it let go of in the same step); then it resumes (its beats
+        come back), stale."""
         survivor = self.hands[P[1 - P.index(silent)]]
         self.r.zadd(keys.PLACEMENT_ALIVE, {silent: 0.0})
         sec, micros = self.r.time()
@@ -242,11 +213,6 @@ class Custody(RuleBasedStateMachine):
         others, _own = survivor.look(dead_before)
         for held in others:
             job = self.jobs[held.job_id]
-            if held.sent:  # the job is its device's (or ended): let go of only
-                assert silent in job.sent_holds
-                assert survivor.sweep(held, dead_before, False, ENDS, 600) is Swept.LET_GO
-                job.sent_holds.discard(silent)
-                continue
             assert job.holder == silent
             assert survivor.sweep(held, dead_before, False, ENDS, 600) is Swept.PUT_BACK
             back = JobState.ORPHANED if held.what == "orphan" else JobState.PARKED
@@ -328,7 +294,6 @@ class Custody(RuleBasedStateMachine):
             expected = None if job.state is JobState.DONE else job.state
             assert found is expected, f"job {job_id}: {found}, expected {job.state}"
             assert evidence.held_by == ((job.holder,) if job.holder else ())
-            assert evidence.letting_go == tuple(sorted(job.sent_holds))
             assert job.ended <= 1
 
     @invariant()
@@ -355,7 +320,6 @@ class Custody(RuleBasedStateMachine):
             JobState.SENT: self._start,
             JobState.RUNNING: self._end,
         }
-        self._let_go_of_sent()
         self._prune()
         for _ in range(len(steps)):
             for job_id, job in sorted(self.jobs.items()):

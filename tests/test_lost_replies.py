@@ -237,3 +237,24 @@ def test_a_job_held_again_while_held_jobs_are_parked_is_kept_for_the_next_park(
     assert len(held) == 1  # the second hold, still to park
     assert held.park_all(claim=lambda *_: True) == 1
     assert len(held) == 0 and ParkedJobs(db).ids() == [job.id]
+
+
+def test_a_send_asked_again_after_its_device_was_reaped_finds_it_sent(db: redis.Redis) -> None:
+    """The send ran and let go of the job, its answer was lost, and its device was dropped
+    before the holder asked again: the job's custody record says this hold ended with its
+    send, so the holder is told it was sent (not swept), and nothing is sent twice."""
+    WorkerState(db).register_device(vgpu(0))
+    state = PlacementState(db)
+    job = JobRequest(model="m", prompt="p")
+    assert state.place_once(job.id, "delivery", 60, "{}").first  # held under its token
+    assert state.reserve("r1", "p1", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
+    placed = Placement(id="p1", runner_id="r1", device_id="vgpu:h:0", config=RunnerConfig(512))
+    record = SentJob(job=job, placement=placed, worker="w@h")
+    assert send(state, record)
+    assert db.hlen(keys.IN_HAND) == 0  # let go of in the send's own step
+    db.zadd(keys.HEARTBEATS, {"vgpu:h:0": 0.0})
+    db.hset(keys.device("vgpu:h:0"), "heartbeat", 0.0)
+    assert state.reap(10) == ["vgpu:h:0"]  # its owner is "orphaned" now
+    assert send(state, record)  # asked again with the same token: it was sent
+    assert db.hget(keys.job_custody(job.id), "state") == b"orphaned"
+    assert db.llen(keys.device_queue("vgpu:h:0")) == 0  # the reap took its queue; none again

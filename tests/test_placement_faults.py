@@ -478,10 +478,12 @@ def test_a_job_its_dying_placement_process_had_sent_is_not_put_back(
     service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job = JobRequest(model="tiny", prompt="hello", submitted_at=1.0)
-    monkeypatch.setattr(service.hands, "let_go", killed)  # dies right after sending it
+    monkeypatch.setattr(service.state, "count_request", killed)  # dies right after sending it
     with pytest.raises(Killed):
         service.place(job.model_dump(mode="json"))
-    assert messages_for(db, job.id) == 1 and db.hlen(keys.IN_HAND) == 1
+    # its send let go of it in the same step: nothing of it is left in hand to sweep
+    assert messages_for(db, job.id) == 1 and db.hlen(keys.IN_HAND) == 0
+    assert db.hget(keys.job_custody(job.id), "state") == b"sent"
     survivor, ttl = another(service, db), service.settings.device_ttl_s
     assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0  # let go of only
     assert survivor.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0
@@ -532,17 +534,18 @@ def test_a_send_whose_answer_is_lost_on_its_last_try_is_not_failed(
 def test_a_send_whose_answer_is_lost_is_neither_parked_nor_sent_twice(
     service: PlacementService, db: redis.Redis, monkeypatch: pytest.MonkeyPatch, undo_fails: bool
 ) -> None:
-    """The send step ran (record and message at once) and its answer never came, while the
-    process stalled past the TTL and another one's sweep let go of the job, sent: the job
-    stays sent, once, whether the undo that follows finds it sent or fails too (then the
-    job is parked, and parking finds it sent); parking it too would run it twice."""
+    """The send step ran (record, message and letting go at once) and its answer never
+    came, while the process stalled past the TTL and another one's sweep found nothing of
+    it to take: the job stays sent, once, whether the undo that follows finds it sent or
+    fails too (then the job is parked, and parking finds it sent by its custody record);
+    parking it too would run it twice."""
     job = JobRequest(model="tiny", prompt="hi", submitted_at=1.0)
     survivor, ttl = another(service, db), service.settings.device_ttl_s
     send = service.hands._sent
 
     def sent_then_stalls(*args: object, **kwargs: object) -> None:
         send(*args, **kwargs)  # asked again after a lost answer: sends nothing more
-        assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0  # let go only
+        assert survivor.recovery.dead_hands(time.time() + ttl + 1, ttl) == 0  # nothing held
         raise redis.ConnectionError("Connection reset by peer")
 
     def redis_away(*_args: object, **_kwargs: object) -> None:

@@ -115,18 +115,12 @@ class Recovery:
         """Put back the jobs that placement processes silent for ``ttl_s`` (killed, or
         stalled) had in hand: a submission or a parked job in the parked queue, an orphan
         among the orphans, each once; a job that was sent or ended meanwhile is let go; one
-        its holder was ending is ended. Lets go of this process's own sent jobs that Redis
-        kept it from letting go of, and sweeps its own entries held that long that it no
-        longer decides on (a Redis restored from an older snapshot). Returns how many were
-        put back."""
+        its holder was ending is ended. Sweeps this process's own entries held that long
+        that it no longer decides on (a Redis restored from an older snapshot). Returns how
+        many were put back."""
         hands, dead_before, back = self.state.hands, now - ttl_s, 0
         others, own = hands.look(dead_before)
-        for held in own:
-            if held.sent:  # sent, and letting go of it failed then
-                hands.let_go_of(held)
-            else:
-                others.append(held)
-        for held in others:
+        for held in others + own:
             _streamed, finished = progress(self.r, held.job_id)
             lost = {why: _lost_in_hand(held, why) for why in (Swept.ENDING, Swept.UNREADABLE)}
             ends = (_final(held, lost[Swept.ENDING]), _final(held, lost[Swept.UNREADABLE]))

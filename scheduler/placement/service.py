@@ -134,6 +134,8 @@ class PlacementService:
             return {"duplicate": req.id}
         outcome = self._attempt(req, started, score, errors=0, new=True, cancelled=claim.cancelled)
         sent = "route" in outcome  # with its hops and route (None: no single runner)
+        if sent:
+            self.hands.hand_over(req.id)  # its send let go of it
         route = outcome.pop("route", None)
         hops = dict(outcome.pop("hops", {}), submitted=req.submitted_at, placement_received=at)
         # after sending, off the job's path to its first token: its request counted (the
@@ -142,8 +144,6 @@ class PlacementService:
             pipe = self.r.pipeline(transaction=False)
             self.state.count_request(req.model, time.time(), pipe)
             note_hops(pipe, req.id, self.settings.stream_ttl_s, hops)
-            if sent:
-                self.hands.let_go(req.id, pipe)  # its device's records account for it
             if sent and self.settings.fast_path:
                 publish_route(pipe, req, route)
             execute(pipe)
@@ -181,7 +181,7 @@ class PlacementService:
                 cancelled=claimed.cancelled,
             )
             if "device" in outcome:
-                self._sent_off(job_id)
+                self.hands.hand_over(job_id)  # its send let go of it
                 if outcome.get("runner") in wake.runners:
                     sent[claimed.job.model] += 1
             if "parked" in outcome:
@@ -372,17 +372,7 @@ class PlacementService:
     def _replace(self, req: JobRequest) -> None:
         score = park_score(req, time.time())
         if "device" in self._attempt(req, time.perf_counter_ns(), score, errors=0, new=True):
-            self._sent_off(req.id)
-
-    def _sent_off(self, job_id: str) -> None:
-        """Let go of a job sent: its device's records account for it. Never raises (the
-        job is sent: handling it again would run it twice); failed, the entry stays marked
-        sent, and this process lets go of it at a later look (Recovery.dead_hands)."""
-        try:
-            self.hands.let_go(job_id)
-        except redis.RedisError as exc:
-            self.hands.hand_over(job_id)
-            log.warning("job %s was sent; letting go of it waits for Redis: %s", job_id, exc)
+            self.hands.hand_over(req.id)  # its send let go of it
 
     def cancel_parked(self, job_id: str) -> bool:
         """End a parked job that was asked to cancel; False if it is not parked here."""

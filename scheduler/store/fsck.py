@@ -64,8 +64,6 @@ class Census:
     parked_indexed: set[str] = field(default_factory=set)  # in their model's index
     orphans: set[str] = field(default_factory=set)
     held: dict[str, list[str]] = field(default_factory=dict)  # job → placement processes
-    # job → placement processes whose hold is marked sent: let go of at their next look
-    letting_go: dict[str, list[str]] = field(default_factory=dict)
     beating: set[str] = field(default_factory=set)  # devices in ggufq:heartbeats
     due_sent: set[str] = field(default_factory=set)  # "<job>|<placement>|<device>"
     due_counted: set[str] = field(default_factory=set)  # "<runner>|<placement>"
@@ -85,8 +83,7 @@ class Census:
 
     def job_ids(self) -> set[str]:
         """Every job found anywhere but the parked index."""
-        held = set(self.held) | set(self.letting_go)
-        return self.parked | self.orphans | held | set(self.sent_to) | self.running
+        return self.parked | self.orphans | set(self.held) | set(self.sent_to) | self.running
 
     def evidence(self, job_id: str) -> Evidence:
         """Where ``job_id`` was found, for custody's :func:`state_of`."""
@@ -94,7 +91,6 @@ class Census:
             parked=job_id in self.parked,
             orphaned=job_id in self.orphans,
             held_by=tuple(sorted(self.held.get(job_id, []))),
-            letting_go=tuple(sorted(self.letting_go.get(job_id, []))),
             sent_to=self.sent_to.get(job_id, ()),
             running=job_id in self.running,
         )
@@ -120,13 +116,9 @@ def read(client: redis.Redis) -> Census:
         custody={text(j): text(s) for j, s in _pairs(custody)},
         unexpected={text(m): int(n) for m, n in _pairs(unexpected)},
     )
-    for key, entry in _pairs(held):
+    for key, _entry in _pairs(held):
         holder, _, job_id = text(key).rpartition("|")
-        try:
-            sent = bool(json.loads(entry).get("sent"))
-        except (ValueError, AttributeError):
-            sent = False  # an entry that does not parse: a sweep ends its job
-        (census.letting_go if sent else census.held).setdefault(job_id, []).append(holder)
+        census.held.setdefault(job_id, []).append(holder)
     for runner_id, model, in_flight, sizes, jobs in runners:
         record: dict[str, Any] = json.loads(sizes)
         census.runners[text(runner_id)] = Runner(
@@ -315,7 +307,7 @@ def _left(census: Census) -> list[Problem]:
     places = {
         "parked": census.parked,
         "among the orphans": census.orphans,
-        "held by placement": set(census.held) | set(census.letting_go),
+        "held by placement": set(census.held),
         "running": census.running,
         "in flight": set(census.sent_to),
     }

@@ -83,7 +83,6 @@ class Held:
     job_id: str
     token: str
     what: str
-    sent: bool = False
 
     @property
     def field(self) -> str:
@@ -95,25 +94,25 @@ def sort_held(
 ) -> tuple[list[Held], list[Held]]:
     """Of the held jobs (``ggufq:in_hand`` as text) taken before ``dead_before``: those of
     other placement processes that have not beaten since then (``beats``: each one's last
-    beat; a process gone has none), and those of ``name``: sent and not let go of (Redis
-    failed that), or held that long and not sent, which no thread of it still decides on
-    (Redis restored from an older snapshot gave it back a job it had long let go of; a
-    thread that does still hold it finds it swept, as from a stalled holder), but not one
-    it was ending. An entry that does not parse is another's, to be ended."""
+    beat; a process gone has none), and those of ``name`` held that long, which no thread
+    of it still decides on (Redis restored from an older snapshot gave it back a job it had
+    long let go of; a thread that does still hold it finds it swept, as from a stalled
+    holder), but not one it was ending. An entry that does not parse is another's, to be
+    ended."""
     others, own = [], []
     for field, text in entries.items():
         holder, _, job_id = field.rpartition("|")
         try:
             entry = json.loads(text)
             token, what, at = str(entry["token"]), str(entry["what"]), float(entry["at"])
-            sent, ending = bool(entry.get("sent")), bool(entry.get("ending"))
+            ending = bool(entry.get("ending"))
         except (ValueError, KeyError, TypeError, AttributeError):
-            token, what, at, sent, ending = "", "parked", 0.0, False, False  # the sweep ends it
+            token, what, at, ending = "", "parked", 0.0, False  # the sweep ends it
         if at >= dead_before:
             continue
-        held = Held(holder, job_id, token, what, sent)
+        held = Held(holder, job_id, token, what)
         if holder == name:
-            if sent or not ending:  # one it is ending: its own thread writes the end
+            if not ending:  # one it is ending: its own thread writes the end
                 own.append(held)
         elif beats.get(holder, 0.0) < dead_before:
             others.append(held)
@@ -229,10 +228,9 @@ class Hands:
 
     # -- letting go -------------------------------------------------------------------------
     def sent(self, record: SentJob, ttl_s: int, queue: str, message: str) -> bool:
-        """Send a job to its device: its record and its Celery ``message`` on ``queue`` in
-        one step (lua/sent.lua), still in hand, marked sent: let go of it next
-        (:meth:`let_go`); False when another placement process swept it back from this one
-        (it had stalled): it is not to be sent."""
+        """Send a job to its device: its record and its Celery ``message`` on ``queue``,
+        and let go of it, in one step (lua/sent.lua); False when another placement process
+        swept it back from this one (it had stalled): it is not to be sent."""
         job_id, placement = record.job.id, record.placement
         token, raw = self.token(job_id), record.model_dump_json()
         done = again_if_lost(  # asked again, it finds the job sent and sends nothing more
@@ -259,6 +257,8 @@ class Hands:
         )
         if not done:
             self.hand_over(job_id)
+        # sent: its token stays this thread's until the job is off its path (the thread
+        # hands it over), so that a park or an end of it tried meanwhile finds it sent
         return bool(done)
 
     def put_back(self, what: Taken, job_id: str, record: bytes | str) -> PutBack:
@@ -294,22 +294,18 @@ class Hands:
         )
         return bool(ok)
 
-    def let_go(self, job_id: str, pipe: Any = None) -> None:
-        """Let go of a job this thread held and has sent or ended (queued on ``pipe``, run
-        with scripts.execute, when given: a job sent is not put back even if this fails)."""
+    def let_go(self, job_id: str) -> None:
+        """Let go of a job this thread held and has ended (or found finished)."""
         token = self.token(job_id)
         if not token:
             return
-        if pipe is not None:
-            queue(pipe, self._let_go, [keys.IN_HAND], [self.field(job_id), token])
-        else:
-            self.let_go_of(Held(self.name, job_id, token, ""))
+        self.let_go_of(Held(self.name, job_id, token, ""))
         self.hand_over(job_id)
 
     # -- the jobs of placement processes gone ------------------------------------------------
     def look(self, dead_before: float) -> tuple[list[Held], list[Held]]:
         """:func:`sort_held` on what Redis holds now: the jobs of silent placement
-        processes, and this one's sent jobs it did not let go of."""
+        processes, and this one's held too long."""
         pipe = self.r.pipeline(transaction=False)
         pipe.hgetall(keys.IN_HAND)
         pipe.zrange(keys.PLACEMENT_ALIVE, 0, -1, withscores=True)

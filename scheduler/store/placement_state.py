@@ -157,7 +157,7 @@ class PlacementState:
     # -- jobs sent to devices ----------------------------------------------------------------
     def sent(self, record: SentJob, ttl_s: int, queue: str, message: str) -> bool:
         """Send a job to its device: its record and its Celery ``message`` on ``queue`` in
-        one step (:meth:`Hands.sent`), still in hand, marked sent. If the device is dropped,
+        one step, which lets go of it (:meth:`Hands.sent`). If the device is dropped,
         placement finds the job among the orphans. The job's owner key names this
         placement, so that a worker that stalled and came back knows it was re-placed.
         False when the job was swept from this process (it had stalled)."""

@@ -5,8 +5,9 @@
 -- in the same step as the job's other keys, so the two cannot part; a move the custody
 -- table does not allow from the recorded state is counted in ggufq:custody:unexpected
 -- (``ggufq fsck`` reports it for a day), and a job recorded ended stays so. The record also
--- fences a job's holds (lua/_hands.lua): the token of its last hold, and '1' (put back or
--- ended) or '2' (let go only) once a sweep took that hold from a silent holder. ggufq:custody:live holds the ids of jobs not ended: one
+-- fences a job's holds (lua/_hands.lua): the token of its last hold, whether that hold
+-- ended with its send (``sent``), and '1' (put back or ended) or '2' (let go only) once a
+-- sweep took that hold from a silent holder. ggufq:custody:live holds the ids of jobs not ended: one
 -- that stays there with no place in Redis is a job lost.
 -- CUSTODY_MOVES and CUSTODY_ENDED are written above this prelude from the table
 -- (scheduler/store/scripts.py).
@@ -58,6 +59,6 @@ local function hold(field, token)
   local holder, job_id = string.match(field, '^(.*)|([^|]*)$')
   if not job_id then return 0 end
   local epoch = move(job_id, 'placing', holder)
-  redis.call('HSET', custody_key(job_id), 'token', token, 'swept', '')
+  redis.call('HSET', custody_key(job_id), 'token', token, 'swept', '', 'sent', '')
   return epoch
 end

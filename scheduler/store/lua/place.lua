@@ -5,7 +5,7 @@
 -- Moves a job (scheduler/custody.py): submitted -> placing
 -- KEYS[1] ggufq:job:<id>:placed (string: the delivery's id)
 -- KEYS[2] ggufq:in_hand (hash)
--- KEYS[3] ggufq:job:<id>:custody (hash) the job's record: its hold's token and sweep
+-- KEYS[3] ggufq:job:<id>:custody (hash) the job's record: its hold's token, sweep, send
 -- ARGV: delivery id, claim ttl (s), field "<placement>|<job id>", entry (JSON; its "at" is
 --       stamped here, on Redis's clock, as the holder's beats are), token
 -- Returns 1 when the job is this delivery's, else 0 (also when it was held under this token

@@ -1,15 +1,15 @@
 -- Its holder puts a job in hand back in its queue (parks it again, or returns an orphan it
 -- could not handle) and lets go of it. Not when another placement process put it back
 -- already (the holder had stalled): the job is someone else's now; nor when its custody
--- record says it moved on (ended, say, while this holder waited for Redis). Not when it was sent
--- (marked sent, or let go of by a sweep because it was: its send step ran, and what
--- failed came after): its device's records account for it, and parking it too would run
--- it twice.
+-- record says it moved on (ended, say, while this holder waited for Redis). Not when it
+-- was sent (its record says this hold ended with its send, or a sweep let go of it
+-- because it was: its send step ran, and what failed came after): its device's records
+-- account for it, and parking it too would run it twice; then it only lets go.
 -- Moves a job (scheduler/custody.py): placing -> parked, placing -> orphaned
 -- KEYS[1] the queue: ggufq:parked or ggufq:orphans
 -- KEYS[2] ggufq:parked:<id> (string), unused for an orphan
 -- KEYS[3] ggufq:in_hand (hash)
--- KEYS[4] ggufq:job:<id>:custody (hash) the job's record: its hold's token and sweep
+-- KEYS[4] ggufq:job:<id>:custody (hash) the job's record: its hold's token, sweep, send
 -- ARGV: job id, 'orphan' or 'parked', record, field "<placement>|<job id>", token ('' for
 --       a job not in hand)
 -- Returns hands.PutBack: 1 PUT_BACK, 0 SWEPT (another placement process put it back),

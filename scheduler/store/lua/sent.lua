@@ -1,17 +1,17 @@
 -- Send a job to its device: its in-flight record and its Celery message on the device's
 -- queue in one step, so that the two cannot part (a record with no message, or a message
 -- with no record). From then on the device's records account for the job (a dropped
--- device's jobs become orphans; a message lost later is sent again), and the job in hand
--- is marked sent, so that if its holder dies or fails before letting go of it, it is not
--- put back to run twice. Nothing when another placement process swept the job back from
--- this one (it had stalled): it is someone else's now. Asked again after a lost reply, it
--- finds the job sent already (its hold marked sent, or let go of by a sweep because it
--- was; or its owner this placement) and sends nothing more.
+-- device's jobs become orphans; a message lost later is sent again), so its holder lets go
+-- of it in the same step, and its custody record says this hold ended with its send: a
+-- holder that dies right after cannot have it put back to run twice. Nothing when another
+-- placement process swept the job back from this one (it had stalled): it is someone
+-- else's now. Asked again after a lost reply, it finds the job sent already (its record
+-- says so, or its owner is this placement) and sends nothing more.
 -- Moves a job (scheduler/custody.py): placing -> sent
 -- KEYS[1] ggufq:inflight:<dev> (hash: job id -> SentJob JSON)
 -- KEYS[2] ggufq:job:<id>:owner (string: the placement's id)
 -- KEYS[3] ggufq:in_hand (hash)
--- KEYS[4] ggufq:job:<id>:custody (hash) the job's record: its hold's token and sweep
+-- KEYS[4] ggufq:job:<id>:custody (hash) the job's record: its hold's token, sweep and send
 -- KEYS[5] the device's Celery queue (list)
 -- Also touches, by name: ggufq:due:sent (due for the lost-send look from now) and
 -- ggufq:due:counted (its runner's count is accounted for)
@@ -28,7 +28,8 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('ZADD', DUE_SENT, now_s(), sent_due(ARGV[1], ARGV[3], ARGV[8]))
 no_longer_due('ggufq:runner:' .. ARGV[7], ARGV[3])
 redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
-mark_held(KEYS[3], ARGV[5], ARGV[6], 'sent', 1)
+let_go(KEYS[3], ARGV[5], ARGV[6])
 redis.call('LPUSH', KEYS[5], ARGV[9])
 move(ARGV[1], 'sent', ARGV[3])
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[4], 'sent', '1') end
 return 1

@@ -2,20 +2,19 @@
 -- TTL: its holder has not beaten since ``dead_before``, and took the job before that. The
 -- job's custody record marks that hold swept ('1': put back), so that a holder that was
 -- only stalled does nothing more with it (its send, park, end and take scripts look). A
--- job marked sent
--- (its in-flight record stands: the device's records account for it) or that ended is let
--- go only ('2'); one its holder was ending, or whose entry does not parse, is ended in the
--- same step with the final chunk the caller gave for it (a crash between letting go and
--- ending would leave it nowhere). A holder
--- sweeps its own entry held past the TTL that none of its threads decides on any more (a
--- Redis restored from an older snapshot gave it back): then its own beat does not stop it.
+-- job that ended, or whose entry is marked sent (as versions before the send let go of it
+-- wrote it), is let go only ('2'); one its holder was ending, or whose entry does not
+-- parse, is ended in the same step with the final chunk the caller gave for it (a crash
+-- between letting go and ending would leave it nowhere). A holder sweeps its own entry
+-- held past the TTL that none of its threads decides on any more (a Redis restored from an
+-- older snapshot gave it back): then its own beat does not stop it.
 -- Moves a job (scheduler/custody.py): placing -> parked, placing -> orphaned
 -- Moves a job (scheduler/custody.py): placing -> failed
 -- KEYS[1] ggufq:in_hand (hash)
 -- KEYS[2] ggufq:placement:alive (sorted set: placement -> last beat)
 -- KEYS[3] the queue the entry names: ggufq:parked or ggufq:orphans
 -- KEYS[4] ggufq:parked:<id> (string), unused for an orphan
--- KEYS[5] ggufq:job:<id>:custody (hash) the job's record: its hold's token and sweep
+-- KEYS[5] ggufq:job:<id>:custody (hash) the job's record: its hold's token, sweep, send
 -- Also touches, by name: the job's keys lua/_ends.lua's end_unrun names, when it ends it
 -- ARGV: field, token, placement, dead_before, job id, '1' when the job has ended already,
 --       '1' when the placement sweeps its own entry, the final chunk of a job its holder

@@ -7,7 +7,7 @@
 --         record)
 -- KEYS[2] the record: ggufq:parked:<id> (string) for the parked queue, unused otherwise
 -- KEYS[3] ggufq:in_hand (hash)
--- KEYS[4] ggufq:job:<id>:custody (hash) the job's record: its hold's token and sweep
+-- KEYS[4] ggufq:job:<id>:custody (hash) the job's record: its hold's token, sweep, send
 -- ARGV: job id, field "<placement>|<job id>", token, 'orphan' or 'parked' (the entry's "at"
 --       is stamped on Redis's clock, as the holder's beats are)
 -- Returns the record, or false when it is not there (another taker has it, or it was taken
