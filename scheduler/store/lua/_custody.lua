@@ -7,8 +7,8 @@
 -- (``ggufq fsck`` reports it for a day), and a job recorded ended stays so. The record also
 -- fences a job's holds (lua/_hands.lua): the token of its last hold, whether that hold
 -- ended with its send (``sent``), and '1' (put back or ended) or '2' (let go only) once a
--- sweep took that hold from a silent holder. ggufq:custody:live holds the ids of jobs not ended: one
--- that stays there with no place in Redis is a job lost.
+-- sweep took that hold from a silent holder. ggufq:custody:live holds the ids of jobs not
+-- ended: one that stays there with no place in Redis is a job lost.
 -- CUSTODY_MOVES and CUSTODY_ENDED are written above this prelude from the table
 -- (scheduler/store/scripts.py).
 -- Touches, by name: ggufq:job:<id>:custody, ggufq:custody:live, ggufq:custody:unexpected.
@@ -53,8 +53,8 @@ local function move(job_id, target, holder)
 end
 
 -- A job taken in hand under ``field`` ("<placement>|<job id>") and ``token``: placing,
--- held by that process; the record keeps the token of its last hold, and whether a sweep
--- ended that hold (``swept``), until the next hold.
+-- held by that process; the record keeps the token of its last hold, and whether its send
+-- (``sent``) or a sweep (``swept``) ended that hold, until the next hold.
 local function hold(field, token)
   local holder, job_id = string.match(field, '^(.*)|([^|]*)$')
   if not job_id then return 0 end
