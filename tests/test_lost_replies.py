@@ -20,7 +20,7 @@ from scheduler.placement.parking import HeldJobs, ParkedJobs
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys
 from scheduler.store.connection import CLIENT_OPTIONS, connect
-from scheduler.store.hands import Hands, TakeUnsure
+from scheduler.store.hands import Hands, PutBack, TakeUnsure, parked_record
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.worker_state import WorkerState
 from tests.conftest import send
@@ -258,3 +258,24 @@ def test_a_send_asked_again_after_its_device_was_reaped_finds_it_sent(db: redis.
     assert send(state, record)  # asked again with the same token: it was sent
     assert db.hget(keys.job_custody(job.id), "state") == b"orphaned"
     assert db.llen(keys.device_queue("vgpu:h:0")) == 0  # the reap took its queue; none again
+
+
+def test_a_put_back_asked_again_after_its_job_was_taken_again_parks_nothing(
+    db: redis.Redis,
+) -> None:
+    """A holder parked a job and lost the answer; meanwhile the job was taken again (a new
+    hold, a new token). The put-back asked again under the old token is refused by the
+    job's custody record: parking it then would leave it parked and held at once."""
+    state = PlacementState(db)
+    parked = ParkedJobs(db, state.hands)
+    job = JobRequest(model="m", prompt="p")
+    assert state.place_once(job.id, "delivery", 60, "{}").first
+    old = state.hands.token(job.id)
+    parked.park(job, 1.0)  # its first put-back, whose answer was lost
+    assert parked.claim(job.id) is not None  # taken again, under a new token
+    state.hands.hand_over(job.id)
+    state.hands.adopt(job.id, old)  # the put-back asked again
+    record = parked_record(job.model_dump(mode="json"), 1.0)
+    assert state.hands.put_back("parked", job.id, record) is PutBack.SWEPT
+    assert parked.ids() == [] and db.hlen(keys.IN_HAND) == 1
+    assert db.hget(keys.job_custody(job.id), "state") == b"placing"

@@ -253,4 +253,4 @@ def _lost_in_hand(held: Held, outcome: Swept) -> JobFailed:
 
 
 def _final(held: Held, exc: JobFailed) -> str:
-    return json.dumps(dict(error_chunk("", held.job_id, exc), done=True))
+    return json.dumps(error_chunk("", held.job_id, exc))

@@ -116,7 +116,7 @@ def read(client: redis.Redis) -> Census:
         custody={text(j): text(s) for j, s in _pairs(custody)},
         unexpected={text(m): int(n) for m, n in _pairs(unexpected)},
     )
-    for key, _entry in _pairs(held):
+    for key in held:  # "<placement>|<job id>": the entries themselves carry whole jobs
         holder, _, job_id = text(key).rpartition("|")
         census.held.setdefault(job_id, []).append(holder)
     for runner_id, model, in_flight, sizes, jobs in runners:

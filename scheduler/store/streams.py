@@ -36,14 +36,15 @@ class Appended(IntEnum):
     DUPLICATE = -1  # not written again: the stream has this seq already
 
 
-def outcome_of(chunk: dict[str, Any] | None) -> JobState | None:
-    """The state a job ends in with ``chunk`` (its custody record moves there when the chunk
-    is written), None for a chunk that is not final."""
+def outcome_of(chunk: dict[str, Any] | None) -> str:
+    """The state a job ends in with ``chunk``, as the scripts that write it take it (its
+    custody record moves there when the chunk is written); "" for a chunk that is not
+    final."""
     if not chunk or not chunk.get("done"):
-        return None
+        return ""
     if chunk.get("done_reason") == "cancel":
-        return JobState.CANCELLED
-    return JobState.FAILED if chunk.get("error") else JobState.DONE
+        return JobState.CANCELLED.value
+    return (JobState.FAILED if chunk.get("error") else JobState.DONE).value
 
 
 def _append_call(
@@ -52,8 +53,7 @@ def _append_call(
     """lua/append.lua's keys and arguments for one chunk: written only while the job's
     owner is ``fence`` (a placement id; "" always writes)."""
     keys_, args = chunk_call(job_id, seq, chunk, ttl_s, fence)
-    outcome = outcome_of(chunk)
-    return [*keys_, keys.job_custody(job_id)], [*args, outcome.value if outcome else ""]
+    return [*keys_, keys.job_custody(job_id)], [*args, outcome_of(chunk)]
 
 
 def chunk_call(
@@ -72,7 +72,7 @@ def write_chunk(
 ) -> Appended:
     """Record and publish one chunk (lua/append.lua) in one round trip."""
     job_keys, args = _append_call(job_id, seq, chunk, ttl_s, fence)
-    return Appended(int(_appender(client)(keys=job_keys, args=args, client=client)))
+    return Appended(int(_registered(client, "append")(keys=job_keys, args=args, client=client)))
 
 
 def queue_chunk(
@@ -81,16 +81,16 @@ def queue_chunk(
     """:func:`write_chunk` queued on a pipeline by the script's hash alone (run the pipeline
     with :func:`scheduler.store.scripts.execute`; append.lua skips a chunk already there)."""
     job_keys, args = _append_call(job_id, seq, chunk, ttl_s, fence)
-    queue(pipe, _appender(pipe), job_keys, args)
+    queue(pipe, _registered(pipe, "append"), job_keys, args)
 
 
-_APPEND: list[Any] = []  # the registered script, made on first use
+_REGISTERED: dict[str, Any] = {}  # name → the registered script, made on first use
 
 
-def _appender(client: Any) -> Any:
-    if not _APPEND:
-        _APPEND.append(script(client, "append"))
-    return _APPEND[0]
+def _registered(client: Any, name: str) -> Any:
+    if name not in _REGISTERED:
+        _REGISTERED[name] = script(client, name)
+    return _REGISTERED[name]
 
 
 def error_chunk(model: str, job_id: str, exc: GgufqError, **fields: Any) -> dict[str, Any]:
@@ -123,8 +123,8 @@ def publish_final(client: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s
     cancels it): its final chunk after whatever its stream holds, and out of the parked
     queue if it waits there, in one step (lua/final.lua)."""
     final = dict(chunk, done=True)
-    outcome = outcome_of(final) or JobState.FAILED
-    script(client, "final")(keys=[], args=[job_id, json.dumps(final), ttl_s, outcome.value])
+    args = [job_id, json.dumps(final), ttl_s, outcome_of(final)]
+    _registered(client, "final")(keys=[], args=args, client=client)
 
 
 class ChunkOrder:

@@ -83,8 +83,7 @@ class WorkerState:
 
     def runner_phase(self, runner_id: str) -> str | None:
         """loading, ready or unloading; None when its record is gone."""
-        raw = self.r.hget(keys.runner(runner_id), "state")
-        return None if raw is None else text(raw)
+        return self.runner_phases([runner_id])[runner_id]
 
     def runner_phases(self, runner_ids: list[str]) -> dict[str, str | None]:
         """:meth:`runner_phase` of each of ``runner_ids``, in one round trip."""
@@ -195,7 +194,7 @@ class WorkerState:
                 keep,
                 placement.runner_id,
                 "" if orphan is None else orphan.model_dump_json(),
-                outcome.value if (outcome := outcome_of(chunk)) else "",
+                outcome_of(chunk),
             ],
         )
         return Appended(int(appended)), int(left)

@@ -7,7 +7,7 @@
 -- ggufq:job:<id>:owner, ggufq:parked:model_of (the parked jobs' index by model),
 -- ggufq:heartbeats, ggufq:due:sent and ggufq:due:counted (their members),
 -- ggufq:custody:live (its members' ggufq:job:<id>:custody state), ggufq:custody:unexpected
--- Returns {devices, running, parked, orphans, held (flat field, entry), parked ids that
+-- Returns {devices, running, parked, orphans, held (the fields: who holds each job), parked ids that
 -- have their record, {runner id, model, in_flight, devices JSON, its jobs' placement
 -- ids}..., {device id, reservations (flat runner, bytes), in-flight records (flat job,
 -- record)}..., owners (flat job, owner or ''), the job ids in the parked jobs' index,
@@ -46,7 +46,7 @@ return {
   redis.call('HKEYS', 'ggufq:running'),
   parked,
   redis.call('HKEYS', 'ggufq:orphans'),
-  redis.call('HGETALL', 'ggufq:in_hand'),
+  redis.call('HKEYS', 'ggufq:in_hand'),
   recorded,
   runners,
   per_device,
