@@ -180,6 +180,21 @@ class Settings(BaseSettings):
         description="API keys at the gateway: auto = required unless it listens on loopback; "
         "on = always; off = never (any caller is tenant 'default').",
     )
+    http_hosts: str = Field(
+        "",
+        description="Host names a keyless gateway also answers, comma-separated ('*' for "
+        "any); it always answers this machine's names (localhost, loopback, its host name).",
+    )
+    http_origins: str = Field(
+        "",
+        description="Web pages that may call the gateway, comma-separated origins with '*' "
+        "as a wildcard (as OLLAMA_ORIGINS), besides this machine's own pages and apps'.",
+    )
+    http_max_body_bytes: int = Field(
+        16 << 20,
+        ge=1024,
+        description="The largest request body the gateway reads (413 past it).",
+    )
     http_keepalive_s: float = Field(
         5.0,
         gt=0,

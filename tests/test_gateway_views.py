@@ -57,7 +57,7 @@ def ask(tmp_path: Path, call: Any) -> Any:
 
     async def main() -> Any:
         transport = httpx.ASGITransport(app=app)
-        async with ollama.AsyncClient(host="http://gateway", transport=transport) as api:
+        async with ollama.AsyncClient(host="http://localhost", transport=transport) as api:
             return await call(api, transport)
 
     return asyncio.run(main())
@@ -65,7 +65,7 @@ def ask(tmp_path: Path, call: Any) -> Any:
 
 def test_ps_shows_a_runner_that_is_still_loading(tmp_path: Path) -> None:
     async def both(api: ollama.AsyncClient, transport: httpx.ASGITransport) -> Any:
-        async with httpx.AsyncClient(base_url="http://gateway", transport=transport) as raw:
+        async with httpx.AsyncClient(base_url="http://localhost", transport=transport) as raw:
             return await api.ps(), (await raw.get("/api/ps")).json()
 
     listed, raw = ask(tmp_path, both)
@@ -80,7 +80,7 @@ def test_ps_shows_a_runner_that_is_still_loading(tmp_path: Path) -> None:
 
 def test_version_is_ollamas_api_level_and_ggufqs_own(tmp_path: Path) -> None:
     async def get(_api: ollama.AsyncClient, transport: httpx.ASGITransport) -> Any:
-        async with httpx.AsyncClient(base_url="http://gateway", transport=transport) as raw:
+        async with httpx.AsyncClient(base_url="http://localhost", transport=transport) as raw:
             return (await raw.get("/api/version")).json()
 
     answer = ask(tmp_path, get)

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api_client.aio import AsyncClient
 from api_client.gateway import ollama, openai_api
 from api_client.gateway.core import Caller, Gateway
+from api_client.gateway.edge import EdgeRules, split_list, too_large
 from api_client.gateway.errors import headers_for, http_error, ollama_body, openai_body
 from api_client.gateway.keys import ApiKey, KeyStore, Limiter, bearer_token
 from api_client.gateway.metrics import GatewayMetrics
@@ -45,16 +46,64 @@ def error_response(path: str, exc: GgufqError) -> Response:
     return JSONResponse(body, status_code=answer.status, headers=headers_for(answer))
 
 
+def edge_rules(settings: Settings, require_keys: bool) -> EdgeRules:
+    """The edge checks of a gateway: a keyless one answers this machine's names only."""
+    return EdgeRules(
+        check_host=not require_keys,
+        hosts=split_list(settings.http_hosts),
+        origins=split_list(settings.http_origins),
+        max_body_bytes=settings.http_max_body_bytes,
+    )
+
+
+def _cors(origin: bytes) -> list[tuple[bytes, bytes]]:
+    return [(b"access-control-allow-origin", origin), (b"vary", b"Origin")]
+
+
+def _preflight(asked: bytes) -> Response:
+    """The answer to a browser's question before a cross-origin call (its Origin allowed:
+    the Guard adds it to the answer): the headers ``asked`` for are allowed."""
+    headers = {
+        "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+        "Access-Control-Allow-Headers": asked.decode("latin-1") or "Content-Type",
+        "Access-Control-Max-Age": "600",
+    }
+    return Response(status_code=204, headers=headers)
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """``receive`` that stops a body at ``limit`` bytes: what is past it is never read."""
+    seen = 0
+
+    async def limited() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise too_large(limit)
+        return message
+
+    return limited
+
+
 class Guard:
-    """API keys, their limits, and the metrics of every request, around the app."""
+    """The edge checks (Host, Origin, JSON bodies and their size), API keys and their
+    limits, and the metrics of every request, around the app."""
 
     def __init__(
-        self, app: ASGIApp, gateway: Gateway, require_keys: bool, metrics: GatewayMetrics
+        self,
+        app: ASGIApp,
+        gateway: Gateway,
+        require_keys: bool,
+        metrics: GatewayMetrics,
+        rules: EdgeRules,
     ) -> None:
         self.app = app
         self.gateway = gateway
         self.require_keys = require_keys
         self.metrics = metrics
+        self.rules = rules
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -63,10 +112,15 @@ class Guard:
         started = time.perf_counter()
         scope.setdefault("state", {})["arrived"] = time.time()  # for Server-Timing
         seen: dict[str, Any] = {"status": 500, "ttfb": None}
+        headers = dict(scope["headers"])
+        refusal = self.rules.refusal(scope["method"], headers)
+        origin = headers.get(b"origin") if refusal is None else None  # allowed: CORS headers
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":
                 seen["status"] = message["status"]
+                if origin is not None:
+                    message["headers"] = [*message.get("headers", []), *_cors(origin)]
             elif message["type"] == "http.response.body" and seen["ttfb"] is None:
                 seen["ttfb"] = time.perf_counter() - started
             await send(message)
@@ -74,6 +128,13 @@ class Guard:
         key: ApiKey | None = None
         ticket: str | None = None
         try:
+            if refusal is not None:
+                raise refusal
+            if origin is not None and scope["method"] == "OPTIONS":
+                asked = headers.get(b"access-control-request-headers", b"")
+                await _preflight(asked)(scope, receive, counted)
+                return
+            receive = _limited(receive, self.rules.max_body_bytes)
             if self.require_keys and scope["path"] not in _OPEN_PATHS:
                 key, ticket = await self._admit(scope)
             scope.setdefault("state", {})["caller"] = Caller(key)
@@ -135,7 +196,13 @@ def make_app(
     app = Starlette(
         routes=[*ollama.router.routes, *openai_api.router.routes, Route("/metrics", metrics)],
         middleware=[
-            Middleware(Guard, gateway=gateway, require_keys=require_keys, metrics=counters)
+            Middleware(
+                Guard,
+                gateway=gateway,
+                require_keys=require_keys,
+                metrics=counters,
+                rules=edge_rules(settings, require_keys),
+            )
         ],
         exception_handlers={GgufqError: ggufq_error, Exception: unexpected},
         lifespan=lifespan,

@@ -52,6 +52,24 @@ class RateLimited(GgufqError):
         self.retry_after_s = retry_after_s
 
 
+class BadOrigin(GgufqError):
+    """The request came by a name or from a page this gateway does not trust."""
+
+    code = "forbidden_origin"
+
+
+class RequestTooLarge(GgufqError):
+    """The request body is over the gateway's limit."""
+
+    code = "request_too_large"
+
+
+class UnsupportedMediaType(GgufqError):
+    """The request body is not sent as JSON."""
+
+    code = "unsupported_media_type"
+
+
 class NotSupported(GgufqError):
     """An Ollama or OpenAI feature this gateway does not serve."""
 
@@ -69,6 +87,9 @@ _STATUS: list[tuple[type[GgufqError], HttpError]] = [
     (ModelNotFound, HttpError(404)),
     (Unauthorized, HttpError(401)),
     (Forbidden, HttpError(403)),
+    (BadOrigin, HttpError(403)),
+    (RequestTooLarge, HttpError(413)),
+    (UnsupportedMediaType, HttpError(415)),
     (NotSupported, HttpError(501)),
     (ServerBusy, HttpError(503, RETRY_AFTER_S)),
     (NoCapacity, HttpError(503, RETRY_AFTER_S)),
@@ -87,6 +108,8 @@ _OPENAI_TYPE = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     501: "invalid_request_error",
 }
