@@ -17,8 +17,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal, overload
 
-import redis.asyncio
-
 from api_client.batch import BatchStopped, run_batch
 from api_client.batch_files import BatchInput, BatchSummary
 from api_client.client import Client, Messages
@@ -28,7 +26,7 @@ from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Message, Options
 from scheduler.settings import Settings
-from scheduler.store.connection import CLIENT_OPTIONS
+from scheduler.store.connection import connect_typed_async
 from scheduler.store.routes import AsyncFastPath
 from scheduler.store.streams import aread_chunks
 from scheduler.store.subscriptions import AsyncSubscriptions
@@ -160,7 +158,7 @@ class AsyncClient:
         self.redis_url = self.sync.redis_url
         self.settings = self.sync.settings
         self.timeout = timeout
-        self.r = redis.asyncio.Redis.from_url(self.redis_url, **CLIENT_OPTIONS)
+        self.r = connect_typed_async(self.redis_url)
         self.subscriptions = AsyncSubscriptions(self.r)
         fast = self.sync.fast
         self.fast = (

@@ -22,7 +22,15 @@ from typing import IO, Any, Literal, Protocol, cast
 import redis
 from celery import Celery
 
-from api_client.batch_files import BatchInput, BatchSummary, Row, finished_ids, read_rows
+from api_client.batch_files import (
+    BatchInput,
+    BatchSummary,
+    Row,
+    check_output,
+    finished_ids,
+    read_rows,
+    result_row,
+)
 from api_client.results import result_key, result_ready
 from scheduler.errors import (
     GgufqError,
@@ -34,6 +42,7 @@ from scheduler.errors import (
     LoadFailed,
     ModelNotFound,
     NoWorkers,
+    RedisUnavailable,
     ServerBusy,
 )
 from scheduler.protocol import GenerateResponse, Options, check_model_name
@@ -43,15 +52,6 @@ RETRY_BACKOFF_S = 0.5  # first retry after this, doubling per attempt
 RETRY_BACKOFF_MAX_S = 10.0
 WINDOW_PER_SLOT = 32  # rows submitted ahead of the oldest unwritten one, per unit of concurrency
 _WAKE_S = 0.5  # the longest the loop sleeps without looking at its jobs
-_STATS = (
-    "done_reason",
-    "eval_count",
-    "prompt_eval_count",
-    "total_duration",
-    "load_duration",
-    "prompt_eval_duration",
-    "eval_duration",
-)
 
 
 class SubmittedJob(Protocol):
@@ -138,6 +138,8 @@ class BatchRun:
             raise InvalidRequest(f"retries must be 0 or more, got {retries}")
         if resume and output is None:
             raise InvalidRequest("resume=True needs an output file to resume from")
+        if output is not None:
+            check_output(output)
         self.client = client
         self.model = model
         self.output = output
@@ -268,8 +270,9 @@ class BatchRun:
         self._failed(flight.position, flight.attempt, error)
 
     def _failed(self, position: int, attempt: int, exc: GgufqError) -> None:
-        if isinstance(exc, ModelNotFound | InvalidModelFile):
-            raise exc  # about the model, not the row: every other row would fail the same way
+        if isinstance(exc, ModelNotFound | InvalidModelFile | RedisUnavailable):
+            raise exc  # about the model or the cluster, not the row: every other row would fail
+            # the same way (the rows already written stay: --resume goes on from them)
         if is_transient(exc) and attempt < self.retries:
             delay = min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_S * 2**attempt)
             heapq.heappush(self.retry_at, (time.monotonic() + delay, position, attempt + 1))
@@ -279,18 +282,7 @@ class BatchRun:
     def _finish(
         self, position: int, result: GenerateResponse | None, error: GgufqError | None
     ) -> None:
-        row = self.todo[position]
-        out: dict[str, Any] = {"id": row.id, "input": row.input}
-        if result is not None:
-            text = result.message.content if result.message is not None else result.response
-            out["response"] = text
-            out["stats"] = {name: getattr(result, name) for name in _STATS}
-            out["error"] = None
-        else:
-            assert error is not None
-            out["response"] = None
-            out["stats"] = None
-            out["error"] = {"code": error.code, "message": str(error)}
+        out = result_row(self.todo[position], result, error)
         self.results[position] = out
 
     def _write(self, file: IO[str] | None) -> None:
@@ -307,6 +299,7 @@ class BatchRun:
                 self.summary.tokens += out["stats"]["eval_count"] or 0
             else:
                 self.summary.failed += 1
+                self.summary.first_error = self.summary.first_error or out["error"]["message"]
             self._report()
 
     def _wait(self) -> None:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scheduler.errors import InvalidRequest
+from scheduler.errors import GgufqError, InvalidRequest
+from scheduler.protocol import GenerateResponse
 
 BatchInput = str | Path | Iterable[str | Mapping[str, Any]]
 
@@ -29,6 +30,7 @@ class BatchSummary:
     tokens: int = 0
     seconds: float = 0.0
     output: str | None = None
+    first_error: str = ""  # the first failed row's error, to tell in one line
     rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     @property
@@ -99,10 +101,11 @@ def read_rows(inputs: BatchInput) -> list[Row]:
 
 def _read_jsonl(path: Path) -> list[Any]:
     try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else f"not UTF-8 text at byte {exc.start}"
         raise InvalidRequest(
-            f"cannot read the batch input {str(path)!r}: {exc.strerror}; give a JSONL file "
+            f"cannot read the batch input {str(path)!r}: {why}; give a JSONL file "
             'with one {"prompt": ...} or {"messages": [...]} per line, or a list of prompts'
         ) from None
     items = []
@@ -145,6 +148,41 @@ def _row(index: int, item: Any, where: str) -> Row:
         row.prompt = "" if prompt is None else str(prompt)
     row.options = dict(options) if isinstance(options, Mapping) else {}
     return row
+
+
+_STATS = (
+    "done_reason",
+    "eval_count",
+    "prompt_eval_count",
+    "total_duration",
+    "load_duration",
+    "prompt_eval_duration",
+    "eval_duration",
+)
+
+
+def result_row(
+    row: Row, result: GenerateResponse | None, error: GgufqError | None
+) -> dict[str, Any]:
+    """A row of the results file: ``id``, ``input``, ``response`` and ``stats``, or ``error``."""
+    out: dict[str, Any] = {"id": row.id, "input": row.input}
+    if result is not None:
+        text = result.message.content if result.message is not None else result.response
+        out.update(response=text, stats={n: getattr(result, n) for n in _STATS}, error=None)
+    else:
+        assert error is not None
+        error_fields = {"code": error.code, "message": str(error)}
+        out.update(response=None, stats=None, error=error_fields)
+    return out
+
+
+def check_output(path: Path) -> None:
+    """Refuse an output path that cannot be the results file."""
+    if path.is_dir():
+        raise InvalidRequest(
+            f"the batch output {str(path)!r} is a directory; name a file in it, such as "
+            f"{str(path / 'results.jsonl')!r}"
+        )
 
 
 def finished_ids(path: Path) -> set[str]:

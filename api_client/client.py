@@ -24,6 +24,7 @@ from scheduler.protocol import (
     Message,
     Options,
     Placement,
+    check_job_id,
     check_model_name,
 )
 from scheduler.protocol import parse_request as _parse
@@ -31,7 +32,7 @@ from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
 from scheduler.store.celery_app import ask_unload, close_app, make_app, run_message, send_job
-from scheduler.store.connection import connect, resolve_redis_url
+from scheduler.store.connection import connect_typed, resolve_redis_url
 from scheduler.store.readers import ClusterReader
 from scheduler.store.routes import FastPath
 from scheduler.store.subscriptions import Subscriptions
@@ -62,7 +63,7 @@ class Client:
         self.redis_url = redis_url or resolve_redis_url(self.settings)
         self.timeout = timeout
         self.tenant, self.weight = tenant, weight
-        self.r = connect(self.redis_url)
+        self.r = connect_typed(self.redis_url)
         self.subscriptions = Subscriptions(self.r)
         self.app = make_app(self.redis_url, self.settings)
         self.state = ClusterReader(self.r)
@@ -309,8 +310,9 @@ class Client:
         return asked
 
     def cancel(self, job_id: str) -> None:
-        """Cancel a job by id (see :meth:`Job.cancel`)."""
-        request_cancel(self.r, job_id, self.settings.stream_ttl_s)
+        """Cancel a job by id (see :meth:`Job.cancel`); :class:`InvalidRequest` when
+        ``job_id`` is not a job id. A job not placed yet is cancelled as it arrives."""
+        request_cancel(self.r, check_job_id(job_id), self.settings.stream_ttl_s)
 
     def jobs(self) -> list[JobView]:
         """Jobs not ended yet: ``parked`` (waiting for memory; ``position`` in the order

@@ -7,6 +7,8 @@ Messages name the values involved and say what to do.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class GgufqError(Exception):
     """Base of every error ggufq raises on purpose."""
@@ -71,6 +73,12 @@ class StackNotRunning(GgufqError):
     code = "stack_not_running"
 
 
+class RedisUnavailable(GgufqError):
+    """ggufq's Redis does not answer (down, a wrong URL, a wrong password)."""
+
+    code = "redis_unavailable"
+
+
 class StackFailed(GgufqError):
     """The local stack (embedded Redis, placement, workers) could not start."""
 
@@ -130,6 +138,7 @@ ERRORS_BY_CODE: dict[str, type[GgufqError]] = {
         NoCapacity,
         NoWorkers,
         StackNotRunning,
+        RedisUnavailable,
         StackFailed,
         LoadFailed,
         JobFailed,
@@ -140,6 +149,16 @@ ERRORS_BY_CODE: dict[str, type[GgufqError]] = {
         BadSettings,
     )
 }
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, saying how long it was: an error
+    names what it got without echoing a megabyte back."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value):,} items" if isinstance(value, list | dict) else f"{len(text):,} chars"
+    return f"{text[: limit // 2]}… ({size})"
 
 
 def error_from_code(code: str, message: str) -> GgufqError:

@@ -24,10 +24,23 @@ from pydantic import (
     model_validator,
 )
 
-from scheduler.errors import InvalidRequest
+from scheduler.errors import InvalidRequest, shown
 from scheduler.units import parse_duration_s
 
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_job_id(job_id: str) -> str:
+    """A job id as jobs carry it: 1 to 64 letters, digits, '_' or '-'."""
+    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
+        raise InvalidRequest(
+            f"job id {shown(job_id)} is not a job id: ids are 1 to 64 letters, digits, '_' or '-' "
+            "(`ggufq jobs` lists the jobs not ended, and a gateway answer names its job in "
+            "X-Ggufq-Job)"
+        )
+    return job_id
 
 
 def check_model_name(name: str) -> str:
@@ -38,7 +51,12 @@ def check_model_name(name: str) -> str:
             f"model {name!r} looks like a file path; jobs name models, not files: put the file in "
             f"GGUFQ_MODELS_DIR and use its stem (for example {stem!r}); `ggufq models` lists names"
         )
-    if not _MODEL_NAME.match(name):
+    if _CONTROL.search(name):
+        raise InvalidRequest(
+            f"model name {name!r} holds a control character (a newline or tab, often from a "
+            "file or a shell variable); names cannot hold control characters: strip it"
+        )
+    if not _MODEL_NAME.fullmatch(name):
         raise InvalidRequest(
             f"model name {name!r} is not valid; names use letters, digits, '.', '_' and '-' "
             "(at most 128); `ggufq models` lists the available names"
@@ -166,7 +184,9 @@ class JobRequest(BaseModel):
         le=64,
         description="a load (empty prompt): load replicas of the model until this many run",
     )
-    device: str | None = Field(None, max_length=256, description="pin to this device id")
+    device: str | None = Field(
+        None, min_length=1, max_length=256, description="pin to this device id"
+    )
     submitted_at: float = Field(default_factory=time.time)
     attempt: int = Field(0, ge=0, le=1, description="1 once re-placed after its worker died")
     avoid: list[str] = Field(
@@ -214,7 +234,7 @@ def describe_validation_error(exc: ValidationError) -> str:
         ctx = err.get("ctx") or {}
         if isinstance(ctx.get("error"), Exception):
             msg = str(ctx["error"])
-        parts.append(f"{field}: {msg} (got {got!r})")
+        parts.append(f"{field}: {msg} (got {shown(got)})")
     return "invalid request: " + "; ".join(parts)
 
 

@@ -233,7 +233,8 @@ def test_cli_batch_reports_failed_rows(cli_env: dict[str, str], tmp_path: Path) 
         "batch", "tiny", str(source), "-O", str(out), "-o", "num_predict=3", "--json", env=cli_env
     )
     assert done.returncode == 1
-    assert f"1 of 3 rows failed; their errors are in {out}" in done.stderr
+    assert "1 of 3 rows failed, the first with: invalid request: options.top_p" in done.stderr
+    assert f"all their errors are in {out}" in done.stderr
     summary = json.loads(done.stdout)
     assert (summary["done"], summary["failed"], summary["output"]) == (2, 1, str(out))
     assert [r["id"] for r in output_rows(out)] == ["q1", "q2", "q3"]

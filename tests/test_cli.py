@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.local.embedded import EmbeddedRedis
+from scheduler.local.embedded import EmbeddedRedis, free_port
 from scheduler.local.stack import LocalStack
 from tests.conftest import ggufq, stack_env
 
@@ -59,6 +59,50 @@ def test_a_setting_ggufq_cannot_use_is_one_clear_line(cli_env: dict[str, str]) -
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.startswith("error: ") and len(out.stderr.splitlines()) == 1
     assert "GGUFQ_NUM_PARALLEL='0'" in out.stderr and "GGUFQ_HOST_ID='rack|7'" in out.stderr
+
+
+def one_line(out: subprocess.CompletedProcess[str], code: int = 1) -> str:
+    """The single error line a failed command printed (no traceback)."""
+    assert out.returncode == code, out.stderr
+    lines = [line for line in out.stderr.splitlines() if "error" in line]
+    assert "Traceback" not in out.stderr and len(lines) == 1, out.stderr
+    return lines[0]
+
+
+def test_a_redis_that_does_not_answer_is_one_clear_line(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    dead = {**cli_env, "GGUFQ_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    rows = tmp_path / "in.jsonl"
+    rows.write_text('{"id": "a", "prompt": "hi"}\n')
+    for args in (
+        ["ps"],
+        ["run", "tiny", "hi"],
+        ["batch", "tiny", str(rows), "-O", str(tmp_path / "o")],
+    ):
+        line = one_line(ggufq(*args, env=dead))
+        assert "cannot reach Redis at 127.0.0.1:" in line, args
+        assert "Connection refused" in line and "`ggufq up`" in line and "GGUFQ_REDIS_URL" in line
+
+
+def test_the_edges_of_the_command_line_are_one_clear_line(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    binary, rows = tmp_path / "in.bin", tmp_path / "in.jsonl"
+    binary.write_bytes(bytes(range(256)))
+    rows.write_text('{"id": "a", "prompt": "hi"}\n')
+    line = one_line(ggufq("batch", "tiny", str(binary), "-O", str(tmp_path / "o"), env=cli_env))
+    assert "not UTF-8 text at byte 128" in line
+    line = one_line(ggufq("batch", "tiny", str(rows), "-O", str(tmp_path), env=cli_env))
+    assert "is a directory; name a file in it" in line
+    line = one_line(ggufq("estimate", "tiny", "--gpus", "8XB", env=cli_env), code=2)
+    assert "argument --gpus: size '8XB' is not valid" in line
+    line = one_line(ggufq("estimate", "tiny", "--ctx", "-5", env=cli_env), code=2)
+    assert "argument --ctx: -5 is out of range: 4 to 1,048,576" in line
+    line = one_line(ggufq("cancel", "no-such-job", env=cli_env))
+    assert "job no-such-job is not known to the cluster" in line
+    line = one_line(ggufq("cancel", "x" * 100_000, env=cli_env))
+    assert "is not a job id" in line and "(100,002 chars)" in line and len(line) < 400
 
 
 def test_run_streams_and_ps_devices_list(cli_env: dict[str, str]) -> None:

@@ -66,6 +66,28 @@ def test_absurd_values_are_refused(tmp_path: Path) -> None:
         read_model_info(path)
 
 
+def test_metadata_of_the_wrong_type_names_its_key(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "typed.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(2048)
+    writer.add_embedding_length(8)
+    writer.add_block_count(1)
+    writer.add_string("llama.attention.head_count", "four")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(InvalidModelFile) as refused:
+        read_model_info(path)
+    message = str(refused.value)
+    assert "llama.attention.head_count = 'four' (str) where a number belongs" in message
+    assert "ValueError" not in message and "export the model again" in message
+
+
 def hostile_gguf(path: Path, *kvs: bytes) -> Path:
     """A GGUF header written by hand: version 3, no tensors, the given key-value pairs."""
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(kvs) + b"\0" * 64)

@@ -35,6 +35,7 @@ from api_client.cli.ops import (
     cmd_worker,
 )
 from scheduler.errors import GgufqError
+from scheduler.units import parse_bytes
 from workers.args import add_worker_arguments
 
 Command = Callable[[argparse.Namespace], int]
@@ -115,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = command("estimate", cmd_estimate, "memory a model needs, per component and device")
     p.add_argument("model")
-    p.add_argument("--ctx", type=int, default=None, help="num_ctx per sequence (default 4096)")
-    p.add_argument("--parallel", type=int, default=1, help="num_parallel sequences")
+    p.add_argument("--ctx", type=bounded(4, 1_048_576), help="num_ctx per sequence (default 4096)")
+    p.add_argument("--parallel", type=bounded(1, 256), default=1, help="num_parallel sequences")
     p.add_argument("--kv-type", default="f16", help="KV cache type: f16, q8_0, q4_0, ...")
     p.add_argument(
         "--flash-attn",
@@ -125,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="flash attention on or off (default: GGUFQ_FLASH_ATTENTION, as runners load)",
     )
     p.add_argument("--swa-full", action="store_true", help="full-size sliding-window cache")
-    p.add_argument("--gpus", default="", help="free memory of the GPU, e.g. 24GiB (one GPU)")
+    p.add_argument(
+        "--gpus", type=sizes, default=[], help="free memory of the GPU, e.g. 24GiB (one GPU)"
+    )
     p.add_argument("--json", action="store_true", help="the same figures in bytes")
     p = command("load", cmd_load, "load a model ahead of use")
     p.add_argument("model")
@@ -170,6 +173,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="further Flower options after --, e.g. -- --basic-auth=user:pass",
     )
     return parser
+
+
+def bounded(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``low`` to ``high``."""
+
+    def number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: {low} to {high:,}")
+        return value
+
+    return number
+
+
+def sizes(text: str) -> list[int]:
+    """An argparse type: memory sizes, comma-separated (24GiB,8GB)."""
+    try:
+        return [parse_bytes(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_job_arguments(p: argparse.ArgumentParser) -> None:

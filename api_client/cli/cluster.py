@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 from api_client.cli.tables import print_table, ps_table
 from api_client.client import Client
+from scheduler.custody import ENDED
 from scheduler.store import fsck
 from scheduler.store.clock import redis_now
 from scheduler.units import format_bytes, format_duration
@@ -39,11 +41,24 @@ def cmd_unload(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    """Ask each job to cancel, and say where it was: exit 1 when one is not known."""
+    unknown = 0
     with Client() as client:
         for job_id in args.job_ids:
             client.cancel(job_id)
-            print(f"asked job {job_id} to cancel")
-    return 0
+            view = client.custody(job_id)
+            if view is None:
+                unknown += 1
+                print(
+                    f"error: job {job_id} is not known to the cluster (a wrong id, or one that "
+                    "ended over GGUFQ_STREAM_TTL_S ago); should it arrive, it is cancelled",
+                    file=sys.stderr,
+                )
+            elif view.state in ENDED:
+                print(f"job {job_id} had ended ({view.state}): nothing to cancel")
+            else:
+                print(f"asked job {job_id} to cancel ({view.state})")
+    return 1 if unknown else 0
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:

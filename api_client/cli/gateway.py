@@ -10,7 +10,7 @@ from api_client.cli.tables import print_table
 from api_client.gateway.keys import KeyStore
 from api_client.gateway.server import add_serve_arguments, serve
 from scheduler.settings import get_settings
-from scheduler.store.connection import connect, resolve_redis_url
+from scheduler.store.connection import connect_typed, resolve_redis_url
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -47,7 +47,7 @@ def add_keys_commands(p: argparse.ArgumentParser) -> None:
 
 
 def _store() -> KeyStore:
-    return KeyStore(connect(resolve_redis_url(get_settings())))
+    return KeyStore(connect_typed(resolve_redis_url(get_settings())))
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:

@@ -194,8 +194,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
         )
     if summary.failed:
         print(
-            f"error: {summary.failed} of {summary.total} rows failed; their errors are in "
-            f'{args.output} (rows whose "error" is not null)',
+            f"error: {summary.failed} of {summary.total} rows failed, the first with: "
+            f"{summary.first_error}; all their errors are in {args.output} (rows whose "
+            '"error" is not null)',
             file=sys.stderr,
         )
         return 1

@@ -25,7 +25,7 @@ from scheduler.local.stack import LocalStack
 from scheduler.placement.process import main as placement_main
 from scheduler.protocol import RunnerConfig
 from scheduler.settings import describe, get_settings
-from scheduler.units import format_bytes, parse_bytes
+from scheduler.units import format_bytes
 
 
 # -- stack -------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         flash_attn=settings.flash_attention if args.flash_attn is None else args.flash_attn,
         swa_full=args.swa_full,
     )
-    gpus = [parse_bytes(g) for g in args.gpus.split(",") if g.strip()]
+    gpus: list[int] = args.gpus
     if len(gpus) > 1:
         raise GgufqError(
             "--gpus takes one GPU for now; splitting a model across GPUs comes "

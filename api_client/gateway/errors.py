@@ -23,6 +23,7 @@ from scheduler.errors import (
     ModelNotFound,
     NoCapacity,
     NoWorkers,
+    RedisUnavailable,
     ServerBusy,
     StackNotRunning,
 )
@@ -95,6 +96,7 @@ _STATUS: list[tuple[type[GgufqError], HttpError]] = [
     (NoCapacity, HttpError(503, RETRY_AFTER_S)),
     (NoWorkers, HttpError(503, RETRY_AFTER_S)),
     (StackNotRunning, HttpError(503, RETRY_AFTER_S)),
+    (RedisUnavailable, HttpError(503, RETRY_AFTER_S)),
     (JobTimeout, HttpError(504)),
     (InvalidModelFile, HttpError(500)),
     (LoadFailed, HttpError(500)),

@@ -15,7 +15,7 @@ from typing import Any
 
 from gguf import GGMLQuantizationType, LlamaFileType
 
-from scheduler.errors import InvalidModelFile
+from scheduler.errors import InvalidModelFile, shown
 from scheduler.gguf.parse import (
     GGUFFormatError,
     GGUFHeader,
@@ -81,7 +81,7 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         # a header that parses but holds what no model holds (a string where a number
         # belongs, say): a typed error naming the file, never an exception out of placement
         raise InvalidModelFile(
-            f"{path} has GGUF metadata this version cannot use ({type(exc).__name__}: {exc}); "
+            f"{path} has GGUF metadata this version cannot use ({exc}); "
             "export the model again, or remove the file from the models directory"
         ) from None
     with _cache_lock:
@@ -121,6 +121,19 @@ def _parse(path: Path, file_size: int) -> ModelInfo:
             return max(value) if value else default
         return value
 
+    def number(name: str, default: int) -> int:
+        """A numeric key (the largest of a per-layer array); another type is refused,
+        naming the key, instead of failing somewhere inside int()."""
+        value = get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidModelFile(
+                f"{path} has {name} = {shown(value)} ({type(value).__name__}) where a number "
+                "belongs; export the model again, or remove the file from the models directory"
+            )
+        return int(value)
+
     arch = get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise InvalidModelFile(
@@ -135,14 +148,14 @@ def _parse(path: Path, file_size: int) -> ModelInfo:
         )
     block_count = _positive(path, f"{arch}.block_count", get(f"{arch}.block_count"))
     embedding = _positive(path, f"{arch}.embedding_length", get(f"{arch}.embedding_length"))
-    heads = int(get(f"{arch}.attention.head_count", 1) or 1)
-    heads_kv = int(get(f"{arch}.attention.head_count_kv", heads) or heads)
+    heads = number(f"{arch}.attention.head_count", 1) or 1
+    heads_kv = number(f"{arch}.attention.head_count_kv", heads) or heads
     head_dim = embedding // max(heads, 1)
     tokens = fields.get("tokenizer.ggml.tokens")
     n_tokens = tokens.length if isinstance(tokens, SkippedArray) else len(tokens or [])
     layer_bytes, input_bytes, output_bytes, tied = _tensor_groups(header, block_count)
     kv_layers = _per_layer(fields.get(f"{arch}.attention.head_count_kv", heads), block_count)
-    sliding_window = int(get(f"{arch}.attention.sliding_window", 0) or 0)
+    sliding_window = number(f"{arch}.attention.sliding_window", 0)
     return ModelInfo(
         path=str(path),
         file_size=file_size,
@@ -154,19 +167,19 @@ def _parse(path: Path, file_size: int) -> ModelInfo:
         embedding_length=embedding,
         head_count=heads,
         head_count_kv=heads_kv,
-        key_length=int(get(f"{arch}.attention.key_length", head_dim) or head_dim),
-        value_length=int(get(f"{arch}.attention.value_length", head_dim) or head_dim),
-        vocab_size=int(get(f"{arch}.vocab_size", 0) or n_tokens),
+        key_length=number(f"{arch}.attention.key_length", head_dim) or head_dim,
+        value_length=number(f"{arch}.attention.value_length", head_dim) or head_dim,
+        vocab_size=number(f"{arch}.vocab_size", 0) or n_tokens,
         sliding_window=sliding_window,
         has_chat_template="tokenizer.chat_template" in fields,
-        feed_forward_length=int(get(f"{arch}.feed_forward_length", 0) or 0),
+        feed_forward_length=number(f"{arch}.feed_forward_length", 0),
         head_count_kv_layers=kv_layers,
         swa_layers=swa_layers(arch, block_count, sliding_window, fields),
         layer_bytes=layer_bytes,
         input_bytes=input_bytes,
         output_bytes=output_bytes,
         tied_output=tied,
-        pooling_type=int(get(f"{arch}.pooling_type", -1)),
+        pooling_type=number(f"{arch}.pooling_type", -1),
         chat_template=str(fields.get("tokenizer.chat_template", "")),
         bos_text=specials[0],
         eos_text=specials[1],

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import redis
+import redis.asyncio
 
-from scheduler.errors import StackNotRunning
+from scheduler.errors import RedisUnavailable, StackNotRunning
 from scheduler.settings import Settings
 
 # errors that mean Redis is away (down, restarting, loading its data, unreachable), not
@@ -83,6 +84,99 @@ CLIENT_OPTIONS: dict[str, Any] = {
 }
 
 
+class RedisUnreachable(RedisUnavailable, redis.ConnectionError):
+    """Redis cannot be reached: a typed error for the caller (:class:`RedisUnavailable`)
+    that what waits for Redis still takes for a lost connection (:data:`REDIS_AWAY`)."""
+
+
+def unreachable(where: str, exc: redis.RedisError) -> RedisUnreachable:
+    """The error of a connection to ``where`` that failed with ``exc``: the cause and the
+    fix in one line, instead of redis-py's traceback."""
+    if isinstance(exc, redis.AuthenticationError):
+        return RedisUnreachable(
+            f"Redis at {where} refused the connection's credentials ({exc}); put the right user "
+            "and password in GGUFQ_REDIS_URL (redis://USER:PASSWORD@HOST:PORT/0)"
+        )
+    cause = exc.__context__ if isinstance(exc.__context__, OSError) else exc
+    why = getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
+    return RedisUnreachable(
+        f"cannot reach Redis at {where} ({why}); start the local stack with `ggufq up`, or set "
+        "GGUFQ_REDIS_URL to the Redis of a running stack"
+    )
+
+
+def _where(connection: Any) -> str:
+    path = getattr(connection, "path", "")
+    return f"unix://{path}" if path else f"{connection.host}:{connection.port}"
+
+
+def _typed(exc: redis.RedisError) -> bool:
+    """Whether a failed connect is told as :class:`RedisUnreachable` (Redis still loading
+    its data is not: it answers soon, and callers wait for it)."""
+    return not isinstance(exc, (RedisUnreachable, redis.BusyLoadingError))
+
+
+class _Named:
+    """A connection whose failure to connect raises :class:`RedisUnreachable`."""
+
+    def connect_check_health(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().connect_check_health(*args, **kwargs)  # type: ignore[misc]
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if not _typed(exc):
+                raise
+            raise unreachable(_where(self), exc) from exc
+
+
+class _NamedAsync:
+    async def connect_check_health(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().connect_check_health(*args, **kwargs)  # type: ignore[misc]
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if not _typed(exc):
+                raise
+            raise unreachable(_where(self), exc) from exc
+
+
+class _Tcp(_Named, redis.Connection): ...
+
+
+class _Tls(_Named, redis.SSLConnection): ...
+
+
+class _Unix(_Named, redis.UnixDomainSocketConnection): ...
+
+
+class _AsyncTcp(_NamedAsync, redis.asyncio.Connection): ...
+
+
+class _AsyncTls(_NamedAsync, redis.asyncio.SSLConnection): ...
+
+
+class _AsyncUnix(_NamedAsync, redis.asyncio.UnixDomainSocketConnection): ...
+
+
+def _options(redis_url: str, classes: tuple[type, type, type]) -> dict[str, Any]:
+    scheme = redis_url.split("://", 1)[0].lower()
+    kind = {"rediss": 1, "unix": 2}.get(scheme, 0)
+    return {**CLIENT_OPTIONS, "connection_class": classes[kind]}
+
+
 def connect(redis_url: str) -> redis.Redis:
-    """A Redis client for ggufq's processes, with the timeouts above."""
+    """A Redis client for ggufq's processes, with the timeouts above. A failed connect
+    raises redis-py's own errors: the services wait for Redis on those (:data:`REDIS_AWAY`),
+    and must never take one for a job's error."""
     return redis.Redis.from_url(redis_url, **CLIENT_OPTIONS)
+
+
+def connect_typed(redis_url: str) -> redis.Redis:
+    """:func:`connect` for callers (the Python client, the CLI, the gateway): a failed
+    connect raises :class:`RedisUnreachable`, which names Redis's address, the cause and
+    the fix."""
+    return redis.Redis.from_url(redis_url, **_options(redis_url, (_Tcp, _Tls, _Unix)))
+
+
+def connect_typed_async(redis_url: str) -> redis.asyncio.Redis:
+    """:func:`connect_typed` for asyncio."""
+    classes = (_AsyncTcp, _AsyncTls, _AsyncUnix)
+    return redis.asyncio.Redis.from_url(redis_url, **_options(redis_url, classes))
