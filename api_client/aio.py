@@ -27,6 +27,7 @@ from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Message, Options
 from scheduler.settings import Settings
 from scheduler.store.connection import connect_typed_async
+from scheduler.store.headroom import LOOK_FROM_BYTES, admit, refused_for_memory
 from scheduler.store.routes import AsyncFastPath
 from scheduler.store.streams import aread_chunks
 from scheduler.store.subscriptions import AsyncSubscriptions
@@ -205,8 +206,11 @@ class AsyncClient:
             format=format,
             extra=extra,
         )
-        if not (self.fast is not None and await self._send_fast(request)):
-            await self._send_to_placement(request)
+        with refused_for_memory():
+            if request.chars >= LOOK_FROM_BYTES:  # a round trip: in a thread
+                await asyncio.to_thread(admit, sync.r, request.chars)
+            if not (self.fast is not None and await self._send_fast(request)):
+                await self._send_to_placement(request)
         return AsyncJob(self, Job(sync, request))
 
     async def _send_fast(self, request: JobRequest) -> bool:

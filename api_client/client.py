@@ -33,6 +33,7 @@ from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
 from scheduler.store.celery_app import ask_unload, close_app, make_app, run_message, send_job
 from scheduler.store.connection import connect_typed, resolve_redis_url
+from scheduler.store.headroom import admit, refused_for_memory
 from scheduler.store.readers import ClusterReader
 from scheduler.store.routes import FastPath
 from scheduler.store.subscriptions import Subscriptions
@@ -112,8 +113,10 @@ class Client:
             format=format,
             extra=extra,
         )
-        if not (self.fast is not None and self._send_fast(request)):
-            self.send_to_placement(request)
+        with refused_for_memory():
+            admit(self.r, request.chars)
+            if not (self.fast is not None and self._send_fast(request)):
+                self.send_to_placement(request)
         return Job(self, request)
 
     def request(

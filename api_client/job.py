@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -162,6 +163,7 @@ class Job:
             # a result given up on stays subscribed in Celery's result consumer, which then
             # retries for 20 s once the client closes its connections: let go of it here
             handle.backend.remove_pending_result(handle)
+        self._read()
         if handle.state == "FAILURE":
             if isinstance(value, GgufqError):
                 raise value
@@ -169,6 +171,13 @@ class Job:
         if handle.state == "REVOKED":  # the reason was stored with the state
             raise JobCancelled(str(value) or f"job {self.id} was cancelled")
         return cast(dict[str, Any], value)
+
+    def _read(self) -> None:
+        """Its reader has the result: keep it only GGUFQ_RESULT_READ_TTL_S more (best effort)."""
+        settings = self.client.settings
+        ttl = min(settings.result_ttl_s, settings.result_read_ttl_s)
+        with contextlib.suppress(redis.RedisError):
+            self.client.r.expire(result_key(self.client.app, self.id), ttl)
 
     def stream_end(self) -> dict[str, Any] | None:
         """The stream's final chunk, when the stream has ended and that chunk is the whole

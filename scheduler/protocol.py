@@ -13,7 +13,7 @@ import re
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from scheduler.bounds import MAX_STOP_CHARS, check_input, check_schema, input_chars
 from scheduler.errors import InvalidRequest, shown
 from scheduler.units import parse_duration_s
 
@@ -125,7 +126,9 @@ class Options(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int = Field(-1, ge=-1, le=2**32 - 1, description="-1 = random")
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=16
+    )
     num_gpu: int = Field(-1, ge=-1, le=10_000, description="layers on GPU; -1 = as many as fit")
     main_gpu: int = Field(0, ge=0, le=1024)
     num_thread: int = Field(0, ge=0, le=1024, description="0 = worker default")
@@ -203,8 +206,21 @@ class JobRequest(BaseModel):
     def _input(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("format")
+    @classmethod
+    def _format(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            check_schema(value)
+        return value
+
+    @property
+    def chars(self) -> int:
+        """The characters of its text: prompt, messages and inputs together."""
+        return input_chars(self.prompt, [m.content for m in self.messages], self.input)
+
     @model_validator(mode="after")
     def _embed_has_input(self) -> JobRequest:
+        check_input(self.chars)
         if self.kind == "embed" and not self.input:
             raise ValueError("an embed job needs input: one text or a list of texts")
         if self.kind == "chat" and not self.messages:

@@ -14,7 +14,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.errors import BadSettings
-from scheduler.units import parse_duration_s
+from scheduler.units import parse_bytes, parse_duration_s
 
 _HOME = Path.home() / ".ggufq"
 
@@ -32,6 +32,13 @@ class Settings(BaseSettings):
     )
     state_dir: Path = Field(
         _HOME, description="Where the local stack keeps its runtime file and Redis data."
+    )
+    redis_maxmemory: int = Field(
+        2 << 30,
+        ge=0,
+        description="The memory the local stack's Redis may use ('2GiB' or bytes; 0 = no "
+        "limit); past it writes are refused (noeviction) and new jobs get ServerBusy. "
+        "docker-compose.yml reads the same variable.",
     )
     host_id: str = Field(
         default_factory=lambda: socket.gethostname().split(".")[0] or "localhost",
@@ -143,7 +150,15 @@ class Settings(BaseSettings):
         "first chunk and its last go out at once, the ones between wait and go out "
         "together; 0 = at every token.",
     )
-    result_ttl_s: int = Field(86400, gt=0, description="How long a job's final result is kept.")
+    result_ttl_s: int = Field(
+        86400, gt=0, description="How long a job's final result is kept while nobody reads it."
+    )
+    result_read_ttl_s: int = Field(
+        600,
+        gt=0,
+        description="How long a job's result is kept once a reader has it (a later reader of "
+        "a generation finds its answer in its stream, kept GGUFQ_STREAM_TTL_S).",
+    )
     worker_threads: int = Field(
         8,
         ge=2,
@@ -211,6 +226,13 @@ class Settings(BaseSettings):
     @classmethod
     def _duration(cls, value: Any) -> float:
         return parse_duration_s(value)
+
+    @field_validator("redis_maxmemory", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip() not in ("", "0"):
+            return parse_bytes(value)
+        return value
 
 
 @lru_cache(maxsize=1)

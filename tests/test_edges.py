@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from api_client import AsyncClient, Client
-from scheduler.errors import InvalidRequest, RedisUnavailable, shown
+from scheduler.errors import GgufqError, InvalidRequest, RedisUnavailable, ServerBusy, shown
 from scheduler.local.embedded import free_port
 from scheduler.protocol import JobRequest, check_model_name, parse_request
 from scheduler.settings import Settings
@@ -55,3 +55,66 @@ def test_an_invalid_field_is_named_without_echoing_it_whole() -> None:
     assert shown("short") == "'short'"
     assert shown(list(range(1000))).endswith("(1,000 items)")
     assert JobRequest(model="tiny", device="cpu:h").device == "cpu:h"
+
+
+def test_a_schema_whose_grammar_could_not_be_built_is_refused() -> None:
+    def job(schema: dict[str, object]) -> JobRequest:
+        return parse_request({"model": "tiny", "prompt": "x", "format": schema})
+
+    huge = {"type": "array", "items": {"type": "integer"}, "minItems": 100_000_000}
+    with pytest.raises(InvalidRequest, match=r"format.minItems is 100,000,000; .* at most 1,024"):
+        job(huge)
+    with pytest.raises(InvalidRequest, match=r"format.properties.a.pattern's \{5000\}"):
+        job({"type": "object", "properties": {"a": {"type": "string", "pattern": "x{5000}"}}})
+    deep: dict[str, object] = {"type": "integer"}
+    for _ in range(40):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(InvalidRequest, match="nests deeper than 32"):
+        job(deep)
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(4000)}}
+    with pytest.raises(InvalidRequest, match="at most 65,536 are taken"):
+        job(wide)
+    fine = {"type": "array", "items": {"type": "integer"}, "maxItems": 1024}
+    assert job(fine).format == fine
+
+
+def test_a_jobs_text_and_stop_strings_are_bounded() -> None:
+    two = [{"role": "user", "content": "x" * 3_000_000}] * 2
+    with pytest.raises(InvalidRequest, match=r"6,000,000 characters .* at most 4,000,000"):
+        parse_request({"model": "tiny", "kind": "chat", "messages": two})
+    with pytest.raises(InvalidRequest, match="input"):
+        parse_request({"model": "tiny", "kind": "embed", "input": ["x" * 1_000_000] * 5})
+    with pytest.raises(InvalidRequest, match=r"options.stop.0: String should have at most 1000"):
+        parse_request({"model": "tiny", "prompt": "x", "options": {"stop": ["s" * 1001]}})
+
+
+def test_a_flood_of_maximal_jobs_leaves_room_for_normal_ones(
+    client: Client, r: redis.Redis
+) -> None:
+    """Redis with 64 MiB to spare (maxmemory, noeviction): jobs of the largest text are let
+    in while there is room for them, and refused with ServerBusy past that, while small
+    jobs go on being served; every job admitted ends with an outcome."""
+    before = r.config_get("maxmemory")["maxmemory"]
+    used = int(r.info("memory")["used_memory"])
+    r.config_set("maxmemory", used + (64 << 20))
+    admitted, refused = [], []
+    try:
+        for _ in range(10):  # as fast as they come: none has ended as the next arrives
+            try:
+                admitted.append(client.submit("tiny", "x " * 2_000_000, options={"num_predict": 1}))
+            except ServerBusy as exc:
+                refused.append(str(exc))
+        for _ in range(3):
+            small = client.generate("tiny", "hello", options={"num_predict": 2, "temperature": 0})
+            assert small.done
+        outcomes = []
+        for job in admitted:
+            try:
+                outcomes.append(job.result(timeout=120).done_reason)
+            except GgufqError as exc:  # typed: too long for the tiny model's context
+                outcomes.append(exc.code)
+    finally:
+        r.config_set("maxmemory", before)
+    assert admitted and refused, (len(admitted), refused)
+    assert all("left of its maxmemory" in reason for reason in refused)
+    assert len(outcomes) == len(admitted), outcomes

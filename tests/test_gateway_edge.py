@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import ollama
+import openai
 import pytest
 
 from api_client.gateway.edge import EdgeRules, host_allowed, host_name, origin_allowed
@@ -124,3 +125,21 @@ def test_a_body_over_the_limit_is_refused_unread(url: str) -> None:
             api.generate(model="tiny", prompt=prompt)
         assert refused.value.status_code == 413
         assert api.generate(model="tiny", prompt="hi", options={"num_predict": 2}).done
+
+
+def test_a_schema_over_the_bounds_is_a_400_naming_the_limit(url: str) -> None:
+    huge = {"type": "array", "items": {"type": "integer"}, "minItems": 100_000_000}
+    with ollama.Client(host=url) as api:
+        with pytest.raises(ollama.ResponseError) as refused:
+            api.generate(model="tiny", prompt="numbers", format=huge)
+    assert refused.value.status_code == 400
+    assert "minItems is 100,000,000" in refused.value.error
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "numbers"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": huge}},
+        )
+    assert "at most 1,024" in str(bad.value)
+    client.close()

@@ -45,8 +45,14 @@ class EmbeddedRedis:
     the queued and parked jobs, the streams and the results."""
 
     def __init__(
-        self, data_dir: Path, port: int | None = None, password: str = "", nice: int = 0
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        password: str = "",
+        nice: int = 0,
+        maxmemory: int = 0,
     ) -> None:
+        self.maxmemory = maxmemory  # bytes; 0: no limit
         self.port = port or free_port()
         self.data_dir = Path(data_dir)
         self.password = password
@@ -76,6 +82,8 @@ class EmbeddedRedis:
                 "everysec",
                 "--dir",
                 str(self.data_dir),
+                "--maxmemory",
+                str(self.maxmemory),
                 "--maxmemory-policy",
                 "noeviction",
                 "--loglevel",

@@ -59,7 +59,9 @@ class LocalStack:
             nice = self.settings.helper_nice
             if not self.redis_url:
                 state = Path(self.settings.state_dir).expanduser()
-                self.redis = EmbeddedRedis(state / "redis", nice=nice)
+                self.redis = EmbeddedRedis(
+                    state / "redis", nice=nice, maxmemory=self.settings.redis_maxmemory
+                )
                 self.redis_url = self.redis.start()
                 write_runtime(self.settings, self.redis_url)
             self._spawn(

@@ -31,7 +31,9 @@ def make_app(redis_url: str, settings: Settings, *, stash_unacked: bool = True) 
         accept_content=["json"],
         result_accept_content=["json"],
         result_expires=settings.result_ttl_s,
-        result_extended=True,
+        # a result holds the job's outcome only: with result_extended it held the whole
+        # request too (every prompt kept for result_ttl_s), and nothing reads it
+        result_extended=False,
         task_default_queue=keys.PLACEMENT_QUEUE,
         # Jobs are long and each worker owns its device: take one message at a time, so a
         # job is never stuck behind another in a busy worker's prefetch buffer.
