@@ -28,7 +28,7 @@ from scheduler.protocol import (
     check_model_name,
 )
 from scheduler.protocol import parse_request as _parse
-from scheduler.settings import Settings, get_settings
+from scheduler.settings import Settings, get_settings, masked
 from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
 from scheduler.store.celery_app import ask_unload, close_app, make_app, run_message, send_job
@@ -380,13 +380,13 @@ class Client:
         health = self.health()
         if not health["placement"]:
             raise NoWorkers(
-                f"no ggufq placement service is running for {self.redis_url}; start the stack "
-                "with `ggufq up` (or `ggufq placement` beside your workers)"
+                f"no ggufq placement service is running for {masked(self.redis_url)}; start "
+                "the stack with `ggufq up` (or `ggufq placement` beside your workers)"
             )
         if not health["devices"]:
             raise NoWorkers(
-                f"no ggufq worker is running for {self.redis_url} (no device heartbeat in the "
-                f"last {self.settings.device_ttl_s:.0f} s); start one with `ggufq up` or "
+                f"no ggufq worker is running for {masked(self.redis_url)} (no device heartbeat "
+                f"in the last {self.settings.device_ttl_s:.0f} s); start one with `ggufq up` or "
                 "`ggufq worker`"
             )
         self._alive_until = now + _ALIVE_CACHE_S

@@ -9,6 +9,7 @@ import socket
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -251,11 +252,23 @@ def get_settings() -> Settings:
         raise BadSettings("; ".join(wrong) + "; fix it in the environment or .env") from None
 
 
+def masked(url: str) -> str:
+    """A URL with its password as ``****``: fit to print or log."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    netloc = f"{user}:****@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def describe(settings: Settings) -> list[tuple[str, str, str]]:
-    """(environment variable, effective value, description) for every knob."""
+    """(environment variable, effective value, description) for every knob; secrets masked."""
     rows = []
     for name, field in Settings.model_fields.items():
-        rows.append(
-            (f"GGUFQ_{name.upper()}", str(getattr(settings, name)), field.description or "")
-        )
+        value = getattr(settings, name)
+        shown = masked(value) if name == "redis_url" and value else str(value)
+        rows.append((f"GGUFQ_{name.upper()}", shown, field.description or ""))
     return rows

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import redis
 
 from scheduler.local.embedded import EmbeddedRedis, free_port
 from scheduler.local.stack import LocalStack
@@ -201,7 +202,19 @@ def test_up_runs_until_signal_and_leaves_no_orphans(
     env = stack_env(models_dir, tmp_path / "state", host="uphost")
     env.pop("GGUFQ_REDIS_URL", None)
     with _up({**env, "GGUFQ_REDIS_URL": ""}) as proc:
-        _wait_up(proc)
+        up = _wait_up(proc)
+        # its private Redis has a password, which is masked wherever it is printed, and
+        # the runtime file that holds it is its user's only
+        assert ":****@127.0.0.1:" in up
+        runtime = tmp_path / "state" / "stack.json"
+        assert runtime.stat().st_mode & 0o777 == 0o600
+        url = json.loads(runtime.read_text())["redis_url"]
+        anonymous = redis.Redis(port=int(url.rsplit(":", 1)[1].split("/")[0]))
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+        anonymous.close()
+        config = ggufq("config", env={**env, "GGUFQ_REDIS_URL": url})
+        assert url not in config.stdout and ":****@" in config.stdout
         children = _descendants(proc.pid)
         names = {Path(f"/proc/{c}/cmdline").read_text().replace("\0", " ") for c in children}
         assert any("redis-server" in n for n in names)  # the private Redis

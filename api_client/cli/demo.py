@@ -15,7 +15,7 @@ from api_client.client import Client
 from scheduler.errors import GgufqError, StackNotRunning
 from scheduler.gguf.registry import DEMO_MODEL, demo_installed
 from scheduler.local.stack import LocalStack
-from scheduler.settings import get_settings
+from scheduler.settings import get_settings, masked
 from scheduler.store.connection import resolve_redis_url
 
 STREAMED_PROMPT = "Q: Why is the sky blue?\nA: The sky is blue because"
@@ -70,7 +70,7 @@ def run_demo(prompts_file: Path | None = None) -> int:
         f"(logs in {log_dir}) ..."
     )
     with LocalStack(settings, log_dir=log_dir) as stack:
-        console.print(f"Stack ready on {stack.redis_url}.")
+        console.print(f"Stack ready on {masked(stack.redis_url)}.")
         code = _run(console, prompts, stack.redis_url)
         console.print("Shutting down ...")
     console.print("Done.")

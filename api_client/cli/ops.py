@@ -24,7 +24,7 @@ from scheduler.local.flower import run_flower
 from scheduler.local.stack import LocalStack
 from scheduler.placement.process import main as placement_main
 from scheduler.protocol import RunnerConfig
-from scheduler.settings import describe, get_settings
+from scheduler.settings import describe, get_settings, masked
 from scheduler.units import format_bytes
 
 
@@ -40,7 +40,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if not args.no_http:
         stack.add_process("gateway", "api_client.gateway")
         where = f"; HTTP gateway on http://{settings.http_host}:{settings.http_port}"
-    print(f"ggufq is up: Redis {stack.redis_url}{where}; Ctrl-C stops it", flush=True)
+    print(f"ggufq is up: Redis {masked(stack.redis_url)}{where}; Ctrl-C stops it", flush=True)
     try:
         while not stop.wait(0.5):
             if not stack.alive():

@@ -7,6 +7,7 @@ their work. Children die with this process (no orphans) and stop in order on SIG
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -59,8 +60,13 @@ class LocalStack:
             nice = self.settings.helper_nice
             if not self.redis_url:
                 state = Path(self.settings.state_dir).expanduser()
+                # a password of its own each start: another user of this host cannot reach
+                # it; ggufq's commands read the URL from the runtime file (owner-only)
                 self.redis = EmbeddedRedis(
-                    state / "redis", nice=nice, maxmemory=self.settings.redis_maxmemory
+                    state / "redis",
+                    nice=nice,
+                    maxmemory=self.settings.redis_maxmemory,
+                    password=secrets.token_urlsafe(24),
                 )
                 self.redis_url = self.redis.start()
                 write_runtime(self.settings, self.redis_url)

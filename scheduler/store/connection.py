@@ -40,9 +40,14 @@ def runtime_file(settings: Settings) -> Path:
 
 
 def write_runtime(settings: Settings, redis_url: str) -> None:
+    """Where the local stack's Redis is, for every command of this host's user: readable by
+    that user only (the URL holds the Redis password)."""
     path = runtime_file(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"redis_url": redis_url, "pid": os.getpid()}))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file kept its mode
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"redis_url": redis_url, "pid": os.getpid()}))
 
 
 def clear_runtime(settings: Settings) -> None:
