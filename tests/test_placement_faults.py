@@ -127,6 +127,16 @@ def test_a_parked_record_that_does_not_parse_ends_when_its_job_is_cancelled(
     assert service.parked.ids() == [] and db.hlen(keys.IN_HAND) == 0
 
 
+def test_a_name_that_is_no_model_is_refused_and_not_counted_as_demand(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    for n in range(3):  # any number of made-up names: the demand table does not grow
+        job = JobRequest(model=f"made-up-{n}", prompt="hi").model_dump(mode="json")
+        assert service.place(job)["refused"] == "model_not_found"
+    service.place(JobRequest(model="tiny", prompt="hi").model_dump(mode="json"))
+    assert db.hkeys(keys.DEMAND) == [b"tiny"]
+
+
 def test_a_message_that_is_not_a_job_is_refused_not_fatal(
     service: PlacementService, db: redis.Redis
 ) -> None:

@@ -20,7 +20,14 @@ import redis
 from celery import Celery
 
 from scheduler.cluster import Snapshot
-from scheduler.errors import GgufqError, JobCancelled, JobFailed, NoWorkers, error_from_code
+from scheduler.errors import (
+    GgufqError,
+    JobCancelled,
+    JobFailed,
+    ModelNotFound,
+    NoWorkers,
+    error_from_code,
+)
 from scheduler.fairness import FairPasses
 from scheduler.gguf.estimate import choose_num_ctx
 from scheduler.gguf.registry import Registry
@@ -142,7 +149,8 @@ class PlacementService:
         # eviction order uses it: decision branch 10), its hops, its route (the fast path)
         with contextlib.suppress(redis.RedisError):
             pipe = self.r.pipeline(transaction=False)
-            self.state.count_request(req.model, time.time(), pipe)
+            if outcome.get("refused") != ModelNotFound.code:  # a name that is no model
+                self.state.count_request(req.model, time.time(), pipe)  # is not its demand
             note_hops(pipe, req.id, self.settings.stream_ttl_s, hops)
             if sent and self.settings.fast_path:
                 publish_route(pipe, req, route)
