@@ -211,6 +211,18 @@ class Settings(BaseSettings):
         ge=1024,
         description="The largest request body the gateway reads (413 past it).",
     )
+    http_max_keep_alive_s: float = Field(
+        3600.0,
+        gt=0,
+        description="The longest keep_alive a non-admin API key may ask for; such a key may "
+        "not pin (keep_alive < 0) or unload (0) models either.",
+    )
+    http_max_context: int = Field(
+        32768,
+        ge=4,
+        description="num_ctx x num_parallel a non-admin API key may ask for at most (a key's "
+        "own max_context overrides it): a larger runner would evict other tenants' models.",
+    )
     http_keepalive_s: float = Field(
         5.0,
         gt=0,

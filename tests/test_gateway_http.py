@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ollama
 import openai
 import pytest
 import redis
@@ -18,10 +19,12 @@ import redis
 from api_client import Client, JobCancelled
 from api_client.gateway import make_app
 from api_client.gateway.core import Gateway
-from api_client.gateway.keys import KeyStore
+from api_client.gateway.errors import RateLimited
+from api_client.gateway.keys import KeyStore, Limiter
 from api_client.job import Job
 from scheduler.local.stack import LocalStack
 from scheduler.protocol import JobRequest
+from scheduler.store import keys
 from tests.conftest import ggufq, stack_env
 from tests.gateway_server import running_gateway, serving
 from tests.tinymodel import write_slow_model
@@ -123,6 +126,39 @@ def test_keys_are_required_when_asked_for(keyed: str, r: redis.Redis) -> None:
     assert gone.status_code == 401
 
 
+def test_a_keys_scope_listings_ceilings_and_admin(keyed: str, r: redis.Redis, slow: str) -> None:
+    """A key sees only its models in every listing; only an admin key unloads or pins a
+    model, or asks for more context than its ceiling; no answer names a file path."""
+    _key, token = KeyStore(r).create("scoped", models=["tiny"])
+    _admin, admin_token = KeyStore(r).create("ops", admin=True)
+    with ollama.Client(host=keyed, headers={"Authorization": f"Bearer {token}"}) as api:
+        assert [m.model for m in api.list().models] == ["tiny"]
+        assert {m.model for m in api.ps().models} <= {"tiny"}
+        for refused_call, reason in (
+            (lambda: api.generate(model="tiny", prompt="", keep_alive=0), "may not unload"),
+            (lambda: api.generate(model="tiny", prompt="hi", keep_alive=-1), "for ever"),
+            (lambda: api.generate(model="tiny", prompt="hi", keep_alive="2h"), "3600 s"),
+            (
+                lambda: api.generate(model="tiny", prompt="hi", options={"num_ctx": 65536}),
+                "at most 32,768",
+            ),
+        ):
+            with pytest.raises(ollama.ResponseError) as refused:
+                refused_call()
+            assert refused.value.status_code == 403 and reason in refused.value.error
+        with pytest.raises(ollama.ResponseError) as missing:
+            api.show("nosuchmodel")
+        assert "/" not in missing.value.error.replace("GET /api/tags", "")
+        assert "FROM tiny.gguf" in (api.show("tiny").modelfile or "")
+    with openai.OpenAI(base_url=f"{keyed}/v1", api_key=token, max_retries=0) as api:
+        assert [m.id for m in api.models.list()] == ["tiny"]
+        with pytest.raises(openai.NotFoundError):
+            api.models.retrieve(slow)
+    with ollama.Client(host=keyed, headers={"Authorization": f"Bearer {admin_token}"}) as api:
+        assert slow in [m.model for m in api.list().models]
+        assert api.generate(model="tiny", prompt="", keep_alive=0).done_reason == "unload"
+
+
 def test_requests_per_minute_and_in_flight(keyed: str, r: redis.Redis, slow: str) -> None:
     _key, token = KeyStore(r).create("rpm", rpm=2)
     with openai.OpenAI(base_url=f"{keyed}/v1", api_key=token, max_retries=0) as api:
@@ -141,6 +177,20 @@ def test_requests_per_minute_and_in_flight(keyed: str, r: redis.Redis, slow: str
         second = httpx.get(f"{keyed}/api/tags", headers=auth)
         assert second.status_code == 429 and second.headers["retry-after"] == "1"
     assert httpx.get(f"{keyed}/api/tags", headers=auth).status_code == 200
+
+
+def test_a_dead_gateways_requests_stop_counting_against_their_key(r: redis.Redis) -> None:
+    key, _token = KeyStore(r).create("two gateways", max_in_flight=1)
+    first, second = Limiter(r, "gw-first"), Limiter(r, "gw-second")
+    first.beat()
+    second.beat()
+    assert first.admit(key, time.time()) is not None  # a request in flight on the first
+    with pytest.raises(RateLimited):
+        second.admit(key, time.time())  # the first is alive: its request counts
+    r.delete(keys.gateway_beat("gw-first"))  # it was killed: its beat lapses
+    ticket = second.admit(key, time.time())
+    assert ticket is not None and ticket.startswith("gw-second:")
+    second.done(key, ticket)
 
 
 def test_a_keys_id_is_the_tenant_of_its_jobs_and_its_weight_their_share(

@@ -29,13 +29,26 @@ def add_keys_commands(p: argparse.ArgumentParser) -> None:
         dest="models",
         help="a model the key may use (repeatable; none given: every model)",
     )
-    create.add_argument("--max-in-flight", type=int, default=0, help="requests at once (0: any)")
+    create.add_argument(
+        "--max-in-flight", type=int, default=32, help="requests at once (32; 0: any number)"
+    )
     create.add_argument("--rpm", type=int, default=0, help="requests per minute (0: any)")
     create.add_argument(
         "--weight",
         type=float,
         default=1.0,
         help="its share while other keys' jobs wait too (2: twice the turns of a key of 1)",
+    )
+    create.add_argument(
+        "--admin",
+        action="store_true",
+        help="may unload and pin models (keep_alive 0 or < 0) and ask past the ceilings",
+    )
+    create.add_argument(
+        "--max-context",
+        type=int,
+        default=0,
+        help="num_ctx x num_parallel at most (0: GGUFQ_HTTP_MAX_CONTEXT)",
     )
     create.set_defaults(func=cmd_keys_create)
     listing = sub.add_parser("list", help="list the keys (never their tokens)")
@@ -52,7 +65,15 @@ def _store() -> KeyStore:
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
     store = _store()
-    key, token = store.create(args.name, args.models, args.max_in_flight, args.rpm, args.weight)
+    key, token = store.create(
+        args.name,
+        args.models,
+        args.max_in_flight,
+        args.rpm,
+        args.weight,
+        admin=args.admin,
+        max_context=args.max_context,
+    )
     print(f"created key {key.id}; its token (shown once, keep it secret):")
     print(token)
     return 0
@@ -71,11 +92,12 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
             str(k.max_in_flight or "-"),
             str(k.rpm or "-"),
             f"{k.weight:g}",
+            "admin" if k.admin else "-",
             time.strftime("%Y-%m-%d %H:%M", time.localtime(k.created_at)),
         )
         for k in keys
     ]
-    print_table(["ID", "NAME", "MODELS", "IN FLIGHT", "RPM", "WEIGHT", "CREATED"], rows)
+    print_table(["ID", "NAME", "MODELS", "IN FLIGHT", "RPM", "WEIGHT", "SCOPE", "CREATED"], rows)
     return 0
 
 

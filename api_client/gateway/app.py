@@ -8,6 +8,7 @@ keys and their limits, and counts every request for the metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +27,7 @@ from api_client.gateway import ollama, openai_api
 from api_client.gateway.core import Caller, Gateway
 from api_client.gateway.edge import EdgeRules, split_list, too_large
 from api_client.gateway.errors import headers_for, http_error, ollama_body, openai_body
-from api_client.gateway.keys import ApiKey, KeyStore, Limiter, bearer_token
+from api_client.gateway.keys import GATEWAY_BEAT_S, ApiKey, KeyStore, Limiter, bearer_token
 from api_client.gateway.metrics import GatewayMetrics
 from scheduler.errors import GgufqError
 from scheduler.settings import Settings
@@ -98,12 +99,14 @@ class Guard:
         require_keys: bool,
         metrics: GatewayMetrics,
         rules: EdgeRules,
+        limiter: Limiter | None,
     ) -> None:
         self.app = app
         self.gateway = gateway
         self.require_keys = require_keys
         self.metrics = metrics
         self.rules = rules
+        self.limiter = limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -142,25 +145,34 @@ class Guard:
         except GgufqError as exc:
             await error_response(scope["path"], exc)(scope, receive, counted)
         finally:
-            if ticket is not None and key is not None:
-                await asyncio.to_thread(self._limiter().done, key, ticket)
+            if ticket is not None and key is not None and self.limiter is not None:
+                await asyncio.to_thread(self.limiter.done, key, ticket)
             route = scope.get("route")
             label = getattr(route, "path", "other")
             self.metrics.observe(label, seen["status"], key.id if key else "", seen["ttfb"])
 
-    def _limiter(self) -> Limiter:
-        return Limiter(self.gateway.client.sync.r)
-
     async def _admit(self, scope: Scope) -> tuple[ApiKey, str | None]:
         headers = dict(scope["headers"])
         token = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
-        r = self.gateway.client.sync.r
+        r, limiter = self.gateway.client.sync.r, self.limiter
+        assert limiter is not None  # made where keys are required
 
         def admit() -> tuple[ApiKey, str | None]:
             key = KeyStore(r).lookup(token)
-            return key, Limiter(r).admit(key, time.time())
+            return key, limiter.admit(key, time.time())
 
         return await asyncio.to_thread(admit)
+
+
+async def _beat(limiter: Limiter) -> None:
+    """Say this gateway process is alive, so that its requests in flight count against
+    their keys' limits (and stop counting soon after it dies)."""
+    while True:
+        await asyncio.sleep(GATEWAY_BEAT_S)
+        try:
+            await asyncio.to_thread(limiter.beat)
+        except Exception as exc:  # Redis away: the next beat tries again
+            log.warning("the gateway's beat failed: %s", exc)
 
 
 def make_app(
@@ -171,10 +183,20 @@ def make_app(
     cluster = client or AsyncClient(settings=settings, timeout=settings.http_timeout_s)
     gateway = Gateway(cluster, settings)
     counters = GatewayMetrics()
+    limiter = Limiter(cluster.sync.r) if require_keys else None
 
     @asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        beating = None
+        if limiter is not None:
+            with contextlib.suppress(Exception):  # alive before the first request is admitted
+                await asyncio.to_thread(limiter.beat)
+            beating = asyncio.create_task(_beat(limiter))
         yield
+        if beating is not None:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
         if own:
             await cluster.close()
 
@@ -202,6 +224,7 @@ def make_app(
                 require_keys=require_keys,
                 metrics=counters,
                 rules=edge_rules(settings, require_keys),
+                limiter=limiter,
             )
         ],
         exception_handlers={GgufqError: ggufq_error, Exception: unexpected},

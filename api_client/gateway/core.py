@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api_client.aio import AsyncClient, AsyncJob
+from api_client.gateway.errors import NotPermitted
 from api_client.gateway.keys import ApiKey
 from api_client.gateway.streaming import Encode, JobStreamResponse, or_cancel_on_disconnect
 from scheduler.errors import GgufqError, InvalidModelFile, InvalidRequest, ModelNotFound
@@ -25,6 +26,7 @@ from scheduler.protocol import (
     describe_validation_error,
 )
 from scheduler.settings import Settings
+from scheduler.units import parse_duration_s
 
 Format = Literal["json"] | dict[str, Any] | None
 Endpoint = Callable[[Request], Awaitable[Any]]
@@ -76,6 +78,50 @@ class Caller:
     def check_model(self, model: str) -> None:
         if self.key is not None:
             self.key.check_model(model)
+
+    def may_use(self, model: str) -> bool:
+        """Whether listings show ``model`` to this caller (its key's allow-list)."""
+        return self.key is None or not self.key.models or model in self.key.models
+
+    def check_admin(self, what: str) -> None:
+        """Only an admin key (or no key: a keyless gateway) may do ``what``."""
+        if self.key is not None and not self.key.admin:
+            raise NotPermitted(
+                f"API key {self.key.id!r} may not {what}: that disturbs every tenant, and "
+                "needs an admin key (`ggufq keys create --admin`)"
+            )
+
+    def check_job(
+        self, options: dict[str, Any], keep_alive: str | float | None, settings: Settings
+    ) -> None:
+        """A non-admin key's job within its ceilings: no pin or unload by keep_alive, at
+        most GGUFQ_HTTP_MAX_KEEP_ALIVE_S, and num_ctx x num_parallel at most its
+        max_context (GGUFQ_HTTP_MAX_CONTEXT)."""
+        if self.key is None or self.key.admin:
+            return
+        if keep_alive is not None:
+            try:
+                seconds = parse_duration_s(keep_alive)
+            except ValueError as exc:
+                raise InvalidRequest(f"keep_alive: {exc}") from None
+            if seconds < 0:
+                self.check_admin("keep a model loaded for ever (keep_alive < 0)")
+            if seconds == 0:
+                self.check_admin("unload a model (keep_alive 0)")
+            if seconds > settings.http_max_keep_alive_s:
+                raise NotPermitted(
+                    f"keep_alive {keep_alive!r} is longer than API key {self.key.id!r} may ask "
+                    f"for ({settings.http_max_keep_alive_s:g} s, GGUFQ_HTTP_MAX_KEEP_ALIVE_S)"
+                )
+        ctx = int(options.get("num_ctx") or settings.num_ctx)
+        slots = int(options.get("num_parallel") or 1)
+        limit = self.key.max_context or settings.http_max_context
+        if ctx * slots > limit:
+            raise NotPermitted(
+                f"num_ctx {ctx} x num_parallel {slots} is {ctx * slots:,} tokens; API key "
+                f"{self.key.id!r} may ask for at most {limit:,} (a larger runner evicts other "
+                "tenants' models): ask for less, or use a key with a larger max_context"
+            )
 
 
 def caller_of(request: Request) -> Caller:
@@ -152,6 +198,7 @@ class Gateway:
         extra: dict[str, Any] | None = None,
     ) -> AsyncJob:
         caller.check_model(model)
+        caller.check_job(options or {}, keep_alive, self.settings)
         return await self.client.submit(
             model,
             prompt,
@@ -216,6 +263,7 @@ class Gateway:
 
     async def unload(self, caller: Caller, model: str) -> None:
         caller.check_model(model)
+        caller.check_admin(f"unload model {model!r}")
         if self.registry.names():  # a host without the models answers for none of them
             self.registry.resolve(model)
         await self.client.unload(model)

@@ -9,6 +9,7 @@ in-stream (an NDJSON line, an SSE ``error`` event), as each API does.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from scheduler.errors import (
@@ -53,6 +54,12 @@ class RateLimited(GgufqError):
         self.retry_after_s = retry_after_s
 
 
+class NotPermitted(GgufqError):
+    """The API key may not do this (it needs an admin key, or asks past its ceilings)."""
+
+    code = "permission_denied"
+
+
 class BadOrigin(GgufqError):
     """The request came by a name or from a page this gateway does not trust."""
 
@@ -89,6 +96,7 @@ _STATUS: list[tuple[type[GgufqError], HttpError]] = [
     (Unauthorized, HttpError(401)),
     (Forbidden, HttpError(403)),
     (BadOrigin, HttpError(403)),
+    (NotPermitted, HttpError(403)),
     (RequestTooLarge, HttpError(413)),
     (UnsupportedMediaType, HttpError(415)),
     (NotSupported, HttpError(501)),
@@ -131,10 +139,22 @@ def headers_for(answer: HttpError) -> dict[str, str]:
     return {} if answer.retry_after_s is None else {"Retry-After": str(answer.retry_after_s)}
 
 
+# an absolute path in a message (after a space, a quote or a parenthesis): the server's
+# files are nobody's business over HTTP
+_PATH = re.compile(r"(?<![\w:/.])/(?:[^\s'\"():;,/]+/)*([^\s'\"():;,/]*)")
+
+
+def public(message: str) -> str:
+    """``message`` fit to send to a client: absolute paths cut to their last part
+    ("/srv/models/tiny.gguf" is "tiny.gguf", "/srv/models" is "models")."""
+    return _PATH.sub(lambda m: m.group(1) or "/", message)
+
+
 def ollama_body(exc: GgufqError) -> dict[str, str]:
-    return {"error": str(exc)}
+    return {"error": public(str(exc))}
 
 
 def openai_body(exc: GgufqError, status: int) -> dict[str, dict[str, str | None]]:
     kind = _OPENAI_TYPE.get(status, "server_error")
-    return {"error": {"message": str(exc), "type": kind, "param": None, "code": exc.code}}
+    message = public(str(exc))
+    return {"error": {"message": message, "type": kind, "param": None, "code": exc.code}}

@@ -17,6 +17,7 @@ import secrets
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import redis
 
@@ -24,7 +25,9 @@ from api_client.gateway.errors import Forbidden, RateLimited, Unauthorized
 from scheduler.errors import InvalidRequest
 from scheduler.store import keys as names
 
-STALE_IN_FLIGHT_S = 3600.0  # a request a dead gateway never ended stops counting after this
+STALE_IN_FLIGHT_S = 3600.0  # a request that never ended stops counting after this, at worst
+GATEWAY_BEAT_S = 5.0  # a gateway process says it is alive this often
+GATEWAY_TTL_S = 15  # ... and is taken for dead (its requests in flight too) this long after
 PREFIX = "ggufq-"
 
 
@@ -37,6 +40,8 @@ class ApiKey:
     rpm: int = 0  # requests per minute; 0: no limit
     created_at: float = 0.0
     weight: float = 1.0  # its share of the cluster against other keys' while jobs wait
+    admin: bool = False  # may unload and pin models, and ask for large contexts
+    max_context: int = 0  # num_ctx x num_parallel at most (0: GGUFQ_HTTP_MAX_CONTEXT)
 
     def check_model(self, model: str) -> None:
         if self.models and model not in self.models:
@@ -67,16 +72,27 @@ class KeyStore:
         max_in_flight: int = 0,
         rpm: int = 0,
         weight: float = 1.0,
+        admin: bool = False,
+        max_context: int = 0,
     ) -> tuple[ApiKey, str]:
         """A new key and its token (shown once: only its hash is stored)."""
-        if max_in_flight < 0 or rpm < 0:
+        if max_in_flight < 0 or rpm < 0 or max_context < 0:
             raise InvalidRequest(
-                f"limits must be 0 (none) or positive; got max_in_flight={max_in_flight}, rpm={rpm}"
+                f"limits must be 0 (none) or positive; got max_in_flight={max_in_flight}, "
+                f"rpm={rpm}, max_context={max_context}"
             )
         if not 0 < weight <= 1000:
             raise InvalidRequest(f"weight must be above 0 and at most 1000; got {weight}")
         key = ApiKey(
-            uuid.uuid4().hex[:12], name, list(models or []), max_in_flight, rpm, time.time(), weight
+            uuid.uuid4().hex[:12],
+            name,
+            list(models or []),
+            max_in_flight,
+            rpm,
+            time.time(),
+            weight,
+            admin,
+            max_context,
         )
         token = f"{PREFIX}{key.id}-{secrets.token_urlsafe(32)}"
         digest = _digest(token)
@@ -117,10 +133,20 @@ class KeyStore:
 
 
 class Limiter:
-    """Per-key requests per minute and jobs in flight, shared by every gateway via Redis."""
+    """Per-key requests per minute and jobs in flight, shared by every gateway via Redis.
 
-    def __init__(self, r: redis.Redis) -> None:
+    A request in flight is a ticket named by its gateway process (``<gateway>:<uuid>``), and
+    each gateway process beats (:meth:`beat`): when a key is at its limit, the tickets of
+    gateways that stopped beating (killed, or gone in a deploy) are dropped before the
+    request is refused, so a dead gateway's requests stop counting within GATEWAY_TTL_S."""
+
+    def __init__(self, r: redis.Redis, gateway_id: str = "") -> None:
         self.r = r
+        self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
+
+    def beat(self) -> None:
+        """This gateway process is alive (call every GATEWAY_BEAT_S)."""
+        self.r.set(names.gateway_beat(self.gateway_id), 1, ex=GATEWAY_TTL_S)
 
     def admit(self, key: ApiKey, now: float) -> str | None:
         """Count one request against the key's limits; the ticket to :meth:`done`, or None
@@ -129,7 +155,7 @@ class Limiter:
             self._per_minute(key, now)
         if not key.max_in_flight:
             return None
-        ticket = uuid.uuid4().hex
+        ticket = f"{self.gateway_id}:{uuid.uuid4().hex}"
         name = names.api_key_in_flight(key.id)
         pipe = self.r.pipeline()
         pipe.zremrangebyscore(name, "-inf", now - STALE_IN_FLIGHT_S)
@@ -138,6 +164,8 @@ class Limiter:
         pipe.expire(name, int(STALE_IN_FLIGHT_S))
         count = pipe.execute()[2]
         if count > key.max_in_flight:
+            count -= self._drop_the_dead(name)
+        if count > key.max_in_flight:
             self.r.zrem(name, ticket)
             raise RateLimited(
                 f"API key {key.id!r} has {key.max_in_flight} requests in flight, its most; "
@@ -145,6 +173,17 @@ class Limiter:
                 retry_after_s=1,
             )
         return ticket
+
+    def _drop_the_dead(self, name: str) -> int:
+        """Drop the tickets of gateway processes that stopped beating; how many went."""
+        tickets = [_text(t) for t in cast(list[bytes], self.r.zrange(name, 0, -1))]
+        gateways = sorted({t.split(":", 1)[0] for t in tickets if ":" in t})
+        if not gateways:
+            return 0
+        alive = self.r.mget([names.gateway_beat(g) for g in gateways])
+        dead = {g for g, beat in zip(gateways, alive, strict=True) if beat is None}
+        gone = [t for t in tickets if t.split(":", 1)[0] in dead]
+        return int(self.r.zrem(name, *gone)) if gone else 0
 
     def done(self, key: ApiKey, ticket: str | None) -> None:
         if ticket is not None:

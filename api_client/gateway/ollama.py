@@ -231,16 +231,16 @@ async def embeddings(request: Request) -> dict[str, Any]:
 
 @router.add("/api/tags", "GET")
 async def tags(request: Request) -> dict[str, Any]:
-    registry = gateway_of(request).registry
+    registry, caller = gateway_of(request).registry, caller_of(request)
     entries = await asyncio.to_thread(usable, registry)
-    return {"models": [tag(e) for e in entries]}
+    return {"models": [tag(e) for e in entries if caller.may_use(e.name)]}
 
 
 @router.add("/api/ps", "GET")
 async def ps(request: Request) -> dict[str, Any]:
-    runners = await gateway_of(request).client.ps()
+    runners, caller = await gateway_of(request).client.ps(), caller_of(request)
     now = time.time()
-    return {"models": [running(r, now) for r in runners]}
+    return {"models": [running(r, now) for r in runners if caller.may_use(r.model)]}
 
 
 @router.add("/api/show", "POST")
@@ -256,8 +256,10 @@ async def pull(request: Request) -> Response:
     """Tools pull before they use a model: one that is there needs no pull."""
     body = await json_body(request)
     name = body.get("model") or body.get("name") if isinstance(body, dict) else None
-    model = model_name(name)
-    names = await asyncio.to_thread(gateway_of(request).registry.names)
+    model, caller = model_name(name), caller_of(request)
+    names = [
+        n for n in await asyncio.to_thread(gateway_of(request).registry.names) if caller.may_use(n)
+    ]
     if model not in names:
         raise ModelNotFound(
             f"model {model!r} cannot be pulled: ggufq serves the GGUF files in "

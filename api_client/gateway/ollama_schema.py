@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from api_client.gateway.errors import ollama_body
 from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.protocol import GenerateResponse
 from scheduler.units import parse_duration_s
@@ -180,7 +181,7 @@ def line(record: dict[str, Any]) -> bytes:
 
 
 def error_line(exc: GgufqError) -> bytes:
-    return line({"error": str(exc)})
+    return line(ollama_body(exc))
 
 
 def shorten(vectors: list[list[float]], dimensions: int | None) -> list[list[float]]:

@@ -161,8 +161,11 @@ async def embeddings(request: Request) -> dict[str, Any]:
 
 @router.add("/models", "GET")
 async def models(request: Request) -> dict[str, Any]:
-    entries = await asyncio.to_thread(usable, gateway_of(request).registry)
-    return {"object": "list", "data": [openai_model(e) for e in entries]}
+    entries, caller = (
+        await asyncio.to_thread(usable, gateway_of(request).registry),
+        caller_of(request),
+    )
+    return {"object": "list", "data": [openai_model(e) for e in entries if caller.may_use(e.name)]}
 
 
 @router.add("/models/{model}", "GET")
@@ -170,6 +173,6 @@ async def model(request: Request) -> dict[str, Any]:
     model = request.path_params["model"]
     name = model_name(model)
     for entry in await asyncio.to_thread(usable, gateway_of(request).registry):
-        if entry.name == name:
+        if entry.name == name and caller_of(request).may_use(name):
             return openai_model(entry)
     raise ModelNotFound(f"model {model!r} not found; GET /v1/models lists the available ones")

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from api_client.gateway.errors import openai_body
 from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.protocol import GenerateResponse
 
@@ -195,8 +196,7 @@ KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: every client skips it
 
 
 def error_event(exc: GgufqError) -> bytes:
-    body = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": exc.code}}
-    return b"event: error\n" + event(body)
+    return b"event: error\n" + event(openai_body(exc, 500))
 
 
 def vector(values: list[float], encoding: str) -> list[float] | str:

@@ -156,3 +156,7 @@ def api_key_in_flight(key_id: str) -> str:
 
 def api_key_minute(key_id: str, minute: int) -> str:
     return f"{PREFIX}:apikey:{key_id}:rpm:{minute}"  # counter: the key's requests that minute
+
+
+def gateway_beat(gateway_id: str) -> str:
+    return f"{PREFIX}:gateway:{gateway_id}"  # string with a TTL: that gateway process is alive
