@@ -105,6 +105,11 @@ class Settings(BaseSettings):
         le=65535,
         description="Each placement service serves Prometheus metrics on this port; 0 = off.",
     )
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="Where placement's metrics listen: loopback by default (they name every "
+        "model, device and tenant); 0.0.0.0 in a container a Prometheus scrapes.",
+    )
     task_events: bool = Field(
         True,
         description="Send Celery task events, so that Flower shows each job and its live "

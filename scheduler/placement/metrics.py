@@ -16,7 +16,6 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler.placement.parking import ParkedJobs
 from scheduler.store import keys
 from scheduler.store.clock import redis_now
 from scheduler.store.readers import ClusterReader
@@ -85,10 +84,8 @@ class ClusterCollector(Collector):
         jobs = GaugeMetricFamily(
             "ggufq_jobs", "Jobs not ended, by state (parked, queued, running).", labels=["state"]
         )
-        states = Counter[str](row.state for row in self.state.sent_jobs())
-        states["parked"] = len(ParkedJobs(self.r).ids())
-        for state in ("parked", "queued", "running"):
-            jobs.add_metric([state], states.get(state, 0))
+        for state, count in self.state.job_counts().items():
+            jobs.add_metric([state], count)
         yield jobs
 
     def _counters(self) -> Iterator[Metric]:
@@ -104,12 +101,12 @@ class ClusterCollector(Collector):
         yield from families.values()
 
 
-def serve_metrics(client: redis.Redis, port: int, device_ttl_s: float) -> Any:
-    """Serve /metrics on ``port``; None (with a warning) when the port is taken."""
+def serve_metrics(client: redis.Redis, port: int, device_ttl_s: float, host: str) -> Any:
+    """Serve /metrics on ``host``:``port``; None (with a warning) when the port is taken."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ClusterCollector(client, device_ttl_s))
     try:
-        return start_http_server(port, registry=registry)
+        return start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
         log.warning("metrics not served: port %d: %s (set GGUFQ_METRICS_PORT)", port, exc)
         return None

@@ -47,7 +47,9 @@ class Liveness:
     def start(self) -> None:
         settings = self.service.settings
         if settings.metrics_port:
-            serve_metrics(self.service.r, settings.metrics_port, settings.device_ttl_s)
+            serve_metrics(
+                self.service.r, settings.metrics_port, settings.device_ttl_s, settings.metrics_host
+            )
         away = REDIS_AWAY  # else a Redis error (out of memory, read-only) is logged whole
         every = settings.heartbeat_interval_s
         start_loop("placement-alive", self._beat, self.stopping, self.health, every, away)

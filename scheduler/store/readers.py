@@ -44,6 +44,19 @@ class ClusterReader:
         views = (runner_view(i, decoded(h)) for i, h in zip(ids, pipe.execute(), strict=True))
         return [v for v in views if v is not None]
 
+    def job_counts(self) -> dict[str, int]:
+        """Jobs not ended, by state (parked, queued, running), from the sizes of their
+        keys: no record is read (a scrape must not parse every prompt in flight)."""
+        device_ids = sorted(text(d) for d in self.r.smembers(keys.DEVICES))
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zcard(keys.PARKED)
+        pipe.hlen(keys.RUNNING)
+        for device_id in device_ids:
+            pipe.hlen(keys.inflight(device_id))
+        parked, running, *sent = pipe.execute()
+        queued = max(0, sum(sent) - int(running))
+        return {"parked": int(parked), "queued": queued, "running": int(running)}
+
     def sent_jobs(self) -> list[JobView]:
         """Jobs sent to devices and not ended: running, or queued at their worker (with the
         position in their device's queue, in the order they were sent)."""
