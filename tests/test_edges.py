@@ -14,6 +14,7 @@ from scheduler.errors import GgufqError, InvalidRequest, RedisUnavailable, Serve
 from scheduler.local.embedded import free_port
 from scheduler.protocol import JobRequest, check_model_name, parse_request
 from scheduler.settings import Settings
+from tests.tinymodel import write_tiny_model
 
 
 def test_a_client_of_a_redis_that_does_not_answer_raises_a_typed_error(tmp_path: Path) -> None:
@@ -118,3 +119,16 @@ def test_a_flood_of_maximal_jobs_leaves_room_for_normal_ones(
     assert admitted and refused, (len(admitted), refused)
     assert all("left of its maxmemory" in reason for reason in refused)
     assert len(outcomes) == len(admitted), outcomes
+
+
+def test_a_chat_template_that_never_ends_fails_its_job_not_the_worker(
+    client: Client, models_dir: Path
+) -> None:
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    path = write_tiny_model(models_dir / "loops.gguf", chat_template=endless)
+    try:
+        with pytest.raises(InvalidRequest, match="chat template of model 'loops' did not finish"):
+            client.chat("loops", [{"role": "user", "content": "hi"}], options={"num_predict": 2})
+        assert client.generate("tiny", "hello", options={"num_predict": 2}).done  # serves on
+    finally:
+        path.unlink()

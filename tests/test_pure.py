@@ -223,6 +223,11 @@ def test_chat_rendering_fallback_bos_and_template_errors() -> None:
     )
     with pytest.raises(InvalidRequest, match="system first"):
         render(strict, turns, model="m")
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with pytest.raises(InvalidRequest, match="did not finish: it ran past 2,000,000 steps"):
+        render(endless, turns, model="m")
+    long_chat = [{"role": "user", "content": str(n)} for n in range(2000)]  # a real one runs
+    assert render("", long_chat).endswith("User: 1999\nAssistant:")
 
 
 def test_generation_progress_reported_at_most_once_a_second() -> None:

@@ -59,6 +59,7 @@ def write_tiny_model(
     sliding_window: int = 64,
     seed: int = 0,
     endless: bool = False,
+    chat_template: str = CHAT_TEMPLATE,
 ) -> Path:
     """A random-weight model of ``arch``: llama (GQA), qwen2 (QKV biases) or gemma3
     (sliding-window attention on 5 of every 6 layers, tied output, Q/K norms).
@@ -97,7 +98,7 @@ def write_tiny_model(
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    writer.add_chat_template(chat_template)
 
     def weight(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.2).astype(np.float32)

@@ -7,7 +7,12 @@ Jinja (as in Hugging Face tokenizers), run in a sandbox.
 from __future__ import annotations
 
 import datetime
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
+from types import FrameType
 from typing import Any
 
 from jinja2 import TemplateError
@@ -22,8 +27,51 @@ FALLBACK_TEMPLATE = (
 )
 
 
+MAX_TEMPLATE_STEPS = 2_000_000  # lines a template may run for one prompt
+MAX_TEMPLATE_S = 5.0  # seconds a template may take for one prompt
+_CHECK_EVERY = 10_000  # steps between looks at the clock
+
+
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+class TemplateTooLong(TemplateError):
+    """A template ran past its bound (a loop that does not end, by accident or design)."""
+
+
+@contextmanager
+def _bounded() -> Iterator[None]:
+    """Run a template in this thread with a bound on its steps and time: a template (it
+    comes with the model file) whose loops never end would hold the job, and its slot,
+    for good, deaf to its cancellation. Counts the lines run in the template's own code
+    ("<template>") with a trace function; another tracer (a coverage tool) goes on
+    everywhere else."""
+    before = sys.gettrace()
+    started, steps = time.monotonic(), 0
+
+    def in_template(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal steps
+        if event == "line":
+            steps += 1
+            if steps % _CHECK_EVERY == 0:
+                if steps > MAX_TEMPLATE_STEPS or time.monotonic() - started > MAX_TEMPLATE_S:
+                    raise TemplateTooLong(
+                        f"it ran past {MAX_TEMPLATE_STEPS:,} steps or {MAX_TEMPLATE_S:g} s "
+                        "(a loop that does not end)"
+                    )
+        return in_template
+
+    def calls(frame: FrameType, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename == "<template>":
+            return in_template
+        return before(frame, event, arg) if before is not None else None  # type: ignore[arg-type]
+
+    sys.settrace(calls)
+    try:
+        yield
+    finally:
+        sys.settrace(before)
 
 
 @lru_cache(maxsize=32)
@@ -46,12 +94,18 @@ def render(
     A leading BOS text is dropped: the runner adds BOS when tokenizing, as the model asks.
     """
     try:
-        prompt = _compile(template or FALLBACK_TEMPLATE).render(
-            messages=messages,
-            add_generation_prompt=True,
-            bos_token=bos_text,
-            eos_token=eos_text,
-        )
+        with _bounded():
+            prompt = _compile(template or FALLBACK_TEMPLATE).render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=bos_text,
+                eos_token=eos_text,
+            )
+    except TemplateTooLong as exc:
+        raise InvalidRequest(
+            f"the chat template of model {model!r} did not finish: {exc}; the model file's "
+            "template is broken: export the model again with a working one"
+        ) from None
     except TemplateError as exc:
         raise InvalidRequest(
             f"the chat template of model {model!r} refused these messages: {exc}; check the "
