@@ -28,9 +28,9 @@ from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Mess
 from scheduler.settings import Settings
 from scheduler.store.connection import connect_typed_async
 from scheduler.store.headroom import LOOK_FROM_BYTES, admit, refused_for_memory
+from scheduler.store.hub import Hub
 from scheduler.store.routes import AsyncFastPath
 from scheduler.store.streams import aread_chunks
-from scheduler.store.subscriptions import AsyncSubscriptions
 
 
 class AsyncJob:
@@ -69,9 +69,9 @@ class AsyncJob:
         done = False
         lease = self.job.reader_lease(cancel_on_close)
         try:
-            check = partial(asyncio.to_thread, self.job.check)
+            check = partial(self.job.acheck, self.client.r)
             chunks = aread_chunks(
-                self.client.r, self.id, wait, after, lease, check, self.client.subscriptions
+                self.client.r, self.id, wait, after, lease, check, self.client.hub
             )
             async for chunk in chunks:
                 self.job.first_read_at = self.job.first_read_at or time.time()
@@ -115,16 +115,14 @@ class AsyncJob:
         STREAM_END_LOOKS looks in a row found the stream ended and no result."""
         app, r = self.client.sync.app, self.client.r
         key = result_key(app, self.id)
-        pubsub = r.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(key)  # first, so a result stored after the GET still wakes us
+        sub = await self.client.hub.open(key)  # first: a result stored after the GET wakes us
         try:
             deadline = time.monotonic() + wait
             checked = time.monotonic()
             ends = StreamEnds(self.job)
             while not result_ready(app, await r.get(key)):
                 if time.monotonic() - checked > CHECK_EVERY_S:  # lost, or lost on the way?
-                    await asyncio.to_thread(self.job.check)
-                    end = await asyncio.to_thread(ends.look)
+                    end = await self.job.acheck(r, ends)
                     if end is not None:
                         return end
                     checked = time.monotonic()
@@ -134,10 +132,10 @@ class AsyncJob:
                         f"job {self.id} did not finish within {wait} s; it may still be queued "
                         "or running: await result() again, or check `ggufq ps`"
                     )
-                await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(left, 1.0))
+                await sub.get_message(timeout=min(left, 1.0))
             return None
         finally:
-            await pubsub.aclose()
+            await sub.aclose()
 
 
 class AsyncClient:
@@ -160,7 +158,7 @@ class AsyncClient:
         self.settings = self.sync.settings
         self.timeout = timeout
         self.r = connect_typed_async(self.redis_url)
-        self.subscriptions = AsyncSubscriptions(self.r)
+        self.hub = Hub(self.r)  # one pub/sub connection for all this client's waits
         fast = self.sync.fast
         self.fast = (
             None
@@ -169,7 +167,7 @@ class AsyncClient:
         )
 
     async def close(self) -> None:
-        await self.subscriptions.aclose()
+        await self.hub.aclose()
         await self.r.aclose()
         await asyncio.to_thread(self.sync.close)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol, cast
 
 import redis
+import redis.asyncio
 from celery import Celery
 from celery.result import AsyncResult
 
@@ -188,6 +190,13 @@ class Job:
             last = cast(Entries, self.client.r.xrevrange(keys.job_chunks(self.id), count=1))
         except redis.RedisError:
             return None  # Redis away: the next look tells
+        return self._end_of(last)
+
+    def _end_of(self, last: Entries) -> dict[str, Any] | None:
+        """The final chunk among the stream's last entry ``last``, if it is one (never for
+        an embedding: its vectors travel in its result only)."""
+        if self.request.kind == "embed":
+            return None
         try:
             chunk = json.loads(last[0][1][b"c"])
         except (ValueError, KeyError, TypeError, IndexError):
@@ -229,6 +238,32 @@ class Job:
         placement again when its message was lost on the way (Redis went away as placement
         took it off the queue), which placement would never see."""
         pipe = self.client.r.pipeline(transaction=False)
+        self._check_commands(pipe)
+        try:
+            known, placed, queued = pipe.execute()
+        except redis.RedisError:
+            return  # Redis away: the next check tells
+        if self._lost_on_the_way(known, placed, queued):
+            self._send_again()
+
+    async def acheck(
+        self, r: redis.asyncio.Redis, ends: StreamEnds | None = None
+    ) -> dict[str, Any] | None:
+        """:meth:`check` on redis.asyncio, in one round trip with a look at the stream's end
+        when ``ends`` is given: returns what ``ends`` makes of it (:meth:`StreamEnds.seen`)."""
+        pipe = r.pipeline(transaction=False)
+        self._check_commands(pipe)
+        if ends is not None:
+            pipe.xrevrange(keys.job_chunks(self.id), count=1)
+        try:
+            known, placed, queued, *last = await pipe.execute()
+        except redis.RedisError:
+            return None  # Redis away: the next check tells
+        if self._lost_on_the_way(known, placed, queued):
+            await asyncio.to_thread(self._send_again)
+        return ends.seen(self._end_of(last[0])) if ends is not None else None
+
+    def _check_commands(self, pipe: Any) -> None:
         # known while any of its records is there: a job running through a restart of
         # Redis without its data writes its stream and result again
         pipe.exists(
@@ -238,22 +273,22 @@ class Job:
         )
         pipe.exists(keys.job_placed(self.id))
         pipe.llen(keys.placement_queue(self.request.priority))
-        try:
-            known, placed, queued = pipe.execute()
-        except redis.RedisError:
-            return  # Redis away: the next check tells
+
+    def _lost_on_the_way(self, known: int, placed: int, queued: int) -> bool:
+        """Raise JobLost for a job Redis no longer knows; True when the job must be sent to
+        placement again (its message lost on the way)."""
         if not known:
             raise JobLost(
                 f"job {self.id} is gone: Redis no longer knows it (it was restarted without "
                 "its data, or the job's records expired); submit the job again"
             )
-        now = time.time()
         if placed or queued or not self.resend:
-            return
-        if now - max(self._sent_at, self.request.submitted_at) < RESEND_AFTER_S:
-            return
+            return False
+        return time.time() - max(self._sent_at, self.request.submitted_at) >= RESEND_AFTER_S
+
+    def _send_again(self) -> None:
         log.warning("job %s never reached placement (Redis went away?): sending it again", self.id)
-        self._sent_at = now
+        self._sent_at = time.time()
         try:
             self.client.place(self.request)
         except Exception as exc:  # the broker is away again: the next check tries again
@@ -280,6 +315,9 @@ class StreamEnds:
         self.looks = 0
 
     def look(self) -> dict[str, Any] | None:
-        end = self.job.stream_end()
+        return self.seen(self.job.stream_end())
+
+    def seen(self, end: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The final chunk once this is the STREAM_END_LOOKS-th look in a row to find it."""
         self.looks = self.looks + 1 if end is not None else 0
         return end if self.looks >= STREAM_END_LOOKS else None

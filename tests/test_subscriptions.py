@@ -14,8 +14,9 @@ import redis.asyncio
 
 from scheduler.local.embedded import EmbeddedRedis
 from scheduler.store import keys
+from scheduler.store.hub import Hub
 from scheduler.store.streams import aread_chunks, read_chunks
-from scheduler.store.subscriptions import AsyncSubscriptions, Subscriptions
+from scheduler.store.subscriptions import Subscriptions
 from workers.chunks import ChunkPublisher
 
 NAME = "subscriptions-test"  # the name of this test's connections, among the session's
@@ -152,43 +153,87 @@ def test_idle_connections_survive_a_restart_of_redis(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_async_readers_use_kept_connections_and_get_only_their_chunks(
+def pubsub_connections(client: redis.Redis) -> int:
+    return sum(
+        1 for c in client.client_list() if c.get("name") == NAME and "P" in c.get("flags", "")
+    )
+
+
+def test_async_readers_at_once_share_one_connection_and_get_only_their_chunks(
     redis_server: EmbeddedRedis, db: redis.Redis
 ) -> None:
-    for n in range(4):
-        finished_job(db, f"async-{n}", [f"w{n}"])
+    """50 readers waiting at once, two of them on the same job, one joining after the
+    channel was confirmed: one pub/sub connection, and each gets exactly its job's text."""
 
-    async def main() -> tuple[list[list[str]], int, int]:
+    async def main() -> tuple[dict[str, list[str]], int, int]:
         client = redis.asyncio.Redis(port=redis_server.port, db=1, client_name=NAME)
-        pool = AsyncSubscriptions(client)
+        hub = Hub(client)
         try:
 
             async def texts(job_id: str) -> list[str]:
-                chunks = aread_chunks(client, job_id, 20, subscriptions=pool)
+                chunks = aread_chunks(client, job_id, 20, subscriptions=hub)
                 return [c["response"] async for c in chunks]
 
-            got = [await texts("async-0")]
-            after_one = connections(db)
-            assert after_one >= 1
-            got += [await texts(f"async-{n}") for n in range(1, 4)]
-            # a connection given back carries nothing of its last channel
-            first = await pool.open(keys.job_channel("old"))
-            await client.publish(keys.job_channel("old"), "late")
-            await first.aclose()
-            second = await pool.open(keys.job_channel("new"))
-            message = await second.get_message(timeout=5)
-            assert message is not None and message["type"] == "subscribe"
-            assert message["channel"] == keys.job_channel("new").encode()
-            assert await second.get_message(timeout=0.2) is None
-            await second.aclose()
-            return got, after_one, connections(db)
+            ids = [f"hub-{n}" for n in range(49)] + ["hub-0"]
+            readers = [asyncio.create_task(texts(job_id)) for job_id in ids]
+            channels = [keys.job_channel(f"hub-{n}") for n in range(49)]
+            while not all(count for _, count in db.pubsub_numsub(*channels)):
+                await asyncio.sleep(0.01)
+            waiting = pubsub_connections(db)
+            late = asyncio.create_task(texts("hub-1"))  # after hub-1's confirmation
+            await asyncio.sleep(0.1)
+            for n in range(49):
+                finished_job(db, f"hub-{n}", [f"w{n}", "x"])
+            got = await asyncio.gather(*readers, late)
+            return dict(zip([*ids, "late"], got, strict=True)), waiting, hub.channels
         finally:
-            await pool.aclose()
+            await hub.aclose()
             await client.aclose()
 
-    got, after_one, after_all = asyncio.run(main())
-    assert got == [[f"w{n}", ""] for n in range(4)]
-    assert after_all == after_one  # no connection per job
+    got, waiting, left = asyncio.run(main())
+    assert waiting == 1  # 50 readers, one connection
+    assert got == {**{f"hub-{n}": [f"w{n}", "x", ""] for n in range(49)}, "late": ["w1", "x", ""]}
+    assert left == 0  # every channel let go
+
+
+def test_the_shared_connection_is_made_again_after_a_restart_of_redis(tmp_path: Path) -> None:
+    """Its readers get a new confirmation (they backfill from the record: what was
+    published meanwhile is not lost to them), then the messages published after."""
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+
+    async def main() -> list[tuple[str, bytes]]:
+        client = redis.asyncio.Redis.from_url(server.url, socket_timeout=5)
+        hub = Hub(client)
+        sync = redis.Redis.from_url(server.url)
+        try:
+            subs = [await hub.open(f"chan-{n}") for n in range(3)]
+            for sub in subs:
+                confirmed = await sub.get_message(timeout=5)
+                assert confirmed is not None and confirmed["type"] == "subscribe"
+            await asyncio.to_thread(server.stop)
+            await asyncio.to_thread(server.start)
+            got: list[tuple[str, bytes]] = []
+            for n, sub in enumerate(subs):
+                again = await sub.get_message(timeout=10)  # subscribed again
+                while not sync.pubsub_numsub(f"chan-{n}")[0][1]:
+                    await asyncio.sleep(0.01)
+                sync.publish(f"chan-{n}", f"after-{n}")
+                after = await sub.get_message(timeout=5)
+                assert again is not None and after is not None
+                got.append((again["type"], after["data"]))
+                await sub.aclose()
+            return got
+        finally:
+            await hub.aclose()
+            await client.aclose()
+            sync.close()
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        server.stop()
+    assert got == [("subscribe", f"after-{n}".encode()) for n in range(3)]
 
 
 def test_a_reader_gets_only_its_channels_messages_and_waits_its_whole_timeout(

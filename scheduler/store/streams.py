@@ -21,8 +21,9 @@ from scheduler.custody import JobState
 from scheduler.errors import ChunksLost, GgufqError, JobCancelled
 from scheduler.store import keys
 from scheduler.store.cancel import ReaderLease
+from scheduler.store.hub import Hub
 from scheduler.store.scripts import queue, script
-from scheduler.store.subscriptions import AsyncSubscriptions, Subscriptions
+from scheduler.store.subscriptions import Subscriptions
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 log = logging.getLogger(__name__)
@@ -270,8 +271,8 @@ async def aread_chunks(
     timeout_s: float | None,
     after_seq: int = 0,
     lease: ReaderLease | None = None,
-    on_quiet: Callable[[], Awaitable[None]] | None = None,
-    subscriptions: AsyncSubscriptions | None = None,
+    on_quiet: Callable[[], Awaitable[object]] | None = None,
+    subscriptions: Hub | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """:func:`read_chunks` on redis.asyncio: subscribe, backfill with XRANGE, then follow.
 

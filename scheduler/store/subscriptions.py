@@ -1,5 +1,6 @@
-"""Pub/sub connections for job readers, kept and used again: no connection is opened and
-closed per streamed job.
+"""Pub/sub connections for the job readers of a thread-based process (the Python client),
+kept and used again: no connection is opened and closed per streamed job. (An asyncio
+process shares one connection among all its readers: :mod:`scheduler.store.hub`.)
 
 A reader takes a :class:`Subscription` on its job's channel: an idle connection of the
 process when there is one, else a new one. It reads like a redis-py ``PubSub``
@@ -11,14 +12,12 @@ confirmed its unsubscription, so no message of one job reaches the next job's re
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 from typing import Any
 
 import redis
-import redis.asyncio
 
 Message = dict[str, Any]
 
@@ -170,97 +169,6 @@ def _unsubscribed(pubsub: Any, channel: bytes, wait_s: float) -> bool:
         deadline = time.monotonic() + wait_s
         while (left := deadline - time.monotonic()) > 0:
             message = pubsub.get_message(timeout=left)
-            if message is not None and message.get("type") == "unsubscribe":
-                return not pubsub.subscribed
-        return False
-    except (redis.RedisError, OSError, RuntimeError):
-        return False
-
-
-class AsyncSubscription:
-    """:class:`Subscription` on redis.asyncio."""
-
-    def __init__(self, pool: AsyncSubscriptions, pubsub: Any, channel: bytes, kept: bool) -> None:
-        self.pool, self.pubsub, self.channel = pool, pubsub, channel
-        self.kept = kept
-
-    async def get_message(self, timeout: float | None) -> Message | None:
-        """See :meth:`Subscription.get_message`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for _ in range(EARLY_TRIES):
-            message = await self._read(_left(deadline))
-            if _ours(message, self.channel) or _over(deadline):
-                return message
-        return None
-
-    async def _read(self, timeout: float | None) -> Message | None:
-        try:
-            message: Message | None = await self.pubsub.get_message(timeout=timeout)
-        except redis.ConnectionError:
-            if not self.kept:
-                raise
-            self.kept = False  # closed while idle: once, on a new connection
-            await self.pubsub.aclose()
-            self.pubsub = self.pool.client.pubsub()
-            await self.pubsub.subscribe(self.channel)
-            return None
-        if message is not None:
-            self.kept = False
-        return message
-
-    async def aclose(self) -> None:
-        await self.pool.give_back(self)
-
-
-class AsyncSubscriptions(_Idle):
-    """:class:`Subscriptions` of a redis.asyncio client (used from its event loop)."""
-
-    def __init__(self, client: redis.asyncio.Redis) -> None:
-        super().__init__()
-        self.client = client
-
-    async def open(self, channel: str) -> AsyncSubscription:
-        kept = self._take()
-        if kept is not None:
-            try:
-                await kept.subscribe(channel)
-                return AsyncSubscription(self, kept, channel.encode(), kept=True)
-            except BaseException as exc:  # closed, another loop's, or the task cancelled
-                with contextlib.suppress(Exception):
-                    await kept.aclose()
-                if not isinstance(exc, (redis.RedisError, OSError, RuntimeError)):
-                    raise
-        pubsub = self.client.pubsub()
-        try:
-            await pubsub.subscribe(channel)
-        except BaseException:
-            await pubsub.aclose()
-            raise
-        return AsyncSubscription(self, pubsub, channel.encode(), kept=False)
-
-    async def give_back(self, sub: AsyncSubscription) -> None:
-        pubsub = sub.pubsub
-        try:
-            wait_s = self.UNSUBSCRIBE_WAIT_S
-            clean = self._keeps() and await _aunsubscribed(pubsub, sub.channel, wait_s)
-        except BaseException:  # the reading task was cancelled meanwhile
-            await pubsub.aclose()
-            raise
-        if not (clean and self._keep(pubsub)):
-            await pubsub.aclose()
-
-    async def aclose(self) -> None:
-        for pubsub in self._let_go():
-            await pubsub.aclose()
-
-
-async def _aunsubscribed(pubsub: Any, channel: bytes, wait_s: float) -> bool:
-    """:func:`_unsubscribed` on redis.asyncio."""
-    try:
-        await pubsub.unsubscribe(channel)
-        deadline = time.monotonic() + wait_s
-        while (left := deadline - time.monotonic()) > 0:
-            message = await pubsub.get_message(timeout=left)
             if message is not None and message.get("type") == "unsubscribe":
                 return not pubsub.subscribed
         return False

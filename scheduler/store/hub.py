@@ -1,0 +1,169 @@
+"""One pub/sub connection for every reader of an asyncio process (the gateway's waiting
+requests, however many): readers subscribe through it, one task reads it and hands each
+message to the readers of its channel.
+
+A connection per waiting request made Redis connections grow with the clients (2,000
+streaming requests drove one gateway past redis-py's pool limit, and 10,000 across gateways
+would pass Redis's ``maxclients``). Here they stay one per process. A reader's
+:class:`Subscription` reads like a redis-py ``PubSub`` (``get_message(timeout)``,
+``aclose()``), so the stream reader follows it as it followed a connection of its own: its
+first message is its channel's ``subscribe`` confirmation (then the reader backfills from
+the stream's record), and after the connection was lost and made again each reader gets a
+confirmation again, so it backfills what it may have missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import redis
+import redis.asyncio
+
+log = logging.getLogger(__name__)
+Message = dict[str, Any]
+RETRY_S = (0.1, 0.25, 0.5, 1.0)  # waits between attempts to subscribe again after a loss
+
+
+class Subscription:
+    """One reader's subscription to one channel of the :class:`Hub`."""
+
+    def __init__(self, hub: Hub, channel: bytes) -> None:
+        self.hub, self.channel = hub, channel
+        self.queue: asyncio.Queue[Message] = asyncio.Queue()
+
+    async def get_message(self, timeout: float | None) -> Message | None:
+        """The next message of the channel, or None once ``timeout`` has passed."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout)
+        except TimeoutError:
+            return None
+
+    async def aclose(self) -> None:
+        await self.hub.leave(self)
+
+
+class Hub:
+    """The shared pub/sub connection of one redis.asyncio client (used from its loop)."""
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self.client = client
+        self._readers: dict[bytes, set[Subscription]] = {}
+        self._confirmed: set[bytes] = set()  # channels Redis confirmed on this connection
+        self._pubsub: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        # commands on the connection one at a time: redis-py's PubSub takes a connection
+        # from its pool on its first command, and commands sent at once would each take one
+        self._sending = asyncio.Lock()
+
+    @property
+    def channels(self) -> int:
+        return len(self._readers)
+
+    async def open(self, channel: str) -> Subscription:
+        """A subscription to ``channel``: its confirmation comes as its first message.
+        Raises redis.RedisError when Redis is away."""
+        name = channel.encode()
+        sub = Subscription(self, name)
+        readers = self._readers.setdefault(name, set())
+        readers.add(sub)
+        if name in self._confirmed:
+            sub.queue.put_nowait(_confirmation(name))
+        elif len(readers) == 1:
+            try:
+                async with self._sending:
+                    await self._connected().subscribe(name)
+            except BaseException:
+                readers.discard(sub)
+                if not readers:
+                    del self._readers[name]
+                raise
+        self._start()
+        return sub
+
+    async def leave(self, sub: Subscription) -> None:
+        readers = self._readers.get(sub.channel)
+        if readers is None or sub not in readers:
+            return
+        readers.discard(sub)
+        if readers:
+            return
+        del self._readers[sub.channel]
+        self._confirmed.discard(sub.channel)
+        if self._pubsub is not None:
+            # best effort: a channel left subscribed only costs its messages, dropped
+            with contextlib.suppress(redis.RedisError, OSError, RuntimeError):
+                async with self._sending:
+                    await self._pubsub.unsubscribe(sub.channel)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._pubsub is not None:
+            with contextlib.suppress(Exception):
+                await self._pubsub.aclose()
+
+    # -- the connection and its one reading task --------------------------------------------
+    def _connected(self) -> Any:
+        if self._pubsub is None:
+            self._pubsub = self.client.pubsub()
+        return self._pubsub
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._read(), name="ggufq-pubsub-hub")
+
+    async def _read(self) -> None:
+        failures = 0
+        while not self._closed:
+            try:
+                pubsub = self._connected()
+                if not pubsub.subscribed:
+                    if not self._readers:
+                        return  # nothing to read: started again by the next open
+                    async with self._sending:  # after a lost connection
+                        await pubsub.subscribe(*self._readers)
+                message = await pubsub.get_message(timeout=1.0)
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the connection was lost (Redis restarted or away)
+                wait = RETRY_S[min(failures, len(RETRY_S) - 1)]
+                failures += 1
+                log.warning("pub/sub connection lost (%s): subscribing again in %s s", exc, wait)
+                await self._reconnect(wait)
+                continue
+            if message is not None:
+                self._deliver(message)
+
+    def _deliver(self, message: Message) -> None:
+        channel = message.get("channel")
+        if isinstance(channel, str):
+            channel = channel.encode()
+        kind = message.get("type")
+        if kind == "subscribe" and channel in self._readers:
+            self._confirmed.add(channel)
+        elif kind not in ("message", "subscribe"):
+            return
+        for sub in self._readers.get(channel, ()):  # type: ignore[arg-type]
+            sub.queue.put_nowait(message)
+
+    async def _reconnect(self, wait: float) -> None:
+        """A new connection, subscribed to every channel that has readers; each reader gets
+        the new confirmation (it backfills what it may have missed meanwhile)."""
+        old, self._pubsub = self._pubsub, None
+        self._confirmed.clear()
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.aclose()
+        await asyncio.sleep(wait)  # the reading loop subscribes the new one
+
+
+def _confirmation(channel: bytes) -> Message:
+    return {"type": "subscribe", "pattern": None, "channel": channel, "data": 1}
