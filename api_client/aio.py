@@ -13,15 +13,18 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, overload
 
+import redis
+
 from api_client.batch import BatchStopped, run_batch
 from api_client.batch_files import BatchInput, BatchSummary
 from api_client.client import Client, Messages
-from api_client.job import CHECK_EVERY_S, Job, StreamEnds, release
-from api_client.results import result_key, result_ready
+from api_client.job import CHECK_EVERY_S, Job, StreamEnds
+from api_client.results import result_key, result_ready, stored
 from scheduler.cluster import DeviceView, JobView, RunnerView
 from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Message, Options
@@ -29,8 +32,13 @@ from scheduler.settings import Settings
 from scheduler.store.connection import connect_typed_async
 from scheduler.store.headroom import LOOK_FROM_BYTES, admit, refused_for_memory
 from scheduler.store.hub import Hub
+from scheduler.store.leases import Leases
 from scheduler.store.routes import AsyncFastPath
 from scheduler.store.streams import aread_chunks
+
+# a reader of the shared pub/sub connection loses a message only with the connection, and
+# is told when it is made again: it looks at the record after quiet spells of up to this
+HUB_QUIET_S = 30.0
 
 
 class AsyncJob:
@@ -68,11 +76,11 @@ class AsyncJob:
         wait = self.client.timeout if timeout is None else timeout
         done = False
         lease = self.job.reader_lease(cancel_on_close)
+        if lease is not None:  # renewed with every other reader's: one round trip a second
+            self.client.leases.hold(lease)
         try:
             check = partial(self.job.acheck, self.client.r)
-            chunks = aread_chunks(
-                self.client.r, self.id, wait, after, lease, check, self.client.hub
-            )
+            chunks = aread_chunks(self.client.r, self.id, wait, after, None, check, self.client.hub)
             async for chunk in chunks:
                 self.job.first_read_at = self.job.first_read_at or time.time()
                 if chunk.get("done"):
@@ -93,8 +101,8 @@ class AsyncJob:
                 f"wait longer, or check `ggufq ps` and the worker logs"
             ) from None
         finally:
-            if lease is not None and lease.renewed_at is not None:
-                await asyncio.to_thread(release, self.client.sync.r, lease)
+            if lease is not None:
+                await asyncio.shield(self.client.leases.let_go(lease))
 
     async def result(self, timeout: float | None = None) -> GenerateResponse:
         """The final record with the whole text (raises the job's typed error)."""
@@ -104,14 +112,17 @@ class AsyncJob:
         """The job's final record as stored, awaited on its result channel (or its stream's
         final chunk, when the result was lost: :meth:`Job.final`)."""
         wait = self.client.timeout if timeout is None else timeout
-        end = await self._stored(wait)
+        end, raw = await self._stored(wait)
         if end is not None:
             return self.job.from_stream_end(end)
-        # stored: Celery's read (and rebuilding a typed error) returns at once
-        return await asyncio.to_thread(self.job.final, wait)
+        assert raw is not None
+        app, r = self.client.sync.app, self.client.r
+        with contextlib.suppress(redis.RedisError):  # its reader has it: kept a while more
+            await r.expire(result_key(app, self.id), self.job.read_ttl_s)
+        return self.job.outcome(*stored(app, raw))
 
-    async def _stored(self, wait: float) -> dict[str, Any] | None:
-        """Wait for the job's result; returns its stream's final chunk instead when
+    async def _stored(self, wait: float) -> tuple[dict[str, Any] | None, bytes | str | None]:
+        """Wait for the job's result: the stored result, or its stream's final chunk when
         STREAM_END_LOOKS looks in a row found the stream ended and no result."""
         app, r = self.client.sync.app, self.client.r
         key = result_key(app, self.id)
@@ -120,11 +131,11 @@ class AsyncJob:
             deadline = time.monotonic() + wait
             checked = time.monotonic()
             ends = StreamEnds(self.job)
-            while not result_ready(app, await r.get(key)):
+            while not result_ready(app, raw := await r.get(key)):
                 if time.monotonic() - checked > CHECK_EVERY_S:  # lost, or lost on the way?
                     end = await self.job.acheck(r, ends)
                     if end is not None:
-                        return end
+                        return end, None
                     checked = time.monotonic()
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -133,7 +144,7 @@ class AsyncJob:
                         "or running: await result() again, or check `ggufq ps`"
                     )
                 await sub.get_message(timeout=min(left, 1.0))
-            return None
+            return None, raw
         finally:
             await sub.aclose()
 
@@ -152,13 +163,22 @@ class AsyncClient:
         *,
         timeout: float = 300.0,
         settings: Settings | None = None,
+        max_connections: int | None = None,
     ) -> None:
-        self.sync = Client(redis_url, timeout=timeout, settings=settings)
+        # max_connections: Redis connections of each of its two pools, asyncio and the
+        # threads' (besides its one pub/sub connection); None: as many as calls at once
+        self.sync = Client(
+            redis_url, timeout=timeout, settings=settings, max_connections=max_connections
+        )
         self.redis_url = self.sync.redis_url
         self.settings = self.sync.settings
         self.timeout = timeout
-        self.r = connect_typed_async(self.redis_url)
+        self.r = connect_typed_async(self.redis_url, max_connections)
+        # Celery's sends, in one thread: Celery keeps its producer, its event dispatcher and
+        # their connections per thread, so every thread that sends would hold its own
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufq-send")
         self.hub = Hub(self.r)  # one pub/sub connection for all this client's waits
+        self.leases = Leases(self.r)  # its streaming readers' leases, renewed together
         fast = self.sync.fast
         self.fast = (
             None
@@ -167,6 +187,8 @@ class AsyncClient:
         )
 
     async def close(self) -> None:
+        self._sender.shutdown(wait=False)
+        await self.leases.aclose()
         await self.hub.aclose()
         await self.r.aclose()
         await asyncio.to_thread(self.sync.close)
@@ -218,7 +240,8 @@ class AsyncClient:
     async def _send_to_placement(self, request: JobRequest) -> None:
         """Celery's sending, in a thread; a caller that leaves meanwhile (the awaiting task
         cancelled) lets it finish, then cancels the job it sent, which nobody would read."""
-        sending = asyncio.ensure_future(asyncio.to_thread(self.sync.send_to_placement, request))
+        loop = asyncio.get_running_loop()
+        sending = loop.run_in_executor(self._sender, self.sync.send_to_placement, request)
         try:
             await asyncio.shield(sending)
         except asyncio.CancelledError:

@@ -59,12 +59,13 @@ class Client:
         settings: Settings | None = None,
         tenant: str = "default",
         weight: float = 1.0,
+        max_connections: int | None = None,
     ) -> None:
         self.settings = settings or get_settings()
         self.redis_url = redis_url or resolve_redis_url(self.settings)
         self.timeout = timeout
         self.tenant, self.weight = tenant, weight
-        self.r = connect_typed(self.redis_url)
+        self.r = connect_typed(self.redis_url, max_connections)
         self.subscriptions = Subscriptions(self.r)
         self.app = make_app(self.redis_url, self.settings)
         self.state = ClusterReader(self.r)

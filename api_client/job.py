@@ -165,21 +165,25 @@ class Job:
             # a result given up on stays subscribed in Celery's result consumer, which then
             # retries for 20 s once the client closes its connections: let go of it here
             handle.backend.remove_pending_result(handle)
-        self._read()
-        if handle.state == "FAILURE":
+        with contextlib.suppress(redis.RedisError):
+            self.client.r.expire(result_key(self.client.app, self.id), self.read_ttl_s)
+        return self.outcome(handle.state, value)
+
+    def outcome(self, state: str, value: Any) -> dict[str, Any]:
+        """The final record of a stored result in ``state`` (raises the job's error)."""
+        if state == "FAILURE":
             if isinstance(value, GgufqError):
                 raise value
             raise JobFailed(f"job {self.id} failed: {value}")
-        if handle.state == "REVOKED":  # the reason was stored with the state
+        if state == "REVOKED":  # the reason was stored with the state
             raise JobCancelled(str(value) or f"job {self.id} was cancelled")
         return cast(dict[str, Any], value)
 
-    def _read(self) -> None:
-        """Its reader has the result: keep it only GGUFQ_RESULT_READ_TTL_S more (best effort)."""
+    @property
+    def read_ttl_s(self) -> int:
+        """How long its result is kept once its reader has it (GGUFQ_RESULT_READ_TTL_S)."""
         settings = self.client.settings
-        ttl = min(settings.result_ttl_s, settings.result_read_ttl_s)
-        with contextlib.suppress(redis.RedisError):
-            self.client.r.expire(result_key(self.client.app, self.id), ttl)
+        return min(settings.result_ttl_s, settings.result_read_ttl_s)
 
     def stream_end(self) -> dict[str, Any] | None:
         """The stream's final chunk, when the stream has ended and that chunk is the whole

@@ -228,6 +228,13 @@ class Settings(BaseSettings):
         description="num_ctx x num_parallel a non-admin API key may ask for at most (a key's "
         "own max_context overrides it): a larger runner would evict other tenants' models.",
     )
+    http_redis_connections: int = Field(
+        3,
+        ge=1,
+        description="Redis connections each pool of a gateway process holds at most (its "
+        "asyncio calls', its threads'; plus one for pub/sub): its requests wait their turn, "
+        "so the connections stay few however many clients wait.",
+    )
     http_keepalive_s: float = Field(
         5.0,
         gt=0,

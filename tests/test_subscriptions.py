@@ -14,7 +14,9 @@ import redis.asyncio
 
 from scheduler.local.embedded import EmbeddedRedis
 from scheduler.store import keys
+from scheduler.store.cancel import ReaderLease, cancelled_by, watch_keys
 from scheduler.store.hub import Hub
+from scheduler.store.leases import Leases
 from scheduler.store.streams import aread_chunks, read_chunks
 from scheduler.store.subscriptions import Subscriptions
 from workers.chunks import ChunkPublisher
@@ -257,3 +259,32 @@ def test_a_reader_gets_only_its_channels_messages_and_waits_its_whole_timeout(
         sub.close()
     finally:
         pool.close()
+
+
+def test_reader_leases_are_renewed_together_and_let_go(
+    redis_server: EmbeddedRedis, db: redis.Redis
+) -> None:
+    """Three streaming readers' leases (2 s each) outlive their lease through one
+    renewal task; one let go of is gone at once; the others lapse once nobody renews them,
+    and then their jobs read as cancelled (their readers went away)."""
+
+    async def main() -> None:
+        client = redis.asyncio.Redis(port=redis_server.port, db=1)
+        leases = Leases(client)
+        held = [ReaderLease(f"lease-{n}", ttl_s=60, lease_s=2) for n in range(3)]
+        try:
+            for lease in held:
+                leases.hold(lease)
+            await asyncio.sleep(4.0)  # twice a lease's life
+            for lease in held:
+                assert not cancelled_by(*db.mget(watch_keys(lease.job_id)))
+            await leases.let_go(held[0])
+            assert not db.exists(keys.job_reader_wanted("lease-0"))  # no longer to end with it
+        finally:
+            await leases.aclose()
+            await client.aclose()
+
+    asyncio.run(main())
+    assert soon(lambda: cancelled_by(*db.mget(watch_keys("lease-1"))), within_s=5)
+    assert cancelled_by(*db.mget(watch_keys("lease-2")))
+    assert not cancelled_by(*db.mget(watch_keys("lease-0")))

@@ -180,7 +180,11 @@ def make_app(
 ) -> Starlette:
     """The gateway app. ``client`` defaults to one made (and closed) with the app's life."""
     own = client is None
-    cluster = client or AsyncClient(settings=settings, timeout=settings.http_timeout_s)
+    cluster = client or AsyncClient(
+        settings=settings,
+        timeout=settings.http_timeout_s,
+        max_connections=settings.http_redis_connections,
+    )
     gateway = Gateway(cluster, settings)
     counters = GatewayMetrics()
     limiter = Limiter(cluster.sync.r) if require_keys else None

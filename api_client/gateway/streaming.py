@@ -3,9 +3,10 @@ client goes away.
 
 The response reads the job's stream in its own task, so a chunk goes from Redis to the
 socket without crossing a queue or another task (each crossing costs a wake-up on the
-first token's path). Two small tasks stand beside it: one sends keep-alive bytes after a
-quiet spell (and so begins the response, 200, if the job has sent nothing yet), one watches
-for the client going away and then cancels the reading task, which cancels the job.
+first token's path). One small task stands beside it, which, when the client goes away,
+cancels the reading task, and so the job; keep-alive bytes after a quiet spell (which begin
+the response, 200, if the job has sent nothing yet) come from one task for all the
+responses of the process (:class:`KeepAlives`).
 
 An error before anything was sent is raised, so that the app answers it with its status
 (404, 503 with Retry-After ...); after that it goes in-stream, as each API does.
@@ -80,7 +81,7 @@ def _ms(seconds: float) -> str:
 
 
 class _Output:
-    """The response's sends, one at a time (the reading task and the keep-alive task both
+    """The response's sends, one at a time (the reading task and the keep-alives both
     send), and when the last one went out."""
 
     def __init__(
@@ -113,12 +114,58 @@ class _Output:
                 await self.send({"type": "http.response.body", "body": b"", "more_body": False})
             self.last = self.loop.time()
 
-    async def keep_alive(self) -> None:
-        """Keep-alive bytes whenever nothing went out for ``every_s``."""
-        while True:
-            await asyncio.sleep(max(0.0, self.last + self.every_s - self.loop.time()))
-            if self.loop.time() - self.last >= self.every_s:
-                await self.frames([self.keepalive])
+    def quiet_for(self, now: float) -> float:
+        return 0.0 if self.ended or self.lock.locked() else now - self.last
+
+
+class KeepAlives:
+    """The waiting responses of one event loop, and one task that sends each its keep-alive
+    bytes once nothing went out for its ``every_s``: a task (and a timer) per waiting
+    client cost more than the clients themselves, and a gateway holds thousands."""
+
+    LOOK_S = 0.25
+
+    def __init__(self) -> None:
+        self._outputs: set[_Output] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, out: _Output) -> None:
+        self._outputs.add(out)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="ggufq-keepalives")
+
+    def discard(self, out: _Output) -> None:
+        self._outputs.discard(out)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._outputs:
+            await asyncio.sleep(self.LOOK_S)
+            now = loop.time()
+            for out in [o for o in self._outputs if o.quiet_for(now) >= o.every_s]:
+                out.last = now  # not again before its send went out
+                # a task of its own: a client that reads slowly holds up no other
+                task = loop.create_task(out.frames([out.keepalive]))
+                task.add_done_callback(_ignore)
+
+
+def _ignore(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # a send to a client gone: its reading task ends the response
+
+
+_keepalives: dict[asyncio.AbstractEventLoop, KeepAlives] = {}
+
+
+def keepalives() -> KeepAlives:
+    """The keep-alive sender of the running event loop."""
+    loop = asyncio.get_running_loop()
+    found = _keepalives.get(loop)
+    if found is None:
+        for old in [other for other in _keepalives if other.is_closed()]:
+            del _keepalives[old]
+        found = _keepalives[loop] = KeepAlives()
+    return found
 
 
 class JobStreamResponse(Response):
@@ -146,23 +193,23 @@ class JobStreamResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         reading = asyncio.current_task()
         assert reading is not None
-        gone = asyncio.Event()
+        gone = False
 
         head = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
         timing = ServerTiming(scope.get("state", {}).get("arrived"), self.job.request.submitted_at)
         out = _Output(send, head, self.keepalive, self.keepalive_s, timing)
 
         async def watch() -> None:
+            nonlocal gone
             while (await receive())["type"] != "http.disconnect":
                 pass
             if not out.ended:  # the server says so too once the response is complete
-                gone.set()
+                gone = True
                 reading.cancel()
 
-        helpers = [
-            asyncio.create_task(watch(), name=f"watch-{self.job.id}"),
-            asyncio.create_task(out.keep_alive(), name=f"keepalive-{self.job.id}"),
-        ]
+        helpers = [asyncio.create_task(watch(), name=f"watch-{self.job.id}")]
+        sender = keepalives()
+        sender.add(out)
         chunks = cast(AsyncGenerator[GenerateResponse, None], self.job.stream(self.timeout_s))
         try:
             error = await self._relay(chunks, out)
@@ -171,11 +218,12 @@ class JobStreamResponse(Response):
             if not out.ended:
                 await out.frames([self.encode_error(error)] if error else [], more=False)
         except asyncio.CancelledError:
-            if not gone.is_set():
+            if not gone:
                 raise
             reading.uncancel()  # the client left: not an error, and nobody to answer
         finally:
-            for helper in helpers:  # before any await: neither can send or cancel after
+            sender.discard(out)
+            for helper in helpers:  # before any await: it can cancel nothing after
                 helper.cancel()
             await chunks.aclose()  # cancels the job unless it had ended
 

@@ -161,10 +161,18 @@ class _AsyncTls(_NamedAsync, redis.asyncio.SSLConnection): ...
 class _AsyncUnix(_NamedAsync, redis.asyncio.UnixDomainSocketConnection): ...
 
 
-def _options(redis_url: str, classes: tuple[type, type, type]) -> dict[str, Any]:
+def _options(
+    redis_url: str, classes: tuple[type, type, type], max_connections: int | None
+) -> dict[str, Any]:
     scheme = redis_url.split("://", 1)[0].lower()
     kind = {"rediss": 1, "unix": 2}.get(scheme, 0)
-    return {**CLIENT_OPTIONS, "connection_class": classes[kind]}
+    options = {**CLIENT_OPTIONS, "connection_class": classes[kind]}
+    if max_connections is not None:  # a command waits for one of them to be free
+        options.update(max_connections=max_connections, timeout=POOL_WAIT_S)
+    return options
+
+
+POOL_WAIT_S = 60  # the longest a command waits for a free connection of a bounded pool
 
 
 def connect(redis_url: str) -> redis.Redis:
@@ -174,14 +182,23 @@ def connect(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url, **CLIENT_OPTIONS)
 
 
-def connect_typed(redis_url: str) -> redis.Redis:
+def connect_typed(redis_url: str, max_connections: int | None = None) -> redis.Redis:
     """:func:`connect` for callers (the Python client, the CLI, the gateway): a failed
     connect raises :class:`RedisUnreachable`, which names Redis's address, the cause and
-    the fix."""
-    return redis.Redis.from_url(redis_url, **_options(redis_url, (_Tcp, _Tls, _Unix)))
+    the fix. With ``max_connections``, the client holds at most that many connections,
+    and a command waits for a free one (the gateway: connections stay few whatever the
+    number of its clients)."""
+    options = _options(redis_url, (_Tcp, _Tls, _Unix), max_connections)
+    if max_connections is None:
+        return redis.Redis.from_url(redis_url, **options)
+    # from_pool: the client closes the pool with itself
+    return redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(redis_url, **options))
 
 
-def connect_typed_async(redis_url: str) -> redis.asyncio.Redis:
+def connect_typed_async(redis_url: str, max_connections: int | None = None) -> redis.asyncio.Redis:
     """:func:`connect_typed` for asyncio."""
-    classes = (_AsyncTcp, _AsyncTls, _AsyncUnix)
-    return redis.asyncio.Redis.from_url(redis_url, **_options(redis_url, classes))
+    options = _options(redis_url, (_AsyncTcp, _AsyncTls, _AsyncUnix), max_connections)
+    if max_connections is None:
+        return redis.asyncio.Redis.from_url(redis_url, **options)
+    pool = redis.asyncio.BlockingConnectionPool.from_url(redis_url, **options)
+    return redis.asyncio.Redis.from_pool(pool)

@@ -28,18 +28,33 @@ RETRY_S = (0.1, 0.25, 0.5, 1.0)  # waits between attempts to subscribe again aft
 
 
 class Subscription:
-    """One reader's subscription to one channel of the :class:`Hub`."""
+    """One reader's subscription to one channel of the :class:`Hub`: its messages in a list,
+    and the future its reader waits on (an asyncio.Queue would cost three deques a reader,
+    and a gateway holds thousands of readers)."""
+
+    __slots__ = ("hub", "channel", "_messages", "_waiter")
 
     def __init__(self, hub: Hub, channel: bytes) -> None:
         self.hub, self.channel = hub, channel
-        self.queue: asyncio.Queue[Message] = asyncio.Queue()
+        self._messages: list[Message] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, message: Message) -> None:
+        self._messages.append(message)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def get_message(self, timeout: float | None) -> Message | None:
         """The next message of the channel, or None once ``timeout`` has passed."""
-        try:
-            return await asyncio.wait_for(self.queue.get(), timeout)
-        except TimeoutError:
-            return None
+        if not self._messages:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(self._waiter, timeout)
+            except TimeoutError:
+                return None
+            finally:
+                self._waiter = None
+        return self._messages.pop(0) if self._messages else None
 
     async def aclose(self) -> None:
         await self.hub.leave(self)
@@ -71,7 +86,7 @@ class Hub:
         readers = self._readers.setdefault(name, set())
         readers.add(sub)
         if name in self._confirmed:
-            sub.queue.put_nowait(_confirmation(name))
+            sub.put(_confirmation(name))
         elif len(readers) == 1:
             try:
                 async with self._sending:
@@ -152,7 +167,7 @@ class Hub:
         elif kind not in ("message", "subscribe"):
             return
         for sub in self._readers.get(channel, ()):  # type: ignore[arg-type]
-            sub.queue.put_nowait(message)
+            sub.put(message)
 
     async def _reconnect(self, wait: float) -> None:
         """A new connection, subscribed to every channel that has readers; each reader gets

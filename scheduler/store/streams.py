@@ -128,6 +128,9 @@ def publish_final(client: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s
     _registered(client, "final")(keys=[], args=args, client=client)
 
 
+QUIET_MAX_S = 8.0  # the longest quiet spell, by default, before a reader looks at the record
+
+
 class ChunkOrder:
     """What a reader of a job's chunks does next, without I/O (both readers below use it).
 
@@ -139,16 +142,16 @@ class ChunkOrder:
     after each chunk.
     """
 
-    QUIET_MAX_S = 8.0
-
     def __init__(
         self,
         job_id: str,
         timeout_s: float | None,
         after_seq: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        quiet_max_s: float = QUIET_MAX_S,
     ) -> None:
         self.job_id, self.timeout_s = job_id, timeout_s
+        self.quiet_max_s = quiet_max_s
         self.clock = clock
         self.last = after_seq
         # the first backfill follows the subscription's confirmation: from then on the
@@ -196,7 +199,7 @@ class ChunkOrder:
         """The chunk to yield, if the message carries the next one."""
         if message is None:
             self.backfill = self.quiet = True  # quiet: re-check the record for a lost one
-            self.quiet_s = min(self.quiet_s * 2, self.QUIET_MAX_S)
+            self.quiet_s = min(self.quiet_s * 2, self.quiet_max_s)
             return None
         kind = message.get("type", "message")
         if kind == "subscribe":  # subscribed (again, after a reconnection): read the record
@@ -273,12 +276,15 @@ async def aread_chunks(
     lease: ReaderLease | None = None,
     on_quiet: Callable[[], Awaitable[object]] | None = None,
     subscriptions: Hub | None = None,
+    quiet_max_s: float = QUIET_MAX_S,
 ) -> AsyncIterator[dict[str, Any]]:
     """:func:`read_chunks` on redis.asyncio: subscribe, backfill with XRANGE, then follow.
+    ``quiet_max_s``: the longest quiet spell before a look at the record (a reader of the
+    shared connection, which loses a message only with the connection, looks seldom).
 
     Raises TimeoutError when no chunk arrives for ``timeout_s`` seconds.
     """
-    order = ChunkOrder(job_id, timeout_s, after_seq)
+    order = ChunkOrder(job_id, timeout_s, after_seq, quiet_max_s=quiet_max_s)
     pubsub: Any
     if subscriptions is not None:
         pubsub = await subscriptions.open(keys.job_channel(job_id))
