@@ -216,6 +216,12 @@ class Settings(BaseSettings):
         ge=1024,
         description="The largest request body the gateway reads (413 past it).",
     )
+    http_key_secret: str = Field(
+        "",
+        description="A secret held by the gateways and by whoever runs `ggufq keys` (not by "
+        "workers): API key records are signed with it, so that whoever can write to Redis "
+        "cannot mint a key. Keys made before it was set must be made again.",
+    )
     http_max_keep_alive_s: float = Field(
         3600.0,
         gt=0,
@@ -276,6 +282,9 @@ def get_settings() -> Settings:
         raise BadSettings("; ".join(wrong) + "; fix it in the environment or .env") from None
 
 
+_SECRETS = frozenset({"http_key_secret"})  # settings `ggufq config` never prints
+
+
 def masked(url: str) -> str:
     """A URL with its password as ``****``: fit to print or log."""
     parts = urlsplit(url)
@@ -293,6 +302,10 @@ def describe(settings: Settings) -> list[tuple[str, str, str]]:
     rows = []
     for name, field in Settings.model_fields.items():
         value = getattr(settings, name)
-        shown = masked(value) if name == "redis_url" and value else str(value)
+        shown = str(value)
+        if name == "redis_url" and value:
+            shown = masked(value)
+        elif name in _SECRETS and value:
+            shown = "****"
         rows.append((f"GGUFQ_{name.upper()}", shown, field.description or ""))
     return rows

@@ -3,6 +3,7 @@ disconnects cancels its job, API keys and their limits, and the metrics."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -177,6 +178,25 @@ def test_requests_per_minute_and_in_flight(keyed: str, r: redis.Redis, slow: str
         second = httpx.get(f"{keyed}/api/tags", headers=auth)
         assert second.status_code == 429 and second.headers["retry-after"] == "1"
     assert httpx.get(f"{keyed}/api/tags", headers=auth).status_code == 200
+
+
+def test_with_a_secret_a_key_written_straight_into_redis_is_no_key(
+    stack: LocalStack, r: redis.Redis
+) -> None:
+    """Whoever holds Redis's password can write a key record for a token of their own; a
+    gateway with GGUFQ_HTTP_KEY_SECRET takes only records signed with that secret."""
+    settings = stack.settings.model_copy(update={"http_key_secret": "s3cret-of-the-gateways"})
+    _signed, token = KeyStore(r, settings.http_key_secret).create("signed")
+    forged = "ggufq-forged-0000"
+    digest = hashlib.sha256(forged.encode()).hexdigest()
+    r.set(keys.api_key(digest), json.dumps({"id": "forged", "models": [], "admin": True}))
+    with running_gateway(settings, require_keys=True) as base:
+        good = httpx.get(f"{base}/api/tags", headers={"Authorization": f"Bearer {token}"})
+        bad = httpx.get(f"{base}/api/tags", headers={"Authorization": f"Bearer {forged}"})
+    assert good.status_code == 200 and bad.status_code == 401
+    assert KeyStore(r).lookup(token).name == "signed"  # a store without it reads it still
+    config = ggufq("config", env={"GGUFQ_HTTP_KEY_SECRET": "s3cret-of-the-gateways"})
+    assert "s3cret" not in config.stdout and "GGUFQ_HTTP_KEY_SECRET" in config.stdout
 
 
 def test_a_dead_gateways_requests_stop_counting_against_their_key(r: redis.Redis) -> None:

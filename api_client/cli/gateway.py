@@ -60,7 +60,8 @@ def add_keys_commands(p: argparse.ArgumentParser) -> None:
 
 
 def _store() -> KeyStore:
-    return KeyStore(connect_typed(resolve_redis_url(get_settings())))
+    settings = get_settings()
+    return KeyStore(connect_typed(resolve_redis_url(settings)), settings.http_key_secret)
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:

@@ -156,9 +156,10 @@ class Guard:
         token = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
         r, limiter = self.gateway.client.sync.r, self.limiter
         assert limiter is not None  # made where keys are required
+        store = KeyStore(r, self.gateway.settings.http_key_secret)
 
         def admit() -> tuple[ApiKey, str | None]:
-            key = KeyStore(r).lookup(token)
+            key = store.lookup(token)
             return key, limiter.admit(key, time.time())
 
         return await asyncio.to_thread(admit)

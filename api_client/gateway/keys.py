@@ -12,6 +12,7 @@ Every gateway process reads the same Redis, so limits hold across any number of 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import secrets
 import time
@@ -59,11 +60,21 @@ def _digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class KeyStore:
-    """Create, list, revoke and check keys in Redis."""
+def _signature(secret: str, digest: str, record: str) -> str:
+    return hmac.new(secret.encode(), f"{digest}|{record}".encode(), hashlib.sha256).hexdigest()
 
-    def __init__(self, r: redis.Redis) -> None:
+
+class KeyStore:
+    """Create, list, revoke and check keys in Redis.
+
+    With ``secret`` (GGUFQ_HTTP_KEY_SECRET, held by the gateways and whoever creates keys,
+    not by the workers), each record is signed (HMAC-SHA256 over its token's digest and
+    its fields) and a record without a valid signature is no key: whoever can write to
+    Redis cannot mint one. Without it, records are not signed."""
+
+    def __init__(self, r: redis.Redis, secret: str = "") -> None:
         self.r = r
+        self.secret = secret
 
     def create(
         self,
@@ -96,8 +107,10 @@ class KeyStore:
         )
         token = f"{PREFIX}{key.id}-{secrets.token_urlsafe(32)}"
         digest = _digest(token)
+        record = json.dumps(asdict(key), sort_keys=True)
+        signed = {"key": record, "mac": _signature(self.secret, digest, record)}
         pipe = self.r.pipeline()
-        pipe.set(names.api_key(digest), json.dumps(asdict(key)))
+        pipe.set(names.api_key(digest), json.dumps(signed) if self.secret else record)
         pipe.hset(names.API_KEYS, key.id, digest)
         pipe.execute()
         return key, token
@@ -106,8 +119,9 @@ class KeyStore:
         keys = []
         for digest in self.r.hvals(names.API_KEYS):
             raw = self.r.get(names.api_key(_text(digest)))
-            if raw is not None:
-                keys.append(ApiKey(**json.loads(raw)))
+            key = self._verified(_text(digest), raw) if raw is not None else None
+            if key is not None:
+                keys.append(key)
         return sorted(keys, key=lambda k: k.created_at)
 
     def revoke(self, key_id: str) -> bool:
@@ -122,14 +136,31 @@ class KeyStore:
         return True
 
     def lookup(self, token: str) -> ApiKey:
-        raw = self.r.get(names.api_key(_digest(token))) if token else None
-        if raw is None:
+        digest = _digest(token)
+        raw = self.r.get(names.api_key(digest)) if token else None
+        key = self._verified(digest, raw) if raw is not None else None
+        if key is None:
             hint = "send one" if not token else "it is unknown or was revoked"
             raise Unauthorized(
                 f"this gateway needs an API key ({hint}): send 'Authorization: Bearer <key>'; "
                 "`ggufq keys create` makes one"
             )
-        return ApiKey(**json.loads(raw))
+        return key
+
+    def _verified(self, digest: str, raw: bytes | str) -> ApiKey | None:
+        """The key a stored record holds; None when it is not signed with this store's
+        secret (when it has one), or does not parse."""
+        try:
+            stored = json.loads(raw)
+            if not self.secret:
+                fields = json.loads(stored["key"]) if "mac" in stored else stored
+                return ApiKey(**fields)
+            expected = _signature(self.secret, digest, stored["key"])
+            if not hmac.compare_digest(expected, str(stored["mac"])):
+                return None
+            return ApiKey(**json.loads(stored["key"]))
+        except (ValueError, KeyError, TypeError):
+            return None
 
 
 class Limiter:
