@@ -80,7 +80,9 @@ class AsyncJob:
             self.client.leases.hold(lease)
         try:
             check = partial(self.job.acheck, self.client.r)
-            chunks = aread_chunks(self.client.r, self.id, wait, after, None, check, self.client.hub)
+            chunks = aread_chunks(
+                self.client.r, self.id, wait, after, None, check, self.client.hub, HUB_QUIET_S
+            )
             async for chunk in chunks:
                 self.job.first_read_at = self.job.first_read_at or time.time()
                 if chunk.get("done"):
@@ -88,7 +90,11 @@ class AsyncJob:
                     error = chunk.get("error")
                     if error:
                         raise error_from_code(error["code"], error["message"])
+                if lease is not None:
+                    lease.handed_at = time.monotonic()
                 yield self.job._response(chunk)
+                if lease is not None:
+                    lease.handed_at = None
         except (GeneratorExit, asyncio.CancelledError):
             if cancel_on_close and not done:
                 # the stream is being torn down: cancel without awaiting anything that
@@ -101,8 +107,10 @@ class AsyncJob:
                 f"wait longer, or check `ggufq ps` and the worker logs"
             ) from None
         finally:
-            if lease is not None:
-                await asyncio.shield(self.client.leases.let_go(lease))
+            if lease is not None:  # a reader that ended before its job did leaves its
+                # lease to lapse (whatever ended it: Redis lost, a timeout), which cancels
+                # the job as a reader that went away does
+                self.client.leases.let_go(lease, keep=not done)
 
     async def result(self, timeout: float | None = None) -> GenerateResponse:
         """The final record with the whole text (raises the job's typed error)."""
@@ -177,8 +185,11 @@ class AsyncClient:
         # Celery's sends, in one thread: Celery keeps its producer, its event dispatcher and
         # their connections per thread, so every thread that sends would hold its own
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufq-send")
-        self.hub = Hub(self.r)  # one pub/sub connection for all this client's waits
-        self.leases = Leases(self.r)  # its streaming readers' leases, renewed together
+        # connections of their own for what must never wait behind the pool's: one pub/sub
+        # connection for all this client's waits, and one for its readers' leases
+        self.side = connect_typed_async(self.redis_url)
+        self.hub = Hub(self.side)
+        self.leases = Leases(self.side)  # its streaming readers' leases, renewed together
         fast = self.sync.fast
         self.fast = (
             None
@@ -190,6 +201,7 @@ class AsyncClient:
         self._sender.shutdown(wait=False)
         await self.leases.aclose()
         await self.hub.aclose()
+        await self.side.aclose()
         await self.r.aclose()
         await asyncio.to_thread(self.sync.close)
 

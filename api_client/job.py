@@ -244,10 +244,10 @@ class Job:
         pipe = self.client.r.pipeline(transaction=False)
         self._check_commands(pipe)
         try:
-            known, placed, queued = pipe.execute()
+            known, placed, queued, traces = pipe.execute()
         except redis.RedisError:
             return  # Redis away: the next check tells
-        if self._lost_on_the_way(known, placed, queued):
+        if self._lost_on_the_way(known, placed, queued, traces):
             self._send_again()
 
     async def acheck(
@@ -260,10 +260,10 @@ class Job:
         if ends is not None:
             pipe.xrevrange(keys.job_chunks(self.id), count=1)
         try:
-            known, placed, queued, *last = await pipe.execute()
+            known, placed, queued, traces, *last = await pipe.execute()
         except redis.RedisError:
             return None  # Redis away: the next check tells
-        if self._lost_on_the_way(known, placed, queued):
+        if self._lost_on_the_way(known, placed, queued, traces):
             await asyncio.to_thread(self._send_again)
         return ends.seen(self._end_of(last[0])) if ends is not None else None
 
@@ -277,14 +277,28 @@ class Job:
         )
         pipe.exists(keys.job_placed(self.id))
         pipe.llen(keys.placement_queue(self.request.priority))
+        # what is left of a job placed: its custody record (kept GGUFQ_STREAM_TTL_S after
+        # it ends), its stream and its result
+        pipe.exists(
+            keys.job_custody(self.id),
+            keys.job_chunks(self.id),
+            result_key(self.client.app, self.id),
+        )
 
-    def _lost_on_the_way(self, known: int, placed: int, queued: int) -> bool:
-        """Raise JobLost for a job Redis no longer knows; True when the job must be sent to
-        placement again (its message lost on the way)."""
+    def _lost_on_the_way(self, known: int, placed: int, queued: int, traces: int) -> bool:
+        """Raise JobLost for a job Redis no longer knows, or one that ended so long ago that
+        its outcome is no longer kept; True when the job must be sent to placement again
+        (its message lost on the way)."""
         if not known:
             raise JobLost(
                 f"job {self.id} is gone: Redis no longer knows it (it was restarted without "
                 "its data, or the job's records expired); submit the job again"
+            )
+        if placed and not traces:
+            raise JobLost(
+                f"job {self.id} ended long ago and its result is no longer kept (it is kept "
+                "GGUFQ_RESULT_READ_TTL_S once read, GGUFQ_RESULT_TTL_S if never); submit "
+                "the job again"
             )
         if placed or queued or not self.resend:
             return False

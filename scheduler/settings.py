@@ -235,11 +235,12 @@ class Settings(BaseSettings):
         "own max_context overrides it): a larger runner would evict other tenants' models.",
     )
     http_redis_connections: int = Field(
-        3,
+        2,
         ge=1,
         description="Redis connections each pool of a gateway process holds at most (its "
-        "asyncio calls', its threads'; plus one for pub/sub): its requests wait their turn, "
-        "so the connections stay few however many clients wait.",
+        "asyncio calls', its threads'; besides one for pub/sub and one for its readers' "
+        "leases and its beat): its requests wait their turn, so the connections stay few "
+        "however many clients wait.",
     )
     http_keepalive_s: float = Field(
         5.0,

@@ -32,9 +32,13 @@ def url(stack: LocalStack) -> Iterator[str]:
 def test_host_names_that_mean_this_machine() -> None:
     assert host_name("LocalHost:11434") == "localhost"
     assert host_name("[::1]:11434") == "::1"
-    for host in ("localhost", "127.0.0.1:80", "[::1]:11434", "app.localhost", "127.8.0.1"):
+    # names of this machine, and any address (only a name can be rebound): as Ollama's
+    # OLLAMA_HOST=0.0.0.0 makes the official client send Host: 0.0.0.0:11434
+    for host in ("localhost", "127.0.0.1:80", "[::1]:11434", "app.localhost", "0.0.0.0:11434"):
         assert host_allowed(host), host
-    for host in ("evil.example", "evil.example:11434", "10.0.0.5", "localhost.evil.example"):
+    for host in ("10.0.0.5", "[::]:11434", "", "gpu.local", "box.internal"):
+        assert host_allowed(host), host
+    for host in ("evil.example", "evil.example:11434", "localhost.evil.example"):
         assert not host_allowed(host), host
     assert host_allowed("gpu-box.lan:11434", ["gpu-box.lan"])
     assert host_allowed("anything", ["*"])

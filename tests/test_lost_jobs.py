@@ -42,6 +42,29 @@ def test_a_job_redis_forgot_ends_with_job_lost_not_a_timeout(client: Client) -> 
     assert time.monotonic() - started < 30  # found out, not timed out
 
 
+def test_a_reader_of_a_job_ended_long_ago_gets_job_lost(client: Client) -> None:
+    """Its result is kept GGUFQ_RESULT_READ_TTL_S once read, its stream and custody record
+    GGUFQ_STREAM_TTL_S after it ended: a reader coming after all of them is told so, both
+    ways (sync and asyncio), instead of waiting its whole timeout."""
+    job = client.submit("tiny", "The sky is", options={"temperature": 0, "num_predict": 3})
+    assert job.result(timeout=60).done
+    ttl = client.r.ttl(result_key(client.app, job.id))
+    assert 0 < ttl <= client.settings.result_read_ttl_s  # read: kept a while only
+    client.r.delete(
+        result_key(client.app, job.id), keys.job_chunks(job.id), keys.job_custody(job.id)
+    )  # as once they all expired
+    late = Job(client, job.request)
+    with pytest.raises(JobLost, match="ended long ago and its result is no longer kept"):
+        late.result(timeout=60)
+
+    async def read() -> None:
+        async with AsyncClient(client.redis_url, settings=client.settings) as aclient:
+            await AsyncJob(aclient, Job(aclient.sync, job.request)).result(timeout=60)
+
+    with pytest.raises(JobLost, match="ended long ago"):
+        asyncio.run(read())
+
+
 def test_a_submission_placement_never_saw_is_sent_again_and_runs_once(client: Client) -> None:
     job = claimed_but_never_sent(client, submitted_at=time.time() - RESEND_AFTER_S)
     result = job.result(timeout=60)

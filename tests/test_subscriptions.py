@@ -265,8 +265,9 @@ def test_reader_leases_are_renewed_together_and_let_go(
     redis_server: EmbeddedRedis, db: redis.Redis
 ) -> None:
     """Three streaming readers' leases (2 s each) outlive their lease through one
-    renewal task; one let go of is gone at once; the others lapse once nobody renews them,
-    and then their jobs read as cancelled (their readers went away)."""
+    renewal task; one let go of is removed; one whose consumer stopped taking its chunks
+    lapses; one whose reader gave up before its job ended is left to lapse. A lapsed lease
+    reads as cancelled."""
 
     async def main() -> None:
         client = redis.asyncio.Redis(port=redis_server.port, db=1)
@@ -278,8 +279,17 @@ def test_reader_leases_are_renewed_together_and_let_go(
             await asyncio.sleep(4.0)  # twice a lease's life
             for lease in held:
                 assert not cancelled_by(*db.mget(watch_keys(lease.job_id)))
-            await leases.let_go(held[0])
+            leases.let_go(held[0])
+            for _ in range(50):  # removed by the renewing task, within a second
+                if not db.exists(keys.job_reader_wanted("lease-0")):
+                    break
+                await asyncio.sleep(0.1)
             assert not db.exists(keys.job_reader_wanted("lease-0"))  # no longer to end with it
+            held[2].handed_at = time.monotonic() - 60  # its consumer stopped reading
+            await asyncio.sleep(3.0)
+            assert cancelled_by(*db.mget(watch_keys("lease-2")))  # not renewed: lapsed
+            assert not cancelled_by(*db.mget(watch_keys("lease-1")))
+            leases.let_go(held[1], keep=True)  # a reader that gave up: left to lapse
         finally:
             await leases.aclose()
             await client.aclose()

@@ -27,10 +27,18 @@ from api_client.gateway import ollama, openai_api
 from api_client.gateway.core import Caller, Gateway
 from api_client.gateway.edge import EdgeRules, split_list, too_large
 from api_client.gateway.errors import headers_for, http_error, ollama_body, openai_body
-from api_client.gateway.keys import GATEWAY_BEAT_S, ApiKey, KeyStore, Limiter, bearer_token
+from api_client.gateway.keys import (
+    GATEWAY_BEAT_S,
+    GATEWAY_TTL_S,
+    ApiKey,
+    KeyStore,
+    Limiter,
+    bearer_token,
+)
 from api_client.gateway.metrics import GatewayMetrics
 from scheduler.errors import GgufqError
 from scheduler.settings import Settings
+from scheduler.store.keys import gateway_beat
 
 log = logging.getLogger("ggufq.gateway")
 _OPEN_PATHS = frozenset({"/", "/api/version", "/metrics"})  # answered without a key
@@ -165,15 +173,20 @@ class Guard:
         return await asyncio.to_thread(admit)
 
 
-async def _beat(limiter: Limiter) -> None:
+async def _beat(limiter: Limiter, cluster: AsyncClient) -> None:
     """Say this gateway process is alive, so that its requests in flight count against
-    their keys' limits (and stop counting soon after it dies)."""
+    their keys' limits (and stop counting soon after it dies): on the client's own side
+    connection, never behind its requests' pool."""
     while True:
         await asyncio.sleep(GATEWAY_BEAT_S)
         try:
-            await asyncio.to_thread(limiter.beat)
+            await _beat_once(limiter, cluster)
         except Exception as exc:  # Redis away: the next beat tries again
             log.warning("the gateway's beat failed: %s", exc)
+
+
+async def _beat_once(limiter: Limiter, cluster: AsyncClient) -> None:
+    await cluster.side.set(gateway_beat(limiter.gateway_id), 1, ex=GATEWAY_TTL_S)
 
 
 def make_app(
@@ -195,8 +208,8 @@ def make_app(
         beating = None
         if limiter is not None:
             with contextlib.suppress(Exception):  # alive before the first request is admitted
-                await asyncio.to_thread(limiter.beat)
-            beating = asyncio.create_task(_beat(limiter))
+                await _beat_once(limiter, cluster)
+            beating = asyncio.create_task(_beat(limiter, cluster))
         yield
         if beating is not None:
             beating.cancel()

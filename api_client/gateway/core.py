@@ -15,8 +15,19 @@ from starlette.routing import Route
 from api_client.aio import AsyncClient, AsyncJob
 from api_client.gateway.errors import NotPermitted
 from api_client.gateway.keys import ApiKey
-from api_client.gateway.streaming import Encode, JobStreamResponse, or_cancel_on_disconnect
-from scheduler.errors import GgufqError, InvalidModelFile, InvalidRequest, ModelNotFound
+from api_client.gateway.streaming import (
+    Encode,
+    JobStreamResponse,
+    lost,
+    or_cancel_on_disconnect,
+)
+from scheduler.errors import (
+    GgufqError,
+    InvalidModelFile,
+    InvalidRequest,
+    ModelNotFound,
+    RedisUnavailable,
+)
 from scheduler.gguf.registry import Registry
 from scheduler.protocol import (
     EmbedResponse,
@@ -234,7 +245,10 @@ class Gateway:
     async def result(self, request: Request, job: AsyncJob) -> GenerateResponse:
         """The final record, awaited; a client that leaves first cancels the job."""
         work = job.result(self.settings.http_timeout_s)
-        final: GenerateResponse = await or_cancel_on_disconnect(request, work, job)
+        try:
+            final: GenerateResponse = await or_cancel_on_disconnect(request, work, job)
+        except RedisUnavailable as exc:
+            raise lost(job.id, "result", exc) from None
         return final
 
     async def embed(
@@ -256,9 +270,12 @@ class Gateway:
             keep_alive=keep_alive,
             extra={"input": texts, "truncate": truncate},
         )
-        record = await or_cancel_on_disconnect(
-            request, job.final(self.settings.http_timeout_s), job
-        )
+        try:
+            record = await or_cancel_on_disconnect(
+                request, job.final(self.settings.http_timeout_s), job
+            )
+        except RedisUnavailable as exc:
+            raise lost(job.id, "result", exc) from None
         return EmbedResponse.model_validate(record)
 
     async def unload(self, caller: Caller, model: str) -> None:

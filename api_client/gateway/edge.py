@@ -57,12 +57,17 @@ def host_name(host_header: str) -> str:
 
 
 def is_local_name(name: str) -> bool:
-    """Whether a Host name means this machine: localhost (and ``*.localhost``), a loopback
-    address, or this machine's own host name."""
-    if name in _this_machine() or name.endswith(".localhost"):
+    """Whether a keyless gateway answers a request sent to ``name``, as Ollama does: an IP
+    address (a page cannot make a browser send one for a name of its own: only a name can
+    be rebound), none (HTTP/1.0), localhost and ``*.localhost``, ``*.local``, ``*.internal``,
+    or this machine's own host name."""
+    if not name or name in _this_machine():
+        return True
+    if name.endswith((".localhost", ".local", ".internal")):
         return True
     try:
-        return ipaddress.ip_address(name).is_loopback
+        ipaddress.ip_address(name)
+        return True
     except ValueError:
         return False
 

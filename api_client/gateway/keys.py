@@ -11,6 +11,7 @@ Every gateway process reads the same Redis, so limits hold across any number of 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -194,8 +195,13 @@ class Limiter:
         pipe.zcard(name)
         pipe.expire(name, int(STALE_IN_FLIGHT_S))
         count = pipe.execute()[2]
-        if count > key.max_in_flight:
-            count -= self._drop_the_dead(name)
+        try:
+            if count > key.max_in_flight:
+                count -= self._drop_the_dead(name)
+        except Exception:
+            with contextlib.suppress(redis.RedisError):  # never a ticket left behind
+                self.r.zrem(name, ticket)
+            raise
         if count > key.max_in_flight:
             self.r.zrem(name, ticket)
             raise RateLimited(

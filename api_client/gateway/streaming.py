@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from api_client.aio import AsyncJob
-from scheduler.errors import GgufqError, JobFailed
+from scheduler.errors import GgufqError, JobFailed, RedisUnavailable
 from scheduler.protocol import GenerateResponse
 
 Encode = Callable[[GenerateResponse], list[bytes]]
@@ -236,6 +236,8 @@ class JobStreamResponse(Response):
                 chunk = await anext(chunks)
             except StopAsyncIteration:
                 return None
+            except RedisUnavailable as exc:  # the job was made: not a "try again" (503)
+                return self._lost(exc)
             except GgufqError as exc:
                 return exc
             except Exception as exc:  # Redis gone mid-stream: an error the caller can read
@@ -244,7 +246,14 @@ class JobStreamResponse(Response):
             await out.frames(self.encode(chunk), more=not chunk.done)
 
     def _lost(self, exc: Exception) -> JobFailed:
-        return JobFailed(
-            f"the gateway lost job {self.job.id}'s stream ({type(exc).__name__}: {exc}); "
-            "check that Redis is reachable from the gateway, then retry"
-        )
+        return lost(self.job.id, "stream", exc)
+
+
+def lost(job_id: str, what: str, exc: Exception) -> JobFailed:
+    """The error of a job whose stream or result the gateway could no longer read: Redis
+    went away after the job was made. A JobFailed (500), not the 503 of Redis being away
+    before the job was made, which asks the client to send it again."""
+    return JobFailed(
+        f"the gateway lost job {job_id}'s {what} ({type(exc).__name__}): Redis stopped "
+        "answering; check that Redis is reachable from the gateway, then retry"
+    )

@@ -57,6 +57,7 @@ class ReaderLease:
     def __init__(self, job_id: str, ttl_s: int, lease_s: float = READER_LEASE_S) -> None:
         self.job_id, self.ttl_s, self.lease_s = job_id, ttl_s, lease_s
         self.renewed_at: float | None = None
+        self.handed_at: float | None = None  # a chunk its consumer has not taken yet, since
 
     @classmethod
     def for_reader(

@@ -70,6 +70,7 @@ class Hub:
         self._pubsub: Any = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._stale = False  # the connection was made again: subscribe every channel on it
         # commands on the connection one at a time: redis-py's PubSub takes a connection
         # from its pool on its first command, and commands sent at once would each take one
         self._sending = asyncio.Lock()
@@ -108,10 +109,10 @@ class Hub:
             return
         del self._readers[sub.channel]
         self._confirmed.discard(sub.channel)
-        if self._pubsub is not None:
-            # best effort: a channel left subscribed only costs its messages, dropped
-            with contextlib.suppress(redis.RedisError, OSError, RuntimeError):
-                async with self._sending:
+        # best effort: a channel left subscribed only costs its messages, dropped
+        with contextlib.suppress(Exception):
+            async with self._sending:
+                if self._pubsub is not None:
                     await self._pubsub.unsubscribe(sub.channel)
 
     async def aclose(self) -> None:
@@ -138,12 +139,14 @@ class Hub:
         failures = 0
         while not self._closed:
             try:
-                pubsub = self._connected()
-                if not pubsub.subscribed:
+                if self._stale:  # the connection was made again: every reader's channel
+                    await self._resubscribe()
+                pubsub = self._pubsub
+                if pubsub is None or not pubsub.subscribed:
                     if not self._readers:
                         return  # nothing to read: started again by the next open
-                    async with self._sending:  # after a lost connection
-                        await pubsub.subscribe(*self._readers)
+                    self._stale = True
+                    continue
                 message = await pubsub.get_message(timeout=1.0)
                 failures = 0
             except asyncio.CancelledError:
@@ -152,7 +155,8 @@ class Hub:
                 wait = RETRY_S[min(failures, len(RETRY_S) - 1)]
                 failures += 1
                 log.warning("pub/sub connection lost (%s): subscribing again in %s s", exc, wait)
-                await self._reconnect(wait)
+                await self._drop()
+                await asyncio.sleep(wait)
                 continue
             if message is not None:
                 self._deliver(message)
@@ -169,15 +173,26 @@ class Hub:
         for sub in self._readers.get(channel, ()):  # type: ignore[arg-type]
             sub.put(message)
 
-    async def _reconnect(self, wait: float) -> None:
-        """A new connection, subscribed to every channel that has readers; each reader gets
-        the new confirmation (it backfills what it may have missed meanwhile)."""
-        old, self._pubsub = self._pubsub, None
-        self._confirmed.clear()
+    async def _drop(self) -> None:
+        """Let the lost connection go; the next look subscribes every reader's channel on
+        a new one (a reader that opens meanwhile subscribes its own there first)."""
+        async with self._sending:
+            old, self._pubsub = self._pubsub, None
+            self._confirmed.clear()
+            self._stale = True
         if old is not None:
             with contextlib.suppress(Exception):
                 await old.aclose()
-        await asyncio.sleep(wait)  # the reading loop subscribes the new one
+
+    async def _resubscribe(self) -> None:
+        """Every channel with readers, on the current connection (again, for those a reader
+        subscribed since: harmless); each reader gets the new confirmation, and so
+        backfills what it may have missed."""
+        async with self._sending:
+            channels = list(self._readers)
+            if channels:
+                await self._connected().subscribe(*channels)
+            self._stale = False
 
 
 def _confirmation(channel: bytes) -> Message:
