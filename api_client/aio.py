@@ -31,14 +31,10 @@ from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Mess
 from scheduler.settings import Settings
 from scheduler.store.connection import connect_typed_async
 from scheduler.store.headroom import LOOK_FROM_BYTES, admit, refused_for_memory
-from scheduler.store.hub import Hub
+from scheduler.store.hub import QUIET_S, Hub
 from scheduler.store.leases import Leases
 from scheduler.store.routes import AsyncFastPath
 from scheduler.store.streams import aread_chunks
-
-# a reader of the shared pub/sub connection loses a message only with the connection, and
-# is told when it is made again: it looks at the record after quiet spells of up to this
-HUB_QUIET_S = 30.0
 
 
 class AsyncJob:
@@ -81,7 +77,7 @@ class AsyncJob:
         try:
             check = partial(self.job.acheck, self.client.r)
             chunks = aread_chunks(
-                self.client.r, self.id, wait, after, None, check, self.client.hub, HUB_QUIET_S
+                self.client.r, self.id, wait, after, None, check, self.client.hub, QUIET_S
             )
             async for chunk in chunks:
                 self.job.first_read_at = self.job.first_read_at or time.time()

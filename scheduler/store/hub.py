@@ -25,6 +25,9 @@ import redis.asyncio
 log = logging.getLogger(__name__)
 Message = dict[str, Any]
 RETRY_S = (0.1, 0.25, 0.5, 1.0)  # waits between attempts to subscribe again after a loss
+# a reader here loses a message only with the connection, and is told when it is made
+# again: it looks at its job's record after quiet spells of up to this (8 s elsewhere)
+QUIET_S = 30.0
 
 
 class Subscription:
