@@ -18,12 +18,14 @@ from tests.conftest import needs_tool
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def compose_config(tmp_path: Path) -> dict[str, Any]:
-    for name in ("docker-compose.yml", "Dockerfile", "Dockerfile.cuda", ".env.example"):
+def compose_config(tmp_path: Path, *files: str) -> dict[str, Any]:
+    names = ("docker-compose.yml", "Dockerfile", "Dockerfile.cuda", ".env.example", *files)
+    for name in names:
         shutil.copy(ROOT / name, tmp_path / name)
     shutil.copy(ROOT / ".env.example", tmp_path / ".env")
+    chosen = [arg for name in ("docker-compose.yml", *files) for arg in ("-f", name)]
     out = subprocess.run(
-        ["docker-compose", "config"],
+        ["docker-compose", *chosen, "config"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -52,6 +54,22 @@ def test_compose_file_is_valid_and_complete(tmp_path: Path) -> None:
         assert worker["build"]["dockerfile"] == "Dockerfile.cuda"
         assert any(str(v).endswith("/models:ro") for v in worker["volumes"])
     assert "change-me@redis:6379" in services["placement"]["environment"]["GGUFQ_REDIS_URL"]
+
+
+@needs_tool("docker-compose", "apt-get install docker-compose")
+def test_the_tls_override_puts_every_process_on_tls(tmp_path: Path) -> None:
+    services = compose_config(tmp_path, "docker-compose.tls.yml")["services"]
+    redis_cmd = services["redis"]["command"]
+    assert redis_cmd[redis_cmd.index("--port") + 1] == "0"  # no plain port
+    assert redis_cmd[redis_cmd.index("--tls-port") + 1] == "6380"
+    assert "noeviction" in redis_cmd and "--requirepass" in redis_cmd
+    for name, service in services.items():
+        if name == "redis":
+            continue
+        url = service["environment"]["GGUFQ_REDIS_URL"]
+        assert url.startswith("rediss://:change-me@redis:6380/0?ssl_cert_reqs=required"), name
+        assert any(str(v).endswith("/tls:ro") for v in service["volumes"]), name
+        assert any(str(v).endswith("/models:ro") for v in service["volumes"]), name
 
 
 def test_health_check_sees_the_stack(stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
