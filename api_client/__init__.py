@@ -1,6 +1,7 @@
 """ggufq's Python client: ``from api_client import Client`` (or ``AsyncClient``)."""
 
-from api_client.aio import AsyncClient, AsyncJob
+from api_client.aio import AsyncClient
+from api_client.ajob import AsyncJob
 from api_client.batch_files import BatchSummary
 from api_client.client import Client
 from api_client.job import Job

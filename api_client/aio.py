@@ -11,146 +11,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal, overload
 
-import redis
-
+from api_client.ajob import AsyncJob
 from api_client.batch import BatchStopped, run_batch
 from api_client.batch_files import BatchInput, BatchSummary
 from api_client.client import Client, Messages
-from api_client.job import CHECK_EVERY_S, Job, StreamEnds
-from api_client.results import result_key, result_ready, stored
+from api_client.job import Job
 from scheduler.cluster import DeviceView, JobView, RunnerView
-from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Message, Options
 from scheduler.settings import Settings
 from scheduler.store.connection import connect_typed_async
 from scheduler.store.headroom import LOOK_FROM_BYTES, admit, refused_for_memory
-from scheduler.store.hub import QUIET_S, Hub
+from scheduler.store.hub import Hub
 from scheduler.store.leases import Leases
 from scheduler.store.routes import AsyncFastPath
-from scheduler.store.streams import aread_chunks
 
-
-class AsyncJob:
-    """A submitted job, awaited from asyncio; the same id as everywhere else."""
-
-    def __init__(self, client: AsyncClient, job: Job) -> None:
-        self.client = client
-        self.job = job
-        self.id = job.id
-        self.request: JobRequest = job.request
-
-    def __repr__(self) -> str:
-        return f"AsyncJob(id={self.id!r}, model={self.request.model!r})"
-
-    async def hops(self) -> dict[str, float]:
-        """See :meth:`Job.hops`."""
-        return await asyncio.to_thread(self.job.hops)
-
-    async def status(self) -> str:
-        """Celery's state of the job's run task: PENDING, SUCCESS, FAILURE, REVOKED."""
-        return await asyncio.to_thread(self.job.status)
-
-    async def cancel(self) -> None:
-        """See :meth:`Job.cancel`."""
-        await self.client.cancel(self.id)
-
-    async def stream(
-        self, timeout: float | None = None, cancel_on_close: bool = True, after: int = 0
-    ) -> AsyncIterator[GenerateResponse]:
-        """Chunks in order, then the final one with the stats (see :meth:`Job.stream`).
-
-        Leaving the loop early (``break``, ``aclose()``, the task being cancelled) cancels
-        the job unless ``cancel_on_close`` is False; ``after`` resumes after that ``seq``.
-        """
-        wait = self.client.timeout if timeout is None else timeout
-        done = False
-        lease = self.job.reader_lease(cancel_on_close)
-        if lease is not None:  # renewed with every other reader's: one round trip a second
-            self.client.leases.hold(lease)
-        try:
-            check = partial(self.job.acheck, self.client.r)
-            chunks = aread_chunks(
-                self.client.r, self.id, wait, after, None, check, self.client.hub, QUIET_S
-            )
-            async for chunk in chunks:
-                self.job.first_read_at = self.job.first_read_at or time.time()
-                if chunk.get("done"):
-                    done = True
-                    error = chunk.get("error")
-                    if error:
-                        raise error_from_code(error["code"], error["message"])
-                if lease is not None:
-                    lease.handed_at = time.monotonic()
-                yield self.job._response(chunk)
-                if lease is not None:
-                    lease.handed_at = None
-        except (GeneratorExit, asyncio.CancelledError):
-            if cancel_on_close and not done:
-                # the stream is being torn down: cancel without awaiting anything that
-                # could itself be cancelled half-way
-                await asyncio.shield(self.cancel())
-            raise
-        except TimeoutError:
-            raise JobTimeout(
-                f"job {self.id} sent nothing for {wait} s; it is still queued or running: "
-                f"wait longer, or check `ggufq ps` and the worker logs"
-            ) from None
-        finally:
-            if lease is not None:  # a reader that ended before its job did leaves its
-                # lease to lapse (whatever ended it: Redis lost, a timeout), which cancels
-                # the job as a reader that went away does
-                self.client.leases.let_go(lease, keep=not done)
-
-    async def result(self, timeout: float | None = None) -> GenerateResponse:
-        """The final record with the whole text (raises the job's typed error)."""
-        return GenerateResponse.model_validate(await self.final(timeout))
-
-    async def final(self, timeout: float | None = None) -> dict[str, Any]:
-        """The job's final record as stored, awaited on its result channel (or its stream's
-        final chunk, when the result was lost: :meth:`Job.final`)."""
-        wait = self.client.timeout if timeout is None else timeout
-        end, raw = await self._stored(wait)
-        if end is not None:
-            return self.job.from_stream_end(end)
-        assert raw is not None
-        app, r = self.client.sync.app, self.client.r
-        with contextlib.suppress(redis.RedisError):  # its reader has it: kept a while more
-            await r.expire(result_key(app, self.id), self.job.read_ttl_s)
-        return self.job.outcome(*stored(app, raw))
-
-    async def _stored(self, wait: float) -> tuple[dict[str, Any] | None, bytes | str | None]:
-        """Wait for the job's result: the stored result, or its stream's final chunk when
-        STREAM_END_LOOKS looks in a row found the stream ended and no result."""
-        app, r = self.client.sync.app, self.client.r
-        key = result_key(app, self.id)
-        sub = await self.client.hub.open(key)  # first: a result stored after the GET wakes us
-        try:
-            deadline = time.monotonic() + wait
-            checked = time.monotonic()
-            ends = StreamEnds(self.job)
-            while not result_ready(app, raw := await r.get(key)):
-                if time.monotonic() - checked > CHECK_EVERY_S:  # lost, or lost on the way?
-                    end = await self.job.acheck(r, ends)
-                    if end is not None:
-                        return end, None
-                    checked = time.monotonic()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise JobTimeout(
-                        f"job {self.id} did not finish within {wait} s; it may still be queued "
-                        "or running: await result() again, or check `ggufq ps`"
-                    )
-                await sub.get_message(timeout=min(left, 1.0))
-            return None, raw
-        finally:
-            await sub.aclose()
+SIDE_TIMEOUT_S = 5.0
 
 
 class AsyncClient:
@@ -183,7 +63,9 @@ class AsyncClient:
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufq-send")
         # connections of their own for what must never wait behind the pool's: one pub/sub
         # connection for all this client's waits, and one for its readers' leases
-        self.side = connect_typed_async(self.redis_url)
+        # (their commands are short: a connection that stops answering is given up on well
+        # within a lease's life, so that one half-open socket cannot let every lease lapse)
+        self.side = connect_typed_async(self.redis_url, socket_timeout=SIDE_TIMEOUT_S)
         self.hub = Hub(self.side)
         self.leases = Leases(self.side)  # its streaming readers' leases, renewed together
         fast = self.sync.fast

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from api_client import Client
-from api_client.aio import AsyncClient, AsyncJob
+from api_client.aio import AsyncClient
+from api_client.ajob import AsyncJob
 from api_client.job import RESEND_AFTER_S, Job
 from api_client.results import result_key
 from scheduler.errors import GgufqError, JobLost

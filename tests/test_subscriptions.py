@@ -290,6 +290,12 @@ def test_reader_leases_are_renewed_together_and_let_go(
             assert cancelled_by(*db.mget(watch_keys("lease-2")))  # not renewed: lapsed
             assert not cancelled_by(*db.mget(watch_keys("lease-1")))
             leases.let_go(held[1], keep=True)  # a reader that gave up: left to lapse
+            leases.cancel("lost-reader", 60)  # its reader lost Redis: cancelled once back
+            for _ in range(50):
+                if db.exists(keys.cancel_flag("lost-reader")):
+                    break
+                await asyncio.sleep(0.1)
+            assert db.exists(keys.cancel_flag("lost-reader"))
         finally:
             await leases.aclose()
             await client.aclose()

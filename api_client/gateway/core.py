@@ -12,7 +12,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from api_client.aio import AsyncClient, AsyncJob
+from api_client.aio import AsyncClient
+from api_client.ajob import AsyncJob
 from api_client.gateway.errors import NotPermitted
 from api_client.gateway.keys import ApiKey
 from api_client.gateway.streaming import (
@@ -248,6 +249,7 @@ class Gateway:
         try:
             final: GenerateResponse = await or_cancel_on_disconnect(request, work, job)
         except RedisUnavailable as exc:
+            job.cancel_once_back()  # the client is told to retry: this one must not run too
             raise lost(job.id, "result", exc) from None
         return final
 
@@ -275,6 +277,7 @@ class Gateway:
                 request, job.final(self.settings.http_timeout_s), job
             )
         except RedisUnavailable as exc:
+            job.cancel_once_back()
             raise lost(job.id, "result", exc) from None
         return EmbedResponse.model_validate(record)
 

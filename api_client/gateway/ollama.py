@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from api_client.aio import AsyncJob
+from api_client.ajob import AsyncJob
 from api_client.gateway.catalog import running, show, tag, usable
 from api_client.gateway.core import (
     Caller,

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api_client.aio import AsyncJob
+from api_client.ajob import AsyncJob
 from api_client.gateway.catalog import openai_model, usable
 from api_client.gateway.core import Gateway, Routes, caller_of, json_body, model_name, parse_body
 from api_client.gateway.ollama_schema import shorten

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from api_client.aio import AsyncJob
+from api_client.ajob import AsyncJob
 from scheduler.errors import GgufqError, JobFailed, RedisUnavailable
 from scheduler.protocol import GenerateResponse
 
@@ -251,9 +251,10 @@ class JobStreamResponse(Response):
 
 def lost(job_id: str, what: str, exc: Exception) -> JobFailed:
     """The error of a job whose stream or result the gateway could no longer read: Redis
-    went away after the job was made. A JobFailed (500), not the 503 of Redis being away
-    before the job was made, which asks the client to send it again."""
+    went away after the job was made (the job is cancelled once Redis answers). A JobFailed
+    (500), not the 503 of Redis being away before the job was made."""
     return JobFailed(
         f"the gateway lost job {job_id}'s {what} ({type(exc).__name__}): Redis stopped "
-        "answering; check that Redis is reachable from the gateway, then retry"
+        "answering; the job is cancelled once it answers again; check that Redis is "
+        "reachable from the gateway, then retry"
     )

@@ -195,9 +195,13 @@ def connect_typed(redis_url: str, max_connections: int | None = None) -> redis.R
     return redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(redis_url, **options))
 
 
-def connect_typed_async(redis_url: str, max_connections: int | None = None) -> redis.asyncio.Redis:
-    """:func:`connect_typed` for asyncio."""
+def connect_typed_async(
+    redis_url: str, max_connections: int | None = None, socket_timeout: float | None = None
+) -> redis.asyncio.Redis:
+    """:func:`connect_typed` for asyncio; ``socket_timeout`` (s) instead of 30 s."""
     options = _options(redis_url, (_AsyncTcp, _AsyncTls, _AsyncUnix), max_connections)
+    if socket_timeout is not None:
+        options["socket_timeout"] = socket_timeout
     if max_connections is None:
         return redis.asyncio.Redis.from_url(redis_url, **options)
     pool = redis.asyncio.BlockingConnectionPool.from_url(redis_url, **options)

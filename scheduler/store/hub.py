@@ -97,7 +97,10 @@ class Hub:
                     await self._connected().subscribe(name)
             except BaseException:
                 readers.discard(sub)
-                if not readers:
+                if readers:  # others joined it meanwhile: subscribed by the next look
+                    self._stale = True
+                    self._start()
+                else:
                     del self._readers[name]
                 raise
         self._start()
@@ -112,11 +115,13 @@ class Hub:
             return
         del self._readers[sub.channel]
         self._confirmed.discard(sub.channel)
-        # best effort: a channel left subscribed only costs its messages, dropped
-        with contextlib.suppress(Exception):
+        try:
             async with self._sending:
                 if self._pubsub is not None:
                     await self._pubsub.unsubscribe(sub.channel)
+        except Exception:  # a new connection, without the channel left
+            await self._drop()
+            self._start()
 
     async def aclose(self) -> None:
         self._closed = True

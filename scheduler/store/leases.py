@@ -16,10 +16,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import redis.asyncio
 
-from scheduler.store.cancel import ReaderLease
+from scheduler.store.cancel import ReaderLease, queue_cancel
 
 log = logging.getLogger(__name__)
 EVERY_S = 1.0
@@ -31,7 +34,9 @@ class Leases:
         self.client = client
         self._held: dict[int, ReaderLease] = {}
         self._released: list[ReaderLease] = []
+        self._cancels: dict[str, int] = {}  # job id -> its cancel flag's ttl
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
 
     def hold(self, lease: ReaderLease) -> None:
         """Keep ``lease`` renewed until :meth:`let_go` (its first renewal within a second)."""
@@ -47,42 +52,56 @@ class Leases:
         self._released.append(lease)
         self._start()
 
+    def cancel(self, job_id: str, ttl_s: int) -> None:
+        """Cancel the job as soon as Redis answers (its reader lost Redis right after the
+        job was made, perhaps before its lease was first written: without this the job
+        would run unread, beside the client's retry)."""
+        self._cancels[job_id] = ttl_s
+        self._start()
+
     async def aclose(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-        with contextlib.suppress(Exception):  # the last ones let go of, once
-            await self._send([], self._released)
+        with contextlib.suppress(Exception):  # the last ones, once
+            await self._send([], self._released, dict(self._cancels))
 
     def _start(self) -> None:
-        if self._task is None or self._task.done():
+        if not self._closed and (self._task is None or self._task.done()):
             self._task = asyncio.create_task(self._run(), name="ggufq-reader-leases")
 
     async def _run(self) -> None:
-        while self._held or self._released:
+        while self._held or self._released or self._cancels:
             now = time.monotonic()
             due = [lease for lease in self._held.values() if _renews(lease, now)]
             gone, self._released = self._released, []
+            cancels, self._cancels = self._cancels, {}
             try:
-                await self._send(due, gone)
+                await self._send(due, gone, cancels)
             except Exception as exc:  # Redis away: all of them again next time
                 for lease in due:
                     lease.renewed_at = None
                 self._released += gone
+                self._cancels.update(cancels)
                 log.warning("renewing %d reader leases failed: %s", len(due), exc)
             await asyncio.sleep(EVERY_S)
 
-    async def _send(self, due: list[ReaderLease], gone: list[ReaderLease]) -> None:
+    async def _send(
+        self, due: list[ReaderLease], gone: list[ReaderLease], cancels: dict[str, int]
+    ) -> None:
+        """In order: the cancels, the leases let go of, then the renewals, BATCH a pipeline."""
         now = time.monotonic()
-        work = [(lease, False) for lease in gone] + [(lease, True) for lease in due]
-        for start in range(0, len(work), BATCH):
+        ops: list[Callable[[Any], None]] = [
+            partial(queue_cancel, job_id=job_id, ttl_s=ttl_s) for job_id, ttl_s in cancels.items()
+        ]
+        ops += [lease.release for lease in gone]
+        ops += [partial(lease.renew, now=now) for lease in due]
+        for start in range(0, len(ops), BATCH):
             pipe = self.client.pipeline(transaction=False)
-            for lease, renew in work[start : start + BATCH]:
-                if renew:
-                    lease.renew(pipe, now)
-                else:
-                    lease.release(pipe)
+            for op in ops[start : start + BATCH]:
+                op(pipe)
             await pipe.execute()
 
 
