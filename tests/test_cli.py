@@ -17,7 +17,7 @@ import redis
 
 from scheduler.local.embedded import EmbeddedRedis, free_port
 from scheduler.local.stack import LocalStack
-from tests.conftest import ggufq, stack_env
+from tests.conftest import ggufq, stack_env, wait_for
 
 
 @pytest.fixture()
@@ -232,6 +232,38 @@ def test_up_runs_until_signal_and_leaves_no_orphans(
         assert proc.wait(timeout=60) == 0
         assert not [c for c in children if _alive(c)]
         assert not (tmp_path / "state" / "stack.json").exists()
+
+
+def test_up_starts_again_a_worker_that_dies(models_dir: Path, tmp_path: Path) -> None:
+    """A worker killed by its OS (a job that took all its memory) is started again, and the
+    stack serves on instead of stopping."""
+    env = {**stack_env(models_dir, tmp_path / "state", host="again"), "GGUFQ_REDIS_URL": ""}
+    with _up(env) as proc:
+        _wait_up(proc)
+
+        def workers() -> set[int]:
+            found = set()
+            for child in _descendants(proc.pid):
+                try:
+                    if "workers.main" in Path(f"/proc/{child}/cmdline").read_text():
+                        found.add(child)
+                except OSError:
+                    continue
+            return found
+
+        (first,) = workers()
+        os.kill(first, signal.SIGKILL)
+        assert wait_for(lambda: bool(workers() - {first}), timeout=30)
+        assert proc.poll() is None  # up goes on
+        served = None
+        for _ in range(30):  # the new worker takes over its predecessor's devices
+            served = ggufq("run", "tiny", "hi", "-o", "num_predict=2", env=env)
+            if served.returncode == 0:
+                break
+            time.sleep(1)
+        assert served is not None and served.returncode == 0, served.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
 
 
 def test_up_with_redis_url_starts_no_redis(models_dir: Path, tmp_path: Path) -> None:

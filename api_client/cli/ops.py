@@ -43,9 +43,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"ggufq is up: Redis {masked(stack.redis_url)}{where}; Ctrl-C stops it", flush=True)
     try:
         while not stop.wait(0.5):
-            if not stack.alive():
-                print("error: a stack process exited; stopping", file=sys.stderr)
-                return 1
+            stack.supervise()  # a child that died starts again: the stack serves on
     finally:
         print("stopping ggufq ...", flush=True)
         stack.stop()

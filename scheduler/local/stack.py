@@ -25,6 +25,9 @@ from scheduler.settings import Settings
 from scheduler.store.connection import clear_runtime, write_runtime
 from scheduler.store.readers import ClusterReader
 
+RESTART_FIRST_S = 1.0  # a child that dies again waits this, then twice as long each time
+RESTART_MAX_S = 30.0  # ... at most; and up this long, it starts from the first wait again
+
 
 class LocalStack:
     def __init__(
@@ -44,6 +47,9 @@ class LocalStack:
         self.redis_url = settings.redis_url or ""
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self._logs: list[IO[bytes]] = []
+        # how each child was started, and when one that died may start again
+        self._recipes: dict[str, tuple[list[str], dict[str, str] | None, int]] = {}
+        self._backoff: dict[str, tuple[float, float]] = {}  # name -> (wait s, not before)
 
     def __enter__(self) -> LocalStack:
         self.start()
@@ -125,7 +131,48 @@ class LocalStack:
             preexec_fn=niced_child_preexec(nice),
         )
         self.procs.append((name, proc))
+        self._recipes[name] = (argv, env_overrides, nice)
         return proc
+
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Start again each child that died (its Redis too, on its port, with its data):
+        at once the first time, then after 1, 2, 4 ... s, up to RESTART_MAX_S; returns what
+        it restarted. A worker killed by its OS (a job that took all memory) comes back, and
+        the stack serves on instead of stopping."""
+        now = time.monotonic() if now is None else now
+        restarted = []
+        if self.redis is not None and self.redis.proc is not None:
+            if self.redis.proc.poll() is not None and self._due("redis", now):
+                self.redis.start()
+                restarted.append("redis")
+        for index, (name, proc) in enumerate(list(self.procs)):
+            if proc.poll() is None:
+                if now - self._backoff.get(name, (0.0, 0.0))[1] > RESTART_MAX_S:
+                    self._backoff.pop(name, None)  # up long enough: a first wait again
+                continue
+            if not self._due(name, now):
+                continue
+            code = proc.returncode
+            argv, env, nice = self._recipes[name]
+            print(
+                f"ggufq: the {name} process exited with code {code}; starting it again",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.procs.pop(index)
+            fresh = self._spawn(name, argv, env, nice)
+            self.procs.remove((name, fresh))
+            self.procs.insert(index, (name, fresh))  # its place in the stopping order
+            restarted.append(name)
+        return restarted
+
+    def _due(self, name: str, now: float) -> bool:
+        wait, not_before = self._backoff.get(name, (RESTART_FIRST_S / 2, 0.0))
+        if now < not_before:
+            return False
+        wait = min(RESTART_MAX_S, wait * 2)
+        self._backoff[name] = (wait, now + wait)
+        return True
 
     def wait_ready(self, timeout_s: float) -> None:
         client = redis.Redis.from_url(self.redis_url)
