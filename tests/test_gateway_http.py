@@ -155,6 +155,14 @@ def test_a_keys_scope_listings_ceilings_and_admin(keyed: str, r: redis.Redis, sl
         assert [m.id for m in api.models.list()] == ["tiny"]
         with pytest.raises(openai.NotFoundError):
             api.models.retrieve(slow)
+    _short, short_token = KeyStore(r).create("short", max_keep_alive_s=600)
+    with ollama.Client(host=keyed, headers={"Authorization": f"Bearer {short_token}"}) as api:
+        with pytest.raises(ollama.ResponseError) as too_long:
+            api.generate(model="tiny", prompt="hi", keep_alive="20m")
+        assert too_long.value.status_code == 403 and "600 s" in too_long.value.error
+        assert api.generate(
+            model="tiny", prompt="hi", keep_alive="5m", options={"num_predict": 1}
+        ).done
     with ollama.Client(host=keyed, headers={"Authorization": f"Bearer {admin_token}"}) as api:
         assert slow in [m.model for m in api.list().models]
         assert api.generate(model="tiny", prompt="", keep_alive=0).done_reason == "unload"

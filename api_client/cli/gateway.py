@@ -11,6 +11,7 @@ from api_client.gateway.keys import KeyStore
 from api_client.gateway.server import add_serve_arguments, serve
 from scheduler.settings import get_settings
 from scheduler.store.connection import connect_typed, resolve_redis_url
+from scheduler.units import parse_duration_s
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -50,6 +51,12 @@ def add_keys_commands(p: argparse.ArgumentParser) -> None:
         default=0,
         help="num_ctx x num_parallel at most (0: GGUFQ_HTTP_MAX_CONTEXT)",
     )
+    create.add_argument(
+        "--max-keep-alive",
+        type=parse_duration_s,
+        default=0.0,
+        help="the longest keep_alive it may ask for, e.g. 10m (0: GGUFQ_HTTP_MAX_KEEP_ALIVE_S)",
+    )
     create.set_defaults(func=cmd_keys_create)
     listing = sub.add_parser("list", help="list the keys (never their tokens)")
     listing.add_argument("--json", action="store_true")
@@ -74,6 +81,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
         args.weight,
         admin=args.admin,
         max_context=args.max_context,
+        max_keep_alive_s=args.max_keep_alive,
     )
     print(f"created key {key.id}; its token (shown once, keep it secret):")
     print(token)

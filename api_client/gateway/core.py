@@ -107,8 +107,8 @@ class Caller:
         self, options: dict[str, Any], keep_alive: str | float | None, settings: Settings
     ) -> None:
         """A non-admin key's job within its ceilings: no pin or unload by keep_alive, at
-        most GGUFQ_HTTP_MAX_KEEP_ALIVE_S, and num_ctx x num_parallel at most its
-        max_context (GGUFQ_HTTP_MAX_CONTEXT)."""
+        most its max_keep_alive_s (GGUFQ_HTTP_MAX_KEEP_ALIVE_S), and num_ctx x num_parallel
+        at most its max_context (GGUFQ_HTTP_MAX_CONTEXT)."""
         if self.key is None or self.key.admin:
             return
         if keep_alive is not None:
@@ -120,10 +120,12 @@ class Caller:
                 self.check_admin("keep a model loaded for ever (keep_alive < 0)")
             if seconds == 0:
                 self.check_admin("unload a model (keep_alive 0)")
-            if seconds > settings.http_max_keep_alive_s:
+            ceiling = self.key.max_keep_alive_s or settings.http_max_keep_alive_s
+            if seconds > ceiling:
                 raise NotPermitted(
                     f"keep_alive {keep_alive!r} is longer than API key {self.key.id!r} may ask "
-                    f"for ({settings.http_max_keep_alive_s:g} s, GGUFQ_HTTP_MAX_KEEP_ALIVE_S)"
+                    f"for ({ceiling:g} s: the key's max_keep_alive_s, else "
+                    "GGUFQ_HTTP_MAX_KEEP_ALIVE_S)"
                 )
         ctx = int(options.get("num_ctx") or settings.num_ctx)
         slots = int(options.get("num_parallel") or 1)

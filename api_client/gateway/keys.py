@@ -44,6 +44,7 @@ class ApiKey:
     weight: float = 1.0  # its share of the cluster against other keys' while jobs wait
     admin: bool = False  # may unload and pin models, and ask for large contexts
     max_context: int = 0  # num_ctx x num_parallel at most (0: GGUFQ_HTTP_MAX_CONTEXT)
+    max_keep_alive_s: float = 0.0  # keep_alive at most (0: GGUFQ_HTTP_MAX_KEEP_ALIVE_S)
 
     def check_model(self, model: str) -> None:
         if self.models and model not in self.models:
@@ -86,9 +87,10 @@ class KeyStore:
         weight: float = 1.0,
         admin: bool = False,
         max_context: int = 0,
+        max_keep_alive_s: float = 0.0,
     ) -> tuple[ApiKey, str]:
         """A new key and its token (shown once: only its hash is stored)."""
-        if max_in_flight < 0 or rpm < 0 or max_context < 0:
+        if max_in_flight < 0 or rpm < 0 or max_context < 0 or max_keep_alive_s < 0:
             raise InvalidRequest(
                 f"limits must be 0 (none) or positive; got max_in_flight={max_in_flight}, "
                 f"rpm={rpm}, max_context={max_context}"
@@ -105,6 +107,7 @@ class KeyStore:
             weight,
             admin,
             max_context,
+            max_keep_alive_s,
         )
         token = f"{PREFIX}{key.id}-{secrets.token_urlsafe(32)}"
         digest = _digest(token)
