@@ -48,7 +48,15 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
-from api_client import Client, GgufqError, Job, JobCancelled, JobLost, JobTimeout  # noqa: E402
+from api_client import (  # noqa: E402
+    Client,
+    GgufqError,
+    Job,
+    JobCancelled,
+    JobLost,
+    JobTimeout,
+    RedisUnavailable,
+)
 from api_client.results import result_key, result_ready  # noqa: E402
 from scheduler.local.stack import LocalStack  # noqa: E402
 from scheduler.protocol import JobRequest  # noqa: E402
@@ -394,14 +402,14 @@ class Reader(threading.Thread):
             except JobTimeout:
                 self.end = "timeout"
                 return
+            except (redis.RedisError, OSError) as exc:  # RedisUnavailable too: before
+                self.reconnects += 1  # GgufqError, which it also is
+                self.problem = f"{type(exc).__name__}: {exc}"
+                time.sleep(0.5)
             except GgufqError as exc:
                 self.end = f"error {type(exc).__name__}"
                 self.error = exc
                 return
-            except (redis.RedisError, OSError) as exc:
-                self.reconnects += 1
-                self.problem = f"{type(exc).__name__}: {exc}"
-                time.sleep(0.5)
             except Exception as exc:  # the reader's own crash is a finding too
                 self.end = f"crashed {type(exc).__name__}: {exc}"
                 return
@@ -426,6 +434,8 @@ def outcome_of(job: Job) -> tuple[str, str, dict[str, Any]]:
         return "cancelled", str(exc), {}
     except JobTimeout as exc:
         return "hung", str(exc), {}
+    except RedisUnavailable as exc:  # Redis away: nothing said about the job
+        return "unclear", f"{type(exc).__name__}: {exc}", {}
     except GgufqError as exc:
         return "failed", f"{type(exc).__name__}: {exc}", {}
     except Exception as exc:  # not a GgufqError: it does not say what happened
@@ -441,10 +451,10 @@ def late_read(job: Job) -> str:
     try:
         for chunk in job.stream(timeout=5, cancel_on_close=False):
             seqs.append(chunk.seq or -1)
+    except (redis.RedisError, OSError) as exc:  # RedisUnavailable too
+        return f"no answer ({exc})"
     except GgufqError as exc:
         return f"error {type(exc).__name__} after seqs {compress(seqs)}"
-    except (redis.RedisError, OSError) as exc:
-        return f"no answer ({exc})"
     return f"was given seqs {compress(seqs)}, no error"
 
 
