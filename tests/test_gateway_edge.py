@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import ollama
 import openai
 import pytest
+import redis
 
 from api_client.gateway.edge import EdgeRules, host_allowed, host_name, origin_allowed
 from scheduler.local.stack import LocalStack
+from scheduler.store import keys
 from tests.gateway_server import running_gateway
 
 LIMIT = 4096
@@ -147,3 +150,44 @@ def test_a_schema_over_the_bounds_is_a_400_naming_the_limit(url: str) -> None:
         )
     assert "at most 1,024" in str(bad.value)
     client.close()
+
+
+def test_a_flood_of_maximal_requests_over_http_gets_typed_refusals(
+    stack: LocalStack, r: redis.Redis
+) -> None:
+    """Redis with 64 MiB to spare: ten requests of the largest text at once through the
+    gateway get 503 (Redis has no room, with Retry-After) or the job's own typed error,
+    never a 500 from Redis, and a small request is served meanwhile."""
+    before = r.config_get("maxmemory")["maxmemory"]
+    for counted in r.scan_iter(f"{keys.MEMORY_ADMITTED}:*"):  # another test's, lately
+        r.delete(counted)
+    r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + (64 << 20))
+    big = {"model": "tiny", "prompt": "x " * 2_000_000, "stream": False}
+    big["options"] = {"num_predict": 1}
+    try:
+        with (
+            running_gateway(stack.settings) as url,
+            httpx.Client(timeout=120) as http,
+            ThreadPoolExecutor(10) as pool,
+        ):
+            answers = list(
+                pool.map(lambda _: http.post(f"{url}/api/generate", json=big), range(10))
+            )
+            small = http.post(
+                f"{url}/api/generate",
+                json={
+                    "model": "tiny",
+                    "prompt": "hi",
+                    "stream": False,
+                    "options": {"num_predict": 1},
+                },
+            )
+    finally:
+        r.config_set("maxmemory", before)
+    statuses = sorted(a.status_code for a in answers)
+    refused = [a for a in answers if a.status_code == 503]
+    assert refused, statuses
+    assert all("maxmemory" in a.json()["error"] for a in refused)  # no room, or Redis full
+    assert all(a.headers.get("retry-after") for a in refused)
+    assert all(a.status_code in (400, 503) for a in answers), statuses  # typed, each
+    assert small.status_code == 200 and small.json()["done"]

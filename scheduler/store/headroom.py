@@ -1,32 +1,36 @@
 """Room in Redis for a new job. Redis runs with a ``maxmemory`` and ``noeviction``: past it
 every write is refused, those of the jobs already running included. So a large job is
-admitted only while Redis has room for its text several times over (it travels through
-its claim, its parked record, its in-flight record, its Celery message and its result),
-and a write refused for memory reaches the caller as :class:`ServerBusy` naming the
-cause, never as redis-py's error. Small jobs are not looked at (a look is a round trip):
-they fit in the margin kept below the limit."""
+admitted only while Redis has room for its text ten times over (COPIES), counting the
+jobs admitted in the last seconds, in one step (``lua/admit.lua``: jobs arriving at once
+cannot all see the same room); and a write refused for memory reaches the caller as
+:class:`ServerBusy` naming the cause, never as redis-py's error. Small jobs are not looked
+at (a look is a round trip): they fit in the margin kept below the limit."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import redis
 
 from scheduler.errors import ServerBusy
+from scheduler.store import keys
+from scheduler.store.scripts import script
 from scheduler.units import format_bytes
 
-COPIES = 6  # records a job's text is in on its way, at most at once
+# records a job's text is in on its way, at most at once: its claim, its placement and
+# device queues' messages (base64, a third larger) and their unacknowledged copies, its
+# parked record, its hold, its in-flight record, its stream and result
+COPIES = 10
+COUNTED_S = 10  # a job admitted is counted this long (its records are written by then)
 LOOK_FROM_BYTES = 64 << 10  # a job's text smaller than this is admitted without a look
 MARGIN = 0.9  # admitted while used + COPIES x the job's bytes stay under this x maxmemory
 
 
-def refusal(used: int, maxmemory: int, job_bytes: int) -> ServerBusy | None:
-    """Why a job of ``job_bytes`` may not come in now (None: it may). Pure."""
+def refusal(used: int, maxmemory: int, job_bytes: int) -> ServerBusy:
+    """Why a job of ``job_bytes`` may not come in now (``used``: what Redis uses and what
+    was admitted lately)."""
     needed = COPIES * job_bytes
-    if maxmemory <= 0 or used + needed <= MARGIN * maxmemory:
-        return None
     return ServerBusy(
         f"Redis has {format_bytes(max(0, maxmemory - used))} left of its maxmemory "
         f"{format_bytes(maxmemory)}, and this job's text ({format_bytes(job_bytes)}) needs "
@@ -36,18 +40,26 @@ def refusal(used: int, maxmemory: int, job_bytes: int) -> ServerBusy | None:
 
 
 def admit(r: redis.Redis, job_bytes: int) -> None:
-    """Raise :class:`ServerBusy` when Redis has no room for a job of ``job_bytes``."""
+    """Raise :class:`ServerBusy` when Redis has no room for a job of ``job_bytes``; else
+    count the room it takes (one step: jobs arriving at once each see the others')."""
     if job_bytes < LOOK_FROM_BYTES:
         return
-    memory: dict[str, Any] = r.info("memory")
-    busy = refusal(int(memory.get("used_memory", 0)), int(memory.get("maxmemory", 0)), job_bytes)
-    if busy is not None:
-        raise busy
+    argv = [COPIES * job_bytes, MARGIN, COUNTED_S]
+    ok, used, maxmemory = script(r, "admit")(keys=[keys.MEMORY_ADMITTED], args=argv)
+    if not ok:
+        raise refusal(int(used), int(maxmemory), job_bytes)
 
 
-def is_full(exc: BaseException) -> bool:
-    """Whether ``exc`` is Redis refusing a write for memory (a command's, or a script's)."""
-    return isinstance(exc, redis.OutOfMemoryError) or "OOM command not allowed" in str(exc)
+def is_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is Redis refusing a write for memory: a command's, a script's, or
+    either as Celery's sending wraps it (kombu's OperationalError, caused by it)."""
+    for _ in range(8):  # the error, and what caused it
+        if exc is None:
+            return False
+        if isinstance(exc, redis.OutOfMemoryError) or "used memory > 'maxmemory'" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 @contextmanager

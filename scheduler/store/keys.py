@@ -160,3 +160,7 @@ def api_key_minute(key_id: str, minute: int) -> str:
 
 def gateway_beat(gateway_id: str) -> str:
     return f"{PREFIX}:gateway:{gateway_id}"  # string with a TTL: that gateway process is alive
+
+
+# prefix of the counters (one a second) of bytes admitted lately (scheduler/store/headroom.py)
+MEMORY_ADMITTED = f"{PREFIX}:memory:admitted"

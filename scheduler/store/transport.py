@@ -4,6 +4,9 @@ Redis that goes away:
 - a queue item that is not a message (not JSON, or not an envelope) is logged and dropped:
   kombu's own channel raises out of the consumer's event loop, and Celery then stops the
   whole worker ("Unrecoverable error") over one bad item;
+- a message taken off a queue when Redis is full (its maxmemory reached) is handled without
+  its unacknowledged record, and acknowledged here only: kombu raises, and Celery stops the
+  worker, the message lost with it;
 - giving back unacknowledged messages when the connection closes under them (Redis
   restarted) is best effort: kombu's raises (its connection is already gone) and Celery
   stops the worker; the messages stay in Redis's unacked index, and the visibility-timeout
@@ -26,6 +29,9 @@ from typing import Any
 
 from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual as kombu_virtual
+
+from scheduler.store.headroom import is_full
 
 log = logging.getLogger("ggufq.transport")
 _NOT_A_MESSAGE = (ValueError, TypeError, KeyError, AttributeError)
@@ -37,6 +43,31 @@ EVENTS_AFTER_S = 0.05  # past a short job's first token
 
 
 class QoS(kombu_redis.QoS):
+    def append(self, message: Any, delivery_tag: Any) -> None:
+        """Record a message taken off a queue as unacknowledged; when Redis refuses that for
+        memory, the message is handled all the same, without the record (it is this
+        process's now: raising would stop the worker and lose it)."""
+        try:
+            super().append(message, delivery_tag)  # type: ignore[no-untyped-call]
+        except Exception as exc:
+            if not is_full(exc):
+                raise
+            log.warning(
+                "Redis is full: message %s is handled without its unacked record", delivery_tag
+            )
+            kombu_virtual.QoS.append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag: Any) -> None:
+        try:
+            super().ack(delivery_tag)  # type: ignore[no-untyped-call]
+        except Exception as exc:
+            if not is_full(exc):
+                raise
+            # its record stays, given back after the visibility timeout; the job's placement
+            # claim places it once however often it comes
+            log.warning("Redis is full: message %s acknowledged here only", delivery_tag)
+            kombu_virtual.QoS.ack(self, delivery_tag)
+
     def restore_unacked(self, client: Any = None) -> None:
         try:
             super().restore_unacked(client)  # type: ignore[no-untyped-call]
