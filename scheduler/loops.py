@@ -40,9 +40,12 @@ class LoopHealth:
                 if now - since > longer_than_s
             }
 
-    def describe(self, now: float, longer_than_s: float) -> str:
-        """One line for a health record: "" when healthy."""
+    def describe(self, now: float, longer_than_s: float, writer: str = "") -> str:
+        """One line for a health record: "" when healthy. ``writer``, the loop writing the
+        record, is left out: it works, since it writes (before, its first beat after Redis
+        came back said it was failing, and read unhealthy until the next beat)."""
         failing = self.failing(now, longer_than_s)
+        failing.pop(writer, None)
         return "; ".join(f"{name}: {error}" for name, error in sorted(failing.items()))
 
 

@@ -369,6 +369,10 @@ def test_a_loop_survives_what_its_step_raises_and_reports_it_while_it_fails() ->
     assert not outcomes  # every step ran: the exceptions did not end the loop
     assert seen == [{"demo": "ValueError: bad message"}, {"demo": "KeyError: 'x'"}]
     assert health.describe(now[0] + 100, 5.0) == ""
+    # the loop that writes the health record does not call itself failing as it writes it
+    health.failed("heartbeat", "ConnectionError: refused", 0.0)
+    health.failed("strays", "ConnectionError: refused", 0.0)
+    assert health.describe(100.0, 5.0, "heartbeat") == "strays: ConnectionError: refused"
 
 
 def test_a_hole_the_stream_record_cannot_fill_is_an_error_and_garbage_is_ignored() -> None:

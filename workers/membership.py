@@ -39,7 +39,7 @@ class Membership:
 
     def beat(self) -> None:
         # a loop counts as failing after three heartbeats without a success
-        failing = self.health.describe(time.monotonic(), 3 * self.interval_s)
+        failing = self.health.describe(time.monotonic(), 3 * self.interval_s, "heartbeat")
         missing = set(self.state.heartbeat(reported_free(self.devices), failing))
         if missing:
             log.warning(

@@ -65,7 +65,7 @@ class Liveness:
         may take longer than the TTL, and the jobs of a process silent that long are put
         back by the others."""
         every = self.service.settings.heartbeat_interval_s
-        self._beat_now(self.health.describe(time.monotonic(), 3 * every))
+        self._beat_now(self.health.describe(time.monotonic(), 3 * every, "placement-heart"))
 
     def _beat_now(self, failing: str) -> float:
         """Beat, and keep the service's clock on Redis's; returns Redis's time."""
@@ -80,7 +80,7 @@ class Liveness:
         placement processes had in hand."""
         service, settings = self.service, self.service.settings
         now = time.monotonic()
-        failing = self.health.describe(now, 3 * settings.heartbeat_interval_s)
+        failing = self.health.describe(now, 3 * settings.heartbeat_interval_s, "placement-alive")
         try:
             beat = self._beat_now(failing)
         except redis.RedisError:
