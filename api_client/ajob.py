@@ -105,10 +105,7 @@ class AsyncJob:
                 self.cancel_once_back()
             raise
         except TimeoutError:
-            raise JobTimeout(
-                f"job {self.id} sent nothing for {wait} s; it is still queued or running: "
-                f"wait longer, or check `ggufq ps` and the worker logs"
-            ) from None
+            raise self.job.silent_for(wait) from None
         finally:
             if lease is not None:  # a reader that gave up before its job ended leaves its
                 # lease to lapse, which cancels the job as a reader that went away does (one

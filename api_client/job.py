@@ -122,13 +122,17 @@ class Job:
                 self.cancel()
             raise
         except TimeoutError:
-            raise JobTimeout(
-                f"job {self.id} sent nothing for {wait} s; it is still queued or running: "
-                f"wait longer, or check `ggufq ps` and the worker logs"
-            ) from None
+            raise self.silent_for(wait) from None
         finally:
             if lease is not None and lease.renewed_at is not None:
                 release(self.client.r, lease)
+
+    def silent_for(self, wait: float) -> JobTimeout:
+        """The error of a stream that sent nothing for ``wait`` s (the job goes on)."""
+        return JobTimeout(
+            f"job {self.id} sent nothing for {wait} s; it is still queued or running: "
+            f"wait longer, or check `ggufq ps` and the worker logs"
+        )
 
     def result(self, timeout: float | None = None) -> GenerateResponse:
         """The final record with the whole text, from the Celery result backend."""

@@ -5,10 +5,13 @@ Pure threading: no Redis here."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("ggufq.loops")
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)  # after 1, 2, ... failures in a row
@@ -106,3 +109,13 @@ def start_loop(
     )
     thread.start()
     return thread
+
+
+async def stop_task(task: asyncio.Task[Any] | None) -> None:
+    """Cancel an asyncio background task and wait for it to end (what it raised is its
+    own loop's to log: it is over)."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

@@ -29,7 +29,6 @@ from api_client.gateway.edge import EdgeRules, split_list, too_large
 from api_client.gateway.errors import headers_for, http_error, ollama_body, openai_body
 from api_client.gateway.keys import (
     GATEWAY_BEAT_S,
-    GATEWAY_TTL_S,
     ApiKey,
     KeyStore,
     Limiter,
@@ -37,8 +36,8 @@ from api_client.gateway.keys import (
 )
 from api_client.gateway.metrics import GatewayMetrics
 from scheduler.errors import GgufqError
+from scheduler.loops import stop_task
 from scheduler.settings import Settings
-from scheduler.store.keys import gateway_beat
 
 log = logging.getLogger("ggufq.gateway")
 _OPEN_PATHS = frozenset({"/", "/api/version", "/metrics"})  # answered without a key
@@ -147,7 +146,7 @@ class Guard:
                 return
             receive = _limited(receive, self.rules.max_body_bytes)
             if self.require_keys and scope["path"] not in _OPEN_PATHS:
-                key, ticket = await self._admit(scope)
+                key, ticket = await self._admit(headers)
             scope.setdefault("state", {})["caller"] = Caller(key)
             await self.app(scope, receive, counted)
         except GgufqError as exc:
@@ -159,8 +158,7 @@ class Guard:
             label = getattr(route, "path", "other")
             self.metrics.observe(label, seen["status"], key.id if key else "", seen["ttfb"])
 
-    async def _admit(self, scope: Scope) -> tuple[ApiKey, str | None]:
-        headers = dict(scope["headers"])
+    async def _admit(self, headers: dict[bytes, bytes]) -> tuple[ApiKey, str | None]:
         token = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
         r, limiter = self.gateway.client.sync.r, self.limiter
         assert limiter is not None  # made where keys are required
@@ -186,7 +184,7 @@ async def _beat(limiter: Limiter, cluster: AsyncClient) -> None:
 
 
 async def _beat_once(limiter: Limiter, cluster: AsyncClient) -> None:
-    await cluster.side.set(gateway_beat(limiter.gateway_id), 1, ex=GATEWAY_TTL_S)
+    await limiter.beat(cluster.side)
 
 
 def make_app(
@@ -211,10 +209,7 @@ def make_app(
                 await _beat_once(limiter, cluster)
             beating = asyncio.create_task(_beat(limiter, cluster))
         yield
-        if beating is not None:
-            beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beating
+        await stop_task(beating)
         if own:
             await cluster.close()
 

@@ -19,9 +19,10 @@ import secrets
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import redis
+import redis.asyncio
 
 from api_client.gateway.errors import Forbidden, RateLimited, Unauthorized
 from scheduler.errors import InvalidRequest
@@ -179,9 +180,10 @@ class Limiter:
         self.r = r
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
 
-    def beat(self) -> None:
-        """This gateway process is alive (call every GATEWAY_BEAT_S)."""
-        self.r.set(names.gateway_beat(self.gateway_id), 1, ex=GATEWAY_TTL_S)
+    def beat(self, r: redis.Redis | redis.asyncio.Redis | None = None) -> Any:
+        """This gateway process is alive (call every GATEWAY_BEAT_S), through ``r`` (an
+        asyncio client's call returns what to await), else this limiter's client."""
+        return (r or self.r).set(names.gateway_beat(self.gateway_id), 1, ex=GATEWAY_TTL_S)
 
     def admit(self, key: ApiKey, now: float) -> str | None:
         """Count one request against the key's limits; the ticket to :meth:`done`, or None

@@ -22,6 +22,8 @@ from typing import Any
 import redis
 import redis.asyncio
 
+from scheduler.loops import stop_task
+
 log = logging.getLogger(__name__)
 Message = dict[str, Any]
 RETRY_S = (0.1, 0.25, 0.5, 1.0)  # waits between attempts to subscribe again after a loss
@@ -125,10 +127,7 @@ class Hub:
 
     async def aclose(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await stop_task(self._task)
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
                 await self._pubsub.aclose()

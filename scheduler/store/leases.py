@@ -22,6 +22,7 @@ from typing import Any
 
 import redis.asyncio
 
+from scheduler.loops import stop_task
 from scheduler.store.cancel import ReaderLease, queue_cancel
 
 log = logging.getLogger(__name__)
@@ -61,10 +62,7 @@ class Leases:
 
     async def aclose(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await stop_task(self._task)
         with contextlib.suppress(Exception):  # the last ones, once
             await self._send([], self._released, dict(self._cancels))
 
