@@ -24,6 +24,7 @@ from scheduler.placement.service import PlacementService
 from scheduler.protocol import SentJob
 from scheduler.settings import Settings
 from scheduler.store import keys
+from scheduler.store.acl import Role, Users
 from scheduler.store.celery_app import close_app, make_app
 from scheduler.store.clock import redis_now
 from scheduler.store.placement_state import PlacementState
@@ -53,10 +54,47 @@ def models_dir(session_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def redis_server(session_dir: Path) -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis(session_dir / "redis")
+    """The session's Redis: its default user has no password (the tests' own clients are
+    the administrator), and the session stack's processes run as their roles' ACL users:
+    whatever a role is refused fails the session at its end."""
+    server = EmbeddedRedis(session_dir / "redis", users=Users.fresh(admin=""))
     server.start()
     yield server
+    refused = acl_refusals(server.url)
     server.stop()
+    assert not refused, f"Redis refused a role a command, a key or a channel: {refused}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_acl_refusals() -> Iterator[None]:
+    """Every stack that starts its own Redis (with an ACL user per role) says, as it stops,
+    what Redis refused its processes: any such refusal fails the session at its end."""
+    told: list[str] = []
+    tell = LocalStack._tell_refusals
+
+    def collect(stack: LocalStack) -> list[str]:
+        lines = tell(stack)
+        told.extend(lines)
+        return lines
+
+    LocalStack._tell_refusals = collect  # type: ignore[method-assign]
+    yield
+    LocalStack._tell_refusals = tell  # type: ignore[method-assign]
+    assert not told, f"Redis refused a role of a stack: {told}"
+
+
+def acl_refusals(url: str) -> list[str]:
+    """What Redis's ACL refused since it started: user, command, object, reason."""
+    client = redis.Redis.from_url(url)
+    try:
+        entries = client.acl_log(count=100)
+    finally:
+        client.close()
+    return [
+        f"{e.get('username')} {e.get('context')} {e.get('object')} {e.get('reason')}"
+        for e in entries
+        if e.get("username") != "default"
+    ]
 
 
 def stack_env(models_dir: Path, state_dir: Path, host: str = HOST) -> dict[str, str]:
@@ -80,7 +118,10 @@ def settings_from(env: dict[str, str], redis_url: str | None) -> Settings:
 def stack(redis_server: EmbeddedRedis, models_dir: Path, session_dir: Path) -> Iterator[LocalStack]:
     env = dict(stack_env(models_dir, session_dir / "state"), GGUFQ_METRICS_PORT=str(free_port()))
     settings = settings_from(env, redis_server.url)
-    with LocalStack(settings, log_dir=session_dir / "logs", extra_env=env) as running:
+    roles = {role: redis_server.role_url(role) for role in Role}
+    with LocalStack(
+        settings, log_dir=session_dir / "logs", extra_env=env, role_urls=roles
+    ) as running:
         yield running
 
 
@@ -91,7 +132,8 @@ def settings(stack: LocalStack) -> Settings:
 
 @pytest.fixture()
 def client(stack: LocalStack, settings: Settings) -> Iterator[Client]:
-    with Client(stack.redis_url, settings=settings, timeout=60) as c:
+    # as the gateway's Redis user: what a program that submits jobs is given
+    with Client(stack.role_urls[Role.GATEWAY], settings=settings, timeout=60) as c:
         yield c
 
 

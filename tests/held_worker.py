@@ -23,7 +23,7 @@ HOLD = "HOLD:"
 
 
 def release_key(job_id: str) -> str:
-    return f"ggufq-test:release:{job_id}"
+    return f"ggufq:test:release:{job_id}"  # in the cluster keys a worker's ACL user may touch
 
 
 def release(client: redis.Redis, job_id: str) -> None:

@@ -53,7 +53,22 @@ def test_compose_file_is_valid_and_complete(tmp_path: Path) -> None:
         assert worker["environment"]["GGUFQ_HOST_ID"] == f"gpuhost-{index}"
         assert worker["build"]["dockerfile"] == "Dockerfile.cuda"
         assert any(str(v).endswith("/models:ro") for v in worker["volumes"])
-    assert "change-me@redis:6379" in services["placement"]["environment"]["GGUFQ_REDIS_URL"]
+    assert redis_cmd[redis_cmd.index("--aclfile") + 1] == "/etc/redis/users.acl"
+    assert "--requirepass" not in redis_cmd  # the ACL file's default user has it
+    assert any(str(v).endswith(":/etc/redis/users.acl:ro") for v in services["redis"]["volumes"])
+    for name, service in services.items():  # each process as its role's ACL user
+        if name != "redis":
+            url = service["environment"]["GGUFQ_REDIS_URL"]
+            assert url.startswith(f"redis://{ROLES[name]}:change-me-{ROLES[name]}@redis:6379/0")
+
+
+ROLES = {
+    "placement": "placement",
+    "worker-gpu0": "worker",
+    "worker-gpu1": "worker",
+    "worker-cpu": "worker",
+    "flower": "monitor",
+}
 
 
 @needs_tool("docker-compose", "apt-get install docker-compose")
@@ -62,12 +77,13 @@ def test_the_tls_override_puts_every_process_on_tls(tmp_path: Path) -> None:
     redis_cmd = services["redis"]["command"]
     assert redis_cmd[redis_cmd.index("--port") + 1] == "0"  # no plain port
     assert redis_cmd[redis_cmd.index("--tls-port") + 1] == "6380"
-    assert "noeviction" in redis_cmd and "--requirepass" in redis_cmd
+    assert "noeviction" in redis_cmd and "--aclfile" in redis_cmd
     for name, service in services.items():
         if name == "redis":
             continue
         url = service["environment"]["GGUFQ_REDIS_URL"]
-        assert url.startswith("rediss://:change-me@redis:6380/0?ssl_cert_reqs=required"), name
+        role = ROLES[name]
+        assert url.startswith(f"rediss://{role}:change-me-{role}@redis:6380/0?ssl_cert_reqs="), name
         assert any(str(v).endswith("/tls:ro") for v in service["volumes"]), name
         assert any(str(v).endswith("/models:ro") for v in service["volumes"]), name
 

@@ -17,6 +17,7 @@ import pytest
 from api_client import Client
 from scheduler.local.embedded import free_port
 from scheduler.local.stack import LocalStack
+from scheduler.store.acl import Role
 from tests.conftest import needs_tool, settings_from, stack_env, wait_for
 from tests.tinymodel import write_slow_model
 
@@ -55,7 +56,7 @@ def flower(slow_stack: LocalStack) -> Iterator[str]:
     env = {
         **os.environ,
         **slow_stack.extra_env,
-        "GGUFQ_REDIS_URL": slow_stack.redis_url,
+        "GGUFQ_REDIS_URL": slow_stack.role_urls[Role.MONITOR],  # Flower's read-only user
         "FLOWER_UNAUTHENTICATED_API": "true",
     }
     assert slow_stack.log_dir is not None

@@ -127,6 +127,24 @@ def test_keys_are_required_when_asked_for(keyed: str, r: redis.Redis) -> None:
     assert gone.status_code == 401
 
 
+def test_a_key_made_by_an_older_ggufq_moves_into_its_keyspace(keyed: str, r: redis.Redis) -> None:
+    """Before the API keys had a keyspace of their own (which only the gateway's Redis user
+    may touch), they lived under ggufq:apikey*: such a key still works once moved."""
+    key, token = KeyStore(r).create("from-before")
+    digest = r.hget(keys.API_KEYS, key.id)
+    assert digest is not None
+    r.rename(keys.api_key(digest.decode()), keys.old_api_key(digest.decode()))
+    r.hdel(keys.API_KEYS, key.id)
+    r.hset(keys.OLD_API_KEYS, key.id, digest)
+    headers = {"Authorization": f"Bearer {token}"}
+    assert httpx.get(f"{keyed}/api/tags", headers=headers).status_code == 401  # not moved yet
+    assert KeyStore(r).move_old() == 1  # as a gateway's start, or `ggufq keys`, does
+    assert KeyStore(r).move_old() == 0
+    assert not r.exists(keys.OLD_API_KEYS, keys.old_api_key(digest.decode()))
+    assert httpx.get(f"{keyed}/api/tags", headers=headers).status_code == 200
+    KeyStore(r).revoke(key.id)
+
+
 def test_a_keys_scope_listings_ceilings_and_admin(keyed: str, r: redis.Redis, slow: str) -> None:
     """A key sees only its models in every listing; only an admin key unloads or pins a
     model, or asks for more context than its ceiling; no answer names a file path."""

@@ -17,6 +17,7 @@ from scheduler.errors import GgufqError, JobCancelled
 from scheduler.gguf.registry import Registry
 from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
+from scheduler.store.acl import Role
 from scheduler.store.celery_app import make_app
 from scheduler.store.connection import connect, resolve_redis_url
 from scheduler.units import parse_bytes
@@ -33,7 +34,7 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
     # CUDA numbers GPUs fastest first by default, NVML by PCI bus: make them agree, so that
     # gpu:<host>:<n> is CUDA device n for llama.cpp (before CUDA starts in this process)
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    redis_url = resolve_redis_url(settings)
+    redis_url = resolve_redis_url(settings, Role.WORKER)
     app = make_app(redis_url, settings, stash_unacked=False)  # see make_app
     host = settings.host_id
     devices = detect_devices(host, "", virtual_sizes, use_gpus)

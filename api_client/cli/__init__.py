@@ -2,7 +2,8 @@
 
 This module owns the parser and the dispatch; each command lives with its kind: jobs.py
 (run, batch), cluster.py (ps, devices, jobs, load, unload, cancel), ops.py (up, worker,
-placement, flower, config, models, estimate), gateway.py (serve, keys), demo.py (demo).
+placement, flower, config, models, estimate), gateway.py (serve, keys), access.py (acl),
+demo.py (demo).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import redis
+
+from api_client.cli.access import add_acl_arguments, cmd_acl
 from api_client.cli.cluster import (
     cmd_cancel,
     cmd_devices,
@@ -52,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     except GgufqError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except redis.exceptions.NoPermissionError as exc:
+        print(
+            f"error: Redis refused this to the user of GGUFQ_REDIS_URL ({exc}); run it as a "
+            "user allowed to: `ggufq keys` as the administrator (REDIS_PASSWORD), the rest as "
+            "any role (README, Security)",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         return 130
 
@@ -74,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(p)
     p = command("keys", lambda _a: 2, "manage the gateway's API keys: create, list, revoke")
     add_keys_commands(p)
+    p = command("acl", cmd_acl, "make Redis ACL users, one per role, for a deployment")
+    add_acl_arguments(p)
     p = command("demo", cmd_demo, "run example prompts through the demo model on a local stack")
     p.add_argument("--prompts", type=Path, help='a JSONL file of {"prompt": ...} rows')
     p = command(

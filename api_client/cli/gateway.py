@@ -68,7 +68,9 @@ def add_keys_commands(p: argparse.ArgumentParser) -> None:
 
 def _store() -> KeyStore:
     settings = get_settings()
-    return KeyStore(connect_typed(resolve_redis_url(settings)), settings.http_key_secret)
+    store = KeyStore(connect_typed(resolve_redis_url(settings)), settings.http_key_secret)
+    store.move_old()  # keys made by an older ggufq, into their own keyspace
+    return store
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:

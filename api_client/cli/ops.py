@@ -25,6 +25,7 @@ from scheduler.local.stack import LocalStack
 from scheduler.placement.process import main as placement_main
 from scheduler.protocol import RunnerConfig
 from scheduler.settings import describe, get_settings, masked
+from scheduler.store.acl import Role
 from scheduler.units import format_bytes
 
 
@@ -38,7 +39,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     stack.start()
     where = ""
     if not args.no_http:
-        stack.add_process("gateway", "api_client.gateway")
+        stack.add_process("gateway", "api_client.gateway", role=Role.GATEWAY)
         where = f"; HTTP gateway on http://{settings.http_host}:{settings.http_port}"
     print(f"ggufq is up: Redis {masked(stack.redis_url)}{where}; Ctrl-C stops it", flush=True)
     try:

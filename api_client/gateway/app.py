@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import redis
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -38,6 +39,9 @@ from api_client.gateway.metrics import GatewayMetrics
 from scheduler.errors import GgufqError
 from scheduler.loops import stop_task
 from scheduler.settings import Settings
+from scheduler.store import keys as names
+from scheduler.store.acl import Role
+from scheduler.store.connection import resolve_redis_url
 
 log = logging.getLogger("ggufq.gateway")
 _OPEN_PATHS = frozenset({"/", "/api/version", "/metrics"})  # answered without a key
@@ -171,6 +175,16 @@ class Guard:
         return await asyncio.to_thread(admit)
 
 
+async def _move_old_keys(store: KeyStore) -> None:
+    try:
+        moved = await asyncio.to_thread(store.move_old)
+    except redis.RedisError as exc:
+        log.warning("could not move API keys made by an older ggufq (%s); next start tries", exc)
+        return
+    if moved:
+        log.info("moved %d API keys into their own keyspace (%s)", moved, names.AUTH_PREFIX)
+
+
 async def _beat(limiter: Limiter, cluster: AsyncClient) -> None:
     """Say this gateway process is alive, so that its requests in flight count against
     their keys' limits (and stop counting soon after it dies): on the client's own side
@@ -193,6 +207,7 @@ def make_app(
     """The gateway app. ``client`` defaults to one made (and closed) with the app's life."""
     own = client is None
     cluster = client or AsyncClient(
+        resolve_redis_url(settings, Role.GATEWAY),  # the stack's gateway user, if it has one
         settings=settings,
         timeout=settings.http_timeout_s,
         max_connections=settings.http_redis_connections,
@@ -205,6 +220,7 @@ def make_app(
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         beating = None
         if limiter is not None:
+            await _move_old_keys(KeyStore(cluster.sync.r, settings.http_key_secret))
             with contextlib.suppress(Exception):  # alive before the first request is admitted
                 await _beat_once(limiter, cluster)
             beating = asyncio.create_task(_beat(limiter, cluster))

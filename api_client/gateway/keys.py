@@ -120,6 +120,23 @@ class KeyStore:
         pipe.execute()
         return key, token
 
+    def move_old(self) -> int:
+        """Move the records of keys made before they had a keyspace of their own (under
+        ``ggufq:apikey``) into it; the number moved. Done again it moves nothing."""
+        moved = 0
+        for key_id, digest in self.r.hgetall(names.OLD_API_KEYS).items():
+            old, new = names.old_api_key(_text(digest)), names.api_key(_text(digest))
+            raw = self.r.get(old)
+            pipe = self.r.pipeline()
+            if raw is not None:
+                pipe.set(new, raw)
+                pipe.hset(names.API_KEYS, _text(key_id), _text(digest))
+                moved += 1
+            pipe.delete(old)
+            pipe.hdel(names.OLD_API_KEYS, key_id)
+            pipe.execute()
+        return moved
+
     def list(self) -> list[ApiKey]:
         keys = []
         for digest in self.r.hvals(names.API_KEYS):

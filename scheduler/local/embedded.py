@@ -3,6 +3,7 @@ port."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import redis
 
 from scheduler.errors import StackFailed
 from scheduler.local.procs import niced_child_preexec
+from scheduler.store.acl import Role, Users
 
 
 def redis_server_path() -> str:
@@ -33,6 +35,15 @@ def redis_server_path() -> str:
     return found
 
 
+def server_major(binary: str) -> int:
+    """The major version of a redis-server binary (``Redis server v=6.2.5 ...`` → 6)."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+        return int(out.stdout.split("v=", 1)[1].split(".", 1)[0])
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return 6  # the older rules hold on every version that has ACLs
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -42,7 +53,9 @@ def free_port() -> int:
 class EmbeddedRedis:
     """redis-server bound to 127.0.0.1, stopped with the stack. It keeps its data in an
     append-only file in ``data_dir`` (fsync every second), so restarting ``ggufq up`` keeps
-    the queued and parked jobs, the streams and the results."""
+    the queued and parked jobs, the streams and the results. With ``users``, it has an ACL
+    user per role (scheduler/store/acl.py) and ``users.admin`` is the default user's
+    password; else ``password`` is (none if empty)."""
 
     def __init__(
         self,
@@ -51,11 +64,15 @@ class EmbeddedRedis:
         password: str = "",
         nice: int = 0,
         maxmemory: int = 0,
+        users: Users | None = None,
+        binary: str | None = None,
     ) -> None:
+        self.binary = binary  # None: redis_server_path()
         self.maxmemory = maxmemory  # bytes; 0: no limit
         self.port = port or free_port()
         self.data_dir = Path(data_dir)
-        self.password = password
+        self.users = users
+        self.password = users.admin if users is not None else password
         self.nice = nice
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -64,12 +81,26 @@ class EmbeddedRedis:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
+    def role_url(self, role: Role) -> str:
+        """The URL of ``role``'s ACL user; the administrator's without ``users``."""
+        return self.users.url(self.url, role) if self.users is not None else self.url
+
+    def _auth_args(self, binary: str) -> list[str]:
+        if self.users is None:
+            return ["--requirepass", self.password] if self.password else []
+        path = self.data_dir / "users.acl"  # digests only, but nobody else's business
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.users.acl_file(server_major(binary)))
+        return ["--aclfile", str(path)]
+
     def start(self, timeout_s: float = 10.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.data_dir / "redis-server.log"
+        binary = self.binary or redis_server_path()
         self.proc = subprocess.Popen(
             [
-                redis_server_path(),
+                binary,
                 "--port",
                 str(self.port),
                 "--bind",
@@ -90,7 +121,7 @@ class EmbeddedRedis:
                 "warning",
                 "--logfile",
                 str(log_path),
-                *(["--requirepass", self.password] if self.password else []),
+                *self._auth_args(binary),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

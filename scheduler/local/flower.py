@@ -15,6 +15,7 @@ from typing import Any
 from celery import Celery
 
 from scheduler.settings import Settings, get_settings
+from scheduler.store.acl import Role
 from scheduler.store.celery_app import make_app
 from scheduler.store.connection import resolve_redis_url
 
@@ -22,7 +23,8 @@ from scheduler.store.connection import resolve_redis_url
 def flower_app(settings: Settings) -> Celery:
     """The app Flower runs on: kombu's plain Redis transport, whose URL scheme Flower's
     broker page knows (Flower only reads the queues, never consumes them)."""
-    app = make_app(resolve_redis_url(settings), settings)
+    # no unacked bookkeeping: Flower takes no job, and must not put others' messages back
+    app = make_app(resolve_redis_url(settings, Role.MONITOR), settings, stash_unacked=False)
     app.conf.broker_transport = None
     return app
 

@@ -7,7 +7,6 @@ their work. Children die with this process (no orphans) and stop in order on SIG
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from scheduler.errors import StackFailed
 from scheduler.local.embedded import EmbeddedRedis
 from scheduler.local.procs import niced_child_preexec
 from scheduler.settings import Settings
+from scheduler.store.acl import Role, Users
 from scheduler.store.connection import clear_runtime, write_runtime
 from scheduler.store.readers import ClusterReader
 
@@ -37,6 +37,7 @@ class LocalStack:
         log_dir: Path | None = None,
         extra_env: dict[str, str] | None = None,
         worker_module: str = "workers.main",
+        role_urls: dict[Role, str] | None = None,
     ) -> None:
         self.settings = settings
         self.worker_args = worker_args or []
@@ -45,10 +46,13 @@ class LocalStack:
         self.extra_env = extra_env or {}
         self.redis: EmbeddedRedis | None = None
         self.redis_url = settings.redis_url or ""
+        # each child's Redis user (scheduler/store/acl.py): given, or made with the Redis
+        # this stack starts; without them every child uses redis_url
+        self.role_urls = dict(role_urls or {})
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self._logs: list[IO[bytes]] = []
         # how each child was started, and when one that died may start again
-        self._recipes: dict[str, tuple[list[str], dict[str, str] | None, int]] = {}
+        self._recipes: dict[str, tuple[list[str], dict[str, str] | None, int, Role | None]] = {}
         self._backoff: dict[str, tuple[float, float]] = {}  # name -> (wait s, not before)
 
     def __enter__(self) -> LocalStack:
@@ -66,20 +70,29 @@ class LocalStack:
             nice = self.settings.helper_nice
             if not self.redis_url:
                 state = Path(self.settings.state_dir).expanduser()
-                # a password of its own each start: another user of this host cannot reach
-                # it; ggufq's commands read the URL from the runtime file (owner-only)
+                # passwords of its own each start: another user of this host cannot reach
+                # it; ggufq's commands read the administrator's URL from the runtime file
+                # (owner-only), and each child gets its role's user
                 self.redis = EmbeddedRedis(
                     state / "redis",
                     nice=nice,
                     maxmemory=self.settings.redis_maxmemory,
-                    password=secrets.token_urlsafe(24),
+                    users=Users.fresh(),
                 )
                 self.redis_url = self.redis.start()
-                write_runtime(self.settings, self.redis_url)
+                self.role_urls = {role: self.redis.role_url(role) for role in Role}
+                write_runtime(self.settings, self.redis_url, self.role_urls)
             self._spawn(
-                "placement", [sys.executable, "-m", "scheduler.placement.process"], nice=nice
+                "placement",
+                [sys.executable, "-m", "scheduler.placement.process"],
+                nice=nice,
+                role=Role.PLACEMENT,
             )
-            self._spawn("worker", [sys.executable, "-m", self.worker_module, *self.worker_args])
+            self._spawn(
+                "worker",
+                [sys.executable, "-m", self.worker_module, *self.worker_args],
+                role=Role.WORKER,
+            )
             self.wait_ready(timeout_s)
         except BaseException:
             self.stop()
@@ -94,7 +107,9 @@ class LocalStack:
     ) -> subprocess.Popen[bytes]:
         """Start another worker on this stack's Redis (another host id in ``env`` makes it
         another host); it stops with the stack."""
-        return self._spawn(name, [sys.executable, "-m", module, *worker_args], env)
+        return self._spawn(
+            name, [sys.executable, "-m", module, *worker_args], env, role=Role.WORKER
+        )
 
     def add_process(
         self,
@@ -102,10 +117,12 @@ class LocalStack:
         module: str,
         args: list[str] | None = None,
         env: dict[str, str] | None = None,
+        role: Role | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start another process of the stack (``python -m module``; the gateway, say) on
-        its Redis; the stack watches it and stops it with the rest."""
-        return self._spawn(name, [sys.executable, "-m", module, *(args or [])], env)
+        its Redis, as ``role``'s Redis user (the administrator when None); the stack watches
+        it and stops it with the rest."""
+        return self._spawn(name, [sys.executable, "-m", module, *(args or [])], env, role=role)
 
     def _spawn(
         self,
@@ -113,9 +130,12 @@ class LocalStack:
         argv: list[str],
         env_overrides: dict[str, str] | None = None,
         nice: int = 0,
+        role: Role | None = None,
     ) -> subprocess.Popen[bytes]:
         env = {**os.environ, **self.extra_env, **(env_overrides or {})}
-        env["GGUFQ_REDIS_URL"] = self.redis_url
+        env["GGUFQ_REDIS_URL"] = (
+            self.role_urls.get(role, self.redis_url) if role else self.redis_url
+        )
         out: int | IO[bytes] | None = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +151,7 @@ class LocalStack:
             preexec_fn=niced_child_preexec(nice),
         )
         self.procs.append((name, proc))
-        self._recipes[name] = (argv, env_overrides, nice)
+        self._recipes[name] = (argv, env_overrides, nice, role)
         return proc
 
     def supervise(self, now: float | None = None) -> list[str]:
@@ -153,14 +173,14 @@ class LocalStack:
             if not self._due(name, now):
                 continue
             code = proc.returncode
-            argv, env, nice = self._recipes[name]
+            argv, env, nice, role = self._recipes[name]
             print(
                 f"ggufq: the {name} process exited with code {code}; starting it again",
                 file=sys.stderr,
                 flush=True,
             )
             self.procs.pop(index)
-            fresh = self._spawn(name, argv, env, nice)
+            fresh = self._spawn(name, argv, env, nice, role)
             self.procs.remove((name, fresh))
             self.procs.insert(index, (name, fresh))  # its place in the stopping order
             restarted.append(name)
@@ -196,6 +216,24 @@ class LocalStack:
             f"the stack did not become ready within {timeout_s:.0f} s{self._log_hint('worker')}"
         )
 
+    def _tell_refusals(self) -> list[str]:
+        """Say what this stack's Redis refused its processes (a role's ACL user that lacks
+        a permission): on stderr, as the stack stops; returns the lines."""
+        try:
+            client = redis.Redis.from_url(self.redis_url, socket_timeout=5)
+            entries = client.acl_log(count=20)
+            client.close()
+        except redis.RedisError:
+            return []
+        told = [
+            f"ggufq: Redis refused the {e.get('username')} user {e.get('reason')} "
+            f"{e.get('object')!r} ({e.get('context')}, {e.get('count')} times)"
+            for e in entries
+        ]
+        for line in told:
+            print(line, file=sys.stderr, flush=True)
+        return told
+
     def _log_hint(self, name: str) -> str:
         return f"; see {self.log_dir / (name + '.log')}" if self.log_dir else ""
 
@@ -216,6 +254,7 @@ class LocalStack:
                 proc.wait()
         self.procs.clear()
         if self.redis is not None:
+            self._tell_refusals()
             self.redis.stop()
             clear_runtime(self.settings)
             self.redis = None

@@ -22,6 +22,7 @@ from scheduler.placement.service import PlacementService
 from scheduler.placement.wakes import EVERYTHING, wake_for
 from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
+from scheduler.store.acl import Role
 from scheduler.store.cancel import message_text
 from scheduler.store.celery_app import make_app
 from scheduler.store.connection import REDIS_AWAY, connect, resolve_redis_url
@@ -170,7 +171,7 @@ class Liveness:
 
 
 def run_service(settings: Settings) -> None:
-    redis_url = resolve_redis_url(settings)
+    redis_url = resolve_redis_url(settings, Role.PLACEMENT)
     app = make_app(redis_url, settings)
     service = PlacementService(settings, connect(redis_url), app)
     loops = Liveness(service)

@@ -14,6 +14,7 @@ import redis.asyncio
 
 from scheduler.errors import RedisUnavailable, StackNotRunning
 from scheduler.settings import Settings
+from scheduler.store.acl import Role
 
 # errors that mean Redis is away (down, restarting, loading its data, unreachable), not
 # that a command is wrong: what waits for Redis tries again on these
@@ -39,15 +40,18 @@ def runtime_file(settings: Settings) -> Path:
     return Path(settings.state_dir).expanduser() / "stack.json"
 
 
-def write_runtime(settings: Settings, redis_url: str) -> None:
+def write_runtime(
+    settings: Settings, redis_url: str, role_urls: dict[Role, str] | None = None
+) -> None:
     """Where the local stack's Redis is, for every command of this host's user: readable by
-    that user only (the URL holds the Redis password)."""
+    that user only (the URLs hold Redis passwords): the administrator's, and each role's."""
     path = runtime_file(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # an older file kept its mode
     with os.fdopen(fd, "w") as f:
-        f.write(json.dumps({"redis_url": redis_url, "pid": os.getpid()}))
+        roles = {role.value: url for role, url in (role_urls or {}).items()}
+        f.write(json.dumps({"redis_url": redis_url, "roles": roles, "pid": os.getpid()}))
 
 
 def clear_runtime(settings: Settings) -> None:
@@ -59,15 +63,19 @@ def clear_runtime(settings: Settings) -> None:
         pass
 
 
-def resolve_redis_url(settings: Settings) -> str:
-    """GGUFQ_REDIS_URL if set, else the Redis of the local stack started by `ggufq up`."""
+def resolve_redis_url(settings: Settings, role: Role | None = None) -> str:
+    """GGUFQ_REDIS_URL if set, else the Redis of the local stack started by `ggufq up`: as
+    ``role``'s Redis user (scheduler/store/acl.py), or the administrator when None."""
     if settings.redis_url:
         return settings.redis_url
     path = runtime_file(settings)
     try:
         record = json.loads(path.read_text())
         os.kill(int(record["pid"]), 0)
-        return str(record["redis_url"])
+        roles = record.get("roles") or {}
+        return str(
+            roles.get(role.value) if role is not None and role in roles else record["redis_url"]
+        )
     except (OSError, ValueError, KeyError, TypeError):
         raise StackNotRunning(
             "no ggufq stack is running on this host and GGUFQ_REDIS_URL is not set; start one "

@@ -142,20 +142,28 @@ def placement_queue(priority: str = "interactive") -> str:
     return PLACEMENT_QUEUE + BATCH_SUFFIX if priority == "batch" else PLACEMENT_QUEUE
 
 
-# the gateway's API keys (api_client/gateway/keys.py): only hashes of tokens are stored
-API_KEYS = f"{PREFIX}:apikeys"  # hash: key id → digest of its token
+# the gateway's API keys (api_client/gateway/keys.py): only hashes of tokens are stored,
+# in a keyspace of their own that only the gateway's Redis user may touch
+# (scheduler/store/acl.py); before it they were under ggufq:apikey (OLD_API_KEYS)
+AUTH_PREFIX = f"{PREFIX}-auth"
+API_KEYS = f"{AUTH_PREFIX}:keys"  # hash: key id → digest of its token
+OLD_API_KEYS = f"{PREFIX}:apikeys"
 
 
 def api_key(digest: str) -> str:
-    return f"{PREFIX}:apikey:{digest}"  # string: the key's record (JSON), by its token's digest
+    return f"{AUTH_PREFIX}:key:{digest}"  # string: the key's record (JSON), by its token's digest
+
+
+def old_api_key(digest: str) -> str:
+    return f"{PREFIX}:apikey:{digest}"
 
 
 def api_key_in_flight(key_id: str) -> str:
-    return f"{PREFIX}:apikey:{key_id}:inflight"  # sorted set: request ticket → start time
+    return f"{AUTH_PREFIX}:key:{key_id}:inflight"  # sorted set: request ticket → start time
 
 
 def api_key_minute(key_id: str, minute: int) -> str:
-    return f"{PREFIX}:apikey:{key_id}:rpm:{minute}"  # counter: the key's requests that minute
+    return f"{AUTH_PREFIX}:key:{key_id}:rpm:{minute}"  # counter: the key's requests that minute
 
 
 def gateway_beat(gateway_id: str) -> str:
