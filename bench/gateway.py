@@ -282,6 +282,7 @@ def main() -> None:
     from scheduler.local.stack import LocalStack
     from scheduler.settings import Settings
     from scheduler.store import keys
+    from scheduler.store.acl import Role
 
     state = Path(tempfile.mkdtemp(prefix="ggufq-bench-"))
     (state / "models").mkdir()
@@ -298,7 +299,7 @@ def main() -> None:
     settings = Settings(redis_url=None, state_dir=state, models_dir=state / "models")
     base = f"http://127.0.0.1:{port}"
     with LocalStack(settings, log_dir=state / "logs", extra_env=env) as stack:
-        stack.add_process("gateway", "api_client.gateway")
+        stack.add_process("gateway", "api_client.gateway", role=Role.GATEWAY)
         client = Client(stack.redis_url, settings=settings)
         http = httpx.Client(base_url=base, timeout=120)
         for _ in range(100):

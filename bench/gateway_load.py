@@ -250,6 +250,7 @@ def main() -> None:
     from scheduler.local.embedded import free_port
     from scheduler.local.stack import LocalStack
     from scheduler.settings import Settings
+    from scheduler.store.acl import Role
 
     tiny = importlib.import_module("tests.tinymodel")
     state = Path(tempfile.mkdtemp(prefix="ggufq-load-"))
@@ -269,7 +270,7 @@ def main() -> None:
     settings = Settings(redis_url=None, state_dir=state, models_dir=state / "models")
     rows = []
     with LocalStack(settings, ["--virtual-gpu", gpu], state / "logs", env) as stack:
-        gateway = stack.add_process("gateway", "api_client.gateway")
+        gateway = stack.add_process("gateway", "api_client.gateway", role=Role.GATEWAY)
         worker = next(proc for name, proc in stack.procs if name == "worker")
         client = Client(stack.redis_url, settings=settings, timeout=args.timeout)
         for _ in range(300):  # the gateway answers before the clients come
