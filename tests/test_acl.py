@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from scheduler.local.embedded import free_port, redis_server_path, server_major
+from scheduler.local.embedded import EmbeddedRedis, free_port, redis_server_path, server_major
 from scheduler.local.stack import LocalStack
-from scheduler.store.acl import with_credentials
+from scheduler.store.acl import Role, Users, with_credentials
 from tests.conftest import ggufq
 
 ROLES = ("placement", "worker", "gateway", "monitor")
@@ -135,9 +135,30 @@ def test_the_monitor_reads_queue_lengths_and_no_job(acl_redis: dict[str, str]) -
         pubsub.psubscribe("ggufq:*")  # no job's tokens
         pubsub.get_message(timeout=1)
     pubsub.close()
-    if int(acl_redis["major"]) >= 7:  # read-only key patterns: it cannot take a job
+    if int(acl_redis["major"]) >= 7:  # read-only key patterns: it cannot take a job...
         assert refused(monitor, "RPOP", "ggufq.cpu.h")
+        # ... nor bind a queue of its own to a job queue's exchange
+        assert refused(monitor, "SADD", "_kombu.binding.ggufq.cpu.h", "a copy of every job")
+    # its event receiver's own bindings, as kombu keeps them and drops them as it stops
+    for table in ("_kombu.binding.celeryev", "_kombu.binding_permanent.celeryev"):
+        assert monitor.sadd(table, "x") == 1 and monitor.srem(table, "x") == 1
     monitor.close()
+
+
+@pytest.mark.parametrize("binary", servers(), ids=lambda b: f"redis{server_major(b)}")
+def test_rules_for_a_redis_of_unknown_version_load_on_every_version(
+    binary: str, tmp_path: Path
+) -> None:
+    users = Users.fresh()
+    server = EmbeddedRedis(tmp_path / "redis", users=users, binary=binary)
+    server.major = 0  # as when `redis-server --version` does not say
+    server.start()  # raises StackFailed with the server's log if it refused the file
+    try:
+        worker = redis.Redis.from_url(server.role_url(Role.WORKER))
+        assert worker.ping() and refused(worker, "GET", "ggufq-auth:key:x")
+        worker.close()
+    finally:
+        server.stop()
 
 
 def test_the_stack_runs_each_process_as_its_role(stack: LocalStack) -> None:

@@ -23,6 +23,7 @@ def compose_config(tmp_path: Path, *files: str) -> dict[str, Any]:
     for name in names:
         shutil.copy(ROOT / name, tmp_path / name)
     shutil.copy(ROOT / ".env.example", tmp_path / ".env")
+    shutil.copy(ROOT / "ggufq.env.example", tmp_path / "ggufq.env")
     chosen = [arg for name in ("docker-compose.yml", *files) for arg in ("-f", name)]
     out = subprocess.run(
         ["docker-compose", *chosen, "config"],
@@ -58,8 +59,13 @@ def test_compose_file_is_valid_and_complete(tmp_path: Path) -> None:
     assert any(str(v).endswith(":/etc/redis/users.acl:ro") for v in services["redis"]["volumes"])
     for name, service in services.items():  # each process as its role's ACL user
         if name != "redis":
-            url = service["environment"]["GGUFQ_REDIS_URL"]
+            env = service["environment"]
+            url = env["GGUFQ_REDIS_URL"]
             assert url.startswith(f"redis://{ROLES[name]}:change-me-{ROLES[name]}@redis:6379/0")
+            assert env["GGUFQ_NUM_PARALLEL"] == "4"  # ggufq.env's settings
+            # and no other password: not the administrator's, not another role's
+            assert not [k for k in env if k.endswith("PASSWORD")], name
+            assert not [v for v in env.values() if "change-me" in str(v) and v != url], name
 
 
 ROLES = {

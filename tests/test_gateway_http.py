@@ -127,22 +127,33 @@ def test_keys_are_required_when_asked_for(keyed: str, r: redis.Redis) -> None:
     assert gone.status_code == 401
 
 
-def test_a_key_made_by_an_older_ggufq_moves_into_its_keyspace(keyed: str, r: redis.Redis) -> None:
+def test_keys_made_by_an_older_ggufq_are_migrated_by_the_administrator(
+    keyed: str, r: redis.Redis, stack: LocalStack, models_dir: Path, session_dir: Path
+) -> None:
     """Before the API keys had a keyspace of their own (which only the gateway's Redis user
-    may touch), they lived under ggufq:apikey*: such a key still works once moved."""
+    may touch), they lived under ggufq:apikey*, which every role may write: `ggufq keys
+    migrate` copies them, once, and never overwrites a key that is already there."""
     key, token = KeyStore(r).create("from-before")
     digest = r.hget(keys.API_KEYS, key.id)
     assert digest is not None
     r.rename(keys.api_key(digest.decode()), keys.old_api_key(digest.decode()))
     r.hdel(keys.API_KEYS, key.id)
     r.hset(keys.OLD_API_KEYS, key.id, digest)
+    kept, _ = KeyStore(r).create("kept")  # an old record naming its id does not replace it
+    r.hset(keys.OLD_API_KEYS, kept.id, "junk")
+    r.set(keys.old_api_key("junk"), "{}")
     headers = {"Authorization": f"Bearer {token}"}
-    assert httpx.get(f"{keyed}/api/tags", headers=headers).status_code == 401  # not moved yet
-    assert KeyStore(r).move_old() == 1  # as a gateway's start, or `ggufq keys`, does
-    assert KeyStore(r).move_old() == 0
-    assert not r.exists(keys.OLD_API_KEYS, keys.old_api_key(digest.decode()))
+    assert httpx.get(f"{keyed}/api/tags", headers=headers).status_code == 401  # not yet
+    env = dict(stack_env(models_dir, session_dir / "state"), GGUFQ_REDIS_URL=stack.redis_url)
+    out = ggufq("keys", "migrate", env=env)
+    assert out.returncode == 0 and "copied 1 key " in out.stdout, out.stdout + out.stderr
+    assert r.hget(keys.API_KEYS, kept.id) != b"junk"
+    assert r.exists(keys.old_api_key(digest.decode()))  # for gateways not yet upgraded
     assert httpx.get(f"{keyed}/api/tags", headers=headers).status_code == 200
-    KeyStore(r).revoke(key.id)
+    assert ggufq("keys", "migrate", "--remove-old", env=env).returncode == 0
+    assert not r.exists(keys.OLD_API_KEYS, keys.old_api_key(digest.decode()))
+    for made in (key, kept):
+        KeyStore(r).revoke(made.id)
 
 
 def test_a_keys_scope_listings_ceilings_and_admin(keyed: str, r: redis.Redis, slow: str) -> None:

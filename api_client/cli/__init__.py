@@ -39,6 +39,7 @@ from api_client.cli.ops import (
     cmd_worker,
 )
 from scheduler.errors import GgufqError
+from scheduler.store.acl import refused
 from scheduler.units import parse_bytes
 from workers.args import add_worker_arguments
 
@@ -56,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     except GgufqError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except redis.exceptions.NoPermissionError as exc:
+    except redis.exceptions.ResponseError as exc:
+        if not refused(exc):
+            raise
         print(
             f"error: Redis refused this to the user of GGUFQ_REDIS_URL ({exc}); run it as a "
             "user allowed to: `ggufq keys` as the administrator (REDIS_PASSWORD), the rest as "
-            "any role (README, Security)",
+            "placement, worker or gateway (README, Security)",
             file=sys.stderr,
         )
         return 1

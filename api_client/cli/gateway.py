@@ -64,13 +64,20 @@ def add_keys_commands(p: argparse.ArgumentParser) -> None:
     revoke = sub.add_parser("revoke", help="revoke a key by its id")
     revoke.add_argument("key_id")
     revoke.set_defaults(func=cmd_keys_revoke)
+    migrate = sub.add_parser(
+        "migrate", help="copy keys made before ggufq-auth:* into it (once, after upgrading)"
+    )
+    migrate.add_argument(
+        "--remove-old",
+        action="store_true",
+        help="and remove the old records (every gateway upgraded)",
+    )
+    migrate.set_defaults(func=cmd_keys_migrate)
 
 
 def _store() -> KeyStore:
     settings = get_settings()
-    store = KeyStore(connect_typed(resolve_redis_url(settings)), settings.http_key_secret)
-    store.move_old()  # keys made by an older ggufq, into their own keyspace
-    return store
+    return KeyStore(connect_typed(resolve_redis_url(settings)), settings.http_key_secret)
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
@@ -117,6 +124,13 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
         print(f"no key {args.key_id!r}; `ggufq keys list` shows the ids")
         return 1
     print(f"revoked key {args.key_id}")
+    return 0
+
+
+def cmd_keys_migrate(args: argparse.Namespace) -> int:
+    copied = _store().migrate(remove_old=args.remove_old)
+    removed = "; the old records are removed" if args.remove_old else ""
+    print(f"copied {copied} key{'' if copied == 1 else 's'} into their own keyspace{removed}")
     return 0
 
 

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import redis
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -39,7 +38,6 @@ from api_client.gateway.metrics import GatewayMetrics
 from scheduler.errors import GgufqError
 from scheduler.loops import stop_task
 from scheduler.settings import Settings
-from scheduler.store import keys as names
 from scheduler.store.acl import Role
 from scheduler.store.connection import resolve_redis_url
 
@@ -175,16 +173,6 @@ class Guard:
         return await asyncio.to_thread(admit)
 
 
-async def _move_old_keys(store: KeyStore) -> None:
-    try:
-        moved = await asyncio.to_thread(store.move_old)
-    except redis.RedisError as exc:
-        log.warning("could not move API keys made by an older ggufq (%s); next start tries", exc)
-        return
-    if moved:
-        log.info("moved %d API keys into their own keyspace (%s)", moved, names.AUTH_PREFIX)
-
-
 async def _beat(limiter: Limiter, cluster: AsyncClient) -> None:
     """Say this gateway process is alive, so that its requests in flight count against
     their keys' limits (and stop counting soon after it dies): on the client's own side
@@ -220,7 +208,6 @@ def make_app(
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         beating = None
         if limiter is not None:
-            await _move_old_keys(KeyStore(cluster.sync.r, settings.http_key_secret))
             with contextlib.suppress(Exception):  # alive before the first request is admitted
                 await _beat_once(limiter, cluster)
             beating = asyncio.create_task(_beat(limiter, cluster))

@@ -120,22 +120,24 @@ class KeyStore:
         pipe.execute()
         return key, token
 
-    def move_old(self) -> int:
-        """Move the records of keys made before they had a keyspace of their own (under
-        ``ggufq:apikey``) into it; the number moved. Done again it moves nothing."""
-        moved = 0
+    def migrate(self, remove_old: bool = False) -> int:
+        """Copy the records of keys made before they had a keyspace of their own (under
+        ``ggufq:apikey``, which every role's Redis user may write) into it; the number
+        copied. The administrator runs it (``ggufq keys migrate``), once, after upgrading:
+        a record a worker could have written is never taken up by itself. With a secret,
+        only records it signed are copied; an id or token already in the new keyspace is
+        kept. The old records stay for gateways not yet upgraded, unless ``remove_old``."""
+        copied = 0
         for key_id, digest in self.r.hgetall(names.OLD_API_KEYS).items():
-            old, new = names.old_api_key(_text(digest)), names.api_key(_text(digest))
-            raw = self.r.get(old)
-            pipe = self.r.pipeline()
-            if raw is not None:
-                pipe.set(new, raw)
-                pipe.hset(names.API_KEYS, _text(key_id), _text(digest))
-                moved += 1
-            pipe.delete(old)
-            pipe.hdel(names.OLD_API_KEYS, key_id)
-            pipe.execute()
-        return moved
+            key_id, digest = _text(key_id), _text(digest)
+            raw = self.r.get(names.old_api_key(digest))
+            if raw is not None and self._verified(digest, raw) is not None:
+                if self.r.set(names.api_key(digest), raw, nx=True):
+                    copied += int(self.r.hsetnx(names.API_KEYS, key_id, digest))
+            if remove_old:
+                self.r.delete(names.old_api_key(digest))
+                self.r.hdel(names.OLD_API_KEYS, key_id)
+        return copied
 
     def list(self) -> list[ApiKey]:
         keys = []

@@ -36,12 +36,13 @@ def redis_server_path() -> str:
 
 
 def server_major(binary: str) -> int:
-    """The major version of a redis-server binary (``Redis server v=6.2.5 ...`` → 6)."""
+    """The major version of a redis-server binary (``Redis server v=6.2.5 ...`` → 6); 0 when
+    it does not say (scheduler/store/acl.py then writes rules every version loads)."""
     try:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
         return int(out.stdout.split("v=", 1)[1].split(".", 1)[0])
     except (OSError, subprocess.SubprocessError, IndexError, ValueError):
-        return 6  # the older rules hold on every version that has ACLs
+        return 0
 
 
 def free_port() -> int:
@@ -68,6 +69,7 @@ class EmbeddedRedis:
         binary: str | None = None,
     ) -> None:
         self.binary = binary  # None: redis_server_path()
+        self.major: int | None = None  # its major version, for its ACL rules; None: asked
         self.maxmemory = maxmemory  # bytes; 0: no limit
         self.port = port or free_port()
         self.data_dir = Path(data_dir)
@@ -91,7 +93,8 @@ class EmbeddedRedis:
         path = self.data_dir / "users.acl"  # digests only, but nobody else's business
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(self.users.acl_file(server_major(binary)))
+            major = server_major(binary) if self.major is None else self.major
+            f.write(self.users.acl_file(major))
         return ["--aclfile", str(path)]
 
     def start(self, timeout_s: float = 10.0) -> str:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from urllib.parse import quote, urlsplit, urlunsplit
 
+import redis
+
 from scheduler.store.keys import AUTH_PREFIX, PREFIX
 
 
@@ -59,6 +61,8 @@ def fanout_channels(db: int) -> tuple[str, ...]:
     return (f"/{db}.*", f"/{db}.celery.pidbox", f"/{db}.celeryev/*", f"/{db}.celeryev/#")
 
 
+# scripts (a script's commands obey the same rules), not SCRIPT FLUSH or KILL, nor FUNCTION
+_SCRIPTS = ("+eval", "+evalsha", "+script|load", "+script|exists")
 # what a service may run: data commands of every type, pub/sub, transactions and scripts
 _SERVICE_COMMANDS = (
     "-@all",
@@ -73,8 +77,8 @@ _SERVICE_COMMANDS = (
     "+@stream",
     "+@pubsub",
     "+@transaction",
-    "+@scripting",
     "+@connection",
+    *_SCRIPTS,
 )
 # the monitor: queue lengths, bindings, events, the pidbox's broadcast and its replies
 _MONITOR_COMMANDS = (
@@ -100,7 +104,8 @@ _MONITOR_COMMANDS = (
     "+zrangebyscore",
     "+zrem",
     "+time",
-    "+@scripting",  # kombu binds by script; a script's commands obey these rules too
+    "+select",  # Redis 6 files it under "keyspace" only
+    *_SCRIPTS,  # kombu binds by script
 )
 # after the refusals: what every role needs that Redis files under "dangerous" or "admin"
 _ALSO = ("+info", "+time")
@@ -116,14 +121,19 @@ _REFUSED = ("-@admin", "-@dangerous")
 
 def rules(role: Role, redis_major: int = 7, db: int = 0) -> list[str]:
     """The ACL rules of ``role`` (without its password), for a Redis of ``redis_major``
-    whose database ``db`` ggufq uses."""
+    whose database ``db`` ggufq uses; ``redis_major`` 0 (not known): rules that load on
+    Redis 6 and 7 alike, without what only one of them has."""
     if role is Role.MONITOR:
         # its own: the pidbox's replies to it, its event receiver's queue, and the binding
         # tables of those exchanges (never a job queue's: a binding there would copy jobs)
         write = (
             "*.reply.celery.pidbox*",
             "celeryev.*",
-            *(f"_kombu.binding.{x}" for x in ("reply.celery.pidbox", "celeryev", "celery.pidbox")),
+            *(
+                f"_kombu.{table}.{x}"
+                for table in ("binding", "binding_permanent")
+                for x in ("reply.celery.pidbox", "celeryev", "celery.pidbox")
+            ),
             "_kombu.binding_deadlines",
         )
         read = (f"{PREFIX}.*", "celery", "_kombu.*")  # queue lengths, bindings
@@ -144,7 +154,7 @@ def rules(role: Role, redis_major: int = 7, db: int = 0) -> list[str]:
         *commands,
         *_REFUSED,
         *_ALSO,
-        *(_CLIENT_6 if redis_major < 7 else ()),
+        *(_CLIENT_6 if redis_major == 6 else ()),
     ]
 
 
@@ -192,3 +202,13 @@ def with_credentials(url: str, user: str, password: str) -> str:
     where = f"{host}:{parts.port}" if parts.port else host
     auth = f"{quote(user, safe='')}:{quote(password, safe='')}@" if user or password else ""
     return urlunsplit(parts._replace(netloc=auth + where))
+
+
+def refused(exc: Exception) -> bool:
+    """Whether a Redis error is its ACL refusing the connection's user something (also from
+    inside a script, where it comes back as a plain script error)."""
+    text = str(exc)
+    return isinstance(exc, redis.exceptions.NoPermissionError) or (
+        isinstance(exc, redis.exceptions.ResponseError)
+        and ("no permissions" in text or "user executing the script can't" in text)
+    )
