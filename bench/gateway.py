@@ -105,6 +105,7 @@ class Lean:
     built on, takes 0.5–1 ms of its own per request on this machine."""
 
     def __init__(self, host: str, port: int) -> None:
+        self.host = f"{host}:{port}"  # a keyless gateway answers its own names only
         self.sock = socket.create_connection((host, port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.file = self.sock.makefile("rb")
@@ -112,7 +113,7 @@ class Lean:
     def post(self, path: str, body: dict[str, Any]) -> tuple[dict[str, str], Iterator[bytes]]:
         """Send a POST; its headers, and its body's lines as they arrive."""
         payload = json.dumps(body).encode()
-        head = f"POST {path} HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        head = f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
         self.sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
         status = self.file.readline().split()
         headers = {}
