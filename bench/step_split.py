@@ -20,7 +20,13 @@ whole step: the issue's target is at most 10 % on a GPU, where a step of a 1B mo
 a few milliseconds. Prints a table, then one JSON line.
 
     python bench/step_split.py [--parallel 1,4,8] [--tokens 32] [--seconds 5]
-                               [--model PATH] [--sampler greedy|default] [--no-redis]
+                               [--model PATH] [--sampler greedy,greedy-host,default]
+                               [--no-redis]
+
+``--sampler`` takes several, a row each per P: ``greedy`` (plain greedy: its argmax in
+llama_decode, llama.cpp's backend sampling, workers/engine/device_sampling.py),
+``greedy-host`` (the same jobs with GGUFQ_DEVICE_SAMPLING off: numpy's argmax over the
+logits on the host, as before it), ``default`` (the default options: llama.cpp's chain).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class Row:
     jobs: int
     seconds: float
     times: StepTimes  # what the loop's counters added during the row
+    sampler: str = "greedy"
 
     @property
     def steps(self) -> int:
@@ -79,6 +86,7 @@ class Row:
     def summary(self) -> dict[str, Any]:
         t = self.times
         return {
+            "sampler": self.sampler,
             "parallel": self.parallel,
             "jobs": self.jobs,
             "steps": t.steps,
@@ -114,12 +122,19 @@ def measure(
 
     settings = get_settings()
     config = RunnerConfig.for_generation(NUM_CTX, parallel, settings.flash_attention)
-    engine = Engine(path, config, n_gpu_layers=gpu_layers, name=f"step-split-{parallel}")
+    engine = Engine(
+        path,
+        config,
+        n_gpu_layers=gpu_layers,
+        name=f"step-split-{parallel}",
+        device_sampling="off" if sampler == "greedy-host" else "on",
+    )
     client = redis.Redis.from_url(redis_url) if redis_url else None
     writer = (
         ChunkWriter(client, settings.helper_nice, settings.stream_interval_s) if client else None
     )
-    greedy = {"temperature": 0, "repeat_penalty": 1.0} if sampler == "greedy" else {}
+    plain = sampler in ("greedy", "greedy-host")
+    greedy = {"temperature": 0, "repeat_penalty": 1.0} if plain else {}
     options = Options(num_predict=tokens, seed=1, **greedy)  # type: ignore[arg-type]
 
     def job(prompt: str) -> None:
@@ -155,7 +170,7 @@ def measure(
     engine.close()
     if writer is not None:
         writer.close()
-    return Row(parallel=parallel, jobs=sum(done), seconds=took, times=spent)
+    return Row(parallel=parallel, jobs=sum(done), seconds=took, times=spent, sampler=sampler)
 
 
 def fresh(*args: Any) -> Row:
@@ -167,13 +182,13 @@ def print_table(rows: list[Row]) -> None:
     head = ["P", "jobs", "steps", "tok/step", "tok/s", "step ms", "decode", "sample"]
     head += ["stream", "bookkeeping", "python"]
     print(
-        f"{head[0]:>3}{head[1]:>6}{head[2]:>7}{head[3]:>9}{head[4]:>8}{head[5]:>9}"
+        f"{'sampler':<12}{head[0]:>3}{head[1]:>6}{head[2]:>7}{head[3]:>9}{head[4]:>8}{head[5]:>9}"
         f"{head[6]:>9}{head[7]:>8}{head[8]:>8}{head[9]:>12}{head[10]:>8}"
     )
     for row in rows:
         s = row.summary()
         print(
-            f"{row.parallel:3d}{row.jobs:6d}{row.steps:7d}{s['tokens_per_step']:9.2f}"
+            f"{row.sampler:<12}{row.parallel:3d}{row.jobs:6d}{row.steps:7d}{s['tokens_per_step']:9.2f}"
             f"{s['tok_s']:8.1f}{s['step_ms']:9.3f}{s['decode_ms']:9.3f}{s['sample_ms']:8.3f}"
             f"{s['stream_ms']:8.3f}{s['bookkeeping_ms']:12.3f}{row.python_share:8.1%}"
         )
@@ -187,10 +202,10 @@ def main() -> None:
     parser.add_argument("--model", help="a GGUF file (default: the demo model)")
     parser.add_argument(
         "--sampler",
-        choices=["greedy", "default"],
         default="greedy",
-        help="greedy (temperature 0, no penalties: the argmax path) or the default options "
-        "(temperature 0.8, top-k 40, top-p 0.9, repeat penalty 1.1: llama.cpp's chain)",
+        help="comma-separated: greedy (temperature 0, no penalties: the argmax, in "
+        "llama_decode), greedy-host (the same, the argmax on the host), default (temperature "
+        "0.8, top-k 40, top-p 0.9, repeat penalty 1.1: llama.cpp's chain)",
     )
     parser.add_argument("--no-redis", action="store_true", help="stream into nothing")
     parser.add_argument(
@@ -210,15 +225,21 @@ def main() -> None:
 
         path = str(demo_model_path())
     counts = [int(p) for p in args.parallel.split(",") if p]
+    samplers = [x for x in args.sampler.split(",") if x]
+    for sampler in samplers:
+        if sampler not in ("greedy", "greedy-host", "default"):
+            parser.error(f"--sampler {sampler!r}: greedy, greedy-host or default")
     server = None if args.no_redis else EmbeddedRedis(Path(tempfile.mkdtemp(prefix="ggufq-split-")))
     url = server.start() if server else None
     try:
         rows = []
         for p in counts:
-            rows.append(
-                fresh(path, p, args.tokens, args.seconds, args.sampler, url, args.gpu_layers)
-            )
-            print(f"P={p}: {rows[-1].steps} steps in {rows[-1].seconds:.1f} s", flush=True)
+            for sampler in samplers:
+                rows.append(
+                    fresh(path, p, args.tokens, args.seconds, sampler, url, args.gpu_layers)
+                )
+                row = rows[-1]
+                print(f"P={p} {sampler}: {row.steps} steps in {row.seconds:.1f} s", flush=True)
     finally:
         if server:
             server.stop()
@@ -228,10 +249,10 @@ def main() -> None:
         "ms are per step (means), python = a step's time outside llama_decode"
     )
     print_table(rows)
-    targets = {str(r.parallel): r.python_share <= 0.10 for r in rows}
+    targets = {f"{r.sampler} P={r.parallel}": r.python_share <= 0.10 for r in rows}
     print(
         "target (python ≤ 10 % of a step, for a GPU): "
-        + ", ".join(f"P={p} {'met' if ok else 'NOT met'}" for p, ok in targets.items())
+        + ", ".join(f"{key} {'met' if ok else 'NOT met'}" for key, ok in targets.items())
     )
     print(
         json.dumps(

@@ -181,6 +181,13 @@ class Settings(BaseSettings):
         "Redis and placement service and each worker's chunk writer, so that they do not "
         "preempt llama.cpp's threads mid-step; 0 = no change.",
     )
+    device_sampling: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="A plain greedy job (temperature 0, no penalties, no format) takes its "
+        "tokens in llama.cpp's decode graph (its backend sampling, experimental), so that no "
+        "logits are copied off a GPU: auto = where the runner's layers are on a GPU (on a "
+        "CPU it costs as much as it saves), on = everywhere, off = always on the host.",
+    )
     flash_attention: bool = Field(
         True,
         description="Runners use llama.cpp's flash attention (as llama-server's default, "

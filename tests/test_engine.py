@@ -141,9 +141,11 @@ def tiny(directory: Path, arch: str = "llama") -> str:
     return str(path)
 
 
-def make_runner(path: str, parallel: int, num_ctx: int = 256, n_batch: int = 512) -> Runner:
+def make_runner(
+    path: str, parallel: int, num_ctx: int = 256, n_batch: int = 512, device_sampling: str = "on"
+) -> Runner:
     config = RunnerConfig(num_ctx, parallel, n_batch=n_batch, n_ubatch=n_batch)
-    return Runner("r", "tiny", path, config, ["cpu:t"], 0, None, 0)
+    return Runner("r", "tiny", path, config, ["cpu:t"], 0, None, 0, device_sampling=device_sampling)
 
 
 @pytest.fixture()
@@ -151,9 +153,14 @@ def runner_factory(tiny_dir: Path) -> Iterator[Callable[..., Runner]]:
     made: list[Runner] = []
 
     def factory(
-        parallel: int = 2, num_ctx: int = 256, arch: str = "llama", n_batch: int = 512
+        parallel: int = 2,
+        num_ctx: int = 256,
+        arch: str = "llama",
+        n_batch: int = 512,
+        device_sampling: str = "on",
     ) -> Runner:
-        made.append(make_runner(tiny(tiny_dir, arch), parallel, num_ctx, n_batch))
+        path = tiny(tiny_dir, arch)
+        made.append(make_runner(path, parallel, num_ctx, n_batch, device_sampling))
         return made[-1]
 
     yield factory
@@ -249,6 +256,37 @@ def test_plain_greedy_picks_the_tokens_of_llama_cpps_greedy_sampler(
     monkeypatch.setattr("workers.engine.loop.sampler_plan", greedy_through_llama_cpp)
     chain = [runner.generate(p, options, ignore).text for p in prompts]
     assert fast == chain and all(fast)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_on_the_device_picks_the_hosts_tokens_beside_other_samplers(
+    runner_factory: Callable[..., Runner], arch: str
+) -> None:
+    """Plain greedy jobs take their tokens in llama_decode (workers/engine/device_sampling.py)
+    while seeded and penalized jobs share the batch and the slots: a slot's greedy chain is
+    attached and detached as jobs of either kind take it, and every job answers as it does
+    with every token sampled on the host."""
+    greedy = Options(num_predict=24, temperature=0, repeat_penalty=1.0)
+    seeded = Options(num_predict=24, temperature=0.9, seed=7)
+    penalized = Options(num_predict=24, temperature=0, repeat_penalty=1.2)
+    jobs = [(p, o) for p in PROMPTS for o in (greedy, seeded, greedy, penalized)]
+    answers = []
+    for mode in ("on", "off"):
+        runner = runner_factory(3, arch=arch, device_sampling=mode)
+        assert runner.engine._device.enabled is (mode == "on")
+        results: list[str] = [""] * len(jobs)
+
+        def one(i: int, runner: Runner = runner, results: list[str] = results) -> None:
+            prompt, options = jobs[i]
+            results[i] = runner.generate(prompt, options, ignore).text
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        answers.append(results)
+    assert answers[0] == answers[1] and all(answers[0])
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(

@@ -97,7 +97,13 @@ def open_runner(
     if config.embedding:
         return Embedder(*args, **common, pooling_type=info.pooling_type)
     split = tensor_split(placement.devices, placement.split_blocks)
-    return Runner(*args, **common, load_timeout_s=settings.load_timeout_s, split=split)
+    return Runner(
+        *args,
+        **common,
+        load_timeout_s=settings.load_timeout_s,
+        split=split,
+        device_sampling=settings.device_sampling,
+    )
 
 
 def produce(

@@ -29,6 +29,7 @@ class Runner(Resident):
         keep_alive_s: float,
         load_timeout_s: float = 300.0,
         split: list[float] | None = None,
+        device_sampling: str = "auto",
     ) -> None:
         super().__init__(runner_id, model, config, device_ids, keep_alive_s)
         # Exactly the context the estimator sized (scheduler.gguf.estimate.context_sizes).
@@ -41,6 +42,7 @@ class Runner(Resident):
                 name=model,
                 load_timeout_s=load_timeout_s,
                 split=split,
+                device_sampling=device_sampling,
             )
         )
 

@@ -65,6 +65,7 @@ class Job:
     decoded: list[int] = field(default_factory=list)  # tokens whose KV is in the slot
     pos: int = 0  # position of the next token in the sequence
     next_token: int = -1  # sampled, not yet decoded
+    on_device: bool = False  # its tokens are sampled in llama_decode (device_sampling.py)
     generated: int = 0
     parts: list[str] = field(default_factory=list)
     admitted_ns: int = 0

@@ -31,6 +31,13 @@ GGML_KV_TYPES = {
     "bf16": 30,
 }
 
+# llama_decode's return codes (llama.h)
+DECODE_ERRORS = {
+    1: "no room in the KV cache for the batch",
+    2: "decoding was aborted",
+    -1: "the batch was invalid",
+}
+
 
 @dataclass(frozen=True)
 class ContextSize:

@@ -32,20 +32,14 @@ from scheduler.errors import InvalidRequest, JobFailed
 from scheduler.protocol import Options, RunnerConfig
 from workers.cpus import llama
 from workers.engine.batching import Admission, Feed, batch_rows, common_prefix, prompt_take
+from workers.engine.device_sampling import DeviceGreedy
 from workers.engine.job import Job, Share, StepTimes, always, is_cancelled
-from workers.engine.load import ContextSize, _init_backend, _load
+from workers.engine.load import DECODE_ERRORS, ContextSize, _init_backend, _load
 from workers.engine.sampling import Format, Sampler, _penalty_history, grammar_for, sampler_plan
 from workers.engine.text import GenerationStats, StopMatcher, Tokenizer, token_budget
 from workers.loadwatch import LoadWatch
 
 log = logging.getLogger(__name__)
-
-# llama_decode's return codes (llama.h)
-DECODE_ERRORS = {
-    1: "no room in the KV cache for the batch",
-    2: "decoding was aborted",
-    -1: "the batch was invalid",
-}
 
 
 class Engine:
@@ -61,6 +55,7 @@ class Engine:
         name: str = "",
         load_timeout_s: float = 300.0,
         split: list[float] | None = None,
+        device_sampling: str = "auto",
     ) -> None:
         L = llama()
         _init_backend(L)
@@ -75,6 +70,7 @@ class Engine:
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._mem = L.llama_get_memory(self.ctx)
+        self._device = DeviceGreedy(L, self.ctx, device_sampling, n_gpu_layers)  # greedy
         self._cached: dict[int, list[int]] = {}  # slot → tokens whose KV it still holds
         self._n_swa = L.llama_model_n_swa(self.model)
         self.reused_tokens = 0  # prompt tokens not evaluated again, thanks to the slot caches
@@ -190,6 +186,7 @@ class Engine:
             L = self._L
             L.llama_batch_free(self._batch)
             L.llama_free(self.ctx)
+            self._device.free()
             L.llama_model_free(self.model)
 
     # -- the decode loop ------------------------------------------------------------------
@@ -210,6 +207,7 @@ class Engine:
                 self._end(job, "cancel", now)
             for job, seq in admitted:
                 job.seq, job.admitted_ns = seq, now
+                job.on_device = self._device.take(seq, job.sampler.plain_greedy)
                 self._reuse_prefix(job)
                 self._active.append(job)
             try:
@@ -240,10 +238,15 @@ class Engine:
         if rc != 0:
             self._decode_failed(rc, n, in_batch)
             return
+        self._device.decoded()
         # sample every sequence before publishing any text: each ctypes call and numpy's
         # argmax lets go of the GIL, and a chunk handed over mid-loop wakes the chunk
         # writer, which then holds the GIL while llama.cpp's threads wait for this loop
-        sampled = [job.sampler.sample(self.ctx, idx) for job, idx in outputs]
+        device, ctx = self._device, self.ctx
+        sampled = [
+            device.token(idx) if job.on_device else job.sampler.sample(ctx, idx)
+            for job, idx in outputs
+        ]
         times.sample_ns += time.perf_counter_ns() - now
         times.tokens += len(sampled)
         for (job, _idx), token in zip(outputs, sampled, strict=True):

@@ -113,8 +113,9 @@ class Sampler:
         self._L = L
         self._n_vocab = n_vocab
         self.chain = self.grammar = None
-        # plain greedy needs no chain: sample() takes the argmax itself
-        self._argmax = plan == [("greedy",)] and grammar is None
+        # plain greedy needs no chain: sample() takes the argmax itself, or llama.cpp does in
+        # the decode graph (workers/engine/device_sampling.py)
+        self.plain_greedy = self._argmax = plan == [("greedy",)] and grammar is None
         if not self._argmax:
             params = L.llama_sampler_chain_default_params()
             params.no_perf = True
