@@ -20,13 +20,13 @@ whole step: the issue's target is at most 10 % on a GPU, where a step of a 1B mo
 a few milliseconds. Prints a table, then one JSON line.
 
     python bench/step_split.py [--parallel 1,4,8] [--tokens 32] [--seconds 5]
-                               [--model PATH] [--sampler greedy,greedy-host,default]
+                               [--model PATH] [--sampler greedy,greedy-device,default]
                                [--no-redis]
 
-``--sampler`` takes several, a row each per P: ``greedy`` (plain greedy: its argmax in
-llama_decode, llama.cpp's backend sampling, workers/engine/device_sampling.py),
-``greedy-host`` (the same jobs with GGUFQ_DEVICE_SAMPLING off: numpy's argmax over the
-logits on the host, as before it), ``default`` (the default options: llama.cpp's chain).
+``--sampler`` takes several, a row each per P: ``greedy`` (plain greedy: numpy's argmax over
+the logits on the host), ``greedy-device`` (the same jobs with GGUFQ_DEVICE_SAMPLING: the
+argmax in llama_decode, llama.cpp's backend sampling, workers/engine/device_sampling.py),
+``default`` (the default options: llama.cpp's chain).
 """
 
 from __future__ import annotations
@@ -127,13 +127,13 @@ def measure(
         config,
         n_gpu_layers=gpu_layers,
         name=f"step-split-{parallel}",
-        device_sampling="off" if sampler == "greedy-host" else "on",
+        device_sampling=sampler == "greedy-device",
     )
     client = redis.Redis.from_url(redis_url) if redis_url else None
     writer = (
         ChunkWriter(client, settings.helper_nice, settings.stream_interval_s) if client else None
     )
-    plain = sampler in ("greedy", "greedy-host")
+    plain = sampler in ("greedy", "greedy-device")
     greedy = {"temperature": 0, "repeat_penalty": 1.0} if plain else {}
     options = Options(num_predict=tokens, seed=1, **greedy)  # type: ignore[arg-type]
 
@@ -203,9 +203,9 @@ def main() -> None:
     parser.add_argument(
         "--sampler",
         default="greedy",
-        help="comma-separated: greedy (temperature 0, no penalties: the argmax, in "
-        "llama_decode), greedy-host (the same, the argmax on the host), default (temperature "
-        "0.8, top-k 40, top-p 0.9, repeat penalty 1.1: llama.cpp's chain)",
+        help="comma-separated: greedy (temperature 0, no penalties: numpy's argmax on the "
+        "host), greedy-device (the same, the argmax in llama_decode: GGUFQ_DEVICE_SAMPLING), "
+        "default (temperature 0.8, top-k 40, top-p 0.9, repeat penalty 1.1: llama.cpp's chain)",
     )
     parser.add_argument("--no-redis", action="store_true", help="stream into nothing")
     parser.add_argument(
@@ -227,8 +227,8 @@ def main() -> None:
     counts = [int(p) for p in args.parallel.split(",") if p]
     samplers = [x for x in args.sampler.split(",") if x]
     for sampler in samplers:
-        if sampler not in ("greedy", "greedy-host", "default"):
-            parser.error(f"--sampler {sampler!r}: greedy, greedy-host or default")
+        if sampler not in ("greedy", "greedy-device", "default"):
+            parser.error(f"--sampler {sampler!r}: greedy, greedy-device or default")
     server = None if args.no_redis else EmbeddedRedis(Path(tempfile.mkdtemp(prefix="ggufq-split-")))
     url = server.start() if server else None
     try:

@@ -181,12 +181,12 @@ class Settings(BaseSettings):
         "Redis and placement service and each worker's chunk writer, so that they do not "
         "preempt llama.cpp's threads mid-step; 0 = no change.",
     )
-    device_sampling: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="A plain greedy job (temperature 0, no penalties, no format) takes its "
-        "tokens in llama.cpp's decode graph (its backend sampling, experimental), so that no "
-        "logits are copied off a GPU: auto = where the runner's layers are on a GPU (on a "
-        "CPU it costs as much as it saves), on = everywhere, off = always on the host.",
+    device_sampling: bool = Field(
+        False,
+        description="Experimental: a plain greedy job (temperature 0, no penalties, no "
+        "format) takes its tokens in llama.cpp's decode graph (its backend sampling) instead "
+        "of numpy's argmax on the host. Off: on an H200 it moved the argmax's time into "
+        "llama_decode rather than saving it (bench/README.md).",
     )
     flash_attention: bool = Field(
         True,

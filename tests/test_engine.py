@@ -142,7 +142,7 @@ def tiny(directory: Path, arch: str = "llama") -> str:
 
 
 def make_runner(
-    path: str, parallel: int, num_ctx: int = 256, n_batch: int = 512, device_sampling: str = "on"
+    path: str, parallel: int, num_ctx: int = 256, n_batch: int = 512, device_sampling: bool = False
 ) -> Runner:
     config = RunnerConfig(num_ctx, parallel, n_batch=n_batch, n_ubatch=n_batch)
     return Runner("r", "tiny", path, config, ["cpu:t"], 0, None, 0, device_sampling=device_sampling)
@@ -157,7 +157,7 @@ def runner_factory(tiny_dir: Path) -> Iterator[Callable[..., Runner]]:
         num_ctx: int = 256,
         arch: str = "llama",
         n_batch: int = 512,
-        device_sampling: str = "on",
+        device_sampling: bool = False,
     ) -> Runner:
         path = tiny(tiny_dir, arch)
         made.append(make_runner(path, parallel, num_ctx, n_batch, device_sampling))
@@ -271,9 +271,9 @@ def test_greedy_on_the_device_picks_the_hosts_tokens_beside_other_samplers(
     penalized = Options(num_predict=24, temperature=0, repeat_penalty=1.2)
     jobs = [(p, o) for p in PROMPTS for o in (greedy, seeded, greedy, penalized)]
     answers = []
-    for mode in ("on", "off"):
-        runner = runner_factory(3, arch=arch, device_sampling=mode)
-        assert runner.engine._device.enabled is (mode == "on")
+    for on_device in (True, False):
+        runner = runner_factory(3, arch=arch, device_sampling=on_device)
+        assert runner.engine._device.enabled is on_device
         results: list[str] = [""] * len(jobs)
 
         def one(i: int, runner: Runner = runner, results: list[str] = results) -> None:

@@ -29,7 +29,7 @@ class Runner(Resident):
         keep_alive_s: float,
         load_timeout_s: float = 300.0,
         split: list[float] | None = None,
-        device_sampling: str = "auto",
+        device_sampling: bool = False,
     ) -> None:
         super().__init__(runner_id, model, config, device_ids, keep_alive_s)
         # Exactly the context the estimator sized (scheduler.gguf.estimate.context_sizes).

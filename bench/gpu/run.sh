@@ -234,9 +234,9 @@ if has bench; then
   if [ ! -f "$MODEL" ]; then
     bench make_model "$VPY" bench/gpu/make_model.py "$MODEL" --layers "$LAYERS"
   fi
-  # greedy's argmax in llama_decode, and on the host as before it: one table
+  # greedy's argmax on the host, and in llama_decode (GGUFQ_DEVICE_SAMPLING): one table
   bench step_split "$VPY" bench/step_split.py --model "$MODEL" --parallel "$PAR" \
-    --tokens "$TOKENS" --seconds "$SECS" --sampler "${GGUFQ_KIT_SAMPLERS:-greedy,greedy-host}"
+    --tokens "$TOKENS" --seconds "$SECS" --sampler "${GGUFQ_KIT_SAMPLERS:-greedy,greedy-device}"
   server=()
   if [ -x "$BUILD/llama-server" ]; then server=(--server "$BUILD/llama-server"); fi
   bench throughput "$VPY" bench/gpu/throughput.py --model "$MODEL" --parallel "$PAR" \

@@ -55,7 +55,7 @@ class Engine:
         name: str = "",
         load_timeout_s: float = 300.0,
         split: list[float] | None = None,
-        device_sampling: str = "auto",
+        device_sampling: bool = False,
     ) -> None:
         L = llama()
         _init_backend(L)
@@ -70,7 +70,7 @@ class Engine:
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._mem = L.llama_get_memory(self.ctx)
-        self._device = DeviceGreedy(L, self.ctx, device_sampling, n_gpu_layers)  # greedy
+        self._device = DeviceGreedy(L, self.ctx, device_sampling)  # greedy's argmax
         self._cached: dict[int, list[int]] = {}  # slot → tokens whose KV it still holds
         self._n_swa = L.llama_model_n_swa(self.model)
         self.reused_tokens = 0  # prompt tokens not evaluated again, thanks to the slot caches
