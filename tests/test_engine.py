@@ -286,7 +286,27 @@ def test_greedy_on_the_device_picks_the_hosts_tokens_beside_other_samplers(
         for t in threads:
             t.join(60)
         answers.append(results)
+        device = runner.engine._device
+        assert (device.tokens > 0) is on_device  # greedy jobs' tokens came from llama_decode
     assert answers[0] == answers[1] and all(answers[0])
+
+
+def test_a_slot_back_to_greedy_gets_a_new_chain_on_the_device(
+    runner_factory: Callable[..., Runner],
+) -> None:
+    """One slot, jobs in turn: greedy attaches a chain, a seeded job detaches it, and the
+    next greedy job attaches a new one (llama.cpp initializes a chain once: the same one
+    again would abort the process); each answers as on the host."""
+    greedy = Options(num_predict=12, temperature=0, repeat_penalty=1.0)
+    seeded = Options(num_predict=12, temperature=0.9, seed=3)
+    turns = [("The sky", greedy), ("The sky", seeded), ("A river", greedy), ("1, 2", greedy)]
+    on_host = runner_factory(1, device_sampling=False)
+    expected = [on_host.generate(p, o, ignore).text for p, o in turns]
+    runner = runner_factory(1, device_sampling=True)
+    assert [runner.generate(p, o, ignore).text for p, o in turns] == expected
+    device = runner.engine._device
+    assert (device.attaches, device.detaches) == (2, 1)
+    assert device.tokens == 3 * 12
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(
@@ -409,6 +429,24 @@ def test_cancel_while_waiting_never_starts(runner_factory: Callable[..., Runner]
     assert box["stats"].done_reason == "cancel"
     assert box["stats"].eval_count == 0 and box["stats"].text == "" and called == []
     assert first_box["stats"].done_reason == "length"
+
+
+def test_a_job_whose_start_fails_in_the_loop_fails_and_the_loop_serves_on(
+    runner_factory: Callable[..., Runner], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure while the loop starts a job in its slot (attaching its sampler, finding
+    its prompt in the slot's cache) fails that job; it never leaves its caller waiting."""
+    runner = runner_factory(1, device_sampling=True)
+    options = Options(num_predict=4, **GREEDY)
+
+    def broken(*_a: Any) -> bool:
+        raise RuntimeError("llama.cpp refused the sampler")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner.engine._device, "take", broken)
+        with pytest.raises(JobFailed, match="refused the sampler"):
+            runner.generate("the sky", options, ignore)
+    assert runner.generate("the sky", options, ignore).eval_count == 4
 
 
 def test_stop_string_ends_the_job_before_it(runner_factory: Callable[..., Runner]) -> None:

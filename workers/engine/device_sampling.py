@@ -40,6 +40,7 @@ class DeviceGreedy:
         )
         self._chains: dict[int, Any] = {}  # slot → its attached chain
         self._detached: list[Any] = []  # to free once a decode ran without them
+        self.attaches = self.detaches = self.tokens = 0  # what it did, for tests and benches
 
     def take(self, seq: int, greedy: bool) -> bool:
         """A job starts in slot ``seq``: whether its tokens come from the device (else the
@@ -52,6 +53,7 @@ class DeviceGreedy:
                 return True
             L.llama_set_sampler(self._ctx, seq, None)
             self._detached.append(self._chains.pop(seq))
+            self.detaches += 1
             return False
         if not greedy:
             return False
@@ -60,7 +62,14 @@ class DeviceGreedy:
         if not L.llama_set_sampler(self._ctx, seq, chain):
             L.llama_sampler_free(chain)
             return False  # not offloadable here (a model split by tensor): on the host
+        # registered even where the output's device lacks the argmax ("-greedy", not
+        # "+greedy"): then it would yield no token, and no logits either
+        if not L.llama_sampler_name(L.llama_sampler_chain_get(chain, 0)).startswith(b"+"):
+            L.llama_set_sampler(self._ctx, seq, None)
+            self._detached.append(chain)
+            return False
         self._chains[seq] = chain
+        self.attaches += 1
         return True
 
     def decoded(self) -> None:
@@ -73,6 +82,7 @@ class DeviceGreedy:
     def token(self, idx: int) -> int:
         """The token the device sampled for the batch's output ``idx``."""
         token = int(self._L.llama_get_sampled_token_ith(self._ctx, idx))
+        self.tokens += 1
         if token < 0:
             raise RuntimeError(f"llama.cpp sampled no token on the device for output {idx}")
         return token

@@ -15,9 +15,8 @@ the sampler chain, parsing a grammar), hand it to the loop and block until it en
 ``cancelled`` is polled at the start of every step, so a cancelled job leaves its slot
 before the next decode; one cancelled while waiting never starts.
 
-This module owns the loop (:class:`Engine`); a job's state in it and the account of the
-loop's time are :mod:`workers.engine.job`'s, the parts it drives its other siblings' (see
-:mod:`workers.engine`).
+This module owns the loop (:class:`Engine`); a job's state and the loop's time are
+:mod:`workers.engine.job`'s, the parts it drives its siblings' (:mod:`workers.engine`).
 """
 
 from __future__ import annotations
@@ -205,12 +204,13 @@ class Engine:
             for job in gone:
                 job.admitted_ns = now
                 self._end(job, "cancel", now)
-            for job, seq in admitted:
+            for job, seq in admitted:  # active first: what fails below fails it, never loses it
                 job.seq, job.admitted_ns = seq, now
-                job.on_device = self._device.take(seq, job.sampler.plain_greedy)
-                self._reuse_prefix(job)
                 self._active.append(job)
             try:
+                for job, seq in admitted:
+                    job.on_device = self._device.take(seq, job.sampler.plain_greedy)
+                    self._reuse_prefix(job)
                 self._step()
             except Exception as exc:  # a bug here must fail jobs, never hang them
                 log.exception("decode step failed on %s", self.name)
