@@ -48,8 +48,11 @@ def complete_lines(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
+@pytest.mark.parametrize(
+    ("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"]
+)
 def test_cli_batch_interrupted_by_ctrl_c_then_resumed(
-    cli_env: dict[str, str], client: Client, tmp_path: Path
+    cli_env: dict[str, str], client: Client, tmp_path: Path, signum: int, code: int
 ) -> None:
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps({"prompt": f"Item {i}:"}) + "\n" for i in range(300)))
@@ -67,13 +70,13 @@ def test_cli_batch_interrupted_by_ctrl_c_then_resumed(
     try:
         assert wait_for(lambda: complete_lines(out) >= 40 or proc.poll() is not None, 120)
         assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == code, stderr
     assert "--resume" in stderr and "Traceback" not in stderr
     first = output_rows(out)  # every line whole: a valid file to resume from
     assert 40 <= len(first) < 300

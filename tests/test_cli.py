@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from api_client import Client
 from scheduler.local.embedded import EmbeddedRedis, free_port
 from scheduler.local.stack import LocalStack
 from tests.conftest import ggufq, stack_env, wait_for
+from tests.tinymodel import write_slow_model
 
 
 @pytest.fixture()
@@ -345,3 +347,38 @@ def test_commands_other_than_worker_do_not_import_it() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["prompt", "chat"])
+def test_run_ended_by_sigterm_cancels_its_job_as_ctrl_c_does(
+    stack: LocalStack, models_dir: Path, session_dir: Path, client: Client, chat: bool
+) -> None:
+    """A `ggufq run` stopped by SIGTERM (a terminal closed, a supervisor, `kill`) cancels its
+    job and exits 143, as Ctrl-C does (130); killed as by default, it left the job running
+    to its end, holding the slot."""
+    path = write_slow_model(models_dir / "cli-slow.gguf")
+    env = {**stack_env(models_dir, session_dir / "state"), "GGUFQ_REDIS_URL": stack.redis_url}
+    argv = ["run", "cli-slow", *([] if chat else ["x"]), "-o", "num_predict=100000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api_client.cli", *argv],
+        env={**os.environ, **env},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        if chat:
+            proc.stdin.write(b"hello\n")
+            proc.stdin.flush()
+        assert proc.stdout.read(1)  # the answer streams: its job runs
+        assert [j.model for j in client.jobs()] == ["cli-slow"]
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 143 and b"Traceback" not in stderr, stderr
+        assert wait_for(lambda: client.jobs() == [], timeout=30)  # cancelled, not left running
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        path.unlink()

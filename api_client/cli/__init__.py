@@ -28,7 +28,7 @@ from api_client.cli.cluster import (
 )
 from api_client.cli.demo import cmd_demo
 from api_client.cli.gateway import add_keys_commands, add_serve_arguments, cmd_serve
-from api_client.cli.jobs import cmd_batch, cmd_run
+from api_client.cli.jobs import Terminated, cmd_batch, cmd_run
 from api_client.cli.ops import (
     cmd_config,
     cmd_estimate,
@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C; SIGTERM where a command takes it so
+        return 143 if isinstance(exc, Terminated) else 130
 
 
 def build_parser() -> argparse.ArgumentParser:

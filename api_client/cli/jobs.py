@@ -17,7 +17,24 @@ from scheduler.errors import GgufqError
 from scheduler.protocol import GenerateResponse
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, taken as Ctrl-C by the commands that send jobs: their jobs are cancelled
+    and the command exits 143. Killed as by default, `ggufq run` left its job running to
+    its end, holding a slot, until its reader's lease ran out."""
+
+
+def _terminate(*_: object) -> None:
+    raise Terminated
+
+
+def sigterm_interrupts() -> None:
+    """From now on SIGTERM raises :class:`Terminated` in the main thread."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    sigterm_interrupts()
     options = dict(_parse_option(o) for o in args.option)
     if args.prompt is None:
         if args.json:
@@ -59,6 +76,8 @@ def chat_loop(
                 line = input(">>> " if interactive else "")
             except EOFError:
                 break
+            except Terminated:
+                raise
             except KeyboardInterrupt:  # as Ollama: Ctrl-C at the prompt does not end the chat
                 print(f"\n{CHAT_HELP}")
                 continue
@@ -105,6 +124,8 @@ def _chat_turn(
     except KeyboardInterrupt:
         job.cancel()
         print()
+        if isinstance(sys.exc_info()[1], Terminated):
+            raise
         return None
     print(flush=True)
     if final is None:
@@ -156,10 +177,14 @@ def cmd_batch(args: argparse.Namespace) -> int:
     # raised where it lands could land in a finalizer, where Python drops it; a second
     # Ctrl-C interrupts at once
     stop = kwargs["stop"] = threading.Event()
+    terminated = threading.Event()  # SIGTERM: as Ctrl-C, exit 143
 
-    def interrupted(*_: object) -> None:
+    def interrupted(signum: int, _frame: object) -> None:
+        if signum == signal.SIGTERM:
+            terminated.set()
         stop.set()
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _terminate)
 
     with Client() as client:
         # only where Python delivers signals, and not where SIGINT is ignored (started in
@@ -168,6 +193,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
             signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
         )
         before = signal.signal(signal.SIGINT, interrupted) if ours else None
+        before_term = signal.signal(signal.SIGTERM, interrupted) if ours else None
         try:
             if args.json:
                 summary = client.batch(args.model, args.input, on_progress=seen, **kwargs)
@@ -180,10 +206,11 @@ def cmd_batch(args: argparse.Namespace) -> int:
                 f"cancelled; run the same command with --resume to finish",
                 file=sys.stderr,
             )
-            return 130
+            return 143 if terminated.is_set() or isinstance(sys.exc_info()[1], Terminated) else 130
         finally:
             if ours:
                 signal.signal(signal.SIGINT, before or signal.default_int_handler)
+                signal.signal(signal.SIGTERM, before_term or signal.SIG_DFL)
     if args.json:
         print(json.dumps(summary.as_dict()))
     else:
