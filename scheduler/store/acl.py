@@ -12,8 +12,8 @@ KEYS, DEBUG, SHUTDOWN, MODULE ...). Past that:
 - ``monitor`` (Flower) reads queue lengths and kombu's bindings, follows Celery's events and
   asks workers for their state through the pidbox; it reads no job, prompt or key record.
   On Redis 7 its reads of the queues are read-only (``%R~``); Redis 6 has no read-only key
-  patterns, so there it could also take a message off a queue (run Redis 7 where that
-  matters: compose does).
+  patterns, so there it could also take, put or copy a queue's messages (run Redis 7 where
+  that matters: compose does).
 
 The default user is the administrator (``ggufq keys``, ``ggufq up`` itself). Passwords go
 into the ACL file as SHA-256 digests, so the file holds no secret.
@@ -103,7 +103,6 @@ _MONITOR_COMMANDS = (
     "+zadd",
     "+zrangebyscore",
     "+zrem",
-    "+time",
     "+select",  # Redis 6 files it under "keyspace" only
     *_SCRIPTS,  # kombu binds by script
 )
