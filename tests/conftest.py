@@ -29,6 +29,7 @@ from scheduler.store.celery_app import close_app, make_app
 from scheduler.store.clock import redis_now
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.worker_state import WorkerState
+from tests.gateway_server import AS_GATEWAY
 from tests.tinymodel import write_tiny_llama, write_unknown_arch
 
 HOST = "testhost"
@@ -119,6 +120,7 @@ def stack(redis_server: EmbeddedRedis, models_dir: Path, session_dir: Path) -> I
     env = dict(stack_env(models_dir, session_dir / "state"), GGUFQ_METRICS_PORT=str(free_port()))
     settings = settings_from(env, redis_server.url)
     roles = {role: redis_server.role_url(role) for role in Role}
+    AS_GATEWAY[redis_server.url] = roles[Role.GATEWAY]
     with LocalStack(
         settings, log_dir=session_dir / "logs", extra_env=env, role_urls=roles
     ) as running:

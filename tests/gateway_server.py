@@ -15,10 +15,16 @@ from api_client.gateway.writes import GatewayProtocol
 from scheduler.local.embedded import free_port
 from scheduler.settings import Settings
 
+# the session Redis's gateway user, by the administrator's URL (tests/conftest.py's stack):
+# a test gateway meets Redis as a deployed one does, and what it is refused fails the session
+AS_GATEWAY: dict[str, str] = {}
+
 
 @contextmanager
 def running_gateway(settings: Settings, require_keys: bool = False) -> Iterator[str]:
     """The gateway's base URL while it runs (stopped, and its client closed, after)."""
+    url = AS_GATEWAY.get(settings.redis_url or "", settings.redis_url)
+    settings = settings.model_copy(update={"redis_url": url})
     with serving(make_app(settings, require_keys=require_keys)) as base:
         yield base
 
