@@ -12,7 +12,7 @@ from typing import Any, Literal, overload
 from api_client.batch import run_batch
 from api_client.batch_files import BatchInput, BatchSummary
 from api_client.job import Job
-from scheduler.cluster import CustodyView, DeviceView, JobView, RunnerView
+from scheduler.cluster import CustodyView, DeviceView, JobView, RunnerView, by_expiry
 from scheduler.errors import NoWorkers, job_id_taken
 from scheduler.gguf.registry import Registry
 from scheduler.placement.needs import format_warning
@@ -350,8 +350,9 @@ class Client:
         return self.state.devices()
 
     def ps(self) -> list[RunnerView]:
-        """Every runner (loaded model instance), Ollama's ``ps`` fields among ours."""
-        return self.state.runners()
+        """Every runner (loaded model instance), Ollama's ``ps`` fields among ours, in its
+        order: the longest time to expiry first."""
+        return by_expiry(self.state.runners())
 
     def health(self) -> dict[str, Any]:
         """Live devices and placement services (two round trips: Redis's clock, the beats)."""

@@ -266,3 +266,9 @@ class CustodyView(BaseModel):
     holder: str
     epoch: int
     moved_at: float
+
+
+def by_expiry(runners: list[RunnerView]) -> list[RunnerView]:
+    """Runners as Ollama's ``ps`` lists them: the longest time to expiry first (busy and
+    pinned ones, which do not expire, before all), then in the order given."""
+    return sorted(runners, key=lambda r: (r.expires_at >= 0, -r.expires_at))

@@ -112,7 +112,15 @@ class Options(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    num_ctx: int | None = Field(None, ge=4, le=1_048_576, description="context tokens per slot")
+    @field_validator("num_ctx", mode="before")
+    @classmethod
+    def _at_least_4(cls, value: Any) -> Any:
+        # Ollama raises a context below 4 tokens to 4 instead of refusing it
+        return 4 if isinstance(value, int) and not isinstance(value, bool) and value < 4 else value
+
+    num_ctx: int | None = Field(
+        None, ge=4, le=1_048_576, description="context tokens per slot (below 4: 4, as Ollama)"
+    )
     num_parallel: int | None = Field(
         None, ge=1, le=256, description="slots of a new runner; set: only such a runner serves"
     )

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from scheduler.cluster import DeviceState, RunnerState, Snapshot
+from scheduler.cluster import DeviceState, RunnerState, RunnerView, Snapshot, by_expiry
 from scheduler.errors import ChunksLost, InvalidRequest, ModelNotFound, error_from_code
 from scheduler.gguf.estimate import choose_num_ctx
 from scheduler.local.procs import lower_thread_priority, niced_child_preexec
@@ -109,7 +109,7 @@ def test_model_names_accepted() -> None:
     [
         ({"temperature": 11}, "options.temperature"),
         ({"top_p": 1.5}, "options.top_p"),
-        ({"num_ctx": 2}, "options.num_ctx"),
+        ({"num_ctx": 2_000_000}, "options.num_ctx"),
         ({"num_predict": -3}, "options.num_predict"),
         ({"seed": -2}, "options.seed"),
         ({"bogus": 1}, "options.bogus"),
@@ -120,6 +120,13 @@ def test_invalid_options_name_field_and_range(options: dict[str, object], field:
         parse_request({"model": "tiny", "prompt": "x", "options": options})
     assert field in str(info.value)
     assert "got" in str(info.value)
+
+
+def test_a_context_below_4_tokens_is_raised_to_4_as_ollama_does() -> None:
+    for asked in (3, 1, 0, -5):
+        request = parse_request({"model": "tiny", "prompt": "x", "options": {"num_ctx": asked}})
+        assert request.options.num_ctx == 4
+    assert parse_request({"model": "tiny", "options": {"num_ctx": 8}}).options.num_ctx == 8
 
 
 def test_keep_alive_in_request_parsed() -> None:
@@ -456,3 +463,27 @@ def test_a_loop_failing_while_redis_is_away_retries_within_a_beat() -> None:
 
     run_loop("strays", step, stop, LoopHealth(), every_s=5.0, expected=(redis.RedisError,))
     assert stop.asked and max(stop.asked) <= EXPECTED_RETRY_S
+
+
+def test_ps_lists_the_longest_time_to_expiry_first() -> None:
+    def runner(name: str, expires_at: float) -> RunnerView:
+        return RunnerView(
+            id=name,
+            model=name,
+            state="ready",
+            devices={"cpu:h": 1},
+            bytes=1,
+            size=1,
+            context_length=4096,
+            num_parallel=1,
+            n_gpu_layers=-1,
+            block_count=2,
+            embedding=False,
+            in_flight=0,
+            keep_alive_s=300.0,
+            expires_at=expires_at,
+            last_used=0.0,
+        )
+
+    listed = by_expiry([runner("soon", 100.0), runner("busy", -1), runner("later", 200.0)])
+    assert [r.id for r in listed] == ["busy", "later", "soon"]
