@@ -3,9 +3,10 @@ a worker move jobs through their states with the store's own scripts, while faul
 between any two steps: a placement process goes silent and another sweeps what it held
 (then it resumes, stale), a reply is lost (the step runs again), a device's worker goes
 silent and its device is reaped, a commit's reply is lost (its runner counts a job that
-never comes). After every step ``ggufq fsck``'s invariants hold, every job is where the
-custody table says it must be, and each runner's job set is the jobs sent to it (and the
-lost commits not yet pruned); at the end every job can end.
+never comes), a process's own clock is a minute off Redis's. After every step ``ggufq
+fsck``'s invariants hold, every job is where the custody table says it must be, and each
+runner's job set is the jobs sent to it (and the lost commits not yet pruned); at the end
+every job can end.
 
 The same scripts serve the real stack; only the processes around them are played here."""
 
@@ -70,6 +71,10 @@ class Custody(RuleBasedStateMachine):
             self.r.zadd(keys.PLACEMENT_ALIVE, {p: FOREVER})
         self.jobs: dict[str, Job] = {}
         self.runners: dict[str, set[str]] = {}  # runner -> the placements it must count
+        # each process's own clock (the placement processes', the worker's "w"): Redis's
+        # time at the start, until a fault puts one a minute off
+        sec, micros = self.r.time()
+        self.clock = dict.fromkeys([*P, "w"], float(sec) + micros / 1e6)
         self.lost: dict[str, set[str]] = {}  # runner -> placements counted, never recorded
 
     # -- helpers --------------------------------------------------------------------
@@ -85,7 +90,7 @@ class Custody(RuleBasedStateMachine):
     def _park(self, job_id: str, again: bool = False) -> None:
         job = self.jobs[job_id]
         hands = self.hands[job.holder]
-        record = parked_record(job.request.model_dump(mode="json"), 1.0)
+        record = parked_record(job.request.model_dump(mode="json"), self.clock[job.holder])
         token = hands.token(job_id)
         assert hands.put_back("parked", job_id, record) is PutBack.PUT_BACK
         if again:  # its reply was lost: asked again under the same token
@@ -112,7 +117,8 @@ class Custody(RuleBasedStateMachine):
         runner_id = f"r-{uuid.uuid4().hex[:8]}"
         state = self.state[job.holder]
         placement_id = uuid.uuid4().hex[:12]
-        assert state.reserve(runner_id, placement_id, {DEVICE: GIB}, {"model": "m"}, 1.0, TTL)
+        now = self.clock[job.holder]
+        assert state.reserve(runner_id, placement_id, {DEVICE: GIB}, {"model": "m"}, now, TTL)
         placement = Placement(id=placement_id, runner_id=runner_id, device_id=DEVICE, config=CONFIG)
         self.runners[runner_id] = {placement_id}
         record = SentJob(job=job.request, placement=placement, worker="w@h")
@@ -127,9 +133,10 @@ class Custody(RuleBasedStateMachine):
         job = self.jobs[job_id]
         assert job.placement is not None
         pid = job.placement.id
-        assert self.worker.start(DEVICE, job_id, pid, "delivery", 600, 1.0) is False
+        now = self.clock["w"]
+        assert self.worker.start(DEVICE, job_id, pid, "delivery", 600, now) is False
         if again:  # a second delivery of its message does not run it again
-            assert self.worker.start(DEVICE, job_id, pid, "another", 600, 1.0) is None
+            assert self.worker.start(DEVICE, job_id, pid, "another", 600, now) is None
         self.worker.update_runner(job.placement.runner_id, {"state": "ready"})  # it loaded
         self.move(job, JobState.RUNNING)
 
@@ -138,7 +145,7 @@ class Custody(RuleBasedStateMachine):
         assert job.placement is not None
         last = (1, {"response": "", "done": True})
         for _ in range(2 if again else 1):  # written again after a lost reply: counted once
-            appended, _left = self.worker.end(job.placement, job_id, last, 1.0, 0, 600)
+            appended, _left = self.worker.end(job.placement, job_id, last, self.clock["w"], 0, 600)
             assert appended is not Appended.FENCED
         self.runners[job.placement.runner_id].discard(job.placement.id)
         job.ended += 1
@@ -149,7 +156,7 @@ class Custody(RuleBasedStateMachine):
     def submit_and_claim(self, p: str) -> None:
         # ids in submission order: hypothesis replays a run, and draws by sorted ids
         request = JobRequest(id=f"job-{len(self.jobs):03d}", model="m", prompt="p")
-        record = parked_record(request.model_dump(mode="json"), 1.0)
+        record = parked_record(request.model_dump(mode="json"), self.clock[p])
         assert self.state[p].place_once(request.id, uuid.uuid4().hex, 600, record).first
         self.jobs[request.id] = Job(request, JobState.PLACING, holder=p)
 
@@ -192,7 +199,8 @@ class Custody(RuleBasedStateMachine):
         self.runners[first.runner_id] = self.runners[first.runner_id] - {first.id} | {placement.id}
         job.placement = placement
         self.move(job, JobState.SENT)
-        assert self.worker.start(DEVICE, job.request.id, first.id, "first", 600, 1.0) is None
+        now = self.clock["w"]
+        assert self.worker.start(DEVICE, job.request.id, first.id, "first", 600, now) is None
 
     @precondition(lambda self: self.in_state(JobState.RUNNING))
     @rule(data=st.data(), again=st.booleans())
@@ -249,9 +257,17 @@ class Custody(RuleBasedStateMachine):
         elsewhere, and the runner counts a placement whose record never comes."""
         runner_id = data.draw(st.sampled_from(sorted(self.runners)))
         lost = f"lost-{uuid.uuid4().hex[:6]}"
-        assert self.state[P[0]].assign(runner_id, lost, 1.0)
+        assert self.state[P[0]].assign(runner_id, lost, self.clock[P[0]])
         self.runners[runner_id].add(lost)
         self.lost.setdefault(runner_id, set()).add(lost)
+
+    @rule(who=st.sampled_from([*P, "w"]), off_s=st.sampled_from([-60.0, 0.0, 60.0]))
+    def a_clock_is_a_minute_off(self, who: str, off_s: float) -> None:
+        """A process's own clock jumps (NTP, a VM resumed) a minute either way of Redis's,
+        or back: liveness and custody run on Redis's clock, so nothing a process stamps
+        with its own may decide where a job is or whether it ends."""
+        sec, micros = self.r.time()
+        self.clock[who] = float(sec) + micros / 1e6 + off_s
 
     @precondition(lambda self: self.lost)
     @rule()
@@ -263,8 +279,9 @@ class Custody(RuleBasedStateMachine):
         for runner_id, lost in self.lost.items():  # the recount's look finds each lost one
             assert lost <= due.get(runner_id, set())
         for runner_id in sorted(self.runners):
-            seen = self.state[P[1]].prune(runner_id, set(), 1.0, 0).unaccounted
-            pruned = self.state[P[1]].prune(runner_id, seen, 1.0, 0)
+            now = self.clock[P[1]]
+            seen = self.state[P[1]].prune(runner_id, set(), now, 0).unaccounted
+            pruned = self.state[P[1]].prune(runner_id, seen, now, 0)
             assert pruned.forgotten == self.lost.pop(runner_id, set())
             self.runners[runner_id] -= pruned.forgotten
             if pruned.released:  # still loading, its own job gone: nobody would load it
