@@ -61,7 +61,7 @@ def redis_server(session_dir: Path) -> Iterator[EmbeddedRedis]:
     server = EmbeddedRedis(session_dir / "redis", users=Users.fresh(admin=""))
     server.start()
     yield server
-    refused = acl_refusals(server.url)
+    refused = server.refusals()
     server.stop()
     assert not refused, f"Redis refused a role a command, a key or a channel: {refused}"
 
@@ -82,20 +82,6 @@ def no_acl_refusals() -> Iterator[None]:
     yield
     LocalStack._tell_refusals = tell  # type: ignore[method-assign]
     assert not told, f"Redis refused a role of a stack: {told}"
-
-
-def acl_refusals(url: str) -> list[str]:
-    """What Redis's ACL refused since it started: user, command, object, reason."""
-    client = redis.Redis.from_url(url)
-    try:
-        entries = client.acl_log(count=100)
-    finally:
-        client.close()
-    return [
-        f"{e.get('username')} {e.get('context')} {e.get('object')} {e.get('reason')}"
-        for e in entries
-        if e.get("username") != "default"
-    ]
 
 
 def stack_env(models_dir: Path, state_dir: Path, host: str = HOST) -> dict[str, str]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from scheduler.cluster import DeviceState, RunnerState, RunnerView, Snapshot, by_expiry
+from scheduler.cluster import DeviceState, RunnerState, Snapshot, by_expiry
 from scheduler.errors import ChunksLost, InvalidRequest, ModelNotFound, error_from_code
 from scheduler.gguf.estimate import choose_num_ctx
 from scheduler.local.procs import lower_thread_priority, niced_child_preexec
@@ -28,6 +28,7 @@ from scheduler.protocol import (
 )
 from scheduler.store.streams import ChunkOrder
 from scheduler.units import format_duration, parse_bytes, parse_duration_s
+from tests.test_decision import runner_view
 from workers.backlog import Backlog
 from workers.cpus import thread_counts
 from workers.keepalive import ExpirySchedule, effective_keep_alive, expires_at
@@ -466,24 +467,7 @@ def test_a_loop_failing_while_redis_is_away_retries_within_a_beat() -> None:
 
 
 def test_ps_lists_the_longest_time_to_expiry_first() -> None:
-    def runner(name: str, expires_at: float) -> RunnerView:
-        return RunnerView(
-            id=name,
-            model=name,
-            state="ready",
-            devices={"cpu:h": 1},
-            bytes=1,
-            size=1,
-            context_length=4096,
-            num_parallel=1,
-            n_gpu_layers=-1,
-            block_count=2,
-            embedding=False,
-            in_flight=0,
-            keep_alive_s=300.0,
-            expires_at=expires_at,
-            last_used=0.0,
-        )
-
-    listed = by_expiry([runner("soon", 100.0), runner("busy", -1), runner("later", 200.0)])
-    assert [r.id for r in listed] == ["busy", "later", "soon"]
+    soon, busy, later = (
+        runner_view(id=i, expires_at=t) for i, t in (("s", 100), ("b", -1), ("l", 200))
+    )
+    assert [r.id for r in by_expiry([soon, busy, later])] == ["b", "l", "s"]

@@ -131,9 +131,14 @@ class KeyStore:
         for key_id, digest in self.r.hgetall(names.OLD_API_KEYS).items():
             key_id, digest = _text(key_id), _text(digest)
             raw = self.r.get(names.old_api_key(digest))
-            if raw is not None and self._verified(digest, raw) is not None:
-                if self.r.set(names.api_key(digest), raw, nx=True):
-                    copied += int(self.r.hsetnx(names.API_KEYS, key_id, digest))
+            new = names.api_key(digest)
+            taken = self.r.hexists(names.API_KEYS, key_id) or self.r.exists(new)
+            if raw is not None and not taken and self._verified(digest, raw) is not None:
+                pipe = self.r.pipeline()  # the record and its id together: never one alone
+                pipe.set(new, raw)
+                pipe.hset(names.API_KEYS, key_id, digest)
+                pipe.execute()
+                copied += 1
             if remove_old:
                 self.r.delete(names.old_api_key(digest))
                 self.r.hdel(names.OLD_API_KEYS, key_id)

@@ -69,7 +69,7 @@ class EmbeddedRedis:
         binary: str | None = None,
     ) -> None:
         self.binary = binary  # None: redis_server_path()
-        self.major: int | None = None  # its major version, for its ACL rules; None: asked
+        self.major: int | None = None  # its major version, for its ACL rules; None: ask it
         self.maxmemory = maxmemory  # bytes; 0: no limit
         self.port = port or free_port()
         self.data_dir = Path(data_dir)
@@ -93,9 +93,29 @@ class EmbeddedRedis:
         path = self.data_dir / "users.acl"  # digests only, but nobody else's business
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            major = server_major(binary) if self.major is None else self.major
-            f.write(self.users.acl_file(major))
+            if self.major is None:  # once: a restart (supervise) starts the same binary
+                self.major = server_major(binary)
+            f.write(self.users.acl_file(self.major))
         return ["--aclfile", str(path)]
+
+    def refusals(self) -> list[str]:
+        """What its ACL refused any user but the administrator since it started: a role's
+        user lacking a permission (user, reason, object, where, how often); [] when it
+        does not answer."""
+        try:
+            client = redis.Redis.from_url(self.url, socket_timeout=5)
+            try:
+                entries = client.acl_log(count=100)
+            finally:
+                client.close()
+        except redis.RedisError:
+            return []
+        return [
+            f"{e.get('username')} user {e.get('reason')} {e.get('object')!r} "
+            f"({e.get('context')}, {e.get('count')} times)"
+            for e in entries
+            if e.get("username") != "default"
+        ]
 
     def start(self, timeout_s: float = 10.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)

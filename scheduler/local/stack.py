@@ -219,19 +219,9 @@ class LocalStack:
     def _tell_refusals(self) -> list[str]:
         """Say what this stack's Redis refused its processes (a role's ACL user that lacks
         a permission): on stderr, as the stack stops; returns the lines."""
-        try:
-            client = redis.Redis.from_url(self.redis_url, socket_timeout=5)
-            entries = client.acl_log(count=20)
-            client.close()
-        except redis.RedisError:
-            return []
-        told = [
-            f"ggufq: Redis refused the {e.get('username')} user {e.get('reason')} "
-            f"{e.get('object')!r} ({e.get('context')}, {e.get('count')} times)"
-            for e in entries
-        ]
+        told = self.redis.refusals() if self.redis is not None else []
         for line in told:
-            print(line, file=sys.stderr, flush=True)
+            print(f"ggufq: Redis refused the {line}", file=sys.stderr, flush=True)
         return told
 
     def _log_hint(self, name: str) -> str:

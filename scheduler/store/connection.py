@@ -72,10 +72,8 @@ def resolve_redis_url(settings: Settings, role: Role | None = None) -> str:
     try:
         record = json.loads(path.read_text())
         os.kill(int(record["pid"]), 0)
-        roles = record.get("roles") or {}
-        return str(
-            roles.get(role.value) if role is not None and role in roles else record["redis_url"]
-        )
+        url = (record.get("roles") or {}).get(role.value) if role is not None else None
+        return str(url or record["redis_url"])
     except (OSError, ValueError, KeyError, TypeError):
         raise StackNotRunning(
             "no ggufq stack is running on this host and GGUFQ_REDIS_URL is not set; start one "

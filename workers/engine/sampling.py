@@ -115,8 +115,8 @@ class Sampler:
         self.chain = self.grammar = None
         # plain greedy needs no chain: sample() takes the argmax itself, or llama.cpp does in
         # the decode graph (workers/engine/device_sampling.py)
-        self.plain_greedy = self._argmax = plan == [("greedy",)] and grammar is None
-        if not self._argmax:
+        self.plain_greedy = plan == [("greedy",)] and grammar is None
+        if not self.plain_greedy:
             params = L.llama_sampler_chain_default_params()
             params.no_perf = True
             self.chain = L.llama_sampler_chain_init(params)
@@ -132,7 +132,7 @@ class Sampler:
             self._candidates = _Candidates(L, n_vocab)
 
     def sample(self, ctx: Any, idx: int) -> int:
-        if self._argmax:
+        if self.plain_greedy:
             logits = self._L.llama_get_logits_ith(ctx, idx)
             return int(np.ctypeslib.as_array(logits, shape=(self._n_vocab,)).argmax())
         if self.grammar is None:
