@@ -96,6 +96,15 @@ TRANSITIONS: tuple[Transition, ...] = (
         "its model could not load there, its runner was gone before it arrived, or no run "
         "holds it there (Redis lost its end)",
     ),
+    Transition(
+        S.SENT,
+        S.DONE,
+        Actor.WORKER,
+        "end",
+        "its final chunk, from a run whose start Redis lost (a crash, an older snapshot)",
+    ),
+    Transition(S.SENT, S.FAILED, Actor.WORKER, "end", "its error chunk, as sent -> done"),
+    Transition(S.SENT, S.CANCELLED, Actor.WORKER, "end", "cancelled mid-run, as sent -> done"),
     Transition(S.RUNNING, S.DONE, Actor.WORKER, "end", "its final chunk, slot freed"),
     Transition(S.RUNNING, S.FAILED, Actor.WORKER, "end", "its error chunk, slot freed"),
     Transition(S.RUNNING, S.CANCELLED, Actor.WORKER, "end", "cancelled mid-run"),
@@ -151,9 +160,11 @@ LAPSES: tuple[Lapse, ...] = (
         "its device's worker",
         "the device's beats stop for GGUFQ_DEVICE_TTL_S (Redis's clock)",
         "orphaned; re-placed once if nothing was streamed, else failed with what happened; "
-        "the old run's chunks and result are fenced off by the job's owner. A live worker "
-        "that holds no run of it (Redis lost its end) writes that end again, or, if it did "
-        "not end it, hands it back the same way",
+        "the old run's chunks and result are fenced off by the job's owner (its custody "
+        "record when Redis lost the owner). A live worker that holds no run of it (Redis "
+        "lost its end) writes that end again, or, if it did not end it, hands it back the "
+        "same way; a job it ran to its end lately that comes to it again (Redis came back "
+        "from before that end) gets that end written again, not a second run",
     ),
     Lapse(
         S.ORPHANED,

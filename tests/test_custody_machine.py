@@ -3,15 +3,17 @@ a worker move jobs through their states with the store's own scripts, while faul
 between any two steps: a placement process goes silent and another sweeps what it held
 (then it resumes, stale), a reply is lost (the step runs again), a device's worker goes
 silent and its device is reaped, a commit's reply is lost (its runner counts a job that
-never comes), a process's own clock is a minute off Redis's. After every step ``ggufq
-fsck``'s invariants hold, every job is where the custody table says it must be, and each
-runner's job set is the jobs sent to it (and the lost commits not yet pruned); at the end
-every job can end.
+never comes), a process's own clock is a minute off Redis's, Redis is restored from an older
+snapshot (the processes keep what they hold in memory). After every step ``ggufq fsck``'s
+invariants hold, every job is where the custody table says it must be, and each runner's
+job set is the jobs sent to it (and the lost commits not yet pruned); no job is ended twice
+by two runs; at the end every job can end.
 
 The same scripts serve the real stack; only the processes around them are played here."""
 
 from __future__ import annotations
 
+import copy
 import json
 import uuid
 from dataclasses import dataclass
@@ -56,6 +58,17 @@ class Job:
     moves: int = 1  # its custody record's epoch: raised at every move (claimed: the first)
 
 
+@dataclass
+class Snapshot:
+    """What Redis wrote to disk (each key, its expiry in ms, its DUMP), and the jobs,
+    runners and lost commits as they stood then."""
+
+    keys: list[tuple[bytes, int, bytes]]
+    jobs: dict[str, Job]
+    runners: dict[str, set[str]]
+    lost: dict[str, set[str]]
+
+
 class Custody(RuleBasedStateMachine):
     r: redis.Redis  # the test's database, set before hypothesis makes machines
 
@@ -76,6 +89,10 @@ class Custody(RuleBasedStateMachine):
         sec, micros = self.r.time()
         self.clock = dict.fromkeys([*P, "w"], float(sec) + micros / 1e6)
         self.lost: dict[str, set[str]] = {}  # runner -> placements counted, never recorded
+        self.snapshot: Snapshot | None = None  # Redis's last save
+        # the runs the worker ended, (job, placement): its memory, which no restore takes
+        self.ended_here: set[tuple[str, str]] = set()
+        self.submitted = 0
 
     # -- helpers --------------------------------------------------------------------
     def in_state(self, *states: JobState) -> list[str]:
@@ -125,6 +142,7 @@ class Custody(RuleBasedStateMachine):
         assert send(state, record, 600)
         if again:
             assert send(state, record, 600)  # the same record written twice is there once
+        self.hands[job.holder].hand_over(job_id)  # off this thread's path
         job.holder = ""
         self.move(job, JobState.SENT)
         job.placement = placement
@@ -139,8 +157,12 @@ class Custody(RuleBasedStateMachine):
             assert self.worker.start(DEVICE, job_id, pid, "another", 600, now) is None
         self.worker.update_runner(job.placement.runner_id, {"state": "ready"})  # it loaded
         self.move(job, JobState.RUNNING)
+        if any(ended == job_id for ended, _placement in self.ended_here):
+            # its one run ended on this worker in writes Redis lost (an older snapshot): the
+            # worker writes that end again, under this placement, instead of a second run
+            self._end(job_id, again=False, written_again=True)
 
-    def _end(self, job_id: str, again: bool = False) -> None:
+    def _end(self, job_id: str, again: bool = False, written_again: bool = False) -> None:
         job = self.jobs[job_id]
         assert job.placement is not None
         last = (1, {"response": "", "done": True})
@@ -149,13 +171,16 @@ class Custody(RuleBasedStateMachine):
             assert appended is not Appended.FENCED
         self.runners[job.placement.runner_id].discard(job.placement.id)
         job.ended += 1
+        if not written_again:
+            self.ended_here.add((job_id, job.placement.id))
         self.move(job, JobState.DONE)
 
     # -- the rules: a step on a job drawn from those it applies to ------------------------
     @rule(p=st.sampled_from(P))
     def submit_and_claim(self, p: str) -> None:
         # ids in submission order: hypothesis replays a run, and draws by sorted ids
-        request = JobRequest(id=f"job-{len(self.jobs):03d}", model="m", prompt="p")
+        request = JobRequest(id=f"job-{self.submitted:03d}", model="m", prompt="p")
+        self.submitted += 1
         record = parked_record(request.model_dump(mode="json"), self.clock[p])
         assert self.state[p].place_once(request.id, uuid.uuid4().hex, 600, record).first
         self.jobs[request.id] = Job(request, JobState.PLACING, holder=p)
@@ -269,6 +294,124 @@ class Custody(RuleBasedStateMachine):
         sec, micros = self.r.time()
         self.clock[who] = float(sec) + micros / 1e6 + off_s
 
+    @rule()
+    def redis_saves_a_snapshot(self) -> None:
+        """Redis writes its data out (a SAVE, an AOF rewrite, a replica's copy): what a
+        restore brings back later."""
+        saved = []
+        for key in self.r.scan_iter(count=1000):
+            value = self.r.dump(key)
+            if value is not None:
+                saved.append((key, max(int(self.r.pttl(key)), 0), value))
+        self.snapshot = Snapshot(
+            saved, copy.deepcopy(self.jobs), copy.deepcopy(self.runners), copy.deepcopy(self.lost)
+        )
+
+    @precondition(lambda self: self.snapshot is not None)
+    @rule()
+    def redis_is_restored_from_an_older_snapshot(self) -> None:
+        """Redis comes back from its last save: every write since is gone, while the
+        processes keep what they hold in memory. Each then meets the older Redis as the
+        real one does: a placement thread's hold that Redis no longer knows as it left it
+        is refused its next write, and its process's look puts back what it no longer
+        holds; the worker claims again a run whose start was lost, writes again an end it
+        wrote (a stray marked running), hands back a stray it never ended, and a run of a
+        job Redis places elsewhere is fenced off; a job Redis forgot whole is ended by the
+        run that holds it, or its reader is told it is lost (JobLost)."""
+        snapshot = self.snapshot
+        assert snapshot is not None
+        before = self.jobs
+        runs = {  # the worker's runs, in its memory
+            (j, job.placement.id)
+            for j, job in before.items()
+            if job.state is JobState.RUNNING and job.placement
+        }
+        self.r.flushdb()
+        for key, ttl_ms, value in snapshot.keys:
+            self.r.restore(key, ttl_ms, value, replace=True)
+        self.jobs = copy.deepcopy(snapshot.jobs)
+        self.runners, self.lost = copy.deepcopy(snapshot.runners), copy.deepcopy(snapshot.lost)
+        for job_id, job in sorted(before.items()):
+            if job.state is JobState.PLACING:
+                self._holds_after_the_restore(job_id, job)
+        for p in P:
+            self._own_look(p)
+        for job_id, _placement_id in sorted(runs):
+            self._run_after_the_restore(job_id, before[job_id])
+        for job_id, job in sorted(self.jobs.items()):
+            if job.state is JobState.RUNNING and job.placement:
+                if (job_id, job.placement.id) not in runs:
+                    self._stray(job_id, job)
+
+    def _holds_after_the_restore(self, job_id: str, held: Job) -> None:
+        """A placement thread that held ``job_id`` when Redis was restored goes on with it."""
+        hands = self.hands[held.holder]
+        token = hands.token(job_id)
+        entry = self.r.hget(keys.IN_HAND, hands.field(job_id))
+        job = self.jobs.get(job_id)
+        if job is None:  # Redis forgot it whole: the thread sends it, as Redis knows nothing
+            self.jobs[job_id] = Job(held.request, JobState.PLACING, held.holder, moves=0)
+            self._send(job_id)
+            return
+        if entry is not None and json.loads(entry)["token"] == token:
+            assert (job.state, job.holder) == (JobState.PLACING, held.holder)
+            return  # Redis has it in this hold still: the thread decides on it
+        # another hold of it, or it is elsewhere: this thread's next write is refused
+        runner_id = f"r-{uuid.uuid4().hex[:8]}"
+        placement = Placement(id="stale", runner_id=runner_id, device_id=DEVICE, config=CONFIG)
+        stale = SentJob(job=held.request, placement=placement, worker="w@h")
+        assert not send(self.state[held.holder], stale, 600), f"job {job_id} sent by a stale hold"
+        assert not hands.token(job_id)  # refused, the thread lets go of it
+
+    def _own_look(self, p: str) -> None:
+        """``p``'s look finds jobs Redis says it holds that no thread of it holds (it let go
+        of them after the save): it puts each back, once."""
+        hands = self.hands[p]
+        sec, micros = self.r.time()
+        dead_before = float(sec) + micros / 1e6 + 1  # held a TTL ago, for the look
+        _others, own = hands.look(dead_before)
+        for held in own:
+            if hands.token(held.job_id) == held.token:
+                continue  # a thread still holds it in this hold
+            assert hands.sweep(held, dead_before, False, ENDS, 600) is Swept.PUT_BACK
+            job = self.jobs[held.job_id]
+            self.move(job, JobState.ORPHANED if held.what == "orphan" else JobState.PARKED)
+            job.holder = ""
+
+    def _run_after_the_restore(self, job_id: str, ran: Job) -> None:
+        """The worker's run of ``job_id`` (as ``ran`` had it placed) goes on."""
+        assert ran.placement is not None
+        placement, now = ran.placement, self.clock["w"]
+        job = self.jobs.get(job_id)
+        if job is None:  # Redis forgot the job whole: its run writes its end all the same
+            self.jobs[job_id] = Job(ran.request, JobState.RUNNING, placement=placement, moves=0)
+            self.runners.setdefault(placement.runner_id, {placement.id})
+            self._end(job_id)
+            if not self.r.exists(keys.runner(placement.runner_id)):
+                del self.runners[placement.runner_id]
+            return
+        if job.placement is None or job.placement.id != placement.id:
+            last = (1, {"response": "", "done": True})
+            appended, _ = self.worker.end(placement, job_id, last, now, 0, 600)
+            assert appended is Appended.FENCED, f"a stale run of job {job_id} ended it"
+            return
+        if job.state is JobState.SENT:  # its start was lost: its one run goes on to its end
+            self._end(job_id)
+
+    def _stray(self, job_id: str, job: Job) -> None:
+        """Redis says the worker runs ``job_id``, which no run of it holds: its end is
+        written again if the worker ended it, else it is handed back."""
+        assert job.placement is not None
+        if (job_id, job.placement.id) in self.ended_here:
+            self._end(job_id)
+            return
+        placement, now = job.placement, self.clock["w"]
+        orphan = SentJob(job=job.request, placement=placement, worker="w@h")
+        self.worker.end(placement, job_id, (0, None), now, None, 600, orphan=orphan)
+        self.runners[placement.runner_id].discard(placement.id)
+        self.move(job, JobState.ORPHANED)
+        job.placement = None
+
     @precondition(lambda self: self.lost)
     @rule()
     def two_liveness_looks_prune_what_no_record_names(self) -> None:
@@ -327,6 +470,13 @@ class Custody(RuleBasedStateMachine):
                 job.moves,
             ), f"job {job_id}"
 
+    @invariant()
+    def no_job_ends_by_two_runs(self) -> None:
+        ended: dict[str, set[str]] = {}
+        for job_id, placement_id in self.ended_here:
+            ended.setdefault(job_id, set()).add(placement_id)
+        assert all(len(placements) == 1 for placements in ended.values()), ended
+
     def teardown(self) -> None:
         """Every job can still end: each is taken on to its end, and then nothing is
         left anywhere and no runner counts a job."""
@@ -343,6 +493,7 @@ class Custody(RuleBasedStateMachine):
                 if job.state in steps:
                     steps[job.state](job_id)
         assert all(job.state is JobState.DONE for job in self.jobs.values())
+        self.no_job_ends_by_two_runs()
         assert [str(p) for p in fsck.problems(fsck.read(self.r), settled=True)] == []
 
 

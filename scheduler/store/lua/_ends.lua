@@ -3,12 +3,16 @@
 -- Touches, by name: nothing; the keys are the callers'.
 
 -- Append one chunk to a job's stream and publish it, unless the job's owner is another
--- placement id than ``fence`` ('' writes whatever the owner). Returns streams.Appended:
--- 1 WRITTEN, 0 FENCED, -1 DUPLICATE (this seq is there already). A final chunk written
--- moves the job's custody record ``custody`` to ``outcome`` (done, failed, cancelled; ''
--- for a chunk that is not final).
+-- placement id than ``fence`` ('' writes whatever the owner). With no owner (Redis came
+-- back from before the job was sent), its custody record ``custody`` names it: a record
+-- held by another (parked, placing, orphaned, or sent under another placement) fences the
+-- chunk too; only a job Redis forgot whole is written by whoever runs it. Returns
+-- streams.Appended: 1 WRITTEN, 0 FENCED, -1 DUPLICATE (this seq is there already). A final
+-- chunk written moves the record to ``outcome`` (done, failed, cancelled; '' for a chunk
+-- that is not final).
 local function append_chunk(owner_key, chunks, channel, fence, seq, payload, ttl, custody, outcome)
   local owner = redis.call('GET', owner_key)
+  if fence ~= '' and not owner then owner = redis.call('HGET', custody, 'holder') end
   local id = '0-' .. seq
   if fence ~= '' and owner and owner ~= fence then
     -- this very chunk, written before the job was taken from this run (its answer was

@@ -9,6 +9,7 @@
 -- while its in-flight record is this placement's (once, and not after a reap).
 -- Moves a job (scheduler/custody.py): running -> done, running -> failed, running -> cancelled
 -- Moves a job (scheduler/custody.py): running -> orphaned
+-- Moves a job (scheduler/custody.py): sent -> done, sent -> failed, sent -> cancelled
 -- KEYS[1] ggufq:job:<id>:owner                     (string) placement id, or "orphaned"
 -- KEYS[2] ggufq:job:<id>:chunks                    (stream) entry ids 0-<seq>
 -- KEYS[3] ggufq:job:<id>                           (pub/sub channel)
