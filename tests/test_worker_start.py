@@ -303,3 +303,73 @@ def test_a_job_whose_runner_is_gone_before_it_arrives_is_handed_back(
     assert record.job.attempt == 0 and record.avoid == []  # placed again once, anywhere
     assert not db.hexists(keys.inflight(DEVICE.id), job.id)
     assert not db.hexists(keys.RUNNING, job.id)
+
+
+def test_a_job_that_ran_here_and_comes_again_after_redis_lost_its_run_is_not_run_again(
+    db: redis.Redis, runtime: WorkerRuntime
+) -> None:
+    """Redis came back from before this worker's run of a job (a restore from an older
+    snapshot): the job is in flight again with no start claim, and its message comes again,
+    or it is placed again as a new placement. The worker writes the end it wrote again,
+    under the placement that came, instead of running the job a second time."""
+    deliver(db, runtime, job("load it"))
+    ran = job("ran in the writes Redis lost")
+    assert deliver(db, runtime, ran)["eval_count"] == 4
+    final = stream(db, ran.id)[-1]
+
+    def as_before_the_run(placement_id: str) -> dict[str, Any]:
+        db.delete(
+            keys.job_chunks(ran.id),
+            keys.job_start(ran.id, "p1"),
+            keys.job_owner(ran.id),
+            keys.job_custody(ran.id),
+        )
+        placement = Placement(id=placement_id, runner_id="r", device_id=DEVICE.id, config=CONFIG)
+        assert send(PlacementState(db), SentJob(job=ran, placement=placement, worker="w"))
+        return placement.model_dump(mode="json")
+
+    for placement_id in ("p1", "p2"):  # its message again; placed again
+        sent = as_before_the_run(placement_id)
+        with pytest.raises(NotOwned):
+            runtime.run_job(ran.model_dump(mode="json"), sent)
+        chunks = stream(db, ran.id)
+        assert [c["seq"] for c in chunks] == [final["seq"]]  # its end, and no second run
+        assert chunks[0]["eval_count"] == final["eval_count"] and chunks[0]["done"]
+        assert not db.hexists(keys.inflight(DEVICE.id), ran.id)
+        assert db.hget(keys.job_custody(ran.id), "state") == b"done"
+    assert not runtime._running
+    assert deliver(db, runtime, job("after"))["eval_count"] == 4  # the runner serves on
+
+
+def test_a_second_delivery_of_a_run_under_way_here_whose_claim_redis_lost_runs_nothing(
+    db: redis.Redis, runtime: WorkerRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis came back from before a run's start claim while the run goes on here, and the
+    job's message with it: its second delivery finds the run under way and runs nothing."""
+    deliver(db, runtime, job("load it"))
+    once = JobRequest(
+        model="tiny", prompt="once", options={**OPTIONS, "num_predict": 200}, submitted_at=1.0
+    )
+    publish = ChunkPublisher.publish
+    second: dict[str, Any] = {}
+
+    def again() -> None:
+        try:
+            second["final"] = deliver(db, runtime, once)
+        except NotOwned as exc:
+            second["refused"] = exc
+
+    def then_delivered_again(self: ChunkPublisher, chunk: dict[str, Any]) -> None:
+        publish(self, chunk)
+        if self.job_id == once.id and self.fence == "p1" and not second:
+            db.delete(keys.job_start(once.id, "p1"))  # lost with Redis's last writes
+            second["thread"] = threading.Thread(target=again)  # off the decode loop's thread
+            second["thread"].start()
+
+    monkeypatch.setattr(ChunkPublisher, "publish", then_delivered_again)
+    assert deliver(db, runtime, once)["done"]
+    second["thread"].join(timeout=60)
+    assert "refused" in second and "final" not in second
+    chunks = stream(db, once.id)
+    assert [c["seq"] for c in chunks] == list(range(1, len(chunks) + 1))
+    assert sum(1 for c in chunks if c.get("done")) == 1

@@ -18,6 +18,7 @@ from workers.backlog import patiently
 from workers.chunks import ChunkPublisher
 from workers.generation import AnyRunner, Progress
 from workers.keepalive import effective_keep_alive
+from workers.strays import Strays
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ class Runs(Protocol):
     cancels: CancelWatcher
     _jobs_lock: threading.Lock
     _running: dict[tuple[str, str], Placement]
+    strays: Strays
+
+    def _runs(self) -> set[tuple[str, str]]: ...
 
     def _schedule_expiry(self, runner_id: str, at: float | None) -> None: ...
 
@@ -80,6 +84,12 @@ class StartClaim:
         if self.owned:
             return
         rt, req, placement = self.runtime, self.req, self.placement
+        if (req.id, placement.id) in rt._runs():
+            # another delivery of a run under way here (Redis came back from before its
+            # start claim, and its message with it): the run goes on, once
+            log.warning("job %s runs here already: not running it again", req.id)
+            self.publisher.discard()
+            raise NotOwned(req.id)
         # Redis refusing the script (out of memory, read-only) raises: asked again, by
         # ours(), before the job's error is published
         cancelled_now = patiently(
@@ -100,6 +110,9 @@ class StartClaim:
             # (or this is a second delivery: it runs once, elsewhere in this pool)
             log.warning("job %s is no longer this device's: not running it here", req.id)
             self.publisher.discard()
+            raise NotOwned(req.id)
+        if rt.strays.end_again(placement, req.id):  # its one run ended here: claimed again
+            self.publisher.discard()  # by its message come again, it ends as it did
             raise NotOwned(req.id)
         with rt._jobs_lock:
             rt._running[(req.id, placement.id)] = placement

@@ -52,17 +52,38 @@ class Strays:
         self._first_seen: dict[Run, float] = {}  # strays seen at an earlier look, and when
         self._lock = threading.Lock()
         self._kept: OrderedDict[Run, tuple[float, End]] = OrderedDict()  # run -> (at, end)
+        self._finals: dict[str, Run] = {}  # job id -> its kept run that wrote a final chunk
 
     def keep(self, run: Run, done: Last, orphan: SentJob | None) -> None:
         """Remember an end this process wrote (its last chunk, or its hand-back)."""
         now = self.clock()
         with self._lock:
             self._kept[run] = (now, (done, orphan))
+            if orphan is None and done[1] is not None:
+                self._finals[run[0]] = run
             kept = self._kept
             while kept and (
                 len(kept) > ENDS_KEPT or next(iter(kept.values()))[0] < now - ENDS_KEPT_S
             ):
-                kept.popitem(last=False)
+                (job_id, _placement), _ = kept.popitem(last=False)
+                if self._finals.get(job_id) not in kept:
+                    self._finals.pop(job_id, None)
+
+    def end_again(self, placement: Placement, job_id: str) -> bool:
+        """Write again, under ``placement``, the end of a run of ``job_id`` this process
+        ended lately, instead of running it a second time: Redis came back from before that
+        end (and the run's start claim, or its send): its message came again, or it was
+        placed again. Its hand-back is written again only for the same placement (a job
+        handed back is placed again, to run). False when there is no such end."""
+        with self._lock:
+            run = (job_id, placement.id)
+            kept = self._kept.get(run) or self._kept.get(self._finals.get(job_id, run))
+        if kept is None:
+            return False
+        log.warning("job %s ended here already: writing its end again, not running it", job_id)
+        _at, (done, orphan) = kept
+        self.write_end(placement, job_id, done, orphan)
+        return True
 
     def _end_again(self, record: SentJob) -> None:
         """Write a stray's end again when this process wrote it lately, else give it back
