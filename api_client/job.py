@@ -30,6 +30,7 @@ from scheduler.store import keys
 from scheduler.store.cancel import ReaderLease
 from scheduler.store.hops import ordered as ordered_hops
 from scheduler.store.hops import read as read_hops
+from scheduler.store.leases import ThreadLeases
 from scheduler.store.streams import Entries, read_chunks
 from scheduler.store.subscriptions import Subscriptions
 
@@ -44,21 +45,12 @@ class JobHost(Protocol):
     timeout: float
     settings: Settings
     subscriptions: Subscriptions  # pub/sub connections for job channels, used again
+    leases: ThreadLeases  # the reader leases of its streams, renewed together
 
     def cancel(self, job_id: str) -> None: ...
 
     def place(self, request: JobRequest) -> None:
         """Send the job's message to placement (again: it places a job once)."""
-
-
-def release(client: redis.Redis, lease: ReaderLease) -> None:
-    """The reader leaves on its own: the job no longer ends with it (best effort)."""
-    try:
-        pipe = client.pipeline(transaction=False)
-        lease.release(pipe)
-        pipe.execute()
-    except redis.RedisError:
-        pass  # the lease lapses: the job is cancelled, as the reader already asked
 
 
 RESEND_AFTER_S = 5.0  # a job not taken by placement this long with its queue empty
@@ -105,9 +97,11 @@ class Job:
         wait = self.client.timeout if timeout is None else timeout
         done = False
         lease = self.reader_lease(cancel_on_close)
+        if lease is not None:  # renewed by the client's thread, whatever this loop's pace
+            self.client.leases.hold(lease)
         try:
             chunks = read_chunks(
-                self.client.r, self.id, wait, after, lease, self.check, self.client.subscriptions
+                self.client.r, self.id, wait, after, None, self.check, self.client.subscriptions
             )
             for chunk in chunks:
                 self.first_read_at = self.first_read_at or time.time()
@@ -116,7 +110,11 @@ class Job:
                     error = chunk.get("error")
                     if error:
                         raise error_from_code(error["code"], error["message"])
+                if lease is not None:
+                    lease.handed_at = time.monotonic()
                 yield self._response(chunk)
+                if lease is not None:
+                    lease.handed_at = None
         except (GeneratorExit, KeyboardInterrupt):  # Ctrl-C in the loop: the reader is gone
             if cancel_on_close and not done:
                 self.cancel()
@@ -124,8 +122,8 @@ class Job:
         except TimeoutError:
             raise self.silent_for(wait) from None
         finally:
-            if lease is not None and lease.renewed_at is not None:
-                release(self.client.r, lease)
+            if lease is not None:
+                self.client.leases.let_go(lease)
 
     def silent_for(self, wait: float) -> JobTimeout:
         """The error of a stream that sent nothing for ``wait`` s (the job goes on)."""

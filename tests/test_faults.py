@@ -213,7 +213,6 @@ with Client() as client:
 def test_a_client_killed_mid_stream_has_its_job_cancelled(two_hosts: Hosts) -> None:
     st, _h2, settings = two_hosts
     env = {**os.environ, **st.extra_env, "GGUFQ_REDIS_URL": st.redis_url}
-    env["GGUFQ_READER_LEASE_S"] = "2"
     reader = subprocess.Popen(
         [sys.executable, "-c", READER.replace("{LONG!r}", repr(LONG))],
         env=env,

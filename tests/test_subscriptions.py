@@ -14,9 +14,9 @@ import redis.asyncio
 
 from scheduler.local.embedded import EmbeddedRedis
 from scheduler.store import keys
-from scheduler.store.cancel import ReaderLease, cancelled_by, watch_keys
+from scheduler.store.cancel import READER_STUCK_S, ReaderLease, cancelled_by, watch_keys
 from scheduler.store.hub import Hub
-from scheduler.store.leases import Leases
+from scheduler.store.leases import Leases, ThreadLeases
 from scheduler.store.streams import aread_chunks, read_chunks
 from scheduler.store.subscriptions import Subscriptions
 from workers.chunks import ChunkPublisher
@@ -304,3 +304,26 @@ def test_reader_leases_are_renewed_together_and_let_go(
     assert soon(lambda: cancelled_by(*db.mget(watch_keys("lease-1"))), within_s=5)
     assert cancelled_by(*db.mget(watch_keys("lease-2")))
     assert not cancelled_by(*db.mget(watch_keys("lease-0")))
+
+
+def test_a_sync_readers_lease_is_renewed_apart_from_its_consumers_pace(
+    redis_server: EmbeddedRedis, db: redis.Redis
+) -> None:
+    """The Python client's streams: a consumer that takes longer than its lease (2 s)
+    between two chunks keeps its job, renewed by the client's one thread; one whose
+    consumer took no chunk for READER_STUCK_S lapses; one let go of is removed; the thread
+    stops once it holds none."""
+    leases = ThreadLeases(redis.Redis(port=redis_server.port, db=1))
+    slow, stuck = (ReaderLease(f"sync-{n}", ttl_s=60, lease_s=2) for n in range(2))
+    leases.hold(slow)
+    leases.hold(stuck)
+    assert soon(lambda: db.exists(keys.job_reader("sync-0")), within_s=5)
+    slow.handed_at = time.monotonic()  # its consumer has had a chunk since, taking its time
+    stuck.handed_at = time.monotonic() - READER_STUCK_S  # stopped reading long ago
+    time.sleep(4.0)  # twice the lease's life
+    assert not cancelled_by(*db.mget(watch_keys("sync-0")))
+    assert cancelled_by(*db.mget(watch_keys("sync-1")))  # not renewed: lapsed
+    leases.let_go(slow)
+    leases.let_go(stuck)
+    assert soon(lambda: not db.exists(keys.job_reader_wanted("sync-0")), within_s=5)
+    assert soon(lambda: leases._thread is None, within_s=5)

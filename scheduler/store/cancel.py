@@ -45,7 +45,10 @@ def is_cancelled(client: redis.Redis, job_id: str) -> bool:
     return cancelled_by(flag, wanted, reader)
 
 
-READER_LEASE_S = 30.0  # a reader renews its lease at least every third of this
+READER_LEASE_S = 4.0  # a reader renews its lease at least every third of this
+# a reader whose consumer has not taken its last chunk for this long (a client that stopped
+# reading) is let lapse, whatever its lease: a slow consumer is not a dead one
+READER_STUCK_S = 15.0
 
 
 class ReaderLease:

@@ -1,12 +1,14 @@
-"""The reader leases of an asyncio process (the gateway's streaming requests), renewed
-together: one task, one pipeline a second for every lease that is due.
+"""The reader leases of a process, renewed together: one pipeline a second for every lease
+that is due, from one asyncio task (:class:`Leases`: the gateway's streaming requests) or one
+thread (:class:`ThreadLeases`: the Python client's streams), apart from the readers' own
+pace, so that a consumer that takes its time between chunks keeps its job.
 
 Each reader renewing its own lease made a round trip per reader every few seconds; with
 thousands of readers waiting behind a few connections the renewals queued past the lease's
 life, and placement cancelled jobs whose readers were still there. Here the cost is one
 round trip a second, whatever the number of readers; a lease let go of is removed by the
 same task, after any renewal of it already on its way (never before: it would come back).
-A reader whose consumer has not taken its last chunk for half a lease (a client that
+A reader whose consumer has not taken its last chunk for READER_STUCK_S (a client that
 stopped reading) is not renewed: its job is cancelled as if the reader had gone.
 """
 
@@ -15,15 +17,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import redis
 import redis.asyncio
 
 from scheduler.loops import stop_task
-from scheduler.store.cancel import ReaderLease, queue_cancel
+from scheduler.store.cancel import READER_STUCK_S, ReaderLease, queue_cancel
 
 log = logging.getLogger(__name__)
 EVERY_S = 1.0
@@ -89,22 +93,79 @@ class Leases:
     async def _send(
         self, due: list[ReaderLease], gone: list[ReaderLease], cancels: dict[str, int]
     ) -> None:
-        """In order: the cancels, the leases let go of, then the renewals, BATCH a pipeline."""
-        now = time.monotonic()
-        ops: list[Callable[[Any], None]] = [
-            partial(queue_cancel, job_id=job_id, ttl_s=ttl_s) for job_id, ttl_s in cancels.items()
-        ]
-        ops += [lease.release for lease in gone]
-        ops += [partial(lease.renew, now=now) for lease in due]
-        for start in range(0, len(ops), BATCH):
+        for ops in _batches(due, gone, cancels):
             pipe = self.client.pipeline(transaction=False)
-            for op in ops[start : start + BATCH]:
+            for op in ops:
                 op(pipe)
             await pipe.execute()
 
 
+class ThreadLeases:
+    """:class:`Leases` for a process without an event loop: one daemon thread, started on
+    the first lease held and gone once none is left."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._held: dict[int, ReaderLease] = {}
+        self._released: list[ReaderLease] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def hold(self, lease: ReaderLease) -> None:
+        with self._lock:
+            self._held[id(lease)] = lease
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="ggufq-reader-leases", daemon=True
+                )
+                self._thread.start()
+
+    def let_go(self, lease: ReaderLease) -> None:
+        """The reader is done: removed within a second (see :meth:`Leases.let_go`)."""
+        with self._lock:
+            if self._held.pop(id(lease), None) is not None and lease.renewed_at is not None:
+                self._released.append(lease)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._held and not self._released:
+                    self._thread = None
+                    return
+                now = time.monotonic()
+                due = [lease for lease in self._held.values() if _renews(lease, now)]
+                gone, self._released = self._released, []
+            try:
+                for ops in _batches(due, gone, {}):
+                    pipe = self.client.pipeline(transaction=False)
+                    for op in ops:
+                        op(pipe)
+                    pipe.execute()
+            except Exception as exc:  # Redis away: all of them again next time
+                with self._lock:
+                    for lease in due:
+                        lease.renewed_at = None
+                    self._released += gone
+                log.warning("renewing %d reader leases failed: %s", len(due), exc)
+            time.sleep(EVERY_S)
+
+
+def _batches(
+    due: list[ReaderLease], gone: list[ReaderLease], cancels: dict[str, int]
+) -> list[list[Callable[[Any], None]]]:
+    """In order: the cancels, the leases let go of, then the renewals, BATCH a pipeline."""
+    now = time.monotonic()
+    ops: list[Callable[[Any], None]] = [
+        partial(queue_cancel, job_id=job_id, ttl_s=ttl_s) for job_id, ttl_s in cancels.items()
+    ]
+    ops += [lease.release for lease in gone]
+    ops += [partial(lease.renew, now=now) for lease in due]
+    return [ops[start : start + BATCH] for start in range(0, len(ops), BATCH)]
+
+
 def _renews(lease: ReaderLease, now: float) -> bool:
     """Due, and its reader still reading (its consumer took its last chunk, or has had it
-    for less than half a lease)."""
-    stuck = lease.handed_at is not None and now - lease.handed_at > lease.lease_s / 2
+    for less than READER_STUCK_S, and for less than the lease when that is longer)."""
+    since = None if lease.handed_at is None else now - lease.handed_at
+    stuck = since is not None and since > max(READER_STUCK_S, lease.lease_s / 2)
     return lease.due(now) and not stuck
