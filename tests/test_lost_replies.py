@@ -22,6 +22,7 @@ from scheduler.store import keys
 from scheduler.store.connection import CLIENT_OPTIONS, connect
 from scheduler.store.hands import Hands, PutBack, TakeUnsure, parked_record
 from scheduler.store.placement_state import PlacementState
+from scheduler.store.streams import Appended
 from scheduler.store.worker_state import WorkerState
 from tests.conftest import send
 from tests.test_state import GIB, vgpu
@@ -279,3 +280,29 @@ def test_a_put_back_asked_again_after_its_job_was_taken_again_parks_nothing(
     assert state.hands.put_back("parked", job.id, record) is PutBack.SWEPT
     assert parked.ids() == [] and db.hlen(keys.IN_HAND) == 1
     assert db.hget(keys.job_custody(job.id), "state") == b"placing"
+
+
+def test_an_end_with_no_owner_key_is_fenced_by_the_jobs_custody_record(db: redis.Redis) -> None:
+    """The job's owner key is gone (Redis came back from before it was written, or it
+    expired under a long run): the custody record names the placement that runs the job,
+    so an earlier placement's end writes no chunk and leaves the running mark of the job's
+    run alone, while the run's own end goes through."""
+    workers = WorkerState(db)
+    workers.register_device(vgpu(0))
+    state = PlacementState(db)
+    job = JobRequest(model="m", prompt="p")
+    assert state.place_once(job.id, "delivery", 60, "{}").first
+    assert state.reserve("r1", "p2", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
+    placed = Placement(id="p2", runner_id="r1", device_id="vgpu:h:0", config=RunnerConfig(512))
+    assert send(state, SentJob(job=job, placement=placed, worker="w@h"))
+    assert workers.start("vgpu:h:0", job.id, "p2", "delivery", 60, 100.0) is False
+    db.delete(keys.job_owner(job.id))
+    final = (1, {"done": True, "response": ""})
+    stale = placed.model_copy(update={"id": "p1"})
+    appended, _left = workers.end(stale, job.id, final, 100.0, None, 60)
+    assert appended is Appended.FENCED
+    assert db.hexists(keys.RUNNING, job.id) and not db.exists(keys.job_chunks(job.id))
+    appended, _left = workers.end(placed, job.id, final, 100.0, None, 60)
+    assert appended is Appended.WRITTEN
+    assert not db.hexists(keys.RUNNING, job.id)
+    assert db.hget(keys.job_custody(job.id), "state") == b"done"

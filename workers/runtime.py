@@ -335,7 +335,8 @@ class WorkerRuntime(Residency):
             def write_end() -> None:
                 appended[0] = self._write_end(placement, req.id, (seq, last), orphan)
                 if last is not None or orphan is not None:  # an end without either is a stop
-                    self.strays.keep(run, (seq, last), orphan)
+                    fenced = appended[0] is Appended.FENCED
+                    self.strays.keep(run, (seq, last), orphan, fenced)
 
             def bookkeeping() -> None:  # the counters and hops, in one round trip
                 pipe = self.r.pipeline(transaction=False)

@@ -111,8 +111,10 @@ class StartClaim:
             log.warning("job %s is no longer this device's: not running it here", req.id)
             self.publisher.discard()
             raise NotOwned(req.id)
-        if rt.strays.end_again(placement, req.id):  # its one run ended here: claimed again
-            self.publisher.discard()  # by its message come again, it ends as it did
+        # its one run ended here: claimed again by its message come again, it ends as it
+        # did (not an embedding: its vectors travel in its result, which only a run stores)
+        if req.kind != "embed" and rt.strays.end_again(placement, req.id):
+            self.publisher.discard()
             raise NotOwned(req.id)
         with rt._jobs_lock:
             rt._running[(req.id, placement.id)] = placement

@@ -33,6 +33,7 @@ WriteEnd = Callable[[Placement, str, Last, SentJob | None], object]
 # the ends kept to be written again (at most this many, this long): a stray is found
 # within two looks 10 s apart
 ENDS_KEPT, ENDS_KEPT_S = 4096, 120.0
+ENDS_WAIT_S = 10.0  # a job that comes again waits this long at most for ends on their way
 
 
 class Strays:
@@ -54,12 +55,13 @@ class Strays:
         self._kept: OrderedDict[Run, tuple[float, End]] = OrderedDict()  # run -> (at, end)
         self._finals: dict[str, Run] = {}  # job id -> its kept run that wrote a final chunk
 
-    def keep(self, run: Run, done: Last, orphan: SentJob | None) -> None:
-        """Remember an end this process wrote (its last chunk, or its hand-back)."""
+    def keep(self, run: Run, done: Last, orphan: SentJob | None, fenced: bool = False) -> None:
+        """Remember an end this process wrote (its last chunk, or its hand-back); one the
+        owner fence refused (the job was taken from this run) is not its job's end."""
         now = self.clock()
         with self._lock:
             self._kept[run] = (now, (done, orphan))
-            if orphan is None and done[1] is not None:
+            if orphan is None and done[1] is not None and not fenced:
                 self._finals[run[0]] = run
             kept = self._kept
             while kept and (
@@ -74,11 +76,16 @@ class Strays:
         ended lately, instead of running it a second time: Redis came back from before that
         end (and the run's start claim, or its send): its message came again, or it was
         placed again. Its hand-back is written again only for the same placement (a job
-        handed back is placed again, to run). False when there is no such end."""
+        handed back is placed again, to run). False when there is no such end. Ends still
+        waiting for Redis (an outage, most often, comes before a restore) land first, for
+        at most ENDS_WAIT_S: they are what it looks for, and they go before it in order."""
+        waited = time.monotonic() + ENDS_WAIT_S
+        while self.ends_waiting() and time.monotonic() < waited:
+            time.sleep(0.05)
         with self._lock:
             run = (job_id, placement.id)
             kept = self._kept.get(run) or self._kept.get(self._finals.get(job_id, run))
-        if kept is None:
+        if kept is None or kept[0] < self.clock() - ENDS_KEPT_S:
             return False
         log.warning("job %s ended here already: writing its end again, not running it", job_id)
         _at, (done, orphan) = kept

@@ -52,10 +52,11 @@ end
 
 -- The job is no longer running, nor in flight on its device, unless it was placed again
 -- meanwhile (its record, or its owner, then names another placement id: the new run's
--- running mark stays). Returns 1 when the record was this placement's and is gone, else 0.
-local function done_with(owner_key, running, inflight, job_id, placement_id)
-  local owner = redis.call('GET', owner_key)
-  if not owner or owner == placement_id or owner == 'orphaned' then
+-- running mark stays; with no owner, its custody record ``custody`` names it, as for
+-- append_chunk). Returns 1 when the record was this placement's and is gone, else 0.
+local function done_with(owner_key, running, inflight, job_id, placement_id, custody)
+  local owner = redis.call('GET', owner_key) or redis.call('HGET', custody, 'holder')
+  if not owner or owner == '' or owner == placement_id or owner == 'orphaned' then
     redis.call('HDEL', running, job_id)
   end
   local raw = redis.call('HGET', inflight, job_id)

@@ -30,7 +30,7 @@ if ARGV[3] ~= '' then
   appended = append_chunk(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4],
     KEYS[9], ARGV[10])
 end
-local was_recorded = done_with(KEYS[1], KEYS[4], KEYS[5], ARGV[5], ARGV[1])
+local was_recorded = done_with(KEYS[1], KEYS[4], KEYS[5], ARGV[5], ARGV[1], KEYS[9])
 local left = count_off(KEYS[6], ARGV[1], ARGV[6], ARGV[7])
 if left >= 0 then
   local model = redis.call('HGET', KEYS[6], 'model') or ''
