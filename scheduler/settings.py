@@ -250,6 +250,14 @@ class Settings(BaseSettings):
         "leases and its beat): its requests wait their turn, so the connections stay few "
         "however many clients wait.",
     )
+    http_reader_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="The reader lease of a gateway's streamed answers (GGUFQ_READER_LEASE_S "
+        "for other readers): a client that disconnects cancels its job at once; this lease "
+        "lapses only when the gateway process itself dies, and thousands of waiting clients "
+        "renew it together.",
+    )
     http_keepalive_s: float = Field(
         5.0,
         gt=0,

@@ -317,7 +317,7 @@ def test_a_sync_readers_lease_is_renewed_apart_from_its_consumers_pace(
     slow, stuck = (ReaderLease(f"sync-{n}", ttl_s=60, lease_s=2) for n in range(2))
     leases.hold(slow)
     leases.hold(stuck)
-    assert soon(lambda: db.exists(keys.job_reader("sync-0")), within_s=5)
+    assert soon(lambda: db.exists(keys.job_reader("sync-0"), keys.job_reader("sync-1")) == 2)
     slow.handed_at = time.monotonic()  # its consumer has had a chunk since, taking its time
     stuck.handed_at = time.monotonic() - READER_STUCK_S  # stopped reading long ago
     time.sleep(4.0)  # twice the lease's life

@@ -196,7 +196,7 @@ def make_app(
     own = client is None
     cluster = client or AsyncClient(
         resolve_redis_url(settings, Role.GATEWAY),  # the stack's gateway user, if it has one
-        settings=settings,
+        settings=settings.model_copy(update={"reader_lease_s": settings.http_reader_lease_s}),
         timeout=settings.http_timeout_s,
         max_connections=settings.http_redis_connections,
     )
