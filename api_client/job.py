@@ -95,7 +95,7 @@ class Job:
         its stream reopens it with the last ``seq`` it saw and misses nothing.
         """
         wait = self.client.timeout if timeout is None else timeout
-        done = False
+        done = gave_up = False
         lease = self.reader_lease(cancel_on_close)
         if lease is not None:  # renewed by the client's thread, whatever this loop's pace
             self.client.leases.hold(lease)
@@ -116,14 +116,19 @@ class Job:
                 if lease is not None:
                     lease.handed_at = None
         except (GeneratorExit, KeyboardInterrupt):  # Ctrl-C in the loop: the reader is gone
+            gave_up = True
             if cancel_on_close and not done:
                 self.cancel()
+            raise
+        except redis.RedisError:  # Redis lost under a running job: its lease lapses
+            gave_up = True
             raise
         except TimeoutError:
             raise self.silent_for(wait) from None
         finally:
-            if lease is not None:
-                self.client.leases.let_go(lease)
+            if lease is not None:  # a reader that gave up before its job ended, its cancel
+                # perhaps lost with Redis, leaves its lease to lapse: the job is cancelled
+                self.client.leases.let_go(lease, keep=gave_up and not done)
 
     def silent_for(self, wait: float) -> JobTimeout:
         """The error of a stream that sent nothing for ``wait`` s (the job goes on)."""

@@ -142,7 +142,7 @@ class Cluster:
         self.behind_s = behind_s or {}  # host → seconds its worker's clock is behind
         self.env = stack_env(models, root / "state", host="h1")
         # a streaming reader renews a lease; a client killed without a word has its job
-        # cancelled once the lease lapses (default 30 s: longer than A runs here)
+        # cancelled once the lease lapses (GGUFQ_READER_LEASE_S, set below)
         self.env["GGUFQ_READER_LEASE_S"] = str(READER_LEASE_S)
         # B must wait behind A at A's runner (one slot): no replica of it elsewhere
         self.env["GGUFQ_MAX_REPLICAS"] = "1"

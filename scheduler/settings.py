@@ -128,7 +128,7 @@ class Settings(BaseSettings):
     stream_ttl_s: int = Field(3600, gt=0, description="How long a job's chunk record is kept.")
     reader_lease_s: float = Field(
         4.0,
-        gt=0,
+        ge=2,
         description="A streaming reader that cancels its job when it leaves renews a lease "
         "this long (a third of it apart); a reader killed without a word has its job "
         "cancelled once it lapses.",

@@ -188,13 +188,17 @@ def connect(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url, **CLIENT_OPTIONS)
 
 
-def connect_typed(redis_url: str, max_connections: int | None = None) -> redis.Redis:
+def connect_typed(
+    redis_url: str, max_connections: int | None = None, socket_timeout: float | None = None
+) -> redis.Redis:
     """:func:`connect` for callers (the Python client, the CLI, the gateway): a failed
     connect raises :class:`RedisUnreachable`, which names Redis's address, the cause and
     the fix. With ``max_connections``, the client holds at most that many connections,
     and a command waits for a free one (the gateway: connections stay few whatever the
-    number of its clients)."""
+    number of its clients); ``socket_timeout`` gives up on a reply sooner."""
     options = _options(redis_url, (_Tcp, _Tls, _Unix), max_connections)
+    if socket_timeout is not None:
+        options["socket_timeout"] = socket_timeout
     if max_connections is None:
         return redis.Redis.from_url(redis_url, **options)
     # from_pool: the client closes the pool with itself

@@ -32,6 +32,9 @@ from scheduler.store.cancel import READER_STUCK_S, ReaderLease, queue_cancel
 log = logging.getLogger(__name__)
 EVERY_S = 1.0
 BATCH = 1000  # leases per pipeline
+# a renewal's reply waited for at most this long on the thread's own connection (one that
+# stops answering is given up on, and every lease renewed again, well within a lease)
+LEASE_REPLY_S = 1.0
 
 
 class Leases:
@@ -101,8 +104,10 @@ class Leases:
 
 
 class ThreadLeases:
-    """:class:`Leases` for a process without an event loop: one daemon thread, started on
-    the first lease held and gone once none is left."""
+    """:class:`Leases` for a process without an event loop: one daemon thread on a
+    connection of its own (``client``: no wait behind the process's other commands, a
+    reply given up on after LEASE_REPLY_S), started on the first lease held and gone once
+    none is left."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
@@ -114,17 +119,38 @@ class ThreadLeases:
     def hold(self, lease: ReaderLease) -> None:
         with self._lock:
             self._held[id(lease)] = lease
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():  # or forked away
                 self._thread = threading.Thread(
                     target=self._run, name="ggufq-reader-leases", daemon=True
                 )
                 self._thread.start()
 
-    def let_go(self, lease: ReaderLease) -> None:
-        """The reader is done: removed within a second (see :meth:`Leases.let_go`)."""
+    def let_go(self, lease: ReaderLease, keep: bool = False) -> None:
+        """The reader is done: its lease is removed now, and again after any renewal of it
+        on its way (see :meth:`Leases.let_go`); with ``keep``, left to lapse (its job is
+        then cancelled: a reader that gave up and could not say so)."""
         with self._lock:
-            if self._held.pop(id(lease), None) is not None and lease.renewed_at is not None:
-                self._released.append(lease)
+            if self._held.pop(id(lease), None) is None or keep:
+                return
+            self._released.append(lease)
+        with contextlib.suppress(Exception):  # at once, as a process may end right after
+            self._execute(_batches([], [lease], {}))
+
+    def close(self) -> None:
+        """Remove the leases let go of, and stop renewing (the thread ends)."""
+        with self._lock:
+            self._held.clear()
+            gone, self._released = self._released, []
+        with contextlib.suppress(Exception):
+            self._execute(_batches([], gone, {}))
+        self.client.close()
+
+    def _execute(self, batches: list[list[Callable[[Any], None]]]) -> None:
+        for ops in batches:
+            pipe = self.client.pipeline(transaction=False)
+            for op in ops:
+                op(pipe)
+            pipe.execute()
 
     def _run(self) -> None:
         while True:
@@ -136,11 +162,7 @@ class ThreadLeases:
                 due = [lease for lease in self._held.values() if _renews(lease, now)]
                 gone, self._released = self._released, []
             try:
-                for ops in _batches(due, gone, {}):
-                    pipe = self.client.pipeline(transaction=False)
-                    for op in ops:
-                        op(pipe)
-                    pipe.execute()
+                self._execute(_batches(due, gone, {}))
             except Exception as exc:  # Redis away: all of them again next time
                 with self._lock:
                     for lease in due:
