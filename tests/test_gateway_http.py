@@ -292,3 +292,31 @@ def test_keys_command_line(stack: LocalStack, models_dir: Path, session_dir: Pat
     ).items()
     assert ggufq("keys", "revoke", key_id, env=env).returncode == 0
     assert ggufq("keys", "revoke", key_id, env=env).returncode == 1
+
+
+def test_a_key_lists_and_cancels_its_own_jobs_by_id(keyed: str, r: redis.Redis, slow: str) -> None:
+    """``GET /api/jobs`` lists a key's jobs not ended yet and ``DELETE /api/jobs/{id}``
+    cancels one, wherever it is; another key sees neither and cannot cancel it (404)."""
+    owner, token = KeyStore(r).create("owner")
+    other, other_token = KeyStore(r).create("other")
+    auth, other_auth = ({"Authorization": f"Bearer {t}"} for t in (token, other_token))
+    body = {"model": slow, "prompt": "x", "raw": True, "options": ENDLESS}
+    with httpx.stream("POST", f"{keyed}/api/generate", json=body, headers=auth) as held:
+        job_id = held.headers["x-ggufq-job"]
+        lines = held.iter_lines()
+        assert json.loads(next(lines))["done"] is False  # it runs
+        listed = httpx.get(f"{keyed}/api/jobs", headers=auth).json()["jobs"]
+        assert [(j["id"], j["tenant"], j["state"]) for j in listed] == [
+            (job_id, owner.id, "running")
+        ]
+        assert httpx.get(f"{keyed}/api/jobs", headers=other_auth).json() == {"jobs": []}
+        refused = httpx.delete(f"{keyed}/api/jobs/{job_id}", headers=other_auth)
+        assert refused.status_code == 404 and "no job" in refused.json()["error"]
+        assert httpx.get(f"{keyed}/api/jobs/{job_id}", headers=auth).json()["id"] == job_id
+        cancelled = httpx.delete(f"{keyed}/api/jobs/{job_id}", headers=auth)
+        assert cancelled.json() == {"id": job_id, "cancelled": True, "was": "running"}
+        last = [json.loads(line) for line in lines if line][-1]
+        assert "cancel" in last["error"]
+    assert httpx.delete(f"{keyed}/api/jobs/{job_id}", headers=auth).status_code == 404
+    for made in (owner, other):
+        KeyStore(r).revoke(made.id)

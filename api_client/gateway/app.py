@@ -23,7 +23,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api_client.aio import AsyncClient
-from api_client.gateway import ollama, openai_api
+from api_client.gateway import jobs_api, ollama, openai_api
 from api_client.gateway.core import Caller, Gateway
 from api_client.gateway.edge import EdgeRules, split_list, too_large
 from api_client.gateway.errors import headers_for, http_error, ollama_body, openai_body
@@ -232,7 +232,12 @@ def make_app(
         return error_response(request.url.path, error)
 
     app = Starlette(
-        routes=[*ollama.router.routes, *openai_api.router.routes, Route("/metrics", metrics)],
+        routes=[
+            *ollama.router.routes,
+            *jobs_api.router.routes,
+            *openai_api.router.routes,
+            Route("/metrics", metrics),
+        ],
         middleware=[
             Middleware(
                 Guard,

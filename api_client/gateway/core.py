@@ -3,6 +3,7 @@ streamed or awaited on the caller's behalf."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -143,6 +144,11 @@ def caller_of(request: Request) -> Caller:
     return caller if isinstance(caller, Caller) else Caller()
 
 
+def gateway_of(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
 def model_name(name: str | None) -> str:
     """A model name as jobs take it: Ollama's ``:latest`` tag is dropped (ggufq's names are
     file stems, without tags)."""
@@ -189,6 +195,10 @@ class Gateway:
         self.client = client
         self.settings = settings
         self.registry = Registry(settings.models_dir)
+        # one job listing at a time (it reads every waiting job's record, in a thread):
+        # a key asking for many at once waits, instead of taking every other request's
+        # threads and connections
+        self.listing = asyncio.Lock()
 
     def has_chat_template(self, model: str) -> bool:
         """Whether the model renders prompts with a chat template. A model this host cannot

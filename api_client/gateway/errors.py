@@ -38,6 +38,12 @@ class Unauthorized(GgufqError):
     code = "invalid_api_key"
 
 
+class JobNotFound(GgufqError):
+    """No job of the caller's with that id is waiting or running."""
+
+    code = "job_not_found"
+
+
 class Forbidden(GgufqError):
     """The API key may not use this model."""
 
@@ -93,6 +99,7 @@ class HttpError:
 _STATUS: list[tuple[type[GgufqError], HttpError]] = [
     (InvalidRequest, HttpError(400)),
     (ModelNotFound, HttpError(404)),
+    (JobNotFound, HttpError(404)),
     (Unauthorized, HttpError(401)),
     (Forbidden, HttpError(403)),
     (BadOrigin, HttpError(403)),

@@ -27,6 +27,7 @@ from api_client.gateway.core import (
     Gateway,
     Routes,
     caller_of,
+    gateway_of,
     json_body,
     known_options,
     model_name,
@@ -64,11 +65,6 @@ def ggufq_version() -> str:
 
 
 router = Routes()
-
-
-def gateway_of(request: Request) -> Gateway:
-    gateway: Gateway = request.app.state.gateway
-    return gateway
 
 
 @router.add("/", "GET", "HEAD")

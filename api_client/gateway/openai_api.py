@@ -17,7 +17,15 @@ from starlette.responses import Response
 
 from api_client.ajob import AsyncJob
 from api_client.gateway.catalog import openai_model, usable
-from api_client.gateway.core import Gateway, Routes, caller_of, json_body, model_name, parse_body
+from api_client.gateway.core import (
+    Gateway,
+    Routes,
+    caller_of,
+    gateway_of,
+    json_body,
+    model_name,
+    parse_body,
+)
 from api_client.gateway.ollama_schema import shorten
 from api_client.gateway.openai_schema import (
     DONE,
@@ -38,11 +46,6 @@ from scheduler.protocol import GenerateResponse
 SSE = "text/event-stream"
 
 router = Routes(prefix="/v1")
-
-
-def gateway_of(request: Request) -> Gateway:
-    gateway: Gateway = request.app.state.gateway
-    return gateway
 
 
 @router.add("/chat/completions", "POST")
