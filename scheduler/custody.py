@@ -96,13 +96,7 @@ TRANSITIONS: tuple[Transition, ...] = (
         "its model could not load there, its runner was gone before it arrived, or no run "
         "holds it there (Redis lost its end)",
     ),
-    Transition(
-        S.SENT,
-        S.DONE,
-        Actor.WORKER,
-        "end",
-        "its final chunk, from a run whose start Redis lost (a crash, an older snapshot)",
-    ),
+    Transition(S.SENT, S.DONE, Actor.WORKER, "end", "its final chunk; Redis lost its start"),
     Transition(S.SENT, S.FAILED, Actor.WORKER, "end", "its error chunk, as sent -> done"),
     Transition(S.SENT, S.CANCELLED, Actor.WORKER, "end", "cancelled mid-run, as sent -> done"),
     Transition(S.RUNNING, S.DONE, Actor.WORKER, "end", "its final chunk, slot freed"),
