@@ -407,6 +407,36 @@ def test_cancel_while_running_frees_the_slot_for_the_next_job(
     assert later_box["stats"].done_reason == "length" and later_box["stats"].eval_count == 5
 
 
+def test_cancel_during_a_long_prompts_processing_stops_it_there(
+    runner_factory: Callable[..., Runner],
+) -> None:
+    """A long prompt is fed n_batch tokens a step, and cancellation is polled at every
+    step: a job cancelled after its first chunk leaves its slot at the next step, not once
+    its whole prompt would have been processed (the slot's state tells, not a timer)."""
+    runner = runner_factory(1, num_ctx=4096, n_batch=32)
+    seen: dict[str, int] = {}
+
+    def cancelled() -> bool:  # polled by the loop at the start of each step
+        (job,) = runner.engine._active or (None,)
+        if job is not None and job.fed and "fed" not in seen:
+            seen.update(fed=job.fed, prompt=len(job.tokens))
+        if job is not None:
+            seen["last"] = job.fed
+        return "fed" in seen
+
+    thread, box = start(
+        runner, "one two " * 300, Options(num_predict=4, **GREEDY), cancelled=cancelled
+    )
+    thread.join(60)
+    assert "error" not in box, box.get("error")
+    assert box["stats"].done_reason == "cancel" and box["stats"].eval_count == 0
+    assert seen["prompt"] > 20 * 32  # a prompt of many steps' worth
+    assert seen["last"] == seen["fed"] <= 2 * 32  # it went no further than where it stood
+    later, later_box = start(runner, "a", Options(num_predict=3, **GREEDY))
+    later.join(30)
+    assert later_box["stats"].done_reason == "length"  # the slot serves the next job
+
+
 def test_cancel_while_waiting_never_starts(runner_factory: Callable[..., Runner]) -> None:
     runner = runner_factory(1)
     gate = Gate()
