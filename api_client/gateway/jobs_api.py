@@ -37,8 +37,8 @@ async def _one(request: Request) -> JobView:
             return job
     raise JobNotFound(
         f"no job {job_id[:80]!r} of this API key is waiting or running (it ended, it was "
-        "never submitted with this key, or placement has not taken it yet); GET /api/jobs "
-        "lists them"
+        "never submitted with this key, or placement has not taken it yet); the jobs listing "
+        "shows this key's jobs"
     )
 
 
