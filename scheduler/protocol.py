@@ -138,7 +138,13 @@ class Options(BaseModel):
         default_factory=list, max_length=16
     )
     num_gpu: int = Field(-1, ge=-1, le=10_000, description="layers on GPU; -1 = as many as fit")
-    main_gpu: int = Field(0, ge=0, le=1024)
+    main_gpu: int | None = Field(
+        None,
+        ge=0,
+        le=1024,
+        description="load a new runner on a host's GPU of this index when it fits there "
+        "(None: wherever the placement policy puts it)",
+    )
     num_thread: int = Field(0, ge=0, le=1024, description="0 = worker default")
 
 

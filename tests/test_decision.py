@@ -118,6 +118,15 @@ def test_7_binpack_picks_tightest_fit_and_spread_the_roomiest() -> None:
     assert run(job(gib=3), devices, policy="spread") == Load("big", 3 * GIB)
 
 
+def test_7_main_gpu_loads_a_new_runner_on_that_gpu_when_it_fits() -> None:
+    """Ollama's ``main_gpu``: the GPU of that index on its host, before the policy's
+    choice; where it has no room, the policy's choice."""
+    devices = [dev("vgpu:h:0", 24), dev("vgpu:h:1", 4), dev("vgpu:h:2", 8)]
+    assert run(job(gib=3), devices) == Load("vgpu:h:1", 3 * GIB)  # binpack: the tightest
+    assert run(replace(job(gib=3), main_gpu=2), devices) == Load("vgpu:h:2", 3 * GIB)
+    assert run(replace(job(gib=6), main_gpu=1), devices) == Load("vgpu:h:2", 6 * GIB)
+
+
 def test_7_gpus_before_cpu() -> None:
     devices = [dev("cpu", 64, kind="cpu"), dev("g", 8, kind="gpu")]
     assert run(job(gib=3), devices) == Load("g", 3 * GIB)

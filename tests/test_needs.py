@@ -44,6 +44,9 @@ def test_pinned_and_avoided_devices_travel_with_the_needs() -> None:
     req = JobRequest(model="m", device="gpu:h:1", avoid=["gpu:h:0"])
     where = job_needs(req, CONFIG, SHAPE, retry=True).where
     assert (where.device, where.avoid) == ("gpu:h:1", ("gpu:h:0",))
+    assert job_needs(req, CONFIG, SHAPE, retry=True).main_gpu is None  # the policy's choice
+    chosen = JobRequest.model_validate({"model": "m", "options": {"main_gpu": 1}})
+    assert job_needs(chosen, CONFIG, SHAPE, retry=False).main_gpu == 1
 
 
 def test_runner_config_follows_request_then_model_then_default() -> None:

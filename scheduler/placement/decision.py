@@ -147,7 +147,15 @@ def _where(
         return _larger_than_any_device(job, snap, max_loaded, victim_key)
     # 7
     counts = snap.counts
-    chosen = first_fit(snap.by_free, job.bytes, policy, lambda d: counts.get(d.id, 0) < max_loaded)
+
+    def room(d: DeviceState) -> bool:
+        return counts.get(d.id, 0) < max_loaded
+
+    def main(d: DeviceState) -> bool:  # Ollama's main_gpu: a host's GPU of that index
+        return d.kind != "cpu" and d.id.endswith(f":{job.main_gpu}") and room(d)
+
+    chosen = None if job.main_gpu is None else first_fit(snap.by_free, job.bytes, policy, main)
+    chosen = chosen or first_fit(snap.by_free, job.bytes, policy, room)
     if chosen is not None:
         return Load(chosen.id, job.bytes, max(-1, job.n_gpu_layers or -1))
     # 8

@@ -43,6 +43,7 @@ class JobNeeds:
     # jobs that may wait at one runner beyond its slots; -1 = no bound (always route).
     # With a bound, work beyond it parks, where it is retried in fair order across tenants
     queue_depth: int = -1
+    main_gpu: int | None = None  # a new runner goes to a GPU of this index when one takes it
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ def job_needs(
         min_replicas=req.replicas,
         affine=affine,
         queue_depth=config.num_parallel if queue is None else queue,
+        main_gpu=req.options.main_gpu,
     )
     if 0 < num_gpu < whole:
         return replace(needs, bytes=shape.partial[num_gpu - 1], n_gpu_layers=num_gpu)
