@@ -78,7 +78,7 @@ class AsyncJob:
         try:
             check = partial(self.job.acheck, self.client.r)
             chunks = aread_chunks(
-                self.client.r, self.id, wait, after, None, check, self.client.hub, QUIET_S
+                self.client.r, self.id, wait, after, check, self.client.hub, QUIET_S
             )
             async for chunk in chunks:
                 self.job.first_read_at = self.job.first_read_at or time.time()

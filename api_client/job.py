@@ -101,7 +101,7 @@ class Job:
             self.client.leases.hold(lease)
         try:
             chunks = read_chunks(
-                self.client.r, self.id, wait, after, None, self.check, self.client.subscriptions
+                self.client.r, self.id, wait, after, self.check, self.client.subscriptions
             )
             for chunk in chunks:
                 self.first_read_at = self.first_read_at or time.time()

@@ -3,6 +3,7 @@ comes to it again after Redis lost them: pure, with a recording ``write_end``.""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from scheduler.protocol import Placement, RunnerConfig
@@ -55,9 +56,10 @@ def test_an_end_kept_past_its_time_is_not_written_again() -> None:
     assert written == []
 
 
-def test_ends_on_their_way_land_before_it_looks() -> None:
-    waiting = [True, True, False]  # the backlog drains at the third look
-    kept, written, _clock = strays(waiting)
-    kept.keep(("job", "p1"), FINAL, None)
-    assert kept.end_again(placement("p1"), "job")
-    assert waiting == [] and len(written) == 1
+def test_an_end_on_its_way_lands_before_it_looks_and_other_jobs_never_wait() -> None:
+    kept, written, _clock = strays([True])  # the backlog holds writes: not this job's
+    queued = kept.on_its_way("job", lambda: kept.keep(("job", "p1"), FINAL, None))
+    assert not kept.end_again(placement("p1"), "other")  # no end of its own on its way
+    threading.Timer(0.2, queued).start()  # the outage ends: the end lands
+    assert kept.end_again(placement("p1"), "job")  # it waited for it
+    assert written == [("p1", "job", FINAL, None)]

@@ -345,7 +345,7 @@ class WorkerRuntime(Residency):
                 pipe.execute()
 
             # through an outage too: else its slot stays taken in placement's view
-            self.backlog.run(f"ending job {req.id}", write_end)
+            self.backlog.run(f"ending job {req.id}", self.strays.on_its_way(req.id, write_end))
             self.backlog.run(f"counting job {req.id}", bookkeeping)
             return appended[0] is not Appended.FENCED
 

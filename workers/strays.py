@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +33,7 @@ WriteEnd = Callable[[Placement, str, Last, SentJob | None], object]
 # the ends kept to be written again (at most this many, this long): a stray is found
 # within two looks 10 s apart
 ENDS_KEPT, ENDS_KEPT_S = 4096, 120.0
-ENDS_WAIT_S = 10.0  # a job that comes again waits this long at most for ends on their way
+ENDS_WAIT_S = 10.0  # a job that comes again waits this long at most for its end on its way
 
 
 class Strays:
@@ -54,6 +54,22 @@ class Strays:
         self._lock = threading.Lock()
         self._kept: OrderedDict[Run, tuple[float, End]] = OrderedDict()  # run -> (at, end)
         self._finals: dict[str, Run] = {}  # job id -> its kept run that wrote a final chunk
+        self._on_the_way: Counter[str] = Counter()  # job id -> its ends queued, not landed
+
+    def on_its_way(self, job_id: str, write: Callable[[], None]) -> Callable[[], None]:
+        """``write`` (an end of ``job_id``, for Redis now or after an outage), with the end
+        counted as on its way until it ran (:meth:`end_again` waits for it)."""
+        with self._lock:
+            self._on_the_way[job_id] += 1
+
+        def landing() -> None:
+            write()
+            with self._lock:
+                self._on_the_way[job_id] -= 1
+                if self._on_the_way[job_id] <= 0:
+                    del self._on_the_way[job_id]
+
+        return landing
 
     def keep(self, run: Run, done: Last, orphan: SentJob | None, fenced: bool = False) -> None:
         """Remember an end this process wrote (its last chunk, or its hand-back); one the
@@ -76,11 +92,12 @@ class Strays:
         ended lately, instead of running it a second time: Redis came back from before that
         end (and the run's start claim, or its send): its message came again, or it was
         placed again. Its hand-back is written again only for the same placement (a job
-        handed back is placed again, to run). False when there is no such end. Ends still
-        waiting for Redis (an outage, most often, comes before a restore) land first, for
-        at most ENDS_WAIT_S: they are what it looks for, and they go before it in order."""
+        handed back is placed again, to run). False when there is no such end. An end of
+        the job still waiting for Redis (an outage, most often, comes before a restore)
+        lands first, for at most ENDS_WAIT_S: it is what this looks for, and it goes before
+        it in order; a job with none on its way never waits."""
         waited = time.monotonic() + ENDS_WAIT_S
-        while self.ends_waiting() and time.monotonic() < waited:
+        while job_id in self._on_the_way and time.monotonic() < waited:
             time.sleep(0.05)
         with self._lock:
             run = (job_id, placement.id)

@@ -20,7 +20,6 @@ import redis.asyncio
 from scheduler.custody import JobState
 from scheduler.errors import ChunksLost, GgufqError, JobCancelled
 from scheduler.store import keys
-from scheduler.store.cancel import ReaderLease
 from scheduler.store.hub import Hub
 from scheduler.store.scripts import queue, script
 from scheduler.store.subscriptions import Subscriptions
@@ -230,12 +229,11 @@ def read_chunks(
     job_id: str,
     timeout_s: float | None,
     after_seq: int = 0,
-    lease: ReaderLease | None = None,
     on_quiet: Callable[[], None] | None = None,
     subscriptions: Subscriptions | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Yield the chunks of a job from ``after_seq + 1`` on, until the final one, renewing
-    ``lease`` (if given) while it reads.
+    """Yield the chunks of a job from ``after_seq + 1`` on, until the final one (a
+    reader's lease is renewed apart: scheduler/store/leases.py).
 
     Raises TimeoutError when no chunk arrives for ``timeout_s`` seconds. ``on_quiet`` is
     called after each quiet spell (the job's handle checks that it is not lost there).
@@ -251,10 +249,6 @@ def read_chunks(
         pubsub.subscribe(keys.job_channel(job_id))
     try:
         while not order.done:
-            if lease is not None and lease.due(time.monotonic()):
-                pipe = client.pipeline(transaction=False)
-                lease.renew(pipe, time.monotonic())
-                pipe.execute()
             if order.backfill:
                 if order.quiet and on_quiet is not None:
                     on_quiet()
@@ -273,7 +267,6 @@ async def aread_chunks(
     job_id: str,
     timeout_s: float | None,
     after_seq: int = 0,
-    lease: ReaderLease | None = None,
     on_quiet: Callable[[], Awaitable[object]] | None = None,
     subscriptions: Hub | None = None,
     quiet_max_s: float = QUIET_MAX_S,
@@ -293,10 +286,6 @@ async def aread_chunks(
         await pubsub.subscribe(keys.job_channel(job_id))
     try:
         while not order.done:
-            if lease is not None and lease.due(time.monotonic()):
-                apipe = client.pipeline(transaction=False)
-                lease.renew(apipe, time.monotonic())
-                await apipe.execute()
             if order.backfill:
                 if order.quiet and on_quiet is not None:
                     await on_quiet()

@@ -2,6 +2,12 @@
 -- other chunks with the first).
 -- Touches, by name: nothing; the keys are the callers'.
 
+-- Whose a job is: its owner key, or, when Redis lost that (it came back from before the
+-- job was sent, or the key expired under a long run), its custody record's holder.
+local function owner_of(owner_key, custody)
+  return redis.call('GET', owner_key) or redis.call('HGET', custody, 'holder')
+end
+
 -- Append one chunk to a job's stream and publish it, unless the job's owner is another
 -- placement id than ``fence`` ('' writes whatever the owner). With no owner (Redis came
 -- back from before the job was sent), its custody record ``custody`` names it: a record
@@ -11,8 +17,7 @@
 -- chunk written moves the record to ``outcome`` (done, failed, cancelled; '' for a chunk
 -- that is not final).
 local function append_chunk(owner_key, chunks, channel, fence, seq, payload, ttl, custody, outcome)
-  local owner = redis.call('GET', owner_key)
-  if fence ~= '' and not owner then owner = redis.call('HGET', custody, 'holder') end
+  local owner = owner_of(owner_key, custody)
   local id = '0-' .. seq
   if fence ~= '' and owner and owner ~= fence then
     -- this very chunk, written before the job was taken from this run (its answer was
@@ -55,7 +60,7 @@ end
 -- running mark stays; with no owner, its custody record ``custody`` names it, as for
 -- append_chunk). Returns 1 when the record was this placement's and is gone, else 0.
 local function done_with(owner_key, running, inflight, job_id, placement_id, custody)
-  local owner = redis.call('GET', owner_key) or redis.call('HGET', custody, 'holder')
+  local owner = owner_of(owner_key, custody)
   if not owner or owner == '' or owner == placement_id or owner == 'orphaned' then
     redis.call('HDEL', running, job_id)
   end
