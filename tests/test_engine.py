@@ -479,6 +479,30 @@ def test_a_job_whose_start_fails_in_the_loop_fails_and_the_loop_serves_on(
     assert runner.generate("the sky", options, ignore).eval_count == 4
 
 
+def test_a_job_whose_start_fails_fails_alone_beside_a_running_one(
+    runner_factory: Callable[..., Runner], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job that cannot start in its slot fails alone: a job already running on the
+    runner goes on to its end."""
+    runner = runner_factory(2, num_ctx=512, device_sampling=True)
+    gate = Gate()
+    running, box = start(runner, "a", Options(num_predict=8, **GREEDY), gate)
+    assert gate.entered.wait(30)  # it runs, held in its first piece of text
+
+    def broken(*_a: Any) -> bool:
+        raise RuntimeError("llama.cpp refused the sampler")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner.engine._device, "take", broken)
+        failing, failed = start(runner, "b", Options(num_predict=4, **GREEDY))
+        wait_queued(runner, 1)
+        gate.release.set()
+        failing.join(30)
+    running.join(30)
+    assert "refused the sampler" in str(failed["error"])
+    assert box["stats"].done_reason == "length" and box["stats"].eval_count == 8
+
+
 def test_stop_string_ends_the_job_before_it(runner_factory: Callable[..., Runner]) -> None:
     runner = runner_factory(2)
     options = Options(num_predict=60, **GREEDY)

@@ -61,11 +61,9 @@ class Engine:
         self._L = L
         self.name = name or os.path.basename(path)
         self.config = config
-        self.size = ContextSize.of(config)
+        self.size = size = ContextSize.of(config)
         watch = LoadWatch(load_timeout_s)
-        self.model, self.ctx = _load(
-            L, path, config, self.size, n_gpu_layers, n_threads, watch, split
-        )
+        self.model, self.ctx = _load(L, path, config, size, n_gpu_layers, n_threads, watch, split)
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._mem = L.llama_get_memory(self.ctx)
@@ -204,13 +202,16 @@ class Engine:
             for job in gone:
                 job.admitted_ns = now
                 self._end(job, "cancel", now)
-            for job, seq in admitted:  # active first: what fails below fails it, never loses it
+            for job, seq in admitted:  # active first: what fails fails it, never loses it
                 job.seq, job.admitted_ns = seq, now
                 self._active.append(job)
-            try:
-                for job, seq in admitted:
+                try:  # one job that cannot start in its slot fails alone
                     job.on_device = self._device.take(seq, job.sampler.plain_greedy)
                     self._reuse_prefix(job)
+                except Exception as exc:
+                    log.exception("starting a job failed on %s", self.name)
+                    self._fail(job, f"its start in slot {seq} failed ({exc!r})")
+            try:
                 self._step()
             except Exception as exc:  # a bug here must fail jobs, never hang them
                 log.exception("decode step failed on %s", self.name)
@@ -352,8 +353,7 @@ class Engine:
         self._retire(job, keep=False)  # its KV may be half written
 
     def _reusable(self, job: Job, seq: int) -> int:
-        """Prompt tokens of ``job`` already in slot ``seq``'s cache (the last one is always
-        evaluated again: its logits start the answer)."""
+        """Prompt tokens of ``job`` in slot ``seq``'s cache, bar the last (it starts the answer)."""
         return min(common_prefix(self._cached.get(seq, []), job.tokens), len(job.tokens) - 1)
 
     def _reuse_prefix(self, job: Job) -> None:
