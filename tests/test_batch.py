@@ -49,7 +49,9 @@ def complete_lines(path: Path) -> int:
 
 
 @pytest.mark.parametrize(
-    ("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"]
+    ("signum", "code"),
+    [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)],
+    ids=["ctrl-c", "sigterm", "sighup"],
 )
 def test_cli_batch_interrupted_by_ctrl_c_then_resumed(
     cli_env: dict[str, str], client: Client, tmp_path: Path, signum: int, code: int

@@ -349,13 +349,22 @@ def test_commands_other_than_worker_do_not_import_it() -> None:
     assert out.stdout.splitlines()[-1] == "[]"
 
 
+@pytest.mark.parametrize(
+    ("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)], ids=["sigterm", "sighup"]
+)
 @pytest.mark.parametrize("chat", [False, True], ids=["prompt", "chat"])
 def test_run_ended_by_sigterm_cancels_its_job_as_ctrl_c_does(
-    stack: LocalStack, models_dir: Path, session_dir: Path, client: Client, chat: bool
+    stack: LocalStack,
+    models_dir: Path,
+    session_dir: Path,
+    client: Client,
+    chat: bool,
+    signum: int,
+    code: int,
 ) -> None:
-    """A `ggufq run` stopped by SIGTERM (a terminal closed, a supervisor, `kill`) cancels its
-    job and exits 143, as Ctrl-C does (130); killed as by default, it left the job running
-    to its end, holding the slot."""
+    """A `ggufq run` stopped by SIGTERM (a supervisor, `kill`) or SIGHUP (its terminal
+    closed) cancels its job and exits 128 + the signal, as Ctrl-C does (130); killed as by
+    default, it left the job running to its end, holding the slot."""
     path = write_slow_model(models_dir / "cli-slow.gguf")
     env = {**stack_env(models_dir, session_dir / "state"), "GGUFQ_REDIS_URL": stack.redis_url}
     argv = ["run", "cli-slow", *([] if chat else ["x"]), "-o", "num_predict=100000"]
@@ -373,9 +382,9 @@ def test_run_ended_by_sigterm_cancels_its_job_as_ctrl_c_does(
             proc.stdin.flush()
         assert proc.stdout.read(1)  # the answer streams: its job runs
         assert [j.model for j in client.jobs()] == ["cli-slow"]
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=60)
-        assert proc.returncode == 143 and b"Traceback" not in stderr, stderr
+        assert proc.returncode == code and b"Traceback" not in stderr, stderr
         assert wait_for(lambda: client.jobs() == [], timeout=30)  # cancelled, not left running
     finally:
         if proc.poll() is None:

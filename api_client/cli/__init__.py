@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    except KeyboardInterrupt as exc:  # Ctrl-C; SIGTERM where a command takes it so
-        return 143 if isinstance(exc, Terminated) else 130
+    except KeyboardInterrupt as exc:  # Ctrl-C; SIGTERM or SIGHUP where a command takes it so
+        return exc.status if isinstance(exc, Terminated) else 130
 
 
 def build_parser() -> argparse.ArgumentParser:

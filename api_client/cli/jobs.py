@@ -18,19 +18,29 @@ from scheduler.protocol import GenerateResponse
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, taken as Ctrl-C by the commands that send jobs: their jobs are cancelled
-    and the command exits 143. Killed as by default, `ggufq run` left its job running to
-    its end, holding a slot, until its reader's lease ran out."""
+    """SIGTERM, or SIGHUP (its terminal closed), taken as Ctrl-C by the commands that send
+    jobs: their jobs are cancelled and the command exits 128 + the signal (143, 129).
+    Killed as by default, `ggufq run` left its job running to its end, holding a slot,
+    until its reader's lease ran out."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.status = 128 + signum
 
 
-def _terminate(*_: object) -> None:
-    raise Terminated
+# the signals that end a command as Ctrl-C does (SIGHUP where the platform has it)
+ENDING = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    raise Terminated(signum)
 
 
 def sigterm_interrupts() -> None:
-    """From now on SIGTERM raises :class:`Terminated` in the main thread."""
+    """From now on SIGTERM and SIGHUP raise :class:`Terminated` in the main thread."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+        for signum in ENDING:
+            signal.signal(signum, _terminate)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -177,14 +187,15 @@ def cmd_batch(args: argparse.Namespace) -> int:
     # raised where it lands could land in a finalizer, where Python drops it; a second
     # Ctrl-C interrupts at once
     stop = kwargs["stop"] = threading.Event()
-    terminated = threading.Event()  # SIGTERM: as Ctrl-C, exit 143
+    terminated: list[int] = []  # SIGTERM or SIGHUP: as Ctrl-C, exit 128 + the signal
 
     def interrupted(signum: int, _frame: object) -> None:
-        if signum == signal.SIGTERM:
-            terminated.set()
+        if signum in ENDING:
+            terminated.append(signum)
         stop.set()
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, _terminate)
+        for ending in ENDING:
+            signal.signal(ending, _terminate)
 
     with Client() as client:
         # only where Python delivers signals, and not where SIGINT is ignored (started in
@@ -193,7 +204,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
             signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
         )
         before = signal.signal(signal.SIGINT, interrupted) if ours else None
-        before_term = signal.signal(signal.SIGTERM, interrupted) if ours else None
+        before_end = {s: signal.signal(s, interrupted) for s in ENDING} if ours else {}
         try:
             if args.json:
                 summary = client.batch(args.model, args.input, on_progress=seen, **kwargs)
@@ -206,11 +217,15 @@ def cmd_batch(args: argparse.Namespace) -> int:
                 f"cancelled; run the same command with --resume to finish",
                 file=sys.stderr,
             )
-            return 143 if terminated.is_set() or isinstance(sys.exc_info()[1], Terminated) else 130
+            exc = sys.exc_info()[1]
+            if isinstance(exc, Terminated):
+                return exc.status
+            return 128 + terminated[0] if terminated else 130
         finally:
             if ours:
                 signal.signal(signal.SIGINT, before or signal.default_int_handler)
-                signal.signal(signal.SIGTERM, before_term or signal.SIG_DFL)
+                for ending, handler in before_end.items():
+                    signal.signal(ending, handler or signal.SIG_DFL)
     if args.json:
         print(json.dumps(summary.as_dict()))
     else:
