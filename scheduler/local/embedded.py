@@ -3,7 +3,7 @@ port."""
 
 from __future__ import annotations
 
-import os
+import functools
 import shutil
 import socket
 import subprocess
@@ -15,6 +15,7 @@ import redis
 from scheduler.errors import StackFailed
 from scheduler.local.procs import niced_child_preexec
 from scheduler.store.acl import Role, Users
+from scheduler.store.connection import write_private
 
 
 def redis_server_path() -> str:
@@ -35,6 +36,7 @@ def redis_server_path() -> str:
     return found
 
 
+@functools.cache  # one process per binary: the tests ask for many stacks
 def server_major(binary: str) -> int:
     """The major version of a redis-server binary (``Redis server v=6.2.5 ...`` → 6); 0 when
     it does not say (scheduler/store/acl.py then writes rules every version loads)."""
@@ -91,11 +93,9 @@ class EmbeddedRedis:
         if self.users is None:
             return ["--requirepass", self.password] if self.password else []
         path = self.data_dir / "users.acl"  # digests only, but nobody else's business
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            if self.major is None:  # once: a restart (supervise) starts the same binary
-                self.major = server_major(binary)
-            f.write(self.users.acl_file(self.major))
+        if self.major is None:  # once: a restart (supervise) starts the same binary
+            self.major = server_major(binary)
+        write_private(path, self.users.acl_file(self.major))
         return ["--aclfile", str(path)]
 
     def refusals(self) -> list[str]:

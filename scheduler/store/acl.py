@@ -185,11 +185,8 @@ class Users:
             lines.append(f"user {role.value} on #{digest(password)} {rule}")
         return "\n".join(lines) + "\n"
 
-    def url(self, base_url: str, role: Role | None = None) -> str:
-        """``base_url`` (host, port, database, options) with the credentials of ``role``,
-        or the administrator's when ``role`` is None."""
-        if role is None:
-            return with_credentials(base_url, "", self.admin)
+    def url(self, base_url: str, role: Role) -> str:
+        """``base_url`` (host, port, database, options) with the credentials of ``role``."""
         return with_credentials(base_url, role.value, self.roles[role])
 
 

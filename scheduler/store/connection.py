@@ -47,11 +47,16 @@ def write_runtime(
     that user only (the URLs hold Redis passwords): the administrator's, and each role's."""
     path = runtime_file(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
+    roles = {role.value: url for role, url in (role_urls or {}).items()}
+    write_private(path, json.dumps({"redis_url": redis_url, "roles": roles, "pid": os.getpid()}))
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``path`` readable by this user only (it holds passwords or their digests)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # an older file kept its mode
     with os.fdopen(fd, "w") as f:
-        roles = {role.value: url for role, url in (role_urls or {}).items()}
-        f.write(json.dumps({"redis_url": redis_url, "roles": roles, "pid": os.getpid()}))
+        f.write(text)
 
 
 def clear_runtime(settings: Settings) -> None:
