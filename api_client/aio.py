@@ -22,7 +22,7 @@ from api_client.batch_files import BatchInput, BatchSummary
 from api_client.client import Client, Messages
 from api_client.job import Job
 from scheduler.cluster import DeviceView, JobView, RunnerView
-from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Message, Options
+from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Options
 from scheduler.settings import Settings
 from scheduler.store.connection import connect_typed_async
 from scheduler.store.headroom import LOOK_FROM_BYTES, admit, refused_for_memory
@@ -101,6 +101,7 @@ class AsyncClient:
         device: str | None = None,
         format: Literal["json"] | dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        **fields: Any,
     ) -> AsyncJob:
         """Submit a job; returns its handle once sent (see :meth:`Client.submit`). A job
         for a resident runner with a free slot goes on the fast path from this event loop;
@@ -115,6 +116,7 @@ class AsyncClient:
             device=device,
             format=format,
             extra=extra,
+            **fields,
         )
         with refused_for_memory():
             if request.chars >= LOOK_FROM_BYTES:  # a round trip: in a thread
@@ -172,8 +174,7 @@ class AsyncClient:
         self, model: str, messages: Messages, *, stream: bool = False, **kw: Any
     ) -> GenerateResponse | AsyncIterator[GenerateResponse]:
         """Answer a conversation (see :meth:`Client.chat`)."""
-        turns = [m.model_dump() if isinstance(m, Message) else m for m in messages]
-        job = await self.submit(model, extra={"kind": "chat", "messages": turns}, **kw)
+        job = await self.submit(model, extra={"kind": "chat", "messages": list(messages)}, **kw)
         return job.stream() if stream else await job.result()
 
     async def embed(

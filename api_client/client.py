@@ -103,10 +103,12 @@ class Client:
         device: str | None = None,
         format: Literal["json"] | dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        **fields: Any,
     ) -> Job:
         """Submit a job and return its handle at once. ``format`` ("json" or a JSON schema)
-        constrains the output through a grammar; ``extra`` carries further request fields
-        (``kind``, ``input``, ``truncate``)."""
+        constrains the output through a grammar; ``extra`` and ``fields`` carry further
+        request fields (``kind``, ``input``, ``truncate``; a chat's ``tools``,
+        ``tool_choice``, ``parallel_tool_calls``)."""
         request = self.request(
             model,
             prompt,
@@ -116,6 +118,7 @@ class Client:
             device=device,
             format=format,
             extra=extra,
+            **fields,
         )
         with refused_for_memory():
             admit(self.r, request.chars)
@@ -215,8 +218,7 @@ class Client:
         """Answer a conversation, rendered with the model's own chat template (from its GGUF
         metadata); the final record's ``message`` is the assistant's answer. Keyword
         arguments as for :meth:`generate`."""
-        turns = [m.model_dump() if isinstance(m, Message) else m for m in messages]
-        job = self.submit(model, extra={"kind": "chat", "messages": turns}, **kw)
+        job = self.submit(model, extra={"kind": "chat", "messages": list(messages)}, **kw)
         return job.stream() if stream else job.result()
 
     def batch(

@@ -26,6 +26,7 @@ from pydantic import (
 
 from scheduler.bounds import MAX_STOP_CHARS, check_input, check_schema, input_chars
 from scheduler.errors import InvalidRequest, shown
+from scheduler.tooluse import MAX_TOOLS, TOOL_NAME, MessageToolCall, Tool, ToolChoice, check_choice
 from scheduler.units import parse_duration_s
 
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -154,7 +155,22 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = Field(max_length=4_000_000)
+    content: str = Field("", max_length=4_000_000)
+    tool_calls: list[MessageToolCall] | None = Field(
+        None, max_length=MAX_TOOLS, description="assistant: the tools it called"
+    )
+    tool_name: str | None = Field(
+        None, pattern=TOOL_NAME, description="tool: the tool whose answer this is"
+    )
+    tool_call_id: str | None = Field(
+        None, max_length=128, description="tool: the call this answers (OpenAI's id)"
+    )
+
+    @property
+    def chars(self) -> int:
+        """Its text's characters, the arguments of its calls (as JSON) included."""
+        calls = self.tool_calls or []
+        return len(self.content) + sum(len(json.dumps(c.function.arguments)) for c in calls)
 
 
 class JobRequest(BaseModel):
@@ -175,6 +191,13 @@ class JobRequest(BaseModel):
     truncate: bool = Field(
         False, description="embed: cut inputs longer than the context instead of refusing them"
     )
+    tools: list[Tool] = Field(
+        default_factory=list, max_length=MAX_TOOLS, description="chat: tools the model may call"
+    )
+    tool_choice: ToolChoice = Field(
+        "auto", description='"auto", "none", "required", or {"name": ...}: that tool\'s call'
+    )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call an answer")
     options: Options = Field(default_factory=Options)
     format: Literal["json"] | dict[str, Any] | None = Field(
         None, description='"json" or a JSON schema: constrain the output through a grammar'
@@ -230,7 +253,10 @@ class JobRequest(BaseModel):
     @property
     def chars(self) -> int:
         """The characters of its text: prompt, messages and inputs together."""
-        return input_chars(self.prompt, [m.content for m in self.messages], self.input)
+        tools = sum(len(json.dumps(t.function.parameters)) for t in self.tools)
+        return (
+            input_chars(self.prompt, [], self.input) + sum(m.chars for m in self.messages) + tools
+        )
 
     @model_validator(mode="after")
     def _embed_has_input(self) -> JobRequest:
@@ -239,6 +265,7 @@ class JobRequest(BaseModel):
             raise ValueError("an embed job needs input: one text or a list of texts")
         if self.kind == "chat" and not self.messages:
             raise ValueError("a chat job needs messages: [{'role': 'user', 'content': ...}]")
+        check_choice(self.tools, self.tool_choice, self.kind, self.format)
         return self
 
     @field_validator("keep_alive_s", mode="before")

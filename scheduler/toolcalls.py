@@ -170,13 +170,17 @@ def recognise(text: str, names: frozenset[str] | None = None) -> Recognised:
 class ToolCallStream:
     """Text deltas in, content deltas out, calls at the end: what may begin a call is held
     back (a marker's first characters, or an answer that opens with ``{``, ``[`` or a
-    fence) until it is known to be text or the answer ends."""
+    fence) until it is known to be text or the answer ends. ``shown`` is all the content
+    passed on; ``malformed`` names markup that opened a call that did not parse (its text
+    is then content)."""
 
     names: frozenset[str] | None = None
+    shown: str = ""
+    malformed: str = ""
+    calls: tuple[ToolCall, ...] = field(default=())
     _text: str = ""
     _sent: int = 0  # characters of _text passed on as content
     _held: bool = False  # a call has begun: nothing more is content until the end
-    calls: tuple[ToolCall, ...] = field(default=())
 
     def feed(self, delta: str) -> str:
         """The content to show now (may be empty)."""
@@ -201,14 +205,17 @@ class ToolCallStream:
     def _pass(self, upto: int) -> str:
         out = self._text[self._sent : upto]
         self._sent = max(self._sent, upto)
+        self.shown += out
         return out
 
     def end(self) -> str:
         """The answer ended: the content not shown yet (none when it held calls); the calls
         are then in :attr:`calls`."""
         found = recognise(self._text, self.names)
-        self.calls = found.calls
+        self.calls, self.malformed = found.calls, found.malformed
         if not found.calls:
             return self._pass(len(self._text))
         shown = self._text[: self._sent].strip()  # what came before the first call
-        return found.content[len(shown) :] if found.content.startswith(shown) else ""
+        rest = found.content[len(shown) :] if found.content.startswith(shown) else ""
+        self.shown += rest
+        return rest

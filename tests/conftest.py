@@ -29,7 +29,7 @@ from scheduler.store.celery_app import close_app, make_app
 from scheduler.store.clock import redis_now
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.worker_state import WorkerState
-from tests.gateway_server import AS_GATEWAY
+from tests.gateway_server import AS_GATEWAY, running_gateway
 from tests.tinymodel import write_tiny_llama, write_unknown_arch
 
 HOST = "testhost"
@@ -116,6 +116,14 @@ def stack(redis_server: EmbeddedRedis, models_dir: Path, session_dir: Path) -> I
 @pytest.fixture(scope="session")
 def settings(stack: LocalStack) -> Settings:
     return stack.settings
+
+
+@pytest.fixture(scope="module")
+def url(stack: LocalStack) -> Iterator[str]:
+    """A gateway in front of the stack, for one test module (a module that needs other
+    settings defines its own)."""
+    with running_gateway(stack.settings) as base:
+        yield base
 
 
 @pytest.fixture()

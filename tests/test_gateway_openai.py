@@ -13,18 +13,10 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from api_client import Client
-from scheduler.local.stack import LocalStack
-from tests.gateway_server import running_gateway
 
 OPTIONS = {"temperature": 0, "num_predict": 16, "seed": 7, "top_p": 1.0}
 MESSAGES = [{"role": "user", "content": "the sky is"}]
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "the sky is"}]
-
-
-@pytest.fixture(scope="module")
-def url(stack: LocalStack) -> Iterator[str]:
-    with running_gateway(stack.settings) as base:
-        yield base
 
 
 @pytest.fixture()
@@ -113,11 +105,12 @@ def test_models_list_and_errors(api: openai.OpenAI) -> None:
     assert missing.value.code == "model_not_found" and "tiny" in missing.value.message
     with pytest.raises(openai.BadRequestError, match="temperature"):
         api.chat.completions.create(model="tiny", messages=CHAT, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="tool_choice names 'g'"):
         api.chat.completions.create(
             model="tiny",
             messages=CHAT,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
 
 

@@ -88,11 +88,14 @@ def render(
     bos_text: str = "",
     eos_text: str = "",
     model: str = "",
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The prompt for ``messages``, ending where the assistant's answer starts.
+    """The prompt for ``messages``, ending where the assistant's answer starts; ``tools``
+    go to a template that has a place for them (``scheduler.tooluse``).
 
     A leading BOS text is dropped: the runner adds BOS when tokenizing, as the model asks.
     """
+    extra = {"tools": tools} if tools else {}
     try:
         with _bounded():
             prompt = _compile(template or FALLBACK_TEMPLATE).render(
@@ -100,6 +103,7 @@ def render(
                 add_generation_prompt=True,
                 bos_token=bos_text,
                 eos_token=eos_text,
+                **extra,
             )
     except TemplateTooLong as exc:
         raise InvalidRequest(

@@ -13,6 +13,14 @@ from scheduler.gguf.registry import Registry
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
 from scheduler.store.hops import wall
+from scheduler.toolcalls import ToolCallStream
+from scheduler.tooluse import (
+    call_schema,
+    has_tool_place,
+    offered,
+    template_messages,
+    template_tools,
+)
 from workers.chat import render
 from workers.chunks import ChunkPublisher
 from workers.devices import tensor_split
@@ -60,14 +68,39 @@ def generate(
 ) -> dict[str, Any]:
     if not isinstance(runner, Runner):
         raise JobFailed(f"runner {runner.id} is loaded for embeddings; it cannot generate")
-    ticker = Ticker(progress, lambda text: publisher.publish({"response": text}))
+    tools = offered(req.tools, req.tool_choice)
+    calls = ToolCallStream(frozenset(t.function.name for t in tools)) if tools else None
+
+    def publish(text: str) -> None:
+        shown = calls.feed(text) if calls is not None else text
+        if shown:
+            publisher.publish({"response": shown})
+
+    ticker = Ticker(progress, publish)
     share = (req.tenant, req.priority, req.weight)
-    stats = runner.generate(prompt, req.options, ticker, cancelled, req.format, share, meanwhile)
+    format = call_schema(req.tools, req.tool_choice, req.parallel_tool_calls) or req.format
+    stats = runner.generate(prompt, req.options, ticker, cancelled, format, share, meanwhile)
     if stats.admitted_ns:
         publisher.admitted_at = wall(stats.admitted_ns)
     if stats.done_reason == "cancel":
         raise JobCancelled(f"job {req.id} was cancelled after {stats.eval_count} generated tokens")
-    return stats.ollama_fields()
+    out = stats.ollama_fields()
+    if calls is not None:
+        rest = calls.end()
+        if rest:
+            publisher.publish({"response": rest})
+        out["response"] = calls.shown
+        made = calls.calls if req.parallel_tool_calls else calls.calls[:1]
+        out["tool_calls"] = [
+            {
+                "id": f"call_{req.id[:40]}_{n}",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for n, c in enumerate(made)
+        ]
+        if calls.malformed:
+            out["malformed_call"] = calls.malformed
+    return out
 
 
 def embed(req: JobRequest, runner: AnyRunner) -> dict[str, Any]:
@@ -130,8 +163,16 @@ def produce(
     else:
         meanwhile()
         out = {"response": "", "done_reason": "load" if runner.keep_alive_s else "unload"}
+    calls, malformed = out.pop("tool_calls", None), out.pop("malformed_call", "")
     if req.kind == "chat":
         out["message"] = {"role": "assistant", "content": out["response"]}
+        if calls:
+            out["message"]["tool_calls"] = calls
+    if malformed:
+        warnings.append(
+            f"the model began a tool call that does not parse ({malformed[:200]!r}): it is "
+            "given as text; tool_choice 'required' makes the model write a valid call"
+        )
     if warnings:
         out["warnings"] = warnings
     return out
@@ -145,5 +186,9 @@ def chat_prompt(req: JobRequest, registry: Registry, warnings: list[str]) -> str
             f"model {req.model!r} has no chat template in its metadata; the messages were "
             "rendered as a plain 'Role: text' transcript"
         )
-    messages = [m.model_dump() for m in req.messages]
-    return render(info.chat_template, messages, info.bos_text, info.eos_text, req.model)
+    tools = offered(req.tools, req.tool_choice)
+    native = bool(info.chat_template) and has_tool_place(info.chat_template)
+    dumped = [m.model_dump(mode="json", exclude_none=True) for m in req.messages]
+    messages = template_messages(dumped, tools, native)
+    shown = template_tools(tools) if native else None
+    return render(info.chat_template, messages, info.bos_text, info.eos_text, req.model, shown)

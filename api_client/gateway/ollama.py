@@ -40,13 +40,16 @@ from api_client.gateway.ollama_schema import (
     EmbedRequest,
     GenerateRequest,
     ShowRequest,
+    calls_record,
     empty_record,
     error_line,
     generate_record,
     line,
+    made_calls,
     shorten,
 )
 from scheduler.errors import ModelNotFound
+from scheduler.protocol import GenerateResponse
 
 # The Ollama release whose API this gateway speaks. Tools read /api/version's "version" as
 # Ollama's and turn features off below the releases that brought them (structured outputs
@@ -102,7 +105,8 @@ async def chat(request: Request) -> Response:
     body, model = await _read(request, ChatRequest)
     if not body.messages:
         return await _load_or_unload(request, gateway, caller, body, model, chat=True)
-    job = await _submit(gateway, caller, body, model, "chat", "", {"messages": body.turns()})
+    extra = {"messages": body.turns(), "tools": body.tools}
+    job = await _submit(gateway, caller, body, model, "chat", "", extra)
     return await _answer(request, gateway, job, body.model, body.stream, chat=True)
 
 
@@ -141,9 +145,13 @@ async def _answer(
         final = await gateway.result(request, job)
         return JSONResponse(generate_record(echo, final, chat=chat))
 
-    def encode(chunk: Any) -> list[bytes]:
-        text = "" if chunk.done else None  # the chunks before the last carried the text
-        return [line(generate_record(echo, chunk, text, chat))]
+    def encode(chunk: GenerateResponse) -> list[bytes]:
+        if not chunk.done:
+            return [line(generate_record(echo, chunk, chat=chat))]
+        # the chunks before the last carried the text; tool calls come on a line before it,
+        # as Ollama sends them
+        last = line(generate_record(echo, chunk, "", chat, calls=False))
+        return [line(calls_record(echo, chunk)), last] if chat and made_calls(chunk) else [last]
 
     keepalive = line(empty_record(echo, time.time(), chat, None))
     return gateway.stream(job, encode, error_line, keepalive, NDJSON)

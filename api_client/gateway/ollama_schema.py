@@ -1,8 +1,9 @@
 """Ollama's request bodies and response records, field for field (ollama/api/types.go).
 
 Pure: no I/O. What a ggufq runner cannot honour (a custom ``template``, ``suffix``,
-``images``, ``tools``, ``think``, a ``context`` from an earlier answer) is refused with a
-400 that says what to send instead.
+``images``, ``think``, a ``context`` from an earlier answer) is refused with a 400 that
+says what to send instead. Tools are served: ``tools``, an assistant's ``tool_calls`` (its
+arguments an object) and ``tool`` messages with ``tool_name``.
 """
 
 from __future__ import annotations
@@ -84,6 +85,16 @@ class ChatMessage(BaseModel):
     content: str = ""
     images: list[str] | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+    name: str | None = None  # what some clients send for tool_name
+
+    def turn(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [called(c) for c in self.tool_calls]
+        if self.role == "tool" and (self.tool_name or self.name):
+            out["tool_name"] = self.tool_name or self.name
+        return out
 
 
 class ChatRequest(_Request):
@@ -92,12 +103,34 @@ class ChatRequest(_Request):
     think: bool | str | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.tools or any(m.tool_calls for m in self.messages):
-            _refuse("tools", "tool calling is not served; describe the tools in the messages")
         _refuse_common(any(m.images for m in self.messages), self.think)
 
-    def turns(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def turns(self) -> list[dict[str, Any]]:
+        return [m.turn() for m in self.messages]
+
+
+def called(call: dict[str, Any]) -> dict[str, Any]:
+    """A call an assistant made, as a job carries it: arguments as an object (OpenAI's
+    clients send them as JSON text, Ollama's as an object)."""
+    function: dict[str, Any] = call["function"] if isinstance(call.get("function"), dict) else {}
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise InvalidRequest(
+                f"the arguments of the call to {function.get('name')!r} are not JSON "
+                f"({arguments[:80]!r}): send them as a JSON object"
+            ) from None
+    out = {"function": {"name": function.get("name"), "arguments": arguments}}
+    return {**out, "id": call["id"]} if isinstance(call.get("id"), str) else out
+
+
+def made_calls(final: GenerateResponse) -> list[dict[str, Any]]:
+    """The tool calls an answer made, in Ollama's shape (none: a plain answer)."""
+    if final.message is None or not final.message.tool_calls:
+        return []
+    return [{"function": c.function.model_dump(mode="json")} for c in final.message.tool_calls]
 
 
 class EmbedRequest(_Request):
@@ -145,14 +178,21 @@ def stats(final: GenerateResponse) -> dict[str, Any]:
 
 
 def generate_record(
-    model: str, chunk: GenerateResponse, text: str | None = None, chat: bool = False
+    model: str,
+    chunk: GenerateResponse,
+    text: str | None = None,
+    chat: bool = False,
+    calls: bool = True,
 ) -> dict[str, Any]:
     """One line of /api/generate or /api/chat. ``text`` overrides the chunk's text (the
-    streamed final line carries none: the chunks before it carried it all)."""
+    streamed final line carries none: the chunks before it carried it all); ``calls``
+    False leaves the answer's tool calls out (a stream sends them on a line of their own)."""
     content = chunk.response if text is None else text
     out: dict[str, Any] = {"model": model, "created_at": timestamp(chunk.created_at)}
     if chat:
         out["message"] = {"role": "assistant", "content": content}
+        if calls and (made := made_calls(chunk)):
+            out["message"]["tool_calls"] = made
     else:
         out["response"] = content
     out["done"] = chunk.done
@@ -160,6 +200,17 @@ def generate_record(
         out["done_reason"] = chunk.done_reason or "stop"
         out.update(stats(chunk))
     return out
+
+
+def calls_record(model: str, chunk: GenerateResponse) -> dict[str, Any]:
+    """A streamed line with an answer's tool calls alone (before its final line)."""
+    message = {"role": "assistant", "content": "", "tool_calls": made_calls(chunk)}
+    return {
+        "model": model,
+        "created_at": timestamp(chunk.created_at),
+        "message": message,
+        "done": False,
+    }
 
 
 def empty_record(model: str, now: float, chat: bool, done_reason: str | None) -> dict[str, Any]:

@@ -33,6 +33,8 @@ from api_client.gateway.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    answer_message,
+    calls_of,
     envelope,
     error_event,
     event,
@@ -58,7 +60,7 @@ async def chat_completions(request: Request) -> Any:
         kind="chat",
         options=body.options(),
         format=body.job_format(),
-        extra={"messages": body.turns()},
+        extra={"messages": body.turns(), **body.tool_fields()},
     )
     if body.stream:
         return await _stream(gateway, job, body.model, "chat.completion.chunk", body)
@@ -68,7 +70,7 @@ async def chat_completions(request: Request) -> Any:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": final.response},
+                "message": answer_message(final),
                 "logprobs": None,
                 "finish_reason": finish_reason(final),
             }
@@ -113,15 +115,19 @@ async def _stream(
     head = envelope(kind, job.id, model, time.time())
     first = [True]
 
-    def choice(text: str | None, reason: str | None) -> dict[str, Any]:
+    def choice(
+        text: str | None, reason: str | None, calls: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         if not chat:
             return {"text": text or "", "index": 0, "logprobs": None, "finish_reason": reason}
-        delta: dict[str, str] = {}
+        delta: dict[str, Any] = {}
         if first[0]:
             delta["role"] = "assistant"
             first[0] = False
         if text is not None:
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [{"index": n, **call} for n, call in enumerate(calls)]
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
 
     def chunk(choices: list[dict[str, Any]], final: GenerateResponse | None = None) -> bytes:
@@ -134,6 +140,8 @@ async def _stream(
         if not item.done:
             return [chunk([choice(item.response, None)])]
         frames = [chunk([choice(None, finish_reason(item))])]
+        if calls := calls_of(item):  # each call whole, in one delta before the finish
+            frames.insert(0, chunk([choice(None, None, calls)]))
         if with_usage:
             frames.append(chunk([], item))
         return [*frames, DONE]

@@ -14,6 +14,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from api_client.gateway.errors import openai_body
+from api_client.gateway.ollama_schema import called
 from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.protocol import GenerateResponse
 
@@ -74,10 +75,24 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    def turn(self) -> dict[str, str]:
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+    def turn(self, names: dict[str, str]) -> dict[str, Any]:
+        """As a job carries it; ``names`` maps earlier calls' ids to their tools."""
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [called(c) for c in self.tool_calls]
+        if self.role == "tool":
+            name = self.name or names.get(self.tool_call_id or "")
+            if name:
+                out["tool_name"] = name
+            if self.tool_call_id:
+                out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -98,14 +113,37 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
 
-    def turns(self) -> list[dict[str, str]]:
-        if self.tools or any(m.tool_calls for m in self.messages):
-            raise InvalidRequest("'tools' are not supported by ggufq: leave them out")
-        return [m.turn() for m in self.messages]
+    def turns(self) -> list[dict[str, Any]]:
+        names: dict[str, str] = {}
+        for m in self.messages:
+            for call in m.tool_calls or []:
+                function = call.get("function")
+                if isinstance(call.get("id"), str) and isinstance(function, dict):
+                    names[call["id"]] = str(function.get("name"))
+        return [m.turn(names) for m in self.messages]
+
+    def tool_fields(self) -> dict[str, Any]:
+        """``tools``, ``tool_choice`` and ``parallel_tool_calls`` as a job carries them."""
+        if not self.tools and self.tool_choice in (None, "auto", "none"):
+            return {}  # nothing offered (a choice that needs tools is refused by the job)
+        choice: Any = self.tool_choice or "auto"
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            if choice.get("type") != "function" or not isinstance(function, dict):
+                raise InvalidRequest(
+                    f"tool_choice {choice!r} is not understood: send 'auto', 'none', "
+                    "'required' or {'type': 'function', 'function': {'name': ...}}"
+                )
+            choice = {"name": function.get("name")}
+        parallel = True if self.parallel_tool_calls is None else self.parallel_tool_calls
+        tools = self.tools or []
+        return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}
 
     def job_format(self) -> Literal["json"] | dict[str, Any] | None:
         """response_format → ggufq's format: json_object → "json", json_schema → its schema."""
@@ -164,7 +202,34 @@ class EmbeddingRequest(BaseModel):
 
 
 def finish_reason(final: GenerateResponse) -> str:
+    if calls_of(final):
+        return "tool_calls"
     return "length" if final.done_reason == "length" else "stop"
+
+
+def calls_of(final: GenerateResponse) -> list[dict[str, Any]]:
+    """The tool calls an answer made, in OpenAI's shape: arguments as JSON text."""
+    if final.message is None or not final.message.tool_calls:
+        return []
+    return [
+        {
+            "id": call.id or f"call_{final.job_id}_{n}",
+            "type": "function",
+            "function": {
+                "name": call.function.name,
+                "arguments": json.dumps(call.function.arguments),
+            },
+        }
+        for n, call in enumerate(final.message.tool_calls)
+    ]
+
+
+def answer_message(final: GenerateResponse) -> dict[str, Any]:
+    """A whole chat answer: its text (null when it only called tools) and its calls."""
+    calls = calls_of(final)
+    if not calls:
+        return {"role": "assistant", "content": final.response}
+    return {"role": "assistant", "content": final.response or None, "tool_calls": calls}
 
 
 def usage(final: GenerateResponse) -> dict[str, int]:
