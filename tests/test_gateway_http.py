@@ -11,11 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import ollama
 import openai
 import pytest
 import redis
+from anthropic.types import MessageParam
 
 from api_client import Client, JobCancelled
 from api_client.gateway import make_app
@@ -122,6 +124,12 @@ def test_keys_are_required_when_asked_for(keyed: str, r: redis.Redis) -> None:
         assert answer.choices[0].text is not None
         with pytest.raises(openai.PermissionDeniedError, match="may not use"):
             api.completions.create(model="gw-slow", prompt="hi", max_tokens=4)
+    messages: list[MessageParam] = [{"role": "user", "content": "hi"}]
+    with anthropic.Anthropic(base_url=keyed, api_key=token, max_retries=0) as claude:
+        assert claude.messages.create(model="tiny", max_tokens=4, messages=messages).content
+    with anthropic.Anthropic(base_url=keyed, api_key="wrong", max_retries=0) as claude:
+        with pytest.raises(anthropic.AuthenticationError, match="x-api-key"):
+            claude.messages.create(model="tiny", max_tokens=4, messages=messages)
     KeyStore(r).revoke(tiny_only.id)
     gone = httpx.get(f"{keyed}/api/tags", headers={"Authorization": f"Bearer {token}"})
     assert gone.status_code == 401

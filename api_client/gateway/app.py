@@ -23,7 +23,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api_client.aio import AsyncClient
-from api_client.gateway import jobs_api, ollama, openai_api
+from api_client.gateway import anthropic_api, jobs_api, ollama, openai_api
+from api_client.gateway.anthropic_schema import error_body as anthropic_error
 from api_client.gateway.core import Caller, Gateway
 from api_client.gateway.edge import EdgeRules, split_list, too_large
 from api_client.gateway.errors import headers_for, http_error, ollama_body, openai_body
@@ -49,7 +50,9 @@ def error_response(path: str, exc: GgufqError) -> Response:
     """The error in the shape of the API the path belongs to."""
     answer = http_error(exc)
     body: Any
-    if path.startswith("/v1/"):
+    if path.startswith("/v1/messages"):
+        body = anthropic_error(exc, answer.status)
+    elif path.startswith("/v1/"):
         body = openai_body(exc, answer.status)
     else:
         body = ollama_body(exc)
@@ -162,6 +165,7 @@ class Guard:
 
     async def _admit(self, headers: dict[bytes, bytes]) -> tuple[ApiKey, str | None]:
         token = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
+        token = token or headers.get(b"x-api-key", b"").decode("latin-1").strip()
         r, limiter = self.gateway.client.sync.r, self.limiter
         assert limiter is not None  # made where keys are required
         store = KeyStore(r, self.gateway.settings.http_key_secret)
@@ -235,6 +239,7 @@ def make_app(
         routes=[
             *ollama.router.routes,
             *jobs_api.router.routes,
+            *anthropic_api.router.routes,
             *openai_api.router.routes,
             Route("/metrics", metrics),
         ],

@@ -171,8 +171,8 @@ class KeyStore:
         if key is None:
             hint = "send one" if not token else "it is unknown or was revoked"
             raise Unauthorized(
-                f"this gateway needs an API key ({hint}): send 'Authorization: Bearer <key>'; "
-                "`ggufq keys create` makes one"
+                f"this gateway needs an API key ({hint}): send 'Authorization: Bearer <key>' "
+                "(or 'x-api-key: <key>'); `ggufq keys create` makes one"
             )
         return key
 

@@ -1,0 +1,39 @@
+"""Anthropic's Messages API on the cluster: ``POST /v1/messages``, whole or streamed as
+Anthropic's server-sent events (``ping`` events while a job waits, an ``error`` event if
+the job fails after the stream began). The key may come as ``x-api-key`` (as Anthropic's
+clients send it) or as a bearer token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+
+from api_client.gateway.anthropic_schema import (
+    KEEPALIVE,
+    MessagesRequest,
+    MessageStream,
+    error_event,
+    message_object,
+)
+from api_client.gateway.core import Routes, caller_of, gateway_of, json_body, model_name, parse_body
+
+router = Routes(prefix="/v1")
+
+
+@router.add("/messages", "POST")
+async def messages(request: Request) -> Any:
+    gateway, caller = gateway_of(request), caller_of(request)
+    body: MessagesRequest = parse_body(MessagesRequest, await json_body(request))
+    job = await gateway.submit(
+        caller,
+        model_name(body.model),
+        kind="chat",
+        options=body.options(),
+        format=body.job_format(),
+        extra=body.job_fields(),
+    )
+    if body.stream:
+        events = MessageStream(job.id, body.model)
+        return gateway.stream(job, events.encode, error_event, KEEPALIVE, "text/event-stream")
+    return message_object(job.id, body.model, await gateway.result(request, job))

@@ -1,0 +1,287 @@
+"""Anthropic's Messages API (``POST /v1/messages``): its request body as a ggufq chat job,
+and a job's answer as its message object or its stream of events. Pure: no I/O.
+
+Content blocks map onto the chat's messages: ``text`` is text, an assistant's ``tool_use``
+is a tool call, a user's ``tool_result`` is a ``tool`` message (named by the earlier
+``tool_use`` it answers); ``thinking`` blocks sent back are dropped (the answer's thinking
+is not served: ``thinking`` in a request is accepted and answered without it);
+``output_config.format`` (a JSON schema) constrains the answer; images and documents are
+refused with a 400. ``temperature``, ``top_p`` and ``top_k`` are taken when sent (older
+clients do; Anthropic's own API no longer has them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from api_client.gateway.errors import public
+from scheduler.errors import GgufqError, InvalidRequest
+from scheduler.protocol import GenerateResponse
+
+# Anthropic's error types by status (its SDK raises by status, shows the type)
+_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+KEEPALIVE = b'event: ping\ndata: {"type":"ping"}\n\n'  # Anthropic's own keep-alive event
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["auto", "any", "tool", "none"] = "auto"
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    max_tokens: int = Field(ge=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None
+    output_config: dict[str, Any] | None = None
+
+    def job_format(self) -> dict[str, Any] | None:
+        """``output_config.format`` (structured output: a JSON schema) as the job's format."""
+        fmt = (self.output_config or {}).get("format")
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+            raise InvalidRequest(
+                f"output_config.format {fmt!r} is not understood: send "
+                "{'type': 'json_schema', 'schema': {...}}"
+            )
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequest("output_config.format needs a 'schema' object")
+        return schema
+
+    def options(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"num_predict": self.max_tokens}
+        out["temperature"] = 1.0 if self.temperature is None else self.temperature
+        if self.top_p is not None:
+            out["top_p"] = self.top_p
+        if self.top_k is not None:
+            out["top_k"] = self.top_k
+        if self.stop_sequences:
+            out["stop"] = self.stop_sequences
+        return out
+
+    def job_fields(self) -> dict[str, Any]:
+        """The chat job's messages and tool fields."""
+        turns = [{"role": "system", "content": _text(self.system, "system")}] if self.system else []
+        names: dict[str, str] = {}
+        for message in self.messages:
+            turns.extend(_turns(message, names))
+        fields: dict[str, Any] = {"messages": turns}
+        if self.tools:
+            fields["tools"] = [_tool(t) for t in self.tools]
+        choice = self.tool_choice or ToolChoice()
+        if self.tools or choice.type in ("any", "tool"):
+            fields["tool_choice"] = _choice(choice)
+            fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+        return fields
+
+
+def _text(content: str | list[dict[str, Any]], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        if block.get("type") != "text":
+            raise InvalidRequest(
+                f"a {where} block of type {block.get('type')!r} is not supported here: "
+                "send text blocks"
+            )
+        parts.append(str(block.get("text", "")))
+    return "".join(parts)
+
+
+def _turns(message: AnthropicMessage, names: dict[str, str]) -> list[dict[str, Any]]:
+    """One Anthropic message as the chat's messages: a user's tool results each become a
+    ``tool`` message, before the text beside them."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    texts, calls, answers = [], [], []
+    for block in message.content:
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(str(block.get("text", "")))
+        elif kind == "tool_use" and message.role == "assistant":
+            call_id, name = str(block.get("id", "")), str(block.get("name", ""))
+            names[call_id] = name
+            calls.append(
+                {"id": call_id, "function": {"name": name, "arguments": block.get("input") or {}}}
+            )
+        elif kind == "tool_result" and message.role == "user":
+            call_id = str(block.get("tool_use_id", ""))
+            answer: dict[str, Any] = {"role": "tool", "tool_call_id": call_id}
+            answer["content"] = _text(block.get("content") or "", "tool_result")
+            if block.get("is_error"):
+                answer["content"] = f"(error) {answer['content']}"
+            if call_id in names:
+                answer["tool_name"] = names[call_id]
+            answers.append(answer)
+        elif kind not in ("thinking", "redacted_thinking"):
+            raise InvalidRequest(
+                f"a content block of type {kind!r} is not supported by ggufq: it serves text "
+                "models; send text, tool_use and tool_result blocks"
+            )
+    out = list(answers)
+    if texts or calls or not answers:
+        turn: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+        if calls:
+            turn["tool_calls"] = calls
+        out.append(turn)
+    return out
+
+
+def _tool(tool: dict[str, Any]) -> dict[str, Any]:
+    kind = tool.get("type", "custom")
+    if kind not in ("custom", None):
+        raise InvalidRequest(
+            f"tool type {kind!r} is one of Anthropic's server tools, not served by ggufq: "
+            "describe the tool with name, description and input_schema"
+        )
+    function = {
+        "name": tool.get("name"),
+        "description": tool.get("description") or "",
+        "parameters": tool.get("input_schema") or {"type": "object", "properties": {}},
+    }
+    return {"type": "function", "function": function}
+
+
+def _choice(choice: ToolChoice) -> Any:
+    if choice.type == "tool":
+        if not choice.name:
+            raise InvalidRequest("tool_choice of type 'tool' needs the tool's name")
+        return {"name": choice.name}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def stop_reason(final: GenerateResponse) -> str:
+    if final.message is not None and final.message.tool_calls:
+        return "tool_use"
+    return "max_tokens" if final.done_reason == "length" else "end_turn"
+
+
+def usage(final: GenerateResponse | None) -> dict[str, int]:
+    if final is None:
+        return {"input_tokens": 0, "output_tokens": 0}
+    return {"input_tokens": final.prompt_eval_count or 0, "output_tokens": final.eval_count or 0}
+
+
+def tool_uses(final: GenerateResponse) -> list[dict[str, Any]]:
+    calls = final.message.tool_calls if final.message is not None else None
+    return [
+        {"type": "tool_use", "id": c.id or f"toolu_{final.job_id}_{n}", "name": c.function.name}
+        | {"input": c.function.arguments}
+        for n, c in enumerate(calls or [])
+    ]
+
+
+def message_object(job_id: str, model: str, final: GenerateResponse | None) -> dict[str, Any]:
+    """The answer as Anthropic's message: whole (``final``), or as a stream begins."""
+    content: list[dict[str, Any]] = []
+    if final is not None:
+        if final.response:
+            content.append({"type": "text", "text": final.response})
+        content.extend(tool_uses(final))
+    return {
+        "id": f"msg_{job_id}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason(final) if final is not None else None,
+        "stop_sequence": None,
+        "usage": usage(final),
+    }
+
+
+def sse(kind: str, data: dict[str, Any]) -> bytes:
+    body = json.dumps({"type": kind, **data}, separators=(",", ":"))
+    return f"event: {kind}\ndata: {body}\n\n".encode()
+
+
+@dataclass
+class MessageStream:
+    """A job's chunks as Anthropic's stream events: message_start, a text block's start,
+    deltas and stop, a block per tool call (its input as one JSON delta), message_delta
+    with the stop reason and usage, message_stop."""
+
+    job_id: str
+    model: str
+    _started: bool = False
+    _blocks: int = 0  # content blocks begun
+    _text_open: bool = False
+
+    def encode(self, chunk: GenerateResponse) -> list[bytes]:
+        frames: list[bytes] = []
+        if not self._started:
+            self._started = True
+            frames.append(
+                sse("message_start", {"message": message_object(self.job_id, self.model, None)})
+            )
+        if chunk.response and not chunk.done:
+            if not self._text_open:
+                self._text_open = True
+                block = {"index": self._blocks, "content_block": {"type": "text", "text": ""}}
+                frames.append(sse("content_block_start", block))
+            delta = {"type": "text_delta", "text": chunk.response}
+            frames.append(sse("content_block_delta", {"index": self._blocks, "delta": delta}))
+        if chunk.done:
+            frames.extend(self._end(chunk))
+        return frames
+
+    def _end(self, final: GenerateResponse) -> list[bytes]:
+        frames = []
+        if self._text_open:
+            frames.append(sse("content_block_stop", {"index": self._blocks}))
+            self._blocks += 1
+        for use in tool_uses(final):
+            start = {"index": self._blocks, "content_block": {**use, "input": {}}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(use["input"])}
+            frames += [
+                sse("content_block_start", start),
+                sse("content_block_delta", {"index": self._blocks, "delta": delta}),
+                sse("content_block_stop", {"index": self._blocks}),
+            ]
+            self._blocks += 1
+        end = {"stop_reason": stop_reason(final), "stop_sequence": None}
+        frames.append(sse("message_delta", {"delta": end, "usage": usage(final)}))
+        return [*frames, sse("message_stop", {})]
+
+
+def error_body(exc: GgufqError, status: int) -> dict[str, Any]:
+    kind = _ERROR_TYPE.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": public(str(exc))}}
+
+
+def error_event(exc: GgufqError) -> bytes:
+    return sse("error", {"error": error_body(exc, 500)["error"]})
