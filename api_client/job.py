@@ -327,6 +327,7 @@ class Job:
             job_id=self.id,
             created_at=time.time(),
             response=chunk.get("response", ""),
+            thinking=chunk.get("thinking", ""),
             seq=chunk.get("seq"),
         )
 

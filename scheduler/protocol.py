@@ -26,6 +26,7 @@ from pydantic import (
 
 from scheduler.bounds import MAX_STOP_CHARS, check_input, check_schema, input_chars
 from scheduler.errors import InvalidRequest, shown
+from scheduler.thinking import Think
 from scheduler.tooluse import MAX_TOOLS, TOOL_NAME, MessageToolCall, Tool, ToolChoice, check_choice
 from scheduler.units import parse_duration_s
 
@@ -165,12 +166,16 @@ class Message(BaseModel):
     tool_call_id: str | None = Field(
         None, max_length=128, description="tool: the call this answers (OpenAI's id)"
     )
+    thinking: str | None = Field(
+        None, max_length=4_000_000, description="assistant: its thinking (not shown again)"
+    )
 
     @property
     def chars(self) -> int:
         """Its text's characters, the arguments of its calls (as JSON) included."""
         calls = self.tool_calls or []
-        return len(self.content) + sum(len(json.dumps(c.function.arguments)) for c in calls)
+        arguments = sum(len(json.dumps(c.function.arguments)) for c in calls)
+        return len(self.content) + len(self.thinking or "") + arguments
 
 
 class JobRequest(BaseModel):
@@ -198,6 +203,11 @@ class JobRequest(BaseModel):
         "auto", description='"auto", "none", "required", or {"name": ...}: that tool\'s call'
     )
     parallel_tool_calls: bool = Field(True, description="false: at most one call an answer")
+    think: Think = Field(
+        None,
+        description="chat: true (or low/medium/high) to think first, false not to; None: "
+        "the model's default. Thinking comes apart from the answer.",
+    )
     options: Options = Field(default_factory=Options)
     format: Literal["json"] | dict[str, Any] | None = Field(
         None, description='"json" or a JSON schema: constrain the output through a grammar'
@@ -266,6 +276,8 @@ class JobRequest(BaseModel):
         if self.kind == "chat" and not self.messages:
             raise ValueError("a chat job needs messages: [{'role': 'user', 'content': ...}]")
         check_choice(self.tools, self.tool_choice, self.kind, self.format)
+        if self.think and self.kind != "chat":
+            raise ValueError("think works on chats: send messages (the chat template thinks)")
         return self
 
     @field_validator("keep_alive_s", mode="before")
@@ -317,6 +329,7 @@ class GenerateResponse(BaseModel):
     job_id: str
     created_at: float
     response: str = ""
+    thinking: str = ""  # thinking text (a chunk's, or the whole of it in the final record)
     done: bool = False
     done_reason: DoneReason | None = None
     total_duration: int | None = None

@@ -52,7 +52,7 @@ ALTERNATING = (
 def test_a_template_with_a_place_for_tools_gets_them_and_the_calls() -> None:
     messages = template_messages(TURNS, TOOLS, native=True)
     tools = [t.model_dump(mode="json") for t in TOOLS]
-    prompt = render(HERMES, messages, tools=tools)
+    prompt = render(HERMES, messages, variables={"tools": tools})
     assert prompt.startswith("<|im_start|>system\n<tools>{") and '"get_weather"' in prompt
     assert prompt.count('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}') == 2
     assert "<tool_response>\nsunny\n</tool_response>" in prompt

@@ -88,14 +88,15 @@ def render(
     bos_text: str = "",
     eos_text: str = "",
     model: str = "",
-    tools: list[dict[str, Any]] | None = None,
+    variables: dict[str, Any] | None = None,
 ) -> str:
-    """The prompt for ``messages``, ending where the assistant's answer starts; ``tools``
-    go to a template that has a place for them (``scheduler.tooluse``).
+    """The prompt for ``messages``, ending where the assistant's answer starts; further
+    ``variables`` for the template: tools for a template that has a place for them
+    (``scheduler.tooluse``), thinking switches (``scheduler.thinking``).
 
     A leading BOS text is dropped: the runner adds BOS when tokenizing, as the model asks.
     """
-    extra = {"tools": tools} if tools else {}
+    extra = variables or {}
     try:
         with _bounded():
             prompt = _compile(template or FALLBACK_TEMPLATE).render(

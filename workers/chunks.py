@@ -108,14 +108,16 @@ class ChunkWriter:
         return True
 
     def extend(self, pending: Pending | None, chunk: dict[str, Any]) -> bool:
-        """Add a text-only chunk's text to ``pending`` if that is text-only too and still
-        queued; False when it has to be a chunk of its own."""
-        if pending is None or chunk.keys() != {"response"}:
+        """Add a text-only chunk's text (answer or thinking) to ``pending`` if that is
+        text of the same kind only and still queued; False when it has to be a chunk of
+        its own."""
+        if pending is None or len(chunk) != 1 or not chunk.keys() & {"response", "thinking"}:
             return False
+        (name,) = chunk  # answer text, or thinking text
         with self._lock:
-            if pending.taken or pending.chunk.keys() != {"response"}:
+            if pending.taken or pending.chunk.keys() != {name}:
                 return False
-            pending.chunk["response"] += chunk["response"]
+            pending.chunk[name] += chunk[name]
             return True
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -271,7 +273,7 @@ class ChunkPublisher:
 
     def publish(self, chunk: dict[str, Any]) -> None:
         with self._lock:
-            first = not self.first_token_at and bool(chunk.get("response"))
+            first = not self.first_token_at and bool(chunk.get("response") or chunk.get("thinking"))
             if first:
                 self.first_token_at = time.time()
             if self._discarded:

@@ -7,13 +7,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.errors import JobCancelled, JobFailed
+from scheduler.errors import InvalidRequest, JobCancelled, JobFailed
 from scheduler.gguf.metadata import read_model_info
 from scheduler.gguf.registry import Registry
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
 from scheduler.store.hops import wall
-from scheduler.toolcalls import ToolCallStream
+from scheduler.thinking import ThinkSplitter, can_think, opens_thinking, template_switches
 from scheduler.tooluse import (
     call_schema,
     has_tool_place,
@@ -21,6 +21,7 @@ from scheduler.tooluse import (
     template_messages,
     template_tools,
 )
+from workers.answer import Answer
 from workers.chat import render
 from workers.chunks import ChunkPublisher
 from workers.devices import tensor_split
@@ -65,18 +66,14 @@ def generate(
     prompt: str,
     progress: Progress,
     meanwhile: Callable[[], None] = lambda: None,
+    thinking: ThinkSplitter | None = None,
 ) -> dict[str, Any]:
+    """Generated text, streamed as it comes: parted into thinking (``thinking``: the
+    splitter of a template that can think), answer text and tool calls (:mod:`answer`)."""
     if not isinstance(runner, Runner):
         raise JobFailed(f"runner {runner.id} is loaded for embeddings; it cannot generate")
-    tools = offered(req.tools, req.tool_choice)
-    calls = ToolCallStream(frozenset(t.function.name for t in tools)) if tools else None
-
-    def publish(text: str) -> None:
-        shown = calls.feed(text) if calls is not None else text
-        if shown:
-            publisher.publish({"response": shown})
-
-    ticker = Ticker(progress, publish)
+    answer = Answer(req, publisher.publish, thinking)
+    ticker = Ticker(progress, answer)
     share = (req.tenant, req.priority, req.weight)
     format = call_schema(req.tools, req.tool_choice, req.parallel_tool_calls) or req.format
     stats = runner.generate(prompt, req.options, ticker, cancelled, format, share, meanwhile)
@@ -84,23 +81,7 @@ def generate(
         publisher.admitted_at = wall(stats.admitted_ns)
     if stats.done_reason == "cancel":
         raise JobCancelled(f"job {req.id} was cancelled after {stats.eval_count} generated tokens")
-    out = stats.ollama_fields()
-    if calls is not None:
-        rest = calls.end()
-        if rest:
-            publisher.publish({"response": rest})
-        out["response"] = calls.shown
-        made = calls.calls if req.parallel_tool_calls else calls.calls[:1]
-        out["tool_calls"] = [
-            {
-                "id": f"call_{req.id[:40]}_{n}",
-                "function": {"name": c.name, "arguments": c.arguments},
-            }
-            for n, c in enumerate(made)
-        ]
-        if calls.malformed:
-            out["malformed_call"] = calls.malformed
-    return out
+    return {**stats.ollama_fields(), **answer.fields(stats.text)}
 
 
 def embed(req: JobRequest, runner: AnyRunner) -> dict[str, Any]:
@@ -157,9 +138,11 @@ def produce(
     if req.kind == "embed":
         meanwhile()
         out = embed(req, runner)
-    elif req.kind == "chat" or req.prompt:
-        prompt = chat_prompt(req, registry, warnings) if req.kind == "chat" else req.prompt
-        out = generate(req, runner, publisher, cancelled, prompt, progress, meanwhile)
+    elif req.kind == "chat":
+        prompt, thinking = chat_prompt(req, registry, warnings)
+        out = generate(req, runner, publisher, cancelled, prompt, progress, meanwhile, thinking)
+    elif req.prompt:
+        out = generate(req, runner, publisher, cancelled, req.prompt, progress, meanwhile)
     else:
         meanwhile()
         out = {"response": "", "done_reason": "load" if runner.keep_alive_s else "unload"}
@@ -168,6 +151,8 @@ def produce(
         out["message"] = {"role": "assistant", "content": out["response"]}
         if calls:
             out["message"]["tool_calls"] = calls
+        if out.get("thinking"):
+            out["message"]["thinking"] = out["thinking"]
     if malformed:
         warnings.append(
             f"the model began a tool call that does not parse ({malformed[:200]!r}): it is "
@@ -178,17 +163,32 @@ def produce(
     return out
 
 
-def chat_prompt(req: JobRequest, registry: Registry, warnings: list[str]) -> str:
-    """The chat's messages rendered with the model's own template (a warning without one)."""
+def chat_prompt(
+    req: JobRequest, registry: Registry, warnings: list[str]
+) -> tuple[str, ThinkSplitter | None]:
+    """The chat's messages rendered with the model's own template (a warning without one),
+    and the splitter of its thinking when the template can think."""
     info = read_model_info(registry.resolve(req.model))
-    if not info.chat_template:
+    template = info.chat_template
+    if not template:
         warnings.append(
             f"model {req.model!r} has no chat template in its metadata; the messages were "
             "rendered as a plain 'Role: text' transcript"
         )
+    thinks = can_think(template)
+    if req.think and not thinks:
+        raise InvalidRequest(
+            f"model {req.model!r} does not think (its chat template has no thinking mode): "
+            "leave out think, or set it false"
+        )
     tools = offered(req.tools, req.tool_choice)
-    native = bool(info.chat_template) and has_tool_place(info.chat_template)
-    dumped = [m.model_dump(mode="json", exclude_none=True) for m in req.messages]
+    native = bool(template) and has_tool_place(template)
+    dumped = [
+        m.model_dump(mode="json", exclude_none=True, exclude={"thinking"}) for m in req.messages
+    ]
+    variables = template_switches(req.think)
+    if native and tools:
+        variables["tools"] = template_tools(tools)
     messages = template_messages(dumped, tools, native)
-    shown = template_tools(tools) if native else None
-    return render(info.chat_template, messages, info.bos_text, info.eos_text, req.model, shown)
+    prompt = render(template, messages, info.bos_text, info.eos_text, req.model, variables)
+    return prompt, ThinkSplitter(inside=opens_thinking(prompt)) if thinks else None

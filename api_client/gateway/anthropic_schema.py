@@ -3,8 +3,9 @@ and a job's answer as its message object or its stream of events. Pure: no I/O.
 
 Content blocks map onto the chat's messages: ``text`` is text, an assistant's ``tool_use``
 is a tool call, a user's ``tool_result`` is a ``tool`` message (named by the earlier
-``tool_use`` it answers); ``thinking`` blocks sent back are dropped (the answer's thinking
-is not served: ``thinking`` in a request is accepted and answered without it);
+``tool_use`` it answers); ``thinking`` blocks sent back are dropped (the template shows no
+earlier thinking); ``thinking`` enabled or disabled is the job's ``think``, and the
+answer's thinking comes as a thinking block (with an empty signature);
 ``output_config.format`` (a JSON schema) constrains the answer; images and documents are
 refused with a 400. ``temperature``, ``top_p`` and ``top_k`` are taken when sent (older
 clients do; Anthropic's own API no longer has them).
@@ -32,6 +33,8 @@ _ERROR_TYPE = {
     429: "rate_limit_error",
     503: "overloaded_error",
 }
+# thinking as Anthropic's block; its signature (Anthropic's proof that it wrote it) is empty
+THINKING_BLOCK = {"type": "thinking", "thinking": "", "signature": ""}
 KEEPALIVE = b'event: ping\ndata: {"type":"ping"}\n\n'  # Anthropic's own keep-alive event
 
 
@@ -65,6 +68,13 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
     output_config: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+    def think_fields(self) -> dict[str, Any]:
+        """``thinking`` as the job's ``think``: enabled or disabled (adaptive, or none:
+        the model's default)."""
+        kind = (self.thinking or {}).get("type")
+        return {"think": kind == "enabled"} if kind in ("enabled", "disabled") else {}
 
     def job_format(self) -> dict[str, Any] | None:
         """``output_config.format`` (structured output: a JSON schema) as the job's format."""
@@ -98,7 +108,7 @@ class MessagesRequest(BaseModel):
         names: dict[str, str] = {}
         for message in self.messages:
             turns.extend(_turns(message, names))
-        fields: dict[str, Any] = {"messages": turns}
+        fields: dict[str, Any] = {"messages": turns, **self.think_fields()}
         if self.tools:
             fields["tools"] = [_tool(t) for t in self.tools]
         choice = self.tool_choice or ToolChoice()
@@ -209,6 +219,8 @@ def message_object(job_id: str, model: str, final: GenerateResponse | None) -> d
     """The answer as Anthropic's message: whole (``final``), or as a stream begins."""
     content: list[dict[str, Any]] = []
     if final is not None:
+        if final.thinking:
+            content.append({**THINKING_BLOCK, "thinking": final.thinking})
         if final.response:
             content.append({"type": "text", "text": final.response})
         content.extend(tool_uses(final))
@@ -231,15 +243,15 @@ def sse(kind: str, data: dict[str, Any]) -> bytes:
 
 @dataclass
 class MessageStream:
-    """A job's chunks as Anthropic's stream events: message_start, a text block's start,
-    deltas and stop, a block per tool call (its input as one JSON delta), message_delta
-    with the stop reason and usage, message_stop."""
+    """A job's chunks as Anthropic's stream events: message_start, a thinking block and a
+    text block (each its start, deltas and stop), a block per tool call (its input as one
+    JSON delta), message_delta with the stop reason and usage, message_stop."""
 
     job_id: str
     model: str
     _started: bool = False
     _blocks: int = 0  # content blocks begun
-    _text_open: bool = False
+    _open: Literal["thinking", "text", None] = None  # the block open now
 
     def encode(self, chunk: GenerateResponse) -> list[bytes]:
         frames: list[bytes] = []
@@ -248,22 +260,37 @@ class MessageStream:
             frames.append(
                 sse("message_start", {"message": message_object(self.job_id, self.model, None)})
             )
-        if chunk.response and not chunk.done:
-            if not self._text_open:
-                self._text_open = True
-                block = {"index": self._blocks, "content_block": {"type": "text", "text": ""}}
-                frames.append(sse("content_block_start", block))
-            delta = {"type": "text_delta", "text": chunk.response}
-            frames.append(sse("content_block_delta", {"index": self._blocks, "delta": delta}))
         if chunk.done:
-            frames.extend(self._end(chunk))
+            return frames + self._end(chunk)
+        if chunk.thinking:
+            frames += self._delta(
+                "thinking", {"type": "thinking_delta", "thinking": chunk.thinking}
+            )
+        if chunk.response:
+            frames += self._delta("text", {"type": "text_delta", "text": chunk.response})
         return frames
 
-    def _end(self, final: GenerateResponse) -> list[bytes]:
+    def _delta(self, kind: Literal["thinking", "text"], delta: dict[str, Any]) -> list[bytes]:
+        """A delta of a block of ``kind``, which begins (closing another) if not open."""
         frames = []
-        if self._text_open:
-            frames.append(sse("content_block_stop", {"index": self._blocks}))
-            self._blocks += 1
+        if self._open != kind:
+            frames += self._close()
+            self._open = kind
+            empty = {"type": "text", "text": ""} if kind == "text" else THINKING_BLOCK
+            frames.append(
+                sse("content_block_start", {"index": self._blocks, "content_block": empty})
+            )
+        return [*frames, sse("content_block_delta", {"index": self._blocks, "delta": delta})]
+
+    def _close(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        index, self._open = self._blocks, None
+        self._blocks += 1
+        return [sse("content_block_stop", {"index": index})]
+
+    def _end(self, final: GenerateResponse) -> list[bytes]:
+        frames = self._close()
         for use in tool_uses(final):
             start = {"index": self._blocks, "content_block": {**use, "input": {}}}
             delta = {"type": "input_json_delta", "partial_json": json.dumps(use["input"])}

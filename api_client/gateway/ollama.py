@@ -134,7 +134,7 @@ async def _submit(
         options=known_options(body.options),
         keep_alive=body.keep_alive,
         format=body.job_format(),
-        extra=extra,
+        extra={**extra, **body.think_fields()},
     )
 
 

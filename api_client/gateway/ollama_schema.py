@@ -1,9 +1,10 @@
 """Ollama's request bodies and response records, field for field (ollama/api/types.go).
 
 Pure: no I/O. What a ggufq runner cannot honour (a custom ``template``, ``suffix``,
-``images``, ``think``, a ``context`` from an earlier answer) is refused with a 400 that
-says what to send instead. Tools are served: ``tools``, an assistant's ``tool_calls`` (its
-arguments an object) and ``tool`` messages with ``tool_name``.
+``images``, a ``context`` from an earlier answer) is refused with a 400 that says what to
+send instead. Tools are served: ``tools``, an assistant's ``tool_calls`` (its arguments an
+object) and ``tool`` messages with ``tool_name``; so is ``think`` (the answer's
+``thinking`` apart from its text).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class _Request(BaseModel):
     keep_alive: float | str | None = None
     stream: bool = True
     format: Literal["", "json"] | dict[str, Any] | None = None
+    think: bool | str | None = None
+
+    def think_fields(self) -> dict[str, Any]:
+        """``think`` as a job carries it (none: the model's default)."""
+        return {} if self.think is None else {"think": self.think}
 
     def job_format(self) -> Literal["json"] | dict[str, Any] | None:
         return self.format or None
@@ -61,7 +67,6 @@ class GenerateRequest(_Request):
     context: list[int] = Field(default_factory=list)
     raw: bool = False
     images: list[str] = Field(default_factory=list)
-    think: bool | str | None = None
 
     def refuse_unsupported(self) -> None:
         if self.template:
@@ -75,7 +80,7 @@ class GenerateRequest(_Request):
             _refuse("suffix", "fill-in-the-middle is not served; put the text in the prompt")
         if self.context:
             _refuse("context", "send the conversation with /api/chat's messages instead")
-        _refuse_common(bool(self.images), self.think)
+        _refuse_images(bool(self.images))
 
 
 class ChatMessage(BaseModel):
@@ -100,10 +105,9 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(default_factory=list)
     tools: list[dict[str, Any]] = Field(default_factory=list)
-    think: bool | str | None = None
 
     def refuse_unsupported(self) -> None:
-        _refuse_common(any(m.images for m in self.messages), self.think)
+        _refuse_images(any(m.images for m in self.messages))
 
     def turns(self) -> list[dict[str, Any]]:
         return [m.turn() for m in self.messages]
@@ -160,11 +164,9 @@ def _refuse(field: str, what_to_do: str) -> None:
     raise InvalidRequest(f"'{field}' is not supported by ggufq: {what_to_do}")
 
 
-def _refuse_common(images: bool, think: bool | str | None) -> None:
+def _refuse_images(images: bool) -> None:
     if images:
         _refuse("images", "ggufq serves text models; send text only")
-    if think:
-        _refuse("think", "thinking mode is not served; leave out 'think' or set it false")
 
 
 def timestamp(seconds: float) -> str:
@@ -184,17 +186,23 @@ def generate_record(
     chat: bool = False,
     calls: bool = True,
 ) -> dict[str, Any]:
-    """One line of /api/generate or /api/chat. ``text`` overrides the chunk's text (the
-    streamed final line carries none: the chunks before it carried it all); ``calls``
-    False leaves the answer's tool calls out (a stream sends them on a line of their own)."""
+    """One line of /api/generate or /api/chat. ``text`` overrides the chunk's text and
+    thinking (the streamed final line carries neither: the chunks before it carried it
+    all); ``calls`` False leaves the answer's tool calls out (a stream sends them on a line
+    of their own)."""
     content = chunk.response if text is None else text
+    thought = chunk.thinking if text is None else ""
     out: dict[str, Any] = {"model": model, "created_at": timestamp(chunk.created_at)}
     if chat:
         out["message"] = {"role": "assistant", "content": content}
+        if thought:
+            out["message"]["thinking"] = thought
         if calls and (made := made_calls(chunk)):
             out["message"]["tool_calls"] = made
     else:
         out["response"] = content
+        if thought:
+            out["thinking"] = thought
     out["done"] = chunk.done
     if chunk.done:
         out["done_reason"] = chunk.done_reason or "stop"

@@ -60,7 +60,7 @@ async def chat_completions(request: Request) -> Any:
         kind="chat",
         options=body.options(),
         format=body.job_format(),
-        extra={"messages": body.turns(), **body.tool_fields()},
+        extra={"messages": body.turns(), **body.tool_fields(), **body.think_fields()},
     )
     if body.stream:
         return await _stream(gateway, job, body.model, "chat.completion.chunk", body)
@@ -116,7 +116,10 @@ async def _stream(
     first = [True]
 
     def choice(
-        text: str | None, reason: str | None, calls: list[dict[str, Any]] | None = None
+        text: str | None,
+        reason: str | None,
+        calls: list[dict[str, Any]] | None = None,
+        thought: str = "",
     ) -> dict[str, Any]:
         if not chat:
             return {"text": text or "", "index": 0, "logprobs": None, "finish_reason": reason}
@@ -124,7 +127,9 @@ async def _stream(
         if first[0]:
             delta["role"] = "assistant"
             first[0] = False
-        if text is not None:
+        if thought:
+            delta["reasoning_content"] = thought
+        if text is not None and (text or not thought):
             delta["content"] = text
         if calls:
             delta["tool_calls"] = [{"index": n, **call} for n, call in enumerate(calls)]
@@ -138,7 +143,7 @@ async def _stream(
 
     def encode(item: GenerateResponse) -> list[bytes]:
         if not item.done:
-            return [chunk([choice(item.response, None)])]
+            return [chunk([choice(item.response, None, thought=item.thinking)])]
         frames = [chunk([choice(None, finish_reason(item))])]
         if calls := calls_of(item):  # each call whole, in one delta before the finish
             frames.insert(0, chunk([choice(None, None, calls)]))

@@ -115,6 +115,23 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ...}, as some clients send it
+
+    def think_fields(self) -> dict[str, Any]:
+        """``reasoning_effort`` as the job's ``think``: none, minimal → false (no thinking),
+        low / medium / high as they are; unset: the model's default."""
+        effort = self.reasoning_effort or (self.reasoning or {}).get("effort")
+        if effort is None:
+            return {}
+        if effort in ("none", "minimal"):
+            return {"think": False}
+        if effort not in ("low", "medium", "high"):
+            raise InvalidRequest(
+                f"reasoning_effort {effort!r} is not understood: send none, minimal, low, "
+                "medium or high"
+            )
+        return {"think": effort}
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
@@ -225,11 +242,15 @@ def calls_of(final: GenerateResponse) -> list[dict[str, Any]]:
 
 
 def answer_message(final: GenerateResponse) -> dict[str, Any]:
-    """A whole chat answer: its text (null when it only called tools) and its calls."""
+    """A whole chat answer: its text (null when it only called tools), its thinking
+    (``reasoning_content``) and its calls."""
     calls = calls_of(final)
-    if not calls:
-        return {"role": "assistant", "content": final.response}
-    return {"role": "assistant", "content": final.response or None, "tool_calls": calls}
+    out: dict[str, Any] = {"role": "assistant", "content": final.response}
+    if final.thinking:
+        out["reasoning_content"] = final.thinking
+    if calls:
+        out.update(content=final.response or None, tool_calls=calls)
+    return out
 
 
 def usage(final: GenerateResponse) -> dict[str, int]:

@@ -1,0 +1,75 @@
+"""What a model writes, parted as it streams: thinking, the answer's text, tool calls.
+
+Each generated piece goes through the thinking splitter (when the model's template has a
+thinking mode), then the tool-call reader (when the job offers tools), and what is surely
+thinking or answer text is published at once; a tool call's markup and a tag are held back,
+never published as text. At the end, :meth:`Answer.fields` gives the final record's parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from scheduler.protocol import JobRequest
+from scheduler.thinking import ThinkSplitter
+from scheduler.toolcalls import ToolCallStream
+from scheduler.tooluse import offered
+
+
+class Answer:
+    """``publish`` takes each chunk ({"thinking": …} or {"response": …}); ``thinking`` is
+    the splitter for a template that can think (None: no thinking mode)."""
+
+    def __init__(
+        self,
+        req: JobRequest,
+        publish: Callable[[dict[str, Any]], None],
+        thinking: ThinkSplitter | None = None,
+    ) -> None:
+        tools = offered(req.tools, req.tool_choice)
+        self.req, self.publish, self.thinking = req, publish, thinking
+        self.calls = ToolCallStream(frozenset(t.function.name for t in tools)) if tools else None
+        self._text: list[str] = []
+
+    def __call__(self, piece: str) -> None:
+        thought, said = self.thinking.feed(piece) if self.thinking else ("", piece)
+        self._out(thought, said)
+
+    def _out(self, thought: str, said: str) -> None:
+        if thought:
+            self.publish({"thinking": thought})
+        if said and self.calls is not None:
+            said = self.calls.feed(said)
+        if said:
+            self._text.append(said)
+            self.publish({"response": said})
+
+    def fields(self, text: str) -> dict[str, Any]:
+        """The text has ended (``text``, all of it): what was held back is published, and
+        the final record's ``response``, ``thinking``, ``tool_calls`` and
+        ``malformed_call`` are returned (the last two only when there are some)."""
+        if self.thinking is None and self.calls is None:
+            return {"response": text}
+        if self.thinking is not None:
+            self._out(*self.thinking.end())
+        out: dict[str, Any] = {}
+        if self.calls is not None:
+            rest = self.calls.end()
+            if rest:
+                self._text.append(rest)
+                self.publish({"response": rest})
+            made = self.calls.calls if self.req.parallel_tool_calls else self.calls.calls[:1]
+            out["tool_calls"] = [
+                {
+                    "id": f"call_{self.req.id[:40]}_{n}",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for n, c in enumerate(made)
+            ]
+            if self.calls.malformed:
+                out["malformed_call"] = self.calls.malformed
+        out["response"] = "".join(self._text)
+        if self.thinking is not None and self.thinking.thinking:
+            out["thinking"] = self.thinking.thinking
+        return out
