@@ -37,17 +37,17 @@ def check_input(chars: int) -> None:
         )
 
 
-def check_schema(schema: dict[str, Any]) -> None:
+def check_schema(schema: dict[str, Any], where: str = "format") -> None:
     """Refuse a JSON schema whose grammar could be too large to build: over
     MAX_SCHEMA_BYTES as JSON, nested deeper than MAX_SCHEMA_DEPTH, or with a count (or a
-    pattern's repetition) over MAX_SCHEMA_COUNT."""
+    pattern's repetition) over MAX_SCHEMA_COUNT. ``where`` names it in the error."""
     size = len(json.dumps(schema))
     if size > MAX_SCHEMA_BYTES:
         raise InvalidRequest(
-            f"format: the JSON schema is {size:,} bytes; at most {MAX_SCHEMA_BYTES:,} are "
+            f"{where}: the JSON schema is {size:,} bytes; at most {MAX_SCHEMA_BYTES:,} are "
             "taken: describe the output more compactly"
         )
-    _walk(schema, "format", 0)
+    _walk(schema, where, 0)
 
 
 def _walk(node: Any, where: str, depth: int) -> None:

@@ -157,18 +157,10 @@ class Message(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = Field("", max_length=4_000_000)
-    tool_calls: list[MessageToolCall] | None = Field(
-        None, max_length=MAX_TOOLS, description="assistant: the tools it called"
-    )
-    tool_name: str | None = Field(
-        None, pattern=TOOL_NAME, description="tool: the tool whose answer this is"
-    )
-    tool_call_id: str | None = Field(
-        None, max_length=128, description="tool: the call this answers (OpenAI's id)"
-    )
-    thinking: str | None = Field(
-        None, max_length=4_000_000, description="assistant: its thinking (not shown again)"
-    )
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant
+    tool_name: str | None = Field(None, pattern=TOOL_NAME)  # a tool's answer: whose it is
+    tool_call_id: str | None = Field(None, max_length=128)  # ... the call it answers
+    thinking: str | None = Field(None, max_length=4_000_000)  # assistant: not shown again
 
     @property
     def chars(self) -> int:
@@ -263,7 +255,7 @@ class JobRequest(BaseModel):
     @property
     def chars(self) -> int:
         """The characters of its text: prompt, messages and inputs together."""
-        tools = sum(len(json.dumps(t.function.parameters)) for t in self.tools)
+        tools = sum(len(json.dumps(t.function.model_dump())) for t in self.tools)
         return (
             input_chars(self.prompt, [], self.input) + sum(m.chars for m in self.messages) + tools
         )
@@ -343,6 +335,11 @@ class GenerateResponse(BaseModel):
     warnings: list[str] = Field(default_factory=list)
     error: dict[str, str] | None = None
     seq: int | None = None  # a streamed chunk's place in its job's stream (1, 2, ...)
+
+    @property
+    def tool_calls(self) -> list[MessageToolCall]:
+        """The tools the answer called (none: a plain answer)."""
+        return list(self.message.tool_calls or []) if self.message is not None else []
 
 
 class Placement(BaseModel):

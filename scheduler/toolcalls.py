@@ -81,7 +81,7 @@ def _json_values(text: str) -> list[Any] | None:
     while at < len(text):
         try:
             value, end = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: "[[[[…" nested past Python's
             return None
         values.append(value)
         at = end
@@ -188,9 +188,12 @@ class ToolCallStream:
         if self._held:
             return ""
         text = self._text
-        if self._sent == 0 and text.lstrip()[:1] in ("{", "[", "`"):
-            self._held = True  # a whole-answer call, perhaps
-            return ""
+        if self._sent == 0:  # nothing shown yet: blank space waits for what follows it
+            if not text.strip():
+                return ""
+            if text.lstrip()[:1] in ("{", "[", "`"):
+                self._held = True  # a whole-answer call, perhaps
+                return ""
         for marker in MARKERS:
             at = text.find(marker, self._sent)
             if at >= 0:
@@ -208,11 +211,16 @@ class ToolCallStream:
         self.shown += out
         return out
 
-    def end(self) -> str:
+    def end(self, cut: bool = False) -> str:
         """The answer ended: the content not shown yet (none when it held calls); the calls
-        are then in :attr:`calls`."""
+        are then in :attr:`calls`. ``cut``: it ended at its token limit, so a call it had
+        begun is left out (named in :attr:`malformed`), not shown as text."""
         found = recognise(self._text, self.names)
         self.calls, self.malformed = found.calls, found.malformed
+        held = self._text[self._sent :]
+        if not found.calls and cut and self._held and (found.malformed or '"name"' in held):
+            self.malformed = f"cut at the token limit: {held}"
+            return ""
         if not found.calls:
             return self._pass(len(self._text))
         shown = self._text[: self._sent].strip()  # what came before the first call

@@ -16,10 +16,11 @@ what the model wrote. Pure: no I/O.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from scheduler.bounds import check_schema
 
@@ -41,11 +42,10 @@ class ToolFunction(BaseModel):
     description: str = Field("", max_length=16_384)
     parameters: dict[str, Any] = Field(default_factory=lambda: dict(NO_PARAMETERS))
 
-    @field_validator("parameters")
-    @classmethod
-    def _parameters(cls, value: dict[str, Any]) -> dict[str, Any]:
-        check_schema(value)
-        return value
+    @model_validator(mode="after")
+    def _parameters(self) -> ToolFunction:
+        check_schema(self.parameters, f"the parameters of tool {self.name!r}")
+        return self
 
 
 class Tool(BaseModel):
@@ -99,6 +99,9 @@ def check_choice(tools: list[Tool], choice: ToolChoice, kind: str, format: objec
         raise ValueError(
             "format and a required tool call both constrain the answer: send one of them"
         )
+    schema = call_schema(tools, choice, True)
+    if schema is not None:  # the tools' schemas together: the grammar a worker builds
+        check_schema(schema, "the tools offered for a required call, together,")
 
 
 def offered(tools: list[Tool], choice: ToolChoice) -> list[Tool]:
@@ -130,9 +133,8 @@ def call_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict[s
         "type": "array",
         "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
         "minItems": 1,
+        "maxItems": MAX_TOOLS if parallel else 1,
     }
-    if not parallel:
-        array["maxItems"] = 1
     return {
         "type": "object",
         "properties": {"tool_calls": array},
@@ -141,9 +143,16 @@ def call_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict[s
     }
 
 
+# what a template that renders tools asks its model to write a call with, for the formats
+# scheduler/toolcalls.py reads (Hermes / Qwen, Mistral, Llama 3's ipython role): a template
+# whose model calls in another format gets the generic form, which that reader does read
+KNOWN_CALLS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "ipython")
+
+
 def has_tool_place(template: str) -> bool:
-    """Whether a chat template renders tools (it reads a ``tools`` variable)."""
-    return "tools" in template
+    """Whether a chat template renders tools (it reads a ``tools`` variable) for a model
+    whose calls :mod:`scheduler.toolcalls` reads."""
+    return "tools" in template and any(marker in template for marker in KNOWN_CALLS)
 
 
 def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
@@ -156,17 +165,19 @@ def template_messages(
 ) -> list[dict[str, Any]]:
     """Messages (Ollama's shape, as a job carries them) for a template: with a place for
     tools (``native``), calls and answers in Hugging Face's shape; without, in the
-    generic form, the tools described in the first system message."""
+    generic form, the tools described in the system message (or, without one, at the
+    head of the first user turn: some templates have no system role). A tool's answer
+    that names only its call's id is named after the call's tool."""
+    messages = _named_answers(messages)
     if native:
         return [_native(m) for m in messages]
     out: list[dict[str, Any]] = []
     for m in messages:
         if m["role"] == "tool":
             answer = f"The tool {m.get('tool_name') or 'called'} answered: {m['content']}"
-            if out and out[-1].get("answered"):  # several answers: one user turn
-                out[-1]["content"] += "\n" + answer
-            else:
-                out.append({"role": "user", "content": answer, "answered": True})
+            out.append(_user_turn(out, answer, answered=True))
+        elif m["role"] == "user":
+            out.append(_user_turn(out, m["content"]))
         elif m.get("tool_calls"):
             calls = [
                 {"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})}
@@ -182,24 +193,54 @@ def template_messages(
     if tools:
         described = "\n".join(json.dumps(t.function.model_dump(mode="json")) for t in tools)
         instructions = f"{GENERIC_INSTRUCTIONS}\n{described}"
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{instructions}"}
-        else:
+        at = next((n for n, m in enumerate(out) if m["role"] in ("system", "user")), None)
+        if at is None:
             out.insert(0, {"role": "system", "content": instructions})
+        else:
+            out[at] = {**out[at], "content": f"{instructions}\n\n{out[at]['content']}"}
     return out
+
+
+def _user_turn(out: list[dict[str, Any]], content: str, answered: bool = False) -> dict[str, Any]:
+    """A user turn, joined to the tools' answers just before it (one turn: templates that
+    want turns to alternate refuse two user turns in a row)."""
+    if out and out[-1].get("answered"):
+        before = out.pop()
+        content = f"{before['content']}\n{content}"
+    turn: dict[str, Any] = {"role": "user", "content": content}
+    if answered:
+        turn["answered"] = True
+    return turn
+
+
+def _named_answers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    names: dict[str, str] = {}
+    out = []
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            if call.get("id"):
+                names[call["id"]] = call["function"]["name"]
+        if m["role"] == "tool" and not m.get("tool_name") and m.get("tool_call_id") in names:
+            m = {**m, "tool_name": names[m["tool_call_id"]]}
+        out.append(m)
+    return out
+
+
+def short_id(call_id: str) -> str:
+    """A call's id as 9 letters and digits: Mistral's templates refuse any other length."""
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 def _native(m: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in m.items() if k not in ("tool_calls", "tool_name")}
     if m.get("tool_calls"):
         out["tool_calls"] = [
-            {
-                "type": "function",
-                **({"id": c["id"]} if c.get("id") else {}),
-                "function": c["function"],
-            }
-            for c in m["tool_calls"]
+            {"type": "function", "id": short_id(c.get("id") or f"{n}"), "function": c["function"]}
+            for n, c in enumerate(m["tool_calls"])
         ]
-    if m["role"] == "tool" and m.get("tool_name"):
-        out["name"] = m["tool_name"]
+    if m["role"] == "tool":
+        if m.get("tool_name"):
+            out["name"] = m["tool_name"]
+        if m.get("tool_call_id"):
+            out["tool_call_id"] = short_id(m["tool_call_id"])
     return out

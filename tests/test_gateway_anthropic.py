@@ -118,6 +118,16 @@ def test_errors_come_in_anthropics_shape(api: anthropic.Anthropic, url: str) -> 
     server_tool = {"type": "web_search_20250305", "name": "web_search"}
     with pytest.raises(anthropic.BadRequestError, match="server tools"):
         api.messages.create(model="tiny", max_tokens=4, messages=ASK, tools=[server_tool])
+    for content in (["not a block"], 5, {"type": "text"}, [{"type": "text", "text": None}]):
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": content}
+        body = {
+            "model": "tiny",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": [result]}],
+        }
+        answer = httpx.post(f"{url}/v1/messages", json=body)
+        assert answer.status_code == 400, (content, answer.text)
+        assert "tool_result's content" in answer.json()["error"]["message"]
     no_max = httpx.post(f"{url}/v1/messages", json={"model": "tiny", "messages": ASK})
     assert no_max.status_code == 400 and "max_tokens" in no_max.json()["error"]["message"]
     assert no_max.json()["type"] == "error"

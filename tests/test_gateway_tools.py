@@ -84,6 +84,7 @@ def test_a_named_call_streams_as_deltas_and_never_as_text(api: openai.OpenAI) ->
     )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) == ""  # the call's JSON is no text
+    assert deltas[0].role == "assistant" and deltas[0].tool_calls  # the role comes first
     calls = [call for d in deltas for call in d.tool_calls or []]
     assert calls and all(call.function and call.function.name == "get_weather" for call in calls)
     assert [call.index for call in calls] == list(range(len(calls)))

@@ -131,3 +131,30 @@ def test_what_only_looked_like_a_call_is_shown() -> None:
     assert shown[0] == "a "  # "<" waited for its next character
     shown, last, calls = stream(['{"city": ', '"Paris"}'])  # JSON that is the answer
     assert shown == ["", ""] and last == '{"city": "Paris"}' and calls == ()
+
+
+def test_blank_space_before_a_whole_answer_call_is_no_text() -> None:
+    more = ToolCallStream(NAMES)
+    for delta in ["\n\n", '{"name": "get_weather", "arguments": {"city": "Paris"}}']:
+        assert more.feed(delta) == ""
+    assert more.end() == "" and more.calls == (WEATHER,) and more.shown == ""
+
+
+def test_a_call_cut_at_the_token_limit_is_left_out_and_named() -> None:
+    for deltas in (
+        ["Sure. ", '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa'],
+        ['{"tool_calls": [{"name": "get_weather", "arguments": {"ci'],
+    ):
+        cut = ToolCallStream(NAMES)
+        shown = "".join(cut.feed(delta) for delta in deltas)
+        assert cut.end(cut=True) == "" and cut.calls == ()
+        assert cut.malformed.startswith("cut at the token limit") and "{" not in shown
+    answer = ToolCallStream(NAMES)  # JSON that is no call, cut: it is the answer
+    answer.feed('{"city": "Par')
+    assert answer.end(cut=True) == '{"city": "Par' and answer.malformed == ""
+
+
+def test_brackets_nested_past_pythons_limit_are_text() -> None:
+    deep = "[" * 5000
+    found = recognise(deep, NAMES)
+    assert found.calls == () and found.content == deep

@@ -8,9 +8,18 @@ from typing import Any
 
 import pytest
 
+from scheduler.bounds import MAX_SCHEMA_BYTES
 from scheduler.errors import InvalidRequest
 from scheduler.protocol import JobRequest, parse_request
-from scheduler.tooluse import GENERIC_INSTRUCTIONS, Tool, call_schema, template_messages
+from scheduler.tooluse import (
+    GENERIC_INSTRUCTIONS,
+    MAX_TOOLS,
+    Tool,
+    call_schema,
+    has_tool_place,
+    short_id,
+    template_messages,
+)
 from workers.chat import render
 
 WEATHER = {
@@ -57,14 +66,33 @@ def test_a_template_with_a_place_for_tools_gets_them_and_the_calls() -> None:
     assert prompt.count('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}') == 2
     assert "<tool_response>\nsunny\n</tool_response>" in prompt
     assert messages[1]["tool_calls"][0]["type"] == "function"
-    assert messages[2]["name"] == "get_weather" and messages[2]["tool_call_id"] == "call_1"
+    # ids of 9 letters and digits (Mistral's templates refuse others), the same both sides
+    assert messages[1]["tool_calls"][0]["id"] == messages[2]["tool_call_id"] == short_id("call_1")
+    assert len(short_id("call_1")) == 9 and short_id("call_1").isalnum()
+    assert messages[2]["name"] == "get_weather"
+
+
+def test_templates_get_tools_natively_only_for_calls_that_are_read_back() -> None:
+    assert has_tool_place(HERMES)
+    assert has_tool_place("{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]")
+    granite = "{% if tools %}<|start_of_role|>tools{% endif %}<|tool_call|>"
+    assert not has_tool_place(granite)  # its calls' format is not read: the generic form
+    assert not has_tool_place(ALTERNATING)
+
+
+def test_an_answer_by_call_id_alone_is_named_after_its_call() -> None:
+    by_id = [{**m, "tool_name": None} if m["role"] == "tool" else m for m in TURNS]
+    by_id = [{k: v for k, v in m.items() if v is not None} for m in by_id]
+    messages = template_messages(by_id, TOOLS, native=False)
+    assert messages[-1]["content"].startswith("The tool get_weather answered: sunny")
 
 
 def test_a_template_without_one_gets_the_generic_form_in_alternating_turns() -> None:
     system = [{"role": "system", "content": "Be brief."}]
     messages = template_messages(system + TURNS, TOOLS, native=False)
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
-    assert messages[0]["content"].startswith("Be brief.\n\n" + GENERIC_INSTRUCTIONS)
+    assert messages[0]["content"].startswith(GENERIC_INSTRUCTIONS)
+    assert messages[0]["content"].endswith("\n\nBe brief.")
     written = json.loads(messages[2]["content"])
     assert written == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}] * 2}
     assert messages[3]["content"] == (
@@ -72,8 +100,13 @@ def test_a_template_without_one_gets_the_generic_form_in_alternating_turns() -> 
     )
     prompt = render(ALTERNATING, messages[1:])  # renders: the turns still alternate
     assert prompt.endswith("<assistant>")
-    alone = template_messages(TURNS[:1], TOOLS, native=False)
-    assert alone[0]["role"] == "system" and "get_weather" in alone[0]["content"]
+    # no system turn (some templates have no system role): the tools head the first user turn
+    alone = template_messages([*TURNS, {"role": "user", "content": "and so?"}], TOOLS, False)
+    assert [m["role"] for m in alone] == ["user", "assistant", "user"]
+    assert alone[0]["content"].startswith(GENERIC_INSTRUCTIONS)
+    assert alone[0]["content"].endswith("\n\nweather in Paris and Rome?")
+    assert alone[2]["content"].endswith("answered: rain\nand so?")  # one turn, alternating
+    render(ALTERNATING, alone)
 
 
 def test_a_required_call_has_a_schema_a_named_one_only_its_tool() -> None:
@@ -86,13 +119,21 @@ def test_a_required_call_has_a_schema_a_named_one_only_its_tool() -> None:
     named = call_schema([*TOOLS, other], parse_choice({"name": "get_time"}), True)
     assert named is not None
     item = named["properties"]["tool_calls"]["items"]
-    assert item["properties"]["name"] == {"const": "get_time"} and "maxItems" not in named
+    assert item["properties"]["name"] == {"const": "get_time"}
+    assert named["properties"]["tool_calls"]["maxItems"] == MAX_TOOLS
 
 
 def parse_choice(choice: Any) -> Any:
     return parse_request(
         chat(tools=[WEATHER, {"function": {"name": "get_time"}}], tool_choice=choice)
     ).tool_choice
+
+
+def big(n: int) -> dict[str, Any]:
+    """A tool whose parameters take half of what one schema may."""
+    described = {"type": "string", "description": "x" * (MAX_SCHEMA_BYTES // 2)}
+    parameters = {"type": "object", "properties": {"a": described}}
+    return {"function": {"name": f"tool{n}", "parameters": parameters}}
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -110,7 +151,11 @@ def chat(**fields: Any) -> dict[str, Any]:
         ({"tools": [{"function": {"name": "has spaces"}}]}, "tools.0.function.name"),
         (
             {"tools": [{"function": {"name": "f", "parameters": {"maxItems": 10**9}}}]},
-            "maxItems",
+            "the parameters of tool 'f'.maxItems",
+        ),
+        (  # each tool within the bounds, all of them together over: their grammar too large
+            {"tools": [big(n) for n in range(4)], "tool_choice": "required"},
+            "the tools offered for a required call, together",
         ),
     ],
 )

@@ -14,7 +14,7 @@ from typing import Any
 from scheduler.protocol import JobRequest
 from scheduler.thinking import ThinkSplitter
 from scheduler.toolcalls import ToolCallStream
-from scheduler.tooluse import offered
+from scheduler.tooluse import MAX_TOOLS, offered
 
 
 class Answer:
@@ -45,21 +45,22 @@ class Answer:
             self._text.append(said)
             self.publish({"response": said})
 
-    def fields(self, text: str) -> dict[str, Any]:
-        """The text has ended (``text``, all of it): what was held back is published, and
-        the final record's ``response``, ``thinking``, ``tool_calls`` and
-        ``malformed_call`` are returned (the last two only when there are some)."""
+    def fields(self, text: str, cut: bool = False) -> dict[str, Any]:
+        """The text has ended (``text``, all of it; ``cut``: at its token limit): what was
+        held back is published, and the final record's ``response``, ``thinking``,
+        ``tool_calls`` and ``malformed_call`` are returned (the last two only when there
+        are some)."""
         if self.thinking is None and self.calls is None:
             return {"response": text}
         if self.thinking is not None:
             self._out(*self.thinking.end())
         out: dict[str, Any] = {}
         if self.calls is not None:
-            rest = self.calls.end()
+            rest = self.calls.end(cut)
             if rest:
                 self._text.append(rest)
                 self.publish({"response": rest})
-            made = self.calls.calls if self.req.parallel_tool_calls else self.calls.calls[:1]
+            made = self.calls.calls[: MAX_TOOLS if self.req.parallel_tool_calls else 1]
             out["tool_calls"] = [
                 {
                     "id": f"call_{self.req.id[:40]}_{n}",

@@ -81,7 +81,8 @@ def generate(
         publisher.admitted_at = wall(stats.admitted_ns)
     if stats.done_reason == "cancel":
         raise JobCancelled(f"job {req.id} was cancelled after {stats.eval_count} generated tokens")
-    return {**stats.ollama_fields(), **answer.fields(stats.text)}
+    cut = stats.done_reason == "length"
+    return {**stats.ollama_fields(), **answer.fields(stats.text, cut)}
 
 
 def embed(req: JobRequest, runner: AnyRunner) -> dict[str, Any]:
@@ -156,7 +157,8 @@ def produce(
     if malformed:
         warnings.append(
             f"the model began a tool call that does not parse ({malformed[:200]!r}): it is "
-            "given as text; tool_choice 'required' makes the model write a valid call"
+            "given as text, or left out when the answer was cut at num_predict; "
+            "tool_choice 'required' makes the model write a valid call"
         )
     if warnings:
         out["warnings"] = warnings

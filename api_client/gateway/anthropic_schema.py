@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api_client.gateway.errors import public
+from api_client.gateway.errors import http_error, public
+from api_client.gateway.shapes import text_of
 from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.protocol import GenerateResponse
 
@@ -104,10 +105,10 @@ class MessagesRequest(BaseModel):
 
     def job_fields(self) -> dict[str, Any]:
         """The chat job's messages and tool fields."""
-        turns = [{"role": "system", "content": _text(self.system, "system")}] if self.system else []
-        names: dict[str, str] = {}
+        system = text_of(self.system, "system")
+        turns = [{"role": "system", "content": system}] if system else []
         for message in self.messages:
-            turns.extend(_turns(message, names))
+            turns.extend(_turns(message))
         fields: dict[str, Any] = {"messages": turns, **self.think_fields()}
         if self.tools:
             fields["tools"] = [_tool(t) for t in self.tools]
@@ -118,44 +119,27 @@ class MessagesRequest(BaseModel):
         return fields
 
 
-def _text(content: str | list[dict[str, Any]], where: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for block in content:
-        if block.get("type") != "text":
-            raise InvalidRequest(
-                f"a {where} block of type {block.get('type')!r} is not supported here: "
-                "send text blocks"
-            )
-        parts.append(str(block.get("text", "")))
-    return "".join(parts)
-
-
-def _turns(message: AnthropicMessage, names: dict[str, str]) -> list[dict[str, Any]]:
+def _turns(message: AnthropicMessage) -> list[dict[str, Any]]:
     """One Anthropic message as the chat's messages: a user's tool results each become a
-    ``tool`` message, before the text beside them."""
+    ``tool`` message (named after its call by the job), before the text beside them."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     texts, calls, answers = [], [], []
     for block in message.content:
         kind = block.get("type")
         if kind == "text":
-            texts.append(str(block.get("text", "")))
+            texts.append(text_of([block], "a text block"))
         elif kind == "tool_use" and message.role == "assistant":
             call_id, name = str(block.get("id", "")), str(block.get("name", ""))
-            names[call_id] = name
             calls.append(
                 {"id": call_id, "function": {"name": name, "arguments": block.get("input") or {}}}
             )
         elif kind == "tool_result" and message.role == "user":
             call_id = str(block.get("tool_use_id", ""))
             answer: dict[str, Any] = {"role": "tool", "tool_call_id": call_id}
-            answer["content"] = _text(block.get("content") or "", "tool_result")
+            answer["content"] = text_of(block.get("content"), "a tool_result's content")
             if block.get("is_error"):
                 answer["content"] = f"(error) {answer['content']}"
-            if call_id in names:
-                answer["tool_name"] = names[call_id]
             answers.append(answer)
         elif kind not in ("thinking", "redacted_thinking"):
             raise InvalidRequest(
@@ -207,11 +191,10 @@ def usage(final: GenerateResponse | None) -> dict[str, int]:
 
 
 def tool_uses(final: GenerateResponse) -> list[dict[str, Any]]:
-    calls = final.message.tool_calls if final.message is not None else None
     return [
         {"type": "tool_use", "id": c.id or f"toolu_{final.job_id}_{n}", "name": c.function.name}
         | {"input": c.function.arguments}
-        for n, c in enumerate(calls or [])
+        for n, c in enumerate(final.tool_calls)
     ]
 
 
@@ -311,4 +294,4 @@ def error_body(exc: GgufqError, status: int) -> dict[str, Any]:
 
 
 def error_event(exc: GgufqError) -> bytes:
-    return sse("error", {"error": error_body(exc, 500)["error"]})
+    return sse("error", {"error": error_body(exc, http_error(exc).status)["error"]})

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from api_client.gateway.errors import ollama_body
+from api_client.gateway.shapes import called
 from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.protocol import GenerateResponse
 from scheduler.units import parse_duration_s
@@ -113,28 +114,9 @@ class ChatRequest(_Request):
         return [m.turn() for m in self.messages]
 
 
-def called(call: dict[str, Any]) -> dict[str, Any]:
-    """A call an assistant made, as a job carries it: arguments as an object (OpenAI's
-    clients send them as JSON text, Ollama's as an object)."""
-    function: dict[str, Any] = call["function"] if isinstance(call.get("function"), dict) else {}
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            raise InvalidRequest(
-                f"the arguments of the call to {function.get('name')!r} are not JSON "
-                f"({arguments[:80]!r}): send them as a JSON object"
-            ) from None
-    out = {"function": {"name": function.get("name"), "arguments": arguments}}
-    return {**out, "id": call["id"]} if isinstance(call.get("id"), str) else out
-
-
 def made_calls(final: GenerateResponse) -> list[dict[str, Any]]:
     """The tool calls an answer made, in Ollama's shape (none: a plain answer)."""
-    if final.message is None or not final.message.tool_calls:
-        return []
-    return [{"function": c.function.model_dump(mode="json")} for c in final.message.tool_calls]
+    return [{"function": c.function.model_dump(mode="json")} for c in final.tool_calls]
 
 
 class EmbedRequest(_Request):

@@ -14,7 +14,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from api_client.gateway.errors import openai_body
-from api_client.gateway.ollama_schema import called
+from api_client.gateway.shapes import called, text_of
 from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.protocol import GenerateResponse
 
@@ -78,8 +78,8 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     name: str | None = None
 
-    def turn(self, names: dict[str, str]) -> dict[str, Any]:
-        """As a job carries it; ``names`` maps earlier calls' ids to their tools."""
+    def turn(self) -> dict[str, Any]:
+        """As a job carries it (a tool's answer is named after its call by the job)."""
         out: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
             "content": self.text(),
@@ -87,25 +87,14 @@ class ChatMessage(BaseModel):
         if self.tool_calls:
             out["tool_calls"] = [called(c) for c in self.tool_calls]
         if self.role == "tool":
-            name = self.name or names.get(self.tool_call_id or "")
-            if name:
-                out["tool_name"] = name
+            if self.name:
+                out["tool_name"] = self.name
             if self.tool_call_id:
                 out["tool_call_id"] = self.tool_call_id
         return out
 
     def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise InvalidRequest(
-                    f"message content of type {part.get('type')!r} is not supported: ggufq "
-                    "serves text models; send text parts only"
-                )
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return text_of(self.content, "message content")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -137,13 +126,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
 
     def turns(self) -> list[dict[str, Any]]:
-        names: dict[str, str] = {}
-        for m in self.messages:
-            for call in m.tool_calls or []:
-                function = call.get("function")
-                if isinstance(call.get("id"), str) and isinstance(function, dict):
-                    names[call["id"]] = str(function.get("name"))
-        return [m.turn(names) for m in self.messages]
+        return [m.turn() for m in self.messages]
 
     def tool_fields(self) -> dict[str, Any]:
         """``tools``, ``tool_choice`` and ``parallel_tool_calls`` as a job carries them."""
@@ -226,8 +209,6 @@ def finish_reason(final: GenerateResponse) -> str:
 
 def calls_of(final: GenerateResponse) -> list[dict[str, Any]]:
     """The tool calls an answer made, in OpenAI's shape: arguments as JSON text."""
-    if final.message is None or not final.message.tool_calls:
-        return []
     return [
         {
             "id": call.id or f"call_{final.job_id}_{n}",
@@ -237,7 +218,7 @@ def calls_of(final: GenerateResponse) -> list[dict[str, Any]]:
                 "arguments": json.dumps(call.function.arguments),
             },
         }
-        for n, call in enumerate(final.message.tool_calls)
+        for n, call in enumerate(final.tool_calls)
     ]
 
 
