@@ -101,6 +101,8 @@ def test_ollama_api_thinking(url: str, thinker: str) -> None:
         assert whole.message.thinking and whole.message.content == ""
         parts = list(api.chat(model=thinker, messages=ASK, think=True, options=GREEDY, stream=True))
         assert "".join(p.message.thinking or "" for p in parts) == whole.message.thinking
+        assert api.show(thinker).capabilities == ["completion", "tools", "thinking"]
+        assert api.show("tiny").capabilities == ["completion", "tools"]
         generated = api.generate(model=thinker, prompt="why?", think=True, options=GREEDY)
         assert generated.thinking == whole.message.thinking and generated.response == ""
         with pytest.raises(ollama.ResponseError, match="does not think") as refused:

@@ -15,6 +15,7 @@ from scheduler.errors import InvalidModelFile
 from scheduler.gguf.metadata import ModelInfo, format_params
 from scheduler.gguf.parse import MAX_ARRAY_DECODE, GGUFFormatError, parse_header
 from scheduler.gguf.registry import ModelEntry, Registry
+from scheduler.thinking import can_think
 
 # encoder architectures: they embed, they do not complete
 _EMBEDDING_ARCHS = frozenset({"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "t5encoder"})
@@ -40,7 +41,12 @@ def details(info: ModelInfo) -> dict[str, Any]:
 
 
 def capabilities(info: ModelInfo) -> list[str]:
-    return ["embedding"] if info.architecture in _EMBEDDING_ARCHS else ["completion"]
+    """As Ollama's /api/show has them: ``tools`` for every model that completes (ggufq
+    serves tools through any chat template: its own place for them, else the generic
+    form), ``thinking`` when its template has a thinking mode."""
+    if info.architecture in _EMBEDDING_ARCHS:
+        return ["embedding"]
+    return ["completion", "tools", *(["thinking"] if can_think(info.chat_template) else [])]
 
 
 def usable(registry: Registry) -> list[ModelEntry]:

@@ -42,6 +42,7 @@ from api_client.gateway.openai_schema import (
     usage,
     vector,
 )
+from api_client.gateway.responses_schema import ResponsesRequest, ResponseStream, response_object
 from scheduler.errors import ModelNotFound
 from scheduler.protocol import GenerateResponse
 
@@ -144,14 +145,34 @@ async def _stream(
     def encode(item: GenerateResponse) -> list[bytes]:
         if not item.done:
             return [chunk([choice(item.response, None, thought=item.thinking)])]
-        frames = [chunk([choice(None, finish_reason(item))])]
-        if calls := calls_of(item):  # each call whole, in one delta before the finish
-            frames.insert(0, chunk([choice(None, None, calls)]))
+        calls = calls_of(item)  # each call whole, in one delta before the finish
+        frames = [chunk([choice(None, None, calls)])] if calls else []
+        frames.append(chunk([choice(None, finish_reason(item))]))
         if with_usage:
             frames.append(chunk([], item))
         return [*frames, DONE]
 
     return gateway.stream(job, encode, error_event, KEEPALIVE, SSE)
+
+
+@router.add("/responses", "POST")
+async def responses(request: Request) -> Any:
+    """OpenAI's Responses API, stateless (api_client/gateway/responses_schema.py)."""
+    gateway, caller = gateway_of(request), caller_of(request)
+    body: ResponsesRequest = parse_body(ResponsesRequest, await json_body(request))
+    job = await gateway.submit(
+        caller,
+        model_name(body.model),
+        kind="chat",
+        options=body.options(),
+        format=body.job_format(),
+        extra=body.job_fields(),
+    )
+    if body.stream:
+        events = ResponseStream(job.id, body)
+        return gateway.stream(job, events.encode, events.error, KEEPALIVE, SSE)
+    final = await gateway.result(request, job)
+    return response_object(job.id, body, final, final.created_at)
 
 
 @router.add("/embeddings", "POST")
