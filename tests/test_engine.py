@@ -584,6 +584,23 @@ def test_close_ends_running_and_waiting_jobs(tiny_dir: Path) -> None:
         runner.generate("a", Options(num_predict=2), ignore)
 
 
+def test_a_schemas_strings_parse_on_a_vocabulary_of_byte_tokens(
+    runner_factory: Callable[..., Runner],
+) -> None:
+    """The tiny model's vocabulary is mostly byte tokens (<0x04>, <0xE4> ...), as Gemma's
+    and most SentencePiece vocabularies fall back on: a string the grammar lets through
+    must hold no raw control character and no broken UTF-8, and keep its maxLength
+    (18 of 20 seeds broke one of these before)."""
+    runner = runner_factory(parallel=1)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}}}
+    schema["required"] = ["name"]
+    for seed in range(20):
+        options = Options(temperature=1.0, seed=seed, num_predict=120)
+        stats = runner.generate("x", options, lambda _t: None, format=schema)
+        name = json.loads(stats.text)["name"]  # no control character: JSON refuses them
+        assert len(name) <= 10 and "\ufffd" not in name, (seed, stats.text)
+
+
 def test_format_with_an_invalid_value_is_refused(runner_factory: Callable[..., Runner]) -> None:
     runner = runner_factory(1)
     with pytest.raises(InvalidRequest, match="format"):

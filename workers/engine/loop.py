@@ -145,7 +145,7 @@ class Engine:
                 "shorten the prompt or raise options.num_ctx"
             )
         plan = sampler_plan(options, num_ctx)
-        sampler = Sampler(self.vocab, self.n_vocab, plan, grammar, _penalty_history(plan, tokens))
+        sampler = Sampler(self._tokenizer, plan, grammar, _penalty_history(plan, tokens))
         return Job(
             tokens=tokens,
             budget=token_budget(options.num_predict, num_ctx, len(tokens)),

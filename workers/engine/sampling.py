@@ -15,6 +15,7 @@ import numpy as np
 
 from scheduler.errors import InvalidRequest
 from scheduler.protocol import Options
+from workers.engine.text import Tokenizer, Utf8Guard
 
 Format = str | dict[str, Any] | None
 
@@ -74,12 +75,19 @@ def grammar_for(format: Format) -> str | None:
     if not isinstance(format, dict):
         raise InvalidRequest(f'format must be "json" or a JSON schema object (got {format!r})')
     try:
-        return str(llama_grammar.json_schema_to_gbnf(json.dumps(format)))
+        grammar = str(llama_grammar.json_schema_to_gbnf(json.dumps(format)))
     except Exception as exc:
         raise InvalidRequest(
             f"format: this JSON schema cannot be turned into a grammar ({exc}); "
             "simplify the schema or use format='json'"
         ) from None
+    # llama-cpp-python's converter lets a string hold raw control characters, which JSON
+    # forbids (json.loads refuses them): llama.cpp's own converter leaves them out
+    return grammar.replace(_LAX_CHAR, _STRICT_CHAR)
+
+
+_LAX_CHAR = r'char ::= [^"\\] |'
+_STRICT_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
 
 
 # -- llama.cpp parts ----------------------------------------------------------------------
@@ -102,8 +110,7 @@ class Sampler:
 
     def __init__(
         self,
-        vocab: Any,
-        n_vocab: int,
+        tokenizer: Tokenizer,
         plan: list[SamplerStep],
         grammar: str | None,
         history: list[int],
@@ -111,7 +118,9 @@ class Sampler:
         import llama_cpp as L
 
         self._L = L
+        vocab, n_vocab = tokenizer.vocab, tokenizer.n_vocab
         self._n_vocab = n_vocab
+        self.utf8 = Utf8Guard(tokenizer) if grammar is not None else None
         self.chain = self.grammar = None
         # plain greedy needs no chain: sample() takes the argmax itself, or llama.cpp does in
         # the decode graph (workers/engine/device_sampling.py)
@@ -144,13 +153,17 @@ class Sampler:
         cand.fill(L.llama_get_logits_ith(ctx, idx))
         L.llama_sampler_apply(self.chain, cand.ref)
         token = cand.selected()
-        if not cand.allows(self.grammar, token):
+        utf8 = self.utf8
+        assert utf8 is not None  # made with the grammar
+        if not cand.allows(self.grammar, token) or not utf8.fits(token):
             cand.fill(L.llama_get_logits_ith(ctx, idx))
+            cand.data["logit"][utf8.unfit()] = -np.inf
             L.llama_sampler_apply(self.grammar, cand.ref)
             L.llama_sampler_apply(self.chain, cand.ref)
             token = cand.selected()
         L.llama_sampler_accept(self.grammar, token)
         L.llama_sampler_accept(self.chain, token)
+        utf8.accept(token)
         return token
 
     def free(self) -> None:

@@ -14,6 +14,8 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from scheduler.errors import InvalidRequest
 
 
@@ -103,8 +105,10 @@ class Tokenizer:
     def __init__(self, L: Any, vocab: Any) -> None:
         self._L = L
         self.vocab = vocab
+        self.n_vocab = int(L.llama_vocab_n_tokens(vocab))
         self.bos = L.llama_vocab_bos(vocab) if L.llama_vocab_get_add_bos(vocab) else -1
         self._pieces: dict[int, tuple[bytes, bool]] = {}
+        self._partial: dict[int, bytes] | None = None
 
     def tokenize(self, text: str) -> list[int]:
         """As llama-cpp-python tokenizes a completion prompt: special tokens parsed, BOS
@@ -126,12 +130,85 @@ class Tokenizer:
     def piece(self, token: int) -> tuple[bytes, bool]:
         cached = self._pieces.get(token)
         if cached is None:
-            L = self._L
-            buf = ctypes.create_string_buffer(64)
-            n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-            cached = (buf.raw[:n], bool(L.llama_vocab_is_eog(self.vocab, token)))
+            cached = (self._bytes(token), bool(self._L.llama_vocab_is_eog(self.vocab, token)))
             self._pieces[token] = cached
         return cached
+
+    def _bytes(self, token: int) -> bytes:
+        L, buf = self._L, ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def partial(self) -> dict[int, bytes]:
+        """The tokens whose bytes are no whole UTF-8 text (byte tokens such as <0xC3>, a
+        byte-level BPE's pieces of characters), with their bytes: read once, on first use
+        (the whole vocabulary, a fraction of a second for 262k tokens)."""
+        if self._partial is None:
+            self._partial = {}
+            for token in range(self.n_vocab):
+                data = self._bytes(token)
+                if not _utf8_prefix(data, final=True):
+                    self._partial[token] = data
+        return self._partial
+
+
+def _utf8_prefix(data: bytes, final: bool = False) -> bool:
+    """Whether ``data`` is UTF-8 text (``final``), or the beginning of some."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        decoder.decode(data, final=final)
+    except UnicodeDecodeError:
+        return False
+    return _begins_a_character(decoder.getstate()[0])
+
+
+# the second bytes a lead byte allows (Unicode's table 3-7; others: 80-BF), which the
+# incremental decoder does not check before the character is whole
+_SECOND = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def _begins_a_character(tail: bytes) -> bool:
+    """Whether ``tail`` (a character's first bytes, not all of them) can still be one."""
+    if not tail:
+        return True
+    if not 0xC2 <= tail[0] <= 0xF4:
+        return False
+    low, high = _SECOND.get(tail[0], (0x80, 0xBF))
+    return all((low <= b <= high) if n == 1 else 0x80 <= b <= 0xBF for n, b in enumerate(tail) if n)
+
+
+class Utf8Guard:
+    """Keeps a grammar's text valid UTF-8. llama.cpp's grammar reads a byte token (<0xE4>)
+    as part of a character and lets through sequences no decoder accepts, so a JSON string
+    could end up holding U+FFFD; this knows the bytes written so far that wait for the rest
+    of their character, and which tokens may follow them."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.pending = b""  # the bytes of a character begun and not finished
+
+    def fits(self, token: int) -> bool:
+        piece, eog = self.tokenizer.piece(token)
+        if eog:
+            return not self.pending
+        return _utf8_prefix(self.pending + piece)
+
+    def accept(self, token: int) -> None:
+        piece, _ = self.tokenizer.piece(token)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder.decode(self.pending + piece)
+        self.pending = decoder.getstate()[0]
+
+    def unfit(self) -> np.ndarray:
+        """The tokens that cannot come next (a mask over the vocabulary)."""
+        partial = self.tokenizer.partial()
+        if not self.pending:
+            unfit = np.zeros(self.tokenizer.n_vocab, dtype=bool)
+            unfit[[t for t, data in partial.items() if not _utf8_prefix(data)]] = True
+            return unfit
+        unfit = np.ones(self.tokenizer.n_vocab, dtype=bool)
+        unfit[[t for t, data in partial.items() if _utf8_prefix(self.pending + data)]] = False
+        return unfit
