@@ -125,8 +125,11 @@ def fill(cluster: Cluster, total: int, n_models: int) -> dict[str, list[float]]:
 def end_then_next(cluster: Cluster, ends: int) -> tuple[list[float], list[float]]:
     """A running job ends (the worker's end script, which publishes job_finished), and the
     waker sends what can now run: as the placement process's waker does (the events that
-    came together, wake_for, retry_parked of what they wake), and, on every other end, as
-    it did before (every parked job retried). Ends go round the devices that hold jobs, so
+    came together, wake_for, retry_parked of what they wake), ``ends`` times, then, as it
+    did before (every parked job retried), ``ends`` times more. The arms run one after the
+    other: a retry of every parked job churns through thousands of records, and timing
+    the woken path right after one measured the churn's wake (cold caches), not the path
+    (2.6 against 1.6 ms p50 at 10,000 jobs). Ends go round the devices that hold jobs, so
     that a small total ends as many jobs as a large one. Returns both arms' times."""
     woken, every = [], []
     events = cluster.r.pubsub(ignore_subscribe_messages=True)
@@ -145,7 +148,7 @@ def end_then_next(cluster: Cluster, ends: int) -> tuple[list[float], list[float]
         cluster.workers.end(record.placement, record.job.id, done, time.time(), 300, 600)
         message = events.get_message(timeout=5.0)
         wake = wake_for([text(message["data"])] if message else [])
-        if n % 2 == 0 and wake is not None:
+        if n < ends and wake is not None:
             cluster.service.retry_parked(wake)
             woken.append((time.perf_counter() - started) * 1000)
         else:
