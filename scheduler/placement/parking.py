@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import redis
 
@@ -28,6 +28,7 @@ from scheduler.store import keys
 from scheduler.store.cancel import cancelled_by, watch_keys
 from scheduler.store.hands import Hands, PutBack, Taken, TakeUnsure, parked_record
 from scheduler.store.records import text
+from scheduler.store.scripts import script
 
 _BATCH_OFFSET = 1e12  # every batch job sorts after every interactive one
 
@@ -47,21 +48,48 @@ class Claimed:
     cancelled: bool = False  # asked to cancel (read with the claim)
 
 
-def _readable(raw: bytes | None) -> JobRequest | None:
-    """A parked record as a job; None when it is gone or does not parse (its claim fails
-    it: one bad record must not stop the queue)."""
-    if raw is None:
-        return None
-    try:
-        return JobRequest.model_validate(json.loads(raw)["job"])
-    except (ValueError, KeyError, TypeError):
-        return None
+class ParsedRecords:
+    """Parked records as jobs, kept from when this process parked them or read them: a
+    job's end reads its model's parked records, and parsing each (JSON, then the job's
+    checks) was a third of what waking the next one cost. Keyed by the record's bytes (a
+    record put back changed is parsed again); at most ``limit_bytes`` of records, the
+    oldest let go first, and none larger than a tenth of that."""
+
+    def __init__(self, limit_bytes: int = 64 << 20) -> None:
+        self.limit_bytes, self._size = limit_bytes, 0
+        self._jobs: dict[bytes, JobRequest | None] = {}
+
+    def job(self, raw: bytes | None) -> JobRequest | None:
+        """A parked record as a job; None when it is gone or does not parse (its claim
+        fails it: one bad record must not stop the queue)."""
+        if raw is None:
+            return None
+        if raw in self._jobs:
+            return self._jobs[raw]
+        try:
+            job: JobRequest | None = JobRequest.model_validate(json.loads(raw)["job"])
+        except (ValueError, KeyError, TypeError):
+            job = None
+        self.remember(raw, job)
+        return job
+
+    def remember(self, raw: bytes, job: JobRequest | None) -> None:
+        if len(raw) > self.limit_bytes // 10 or raw in self._jobs:
+            return
+        while self._jobs and self._size + len(raw) > self.limit_bytes:
+            oldest = next(iter(self._jobs))
+            self._size -= len(oldest)
+            del self._jobs[oldest]
+        self._jobs[raw] = job
+        self._size += len(raw)
 
 
 class ParkedJobs:
     def __init__(self, client: redis.Redis, hands: Hands | None = None) -> None:
         self.r = client
         self._hands = hands
+        self._parsed = ParsedRecords()
+        self._of_models: Any = None  # lua/parked_of.lua, registered on first use
 
     @property
     def hands(self) -> Hands:
@@ -77,6 +105,7 @@ class ParkedJobs:
         bug). Nothing when the job was swept from this process: it is another's now."""
         record = parked_record(req.model_dump(mode="json"), score, errors)
         done = self.hands.put_back("parked", req.id, record)
+        self._parsed.remember(record.encode(), req)
         if done is PutBack.SWEPT:
             log.warning("job %s was put back by another placement process: left to it", req.id)
         elif done is PutBack.SENT:
@@ -98,15 +127,27 @@ class ParkedJobs:
             raise InvalidRequest(f"parked job {job_id}'s record cannot be read: {exc}") from None
 
     def ids(self, models: Collection[str] | None = None) -> list[str]:
-        """Parked job ids in queue order; only those of ``models`` when given (read from
-        their models' indexes alone)."""
+        """Parked job ids in queue order; only those of ``models`` when given."""
+        if models is not None:
+            return [job_id for job_id, _raw in self._records(models)]
+        return [text(i) for i in cast(list[bytes], self.r.zrange(keys.PARKED, 0, -1))]
+
+    def _records(self, models: Collection[str] | None) -> list[tuple[str, bytes | None]]:
+        """Parked job ids in queue order with their records; only those of ``models``
+        when given (their indexes and records read in one step)."""
         if models is None:
-            return [text(i) for i in cast(list[bytes], self.r.zrange(keys.PARKED, 0, -1))]
-        pipe = self.r.pipeline(transaction=False)
-        for model in sorted(models):
-            pipe.zrange(keys.parked_of(model), 0, -1, withscores=True)
-        scored = [(score, text(i)) for found in pipe.execute() for i, score in found]
-        return [job_id for _score, job_id in sorted(scored)]
+            ids = self.ids()
+            raws = cast(list[bytes | None], self.r.mget([keys.parked_job(i) for i in ids]))
+            return list(zip(ids, raws, strict=True)) if ids else []
+        if not models:
+            return []
+        if self._of_models is None:
+            self._of_models = script(self.r, "parked_of")
+        flat = self._of_models(
+            keys=[keys.parked_of(m) for m in sorted(models)], args=[keys.parked_job("")]
+        )
+        scored = [(float(flat[n + 1]), text(flat[n]), flat[n + 2]) for n in range(0, len(flat), 3)]
+        return [(job_id, raw) for _score, job_id, raw in sorted(scored, key=lambda s: s[:2])]
 
     def entries(
         self, passes: Mapping[str, float] | None = None, models: Collection[str] | None = None
@@ -116,11 +157,10 @@ class ParkedJobs:
         Retry order is fair across tenants (:func:`scheduler.fairness.fair_order`, weighted
         by the jobs' ``weight``, after what each tenant was served lately, ``passes``):
         interactive before batch within a tenant, and each class in arrival order."""
-        ids = self.ids(models)
-        if not ids:
+        records = self._records(models)
+        if not records:
             return []
-        raws = cast(list[bytes | None], self.r.mget([keys.parked_job(i) for i in ids]))
-        jobs = list(zip(ids, map(_readable, raws), strict=True))
+        jobs = [(job_id, self._parsed.job(raw)) for job_id, raw in records]
         readable = [(i, job) for i, job in jobs if job is not None]
         weights = {job.tenant: job.weight for _, job in readable}
         backlog = [(j.tenant, j.priority, n) for n, (_, j) in enumerate(readable)]
