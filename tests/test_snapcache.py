@@ -115,22 +115,22 @@ def test_cache_reloads_when_the_log_has_a_gap(db: redis.Redis) -> None:
 
 
 def test_a_fetch_that_failed_is_read_again(db: redis.Redis, monkeypatch: Any) -> None:
-    """The change log was read past the changes a failed fetch lost: the next snapshot
+    """The change log was read past the changes whose taking in failed: the next snapshot
     reloads, and a runner released meanwhile is gone from it."""
     state, cache = ClusterState(db), SnapshotCache(db)
     state.register_device(vgpu(0))
     state.reserve("r1", "p1", {vgpu(0).id: GIB}, {"model": "m", "config_key": "c"}, 1.0, 30)
     cache.snapshot(1.0, 30)
     state.release("r1", [vgpu(0).id])
-    fetch = cache._fetch
+    apply = cache._apply
 
-    def broken(changed: set[str]) -> set[str]:
+    def broken(read: list[tuple[str, Any]]) -> set[str]:
         raise redis.ConnectionError("Connection reset by peer")
 
-    monkeypatch.setattr(cache, "_fetch", broken)
+    monkeypatch.setattr(cache, "_apply", broken)
     with pytest.raises(redis.ConnectionError):
         cache.snapshot(2.0, 30)
-    monkeypatch.setattr(cache, "_fetch", fetch)
+    monkeypatch.setattr(cache, "_apply", apply)
     snap = cache.snapshot(2.0, 30)
     assert snap.runners == [] and snap.devices[0].reserved == 0
     assert view(snap) == view(state.snapshot(2.0, 30))

@@ -28,8 +28,10 @@ from scheduler.cluster import (
 from scheduler.placement.alive import AliveDevices
 from scheduler.store import keys
 from scheduler.store.records import decoded, device_from_hash, runner_from_hash, text
+from scheduler.store.scripts import script
 
 _DEVICE, _RESV, _RUNNER = keys.device(""), keys.reservations(""), keys.runner("")
+MAX_CHANGES = 10_000  # log entries one look reads; more: everything is read again
 
 
 class SnapshotCache:
@@ -53,24 +55,25 @@ class SnapshotCache:
         self._idle: dict[str, dict[str, RunnerState]] = {}
         self.reloads = 0
         self._alive = AliveDevices(self._devices, self._beats)
+        self._look: Any = None  # lua/changes_since.lua, registered on first use
 
     def snapshot(
         self, now: float, device_ttl_s: float, parked_models: Collection[str] = frozenset()
     ) -> Snapshot:
         """The current state; its indexes are views valid until the next call."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.get(keys.CHANGES_N)
-        pipe.xread({keys.CHANGES: self._last_id})
-        pipe.zcard(keys.PARKED)
-        counter, entries, parked = pipe.execute()
+        if self._look is None:
+            self._look = script(self.r, "changes_since")
+        # the log since the last look, and the keys it names read again, in one step
+        counter, parked, entries, *fetched = self._look(keys=[], args=[self._last_id, MAX_CHANGES])
         changed = self._changed_keys(int(counter or 0), entries)
         touched: set[str] | None = set()
         try:
-            if changed is None:
+            if changed is None or len(entries) >= MAX_CHANGES:
                 self._reload()
                 touched = None
             elif changed:
-                touched = self._fetch(changed)
+                read = [(text(k), reply) for k, reply in fetched]
+                touched = self._apply([(k, _as_reply(k, reply)) for k, reply in read])
         except BaseException:
             self._n = -1  # the log was read past what this failed to fetch: reload next time
             raise
@@ -97,11 +100,12 @@ class SnapshotCache:
         """The keys changed since the last read, or None when it must reload."""
         if self._n < 0 or counter < self._n:
             return None  # first read, or Redis lost its data
-        records = entries[0][1] if entries else []
+        records = entries or []
         if counter > self._n and not records:
             return None  # entries were trimmed before we read them
         changed, n = set(), self._n
-        for entry_id, fields in records:
+        for entry_id, flat in records:
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
             number = int(fields[b"n"])
             if number != n + 1:
                 return None
@@ -142,8 +146,13 @@ class SnapshotCache:
                 pipe.hvals(key)
             else:
                 pipe.hgetall(key)
+        return self._apply(list(zip(ordered, pipe.execute(), strict=True)))
+
+    def _apply(self, read: list[tuple[str, Any]]) -> set[str]:
+        """Take in keys read again (a hash as a dict, reservations as their values);
+        returns the devices they touched."""
         touched: set[str] = set()
-        for key, reply in zip(ordered, pipe.execute(), strict=True):
+        for key, reply in read:
             if key.startswith(_RESV):
                 device_id = key.removeprefix(_RESV)
                 self._reserved[device_id] = sum(int(v) for v in reply)
@@ -195,6 +204,14 @@ class SnapshotCache:
         if is_idle(old):
             for device_id in old.devices:
                 _discard(self._idle, device_id, runner_id)
+
+
+def _as_reply(key: str, reply: list[bytes]) -> Any:
+    """A key read by lua/changes_since.lua as redis-py gives it: a hash's flat fields and
+    values as a dict; a device's reservations (their values) as they are."""
+    if key.startswith(_RESV):
+        return reply
+    return dict(zip(reply[::2], reply[1::2], strict=True))
 
 
 class DecayedDemand(Mapping[str, float]):
