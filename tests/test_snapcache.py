@@ -9,6 +9,7 @@ import pytest
 import redis
 
 from scheduler.cluster import Snapshot
+from scheduler.placement import snapcache
 from scheduler.placement.snapcache import SnapshotCache
 from scheduler.protocol import Placement, RunnerConfig
 from scheduler.store import keys
@@ -96,6 +97,24 @@ def test_cache_matches_full_read_through_random_changes(db: redis.Redis) -> None
         if step % 7 == 0:
             assert view(cache.snapshot(now, 30)) == view(state.snapshot(now, 30)), step
     assert cache.reloads == 1  # only the first read loaded everything
+
+
+def test_more_changes_than_one_look_reads_are_read_in_several(
+    db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quiet spell leaves more log entries than one look reads (a device's beat is one):
+    they are read in several looks, not by reloading everything."""
+    monkeypatch.setattr(snapcache, "MAX_CHANGES", 3)
+    state, cache = ClusterState(db), SnapshotCache(db)
+    for i in range(2):
+        state.register_device(vgpu(i))
+    cache.snapshot(1.0, 30)
+    for n in range(4):  # 3 or more entries each
+        fields = {"model": f"m{n}", "config_key": "c"}
+        state.reserve(f"r{n}", f"p{n}", {vgpu(n % 2).id: GIB}, fields, 1.0, 30)
+        state.heartbeat({vgpu(0).id: 6 * GIB, vgpu(1).id: 5 * GIB})
+    assert view(cache.snapshot(2.0, 30)) == view(state.snapshot(2.0, 30))
+    assert cache.reloads == 1  # the first look's alone
 
 
 def test_cache_reloads_when_the_log_has_a_gap(db: redis.Redis) -> None:

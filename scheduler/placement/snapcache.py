@@ -31,7 +31,7 @@ from scheduler.store.records import decoded, device_from_hash, runner_from_hash,
 from scheduler.store.scripts import script
 
 _DEVICE, _RESV, _RUNNER = keys.device(""), keys.reservations(""), keys.runner("")
-MAX_CHANGES = 10_000  # log entries one look reads; more: everything is read again
+MAX_CHANGES = 10_000  # log entries one look reads; more are read in further looks
 
 
 class SnapshotCache:
@@ -61,19 +61,8 @@ class SnapshotCache:
         self, now: float, device_ttl_s: float, parked_models: Collection[str] = frozenset()
     ) -> Snapshot:
         """The current state; its indexes are views valid until the next call."""
-        if self._look is None:
-            self._look = script(self.r, "changes_since")
-        # the log since the last look, and the keys it names read again, in one step
-        counter, parked, entries, *fetched = self._look(keys=[], args=[self._last_id, MAX_CHANGES])
-        changed = self._changed_keys(int(counter or 0), entries)
-        touched: set[str] | None = set()
         try:
-            if changed is None or len(entries) >= MAX_CHANGES:
-                self._reload()
-                touched = None
-            elif changed:
-                read = [(text(k), reply) for k, reply in fetched]
-                touched = self._apply([(k, _as_reply(k, reply)) for k, reply in read])
+            parked, touched = self._catch_up()
         except BaseException:
             self._n = -1  # the log was read past what this failed to fetch: reload next time
             raise
@@ -96,6 +85,27 @@ class SnapshotCache:
         return snap
 
     # -- change log ------------------------------------------------------------------------
+    def _catch_up(self) -> tuple[int, set[str] | None]:
+        """Take in what changed since the last look (the log and the keys it names, read in
+        one step, MAX_CHANGES entries at a time), or reload; the parked count and the
+        devices touched (None: all, reloaded)."""
+        if self._look is None:
+            self._look = script(self.r, "changes_since")
+        touched: set[str] = set()
+        while True:
+            read_log = int(self._n >= 0)  # a first look reloads: no entry read for nothing
+            args = [self._last_id, MAX_CHANGES, read_log]
+            counter, parked, entries, *fetched = self._look(keys=[], args=args)
+            changed = self._changed_keys(int(counter or 0), entries)
+            if changed is None:
+                self._reload()
+                return int(parked), None
+            if changed:
+                read = [(text(k), reply) for k, reply in fetched]
+                touched |= self._apply([(k, _as_reply(k, reply)) for k, reply in read])
+            if len(entries) < MAX_CHANGES:  # the log is read to its end
+                return int(parked), touched
+
     def _changed_keys(self, counter: int, entries: Any) -> set[str] | None:
         """The keys changed since the last read, or None when it must reload."""
         if self._n < 0 or counter < self._n:

@@ -74,20 +74,32 @@ def grammar_for(format: Format) -> str | None:
         return str(llama_grammar.JSON_GBNF)
     if not isinstance(format, dict):
         raise InvalidRequest(f'format must be "json" or a JSON schema object (got {format!r})')
+    _strict_strings(llama_grammar)
     try:
-        grammar = str(llama_grammar.json_schema_to_gbnf(json.dumps(format)))
+        return str(llama_grammar.json_schema_to_gbnf(json.dumps(format)))
     except Exception as exc:
         raise InvalidRequest(
             f"format: this JSON schema cannot be turned into a grammar ({exc}); "
             "simplify the schema or use format='json'"
         ) from None
-    # llama-cpp-python's converter lets a string hold raw control characters, which JSON
-    # forbids (json.loads refuses them): llama.cpp's own converter leaves them out
-    return grammar.replace(_LAX_CHAR, _STRICT_CHAR)
 
 
-_LAX_CHAR = r'char ::= [^"\\] |'
-_STRICT_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
+# a character of a JSON string as JSON has it (and llama.cpp's own converter writes it):
+# no raw control character, no bare quote or backslash
+_STRING_CHAR = r'[^"\\\x7F\x00-\x1F]'
+
+
+def _strict_strings(llama_grammar: Any) -> None:
+    """llama-cpp-python's schema converter lets a string's characters (its ``char`` rule)
+    and a ``pattern``'s ``.`` be raw control characters, which JSON forbids (json.loads
+    refuses them), and a pattern's ``.`` even a bare quote that ends the string: both are
+    set to a JSON string's characters before converting (at the source, so a schema's own
+    rule named ``char`` cannot dodge it)."""
+    escapes = r'"\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+    llama_grammar.PRIMITIVE_RULES["char"] = llama_grammar.BuiltinRule(
+        f"{_STRING_CHAR} | {escapes}", []
+    )
+    llama_grammar.DOT = _STRING_CHAR
 
 
 # -- llama.cpp parts ----------------------------------------------------------------------
@@ -121,6 +133,8 @@ class Sampler:
         vocab, n_vocab = tokenizer.vocab, tokenizer.n_vocab
         self._n_vocab = n_vocab
         self.utf8 = Utf8Guard(tokenizer) if grammar is not None else None
+        if grammar is not None:
+            tokenizer.partial()  # read once, here in the job's thread, not in the decode loop
         self.chain = self.grammar = None
         # plain greedy needs no chain: sample() takes the argmax itself, or llama.cpp does in
         # the decode graph (workers/engine/device_sampling.py)
@@ -157,7 +171,10 @@ class Sampler:
         assert utf8 is not None  # made with the grammar
         if not cand.allows(self.grammar, token) or not utf8.fits(token):
             cand.fill(L.llama_get_logits_ith(ctx, idx))
-            cand.data["logit"][utf8.unfit()] = -np.inf
+            logits = cand.data["logit"]
+            logits[utf8.unfit()] = -np.inf
+            if not np.isfinite(logits).any():  # cannot happen with all 256 byte tokens
+                cand.fill(L.llama_get_logits_ith(ctx, idx))
             L.llama_sampler_apply(self.grammar, cand.ref)
             L.llama_sampler_apply(self.chain, cand.ref)
             token = cand.selected()

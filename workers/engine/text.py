@@ -108,7 +108,7 @@ class Tokenizer:
         self.n_vocab = int(L.llama_vocab_n_tokens(vocab))
         self.bos = L.llama_vocab_bos(vocab) if L.llama_vocab_get_add_bos(vocab) else -1
         self._pieces: dict[int, tuple[bytes, bool]] = {}
-        self._partial: dict[int, bytes] | None = None
+        self._partial: PartialTokens | None = None
 
     def tokenize(self, text: str) -> list[int]:
         """As llama-cpp-python tokenizes a completion prompt: special tokens parsed, BOS
@@ -142,17 +142,30 @@ class Tokenizer:
             n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
         return buf.raw[:n]
 
-    def partial(self) -> dict[int, bytes]:
+    def partial(self) -> PartialTokens:
         """The tokens whose bytes are no whole UTF-8 text (byte tokens such as <0xC3>, a
-        byte-level BPE's pieces of characters), with their bytes: read once, on first use
-        (the whole vocabulary, a fraction of a second for 262k tokens)."""
+        byte-level BPE's pieces of characters): read once, on first use (the whole
+        vocabulary, 0.5 s for 262k tokens; a grammar job's sampler asks in the job's own
+        thread, before the decode loop has it)."""
         if self._partial is None:
-            self._partial = {}
+            by_first: dict[int, list[tuple[int, bytes]]] = {}
+            cannot_begin = np.zeros(self.n_vocab, dtype=bool)
             for token in range(self.n_vocab):
                 data = self._bytes(token)
                 if not _utf8_prefix(data, final=True):
-                    self._partial[token] = data
+                    by_first.setdefault(data[0], []).append((token, data))
+                    cannot_begin[token] = not _utf8_prefix(data)
+            self._partial = PartialTokens(by_first, cannot_begin)
         return self._partial
+
+
+@dataclass(frozen=True)
+class PartialTokens:
+    """A vocabulary's tokens that are not whole UTF-8 text, by their first byte, and the
+    mask of those that cannot even begin a character."""
+
+    by_first: dict[int, list[tuple[int, bytes]]]
+    cannot_begin: np.ndarray
 
 
 def _utf8_prefix(data: bytes, final: bool = False) -> bool:
@@ -203,12 +216,15 @@ class Utf8Guard:
         self.pending = decoder.getstate()[0]
 
     def unfit(self) -> np.ndarray:
-        """The tokens that cannot come next (a mask over the vocabulary)."""
+        """The tokens that cannot come next (a mask over the vocabulary): with no character
+        begun, those that cannot begin one; else all but the continuations of the bytes
+        begun (tokens whose first byte is a continuation byte, 80-BF)."""
         partial = self.tokenizer.partial()
         if not self.pending:
-            unfit = np.zeros(self.tokenizer.n_vocab, dtype=bool)
-            unfit[[t for t, data in partial.items() if not _utf8_prefix(data)]] = True
-            return unfit
+            return partial.cannot_begin
         unfit = np.ones(self.tokenizer.n_vocab, dtype=bool)
-        unfit[[t for t, data in partial.items() if _utf8_prefix(self.pending + data)]] = False
+        for first in range(0x80, 0xC0):
+            for token, data in partial.by_first.get(first, ()):
+                if _utf8_prefix(self.pending + data):
+                    unfit[token] = False
         return unfit

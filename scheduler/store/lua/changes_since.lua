@@ -1,12 +1,17 @@
 -- What changed since placement's snapshot cache last looked (scheduler/placement/
 -- snapcache.py), in one step: the change log's counter, the number of parked jobs, the
 -- log's entries after ARGV[1] (at most ARGV[2]), and the keys they name read again: a
--- device's hash, a runner's hash, a device's reservations (their values). Reads only.
+-- device's hash, a runner's hash, a device's reservations (their values). With ARGV[3]
+-- '0' (the cache reloads everything anyway) only the counter and the parked count.
+-- Reads only.
 -- Touches, by name: ggufq:changes:n, ggufq:parked, ggufq:changes, and the keys the log
 -- names (ggufq:device:<id>, ggufq:runner:<id>, ggufq:resv:<id>).
 -- Returns {counter, parked, entries (as XRANGE gives them), {key, its reply}...}.
 local counter = redis.call('GET', 'ggufq:changes:n') or '0'
 local parked = redis.call('ZCARD', 'ggufq:parked')
+if ARGV[3] == '0' then
+  return {counter, parked, {}}
+end
 local entries = redis.call('XRANGE', 'ggufq:changes', '(' .. ARGV[1], '+', 'COUNT', ARGV[2])
 local out = {counter, parked, entries}
 local seen = {}
