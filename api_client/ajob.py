@@ -62,6 +62,10 @@ class AsyncJob:
         """See :meth:`Job.cancel`."""
         await self.client.cancel(self.id)
 
+    def ends_with(self, chunk: GenerateResponse) -> bool:
+        """Whether ``chunk`` ends what :meth:`stream` gives (its final chunk)."""
+        return chunk.done
+
     async def stream(
         self, timeout: float | None = None, cancel_on_close: bool = True, after: int = 0
     ) -> AsyncIterator[GenerateResponse]:

@@ -28,7 +28,7 @@ from api_client.job import Job
 from scheduler.local.stack import LocalStack
 from scheduler.protocol import JobRequest
 from scheduler.store import keys
-from tests.conftest import ggufq, stack_env
+from tests.conftest import ggufq, stack_env, wait_for
 from tests.gateway_server import running_gateway, serving
 from tests.tinymodel import write_slow_model
 
@@ -328,3 +328,28 @@ def test_a_key_lists_and_cancels_its_own_jobs_by_id(keyed: str, r: redis.Redis, 
     assert httpx.delete(f"{keyed}/api/jobs/{job_id}", headers=auth).status_code == 404
     for made in (owner, other):
         KeyStore(r).revoke(made.id)
+
+
+def test_a_client_that_leaves_cancels_every_choice(
+    keyed: str, r: redis.Redis, slow: str, client: Client
+) -> None:
+    """n choices are n jobs: a streamed answer whose client goes away while they run (the
+    slow model's) cancels every one of them."""
+    key, token = KeyStore(r).create("choices")
+    auth = {"Authorization": f"Bearer {token}"}
+    body = {"model": slow, "prompt": "x", "n": 2, "stream": True, "max_tokens": 100_000}
+    body["temperature"] = 0
+
+    def listed() -> list[str]:
+        return [job["id"] for job in httpx.get(f"{keyed}/api/jobs", headers=auth).json()["jobs"]]
+
+    with httpx.stream("POST", f"{keyed}/v1/completions", json=body, headers=auth) as held:
+        lines = held.iter_lines()  # kept: a line iterator let go closes the response
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first.removeprefix("data: "))["choices"][0]["index"] in (0, 1)
+        assert wait_for(lambda: len(listed()) == 2)  # both on the cluster
+        ids = listed()
+    assert wait_for(lambda: listed() == [])
+    states = [custody.state if (custody := client.custody(job_id)) else None for job_id in ids]
+    assert states == ["cancelled", "cancelled"]
+    KeyStore(r).revoke(key.id)

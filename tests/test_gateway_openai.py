@@ -124,3 +124,35 @@ def test_response_format_json_object(api: openai.OpenAI) -> None:
     )
     text = answer.choices[0].message.content or ""
     assert text.lstrip().startswith("{")
+
+
+def test_n_choices_whole_and_streamed(api: openai.OpenAI) -> None:
+    """n jobs of one request, answered as its n choices: seeded apart (seed + index), so
+    each choice is the answer of its own seed, whole or streamed."""
+    ask = {"model": "tiny", "max_tokens": 8, "temperature": 1.0, "seed": 3}
+    one = [
+        api.chat.completions.create(messages=CHAT, **{**ask, "seed": 3 + i})  # type: ignore[call-overload]
+        for i in range(3)
+    ]
+    expected = [o.choices[0].message.content for o in one]
+    whole = api.chat.completions.create(messages=CHAT, n=3, **ask)  # type: ignore[call-overload]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.message.content for c in whole.choices] == expected
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == sum(o.usage.completion_tokens for o in one if o.usage)
+    chunks = list(
+        api.chat.completions.create(  # type: ignore[call-overload]
+            messages=CHAT, n=3, stream=True, stream_options={"include_usage": True}, **ask
+        )
+    )
+    texts = ["", "", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == expected
+    finishes = [ch.index for c in chunks for ch in c.choices if ch.finish_reason]
+    assert finishes == [0, 1, 2] and chunks[-1].usage is not None
+    completion = api.completions.create(model="tiny", prompt="the", n=2, max_tokens=4, seed=1)
+    assert [c.index for c in completion.choices] == [0, 1]
+    with pytest.raises(openai.BadRequestError, match="1 to 16 choices"):
+        api.chat.completions.create(model="tiny", messages=CHAT, n=17)

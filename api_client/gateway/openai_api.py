@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from starlette.requests import Request
@@ -17,6 +18,7 @@ from starlette.responses import Response
 
 from api_client.ajob import AsyncJob
 from api_client.gateway.catalog import openai_model, usable
+from api_client.gateway.choices import Choices, all_results, check_choices, submit_choices
 from api_client.gateway.core import (
     Gateway,
     Routes,
@@ -55,66 +57,71 @@ router = Routes(prefix="/v1")
 async def chat_completions(request: Request) -> Any:
     gateway, caller = gateway_of(request), caller_of(request)
     body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await json_body(request))
-    job = await gateway.submit(
-        caller,
-        model_name(body.model),
-        kind="chat",
-        options=body.options(),
-        format=body.job_format(),
-        extra={"messages": body.turns(), **body.tool_fields(), **body.think_fields()},
-    )
+    options, model = body.options(), model_name(body.model)
+    extra = {"messages": body.turns(), **body.tool_fields(), **body.think_fields()}
+    fmt = body.job_format()
+
+    def submit(seed: dict[str, Any]) -> Awaitable[AsyncJob]:
+        return gateway.submit(
+            caller, model, kind="chat", options={**options, **seed}, format=fmt, extra=extra
+        )
+
+    jobs = await submit_choices(check_choices(body.n), body.seed, submit)
     if body.stream:
-        return await _stream(gateway, job, body.model, "chat.completion.chunk", body)
-    final = await gateway.result(request, job)
-    return {
-        **envelope("chat.completion", job.id, body.model, final.created_at),
-        "choices": [
-            {
-                "index": 0,
-                "message": answer_message(final),
-                "logprobs": None,
-                "finish_reason": finish_reason(final),
-            }
-        ],
-        "usage": usage(final),
-    }
+        return _stream(gateway, jobs, body.model, "chat.completion.chunk", body)
+    finals = await all_results(jobs, lambda job: gateway.result(request, job))
+    choices = [
+        {
+            "index": index,
+            "message": answer_message(final),
+            "logprobs": None,
+            "finish_reason": finish_reason(final),
+        }
+        for index, final in enumerate(finals)
+    ]
+    envelope_ = envelope("chat.completion", jobs[0].id, body.model, finals[0].created_at)
+    return {**envelope_, "choices": choices, "usage": usage(*finals)}
 
 
 @router.add("/completions", "POST")
 async def completions(request: Request) -> Any:
     gateway, caller = gateway_of(request), caller_of(request)
     body: CompletionRequest = parse_body(CompletionRequest, await json_body(request))
-    job = await gateway.submit(
-        caller, model_name(body.model), prompt=body.text(), options=body.options()
-    )
+    options, model, prompt = body.options(), model_name(body.model), body.text()
+
+    def submit(seed: dict[str, Any]) -> Awaitable[AsyncJob]:
+        return gateway.submit(caller, model, prompt=prompt, options={**options, **seed})
+
+    jobs = await submit_choices(check_choices(body.n), body.seed, submit)
     if body.stream:
-        return await _stream(gateway, job, body.model, "text_completion", body)
-    final = await gateway.result(request, job)
-    return {
-        **envelope("text_completion", job.id, body.model, final.created_at),
-        "choices": [
-            {
-                "text": final.response,
-                "index": 0,
-                "logprobs": None,
-                "finish_reason": finish_reason(final),
-            }
-        ],
-        "usage": usage(final),
-    }
+        return _stream(gateway, jobs, body.model, "text_completion", body)
+    finals = await all_results(jobs, lambda job: gateway.result(request, job))
+    choices = [
+        {
+            "text": final.response,
+            "index": index,
+            "logprobs": None,
+            "finish_reason": finish_reason(final),
+        }
+        for index, final in enumerate(finals)
+    ]
+    envelope_ = envelope("text_completion", jobs[0].id, body.model, finals[0].created_at)
+    return {**envelope_, "choices": choices, "usage": usage(*finals)}
 
 
-async def _stream(
+def _stream(
     gateway: Gateway,
-    job: AsyncJob,
+    jobs: list[AsyncJob],
     model: str,
     kind: str,
     body: ChatCompletionRequest | CompletionRequest,
 ) -> Response:
     chat = kind.startswith("chat")
     with_usage = body.include_usage()
+    job = jobs[0] if len(jobs) == 1 else Choices(jobs)
     head = envelope(kind, job.id, model, time.time())
-    first = [True]
+    begun: set[int] = set()  # choices whose role went out
+    finals: list[GenerateResponse] = []
 
     def choice(
         text: str | None,
@@ -122,34 +129,38 @@ async def _stream(
         calls: list[dict[str, Any]] | None = None,
         thought: str = "",
     ) -> dict[str, Any]:
+        index = job.index if isinstance(job, Choices) else 0
         if not chat:
-            return {"text": text or "", "index": 0, "logprobs": None, "finish_reason": reason}
+            return {"text": text or "", "index": index, "logprobs": None, "finish_reason": reason}
         delta: dict[str, Any] = {}
-        if first[0]:
+        if index not in begun:
             delta["role"] = "assistant"
-            first[0] = False
+            begun.add(index)
         if thought:
             delta["reasoning_content"] = thought
         if text is not None and (text or not thought):
             delta["content"] = text
         if calls:
             delta["tool_calls"] = [{"index": n, **call} for n, call in enumerate(calls)]
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
 
-    def chunk(choices: list[dict[str, Any]], final: GenerateResponse | None = None) -> bytes:
+    def chunk(choices: list[dict[str, Any]], last: bool = False) -> bytes:
         out: dict[str, Any] = {**head, "choices": choices}
         if with_usage:
-            out["usage"] = usage(final) if final is not None else None
+            out["usage"] = usage(*finals) if last else None
         return event(out)
 
     def encode(item: GenerateResponse) -> list[bytes]:
         if not item.done:
             return [chunk([choice(item.response, None, thought=item.thinking)])]
+        finals.append(item)
         calls = calls_of(item)  # each call whole, in one delta before the finish
         frames = [chunk([choice(None, None, calls)])] if calls else []
         frames.append(chunk([choice(None, finish_reason(item))]))
+        if not job.ends_with(item):
+            return frames
         if with_usage:
-            frames.append(chunk([], item))
+            frames.append(chunk([], last=True))
         return [*frames, DONE]
 
     return gateway.stream(job, encode, error_event, KEEPALIVE, SSE)

@@ -44,8 +44,6 @@ class _Sampling(BaseModel):
     logprobs: bool | int | None = None
 
     def options(self) -> dict[str, Any]:
-        if self.n not in (None, 1):
-            raise InvalidRequest(f"n={self.n} is not supported: ggufq answers one choice")
         if self.logprobs:
             raise InvalidRequest("'logprobs' is not supported by ggufq: leave it out")
         out: dict[str, Any] = {
@@ -234,8 +232,11 @@ def answer_message(final: GenerateResponse) -> dict[str, Any]:
     return out
 
 
-def usage(final: GenerateResponse) -> dict[str, int]:
-    prompt, completion = final.prompt_eval_count or 0, final.eval_count or 0
+def usage(*finals: GenerateResponse) -> dict[str, int]:
+    """Tokens of the answer's choices: the prompt once (as OpenAI counts it), the
+    completions together."""
+    prompt = finals[0].prompt_eval_count or 0
+    completion = sum(final.eval_count or 0 for final in finals)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

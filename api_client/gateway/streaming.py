@@ -243,7 +243,7 @@ class JobStreamResponse(Response):
             except Exception as exc:  # Redis gone mid-stream: an error the caller can read
                 return self._lost(exc)
             out.timing.first_chunk = out.timing.first_chunk or time.time()
-            await out.frames(self.encode(chunk), more=not chunk.done)
+            await out.frames(self.encode(chunk), more=not self.job.ends_with(chunk))
 
     def _lost(self, exc: Exception) -> JobFailed:
         return lost(self.job.id, "stream", exc)
