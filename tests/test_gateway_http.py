@@ -353,3 +353,11 @@ def test_a_client_that_leaves_cancels_every_choice(
     states = [custody.state if (custody := client.custody(job_id)) else None for job_id in ids]
     assert states == ["cancelled", "cancelled"]
     KeyStore(r).revoke(key.id)
+    one_at_a_time, token = KeyStore(r).create("one", max_in_flight=1)
+    refused = httpx.post(
+        f"{keyed}/v1/completions",
+        json={**body, "stream": False, "max_tokens": 2},
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    assert refused.status_code == 403 and "at most 1" in refused.json()["error"]["message"]
+    KeyStore(r).revoke(one_at_a_time.id)

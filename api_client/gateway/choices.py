@@ -9,17 +9,28 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 from api_client.ajob import AsyncJob
-from scheduler.errors import InvalidRequest
+from api_client.gateway.core import Caller
+from api_client.gateway.errors import NotPermitted
+from scheduler.errors import InvalidRequest, JobTimeout
 from scheduler.protocol import GenerateResponse
 
 MAX_CHOICES = 16  # jobs one request may make (a key's in-flight limit counts requests)
 
 
-def check_choices(n: int | None) -> int:
+def check_choices(n: int | None, caller: Caller) -> int:
+    """The number of choices asked for, within bounds: at most MAX_CHOICES, and no more
+    than the caller's key may have jobs in flight (its limit counts requests, and these are
+    ``n`` jobs)."""
     if n is None:
         return 1
     if not 1 <= n <= MAX_CHOICES:
         raise InvalidRequest(f"n={n}: ggufq answers 1 to {MAX_CHOICES} choices a request")
+    limit = caller.key.max_in_flight if caller.key is not None else 0
+    if limit and n > limit:
+        raise NotPermitted(
+            f"n={n} choices are {n} jobs, more than API key {caller.tenant!r} may have in "
+            f"flight ({limit}): ask for at most {limit}"
+        )
     return n
 
 
@@ -42,10 +53,14 @@ class Choices(AsyncJob):
     async def stream(
         self, timeout: float | None = None, cancel_on_close: bool = True, after: int = 0
     ) -> AsyncIterator[GenerateResponse]:
+        """The choices' chunks as they come. ``timeout`` bounds the silence of the answer,
+        not of each choice: with one slot, a choice is silent while those ahead of it run."""
         came: asyncio.Queue[tuple[int, GenerateResponse | Exception]] = asyncio.Queue()
+        wait = self.client.timeout if timeout is None else timeout
+        ended: set[int] = set()
 
         async def read(index: int, job: AsyncJob) -> None:
-            chunks = cast(AsyncGenerator[GenerateResponse, None], job.stream(timeout))
+            chunks = cast(AsyncGenerator[GenerateResponse, None], job.stream(wait * len(self.jobs)))
             try:
                 async for chunk in chunks:
                     await came.put((index, chunk))
@@ -57,14 +72,23 @@ class Choices(AsyncJob):
         readers = [asyncio.create_task(read(i, job)) for i, job in enumerate(self.jobs)]
         try:
             while self.ended < len(self.jobs):
-                self.index, item = await came.get()
+                try:
+                    self.index, item = await asyncio.wait_for(came.get(), wait)
+                except TimeoutError:
+                    raise JobTimeout(
+                        f"no choice of job {self.id} sent anything for {wait:g} s; they are "
+                        "cancelled"
+                    ) from None
                 if isinstance(item, Exception):
                     raise item
-                self.ended += item.done
+                if item.done:
+                    self.ended += 1
+                    ended.add(self.index)
                 yield item
         finally:  # left early, or a choice failed: the rest are not wanted
-            for reader in readers:
-                reader.cancel()
+            for index, reader in enumerate(readers):
+                if index not in ended:  # an ended one is letting go of its channel: not cut
+                    reader.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
 
 
@@ -72,17 +96,27 @@ async def submit_choices(
     n: int, seed: int | None, submit: Callable[[dict[str, Any]], Awaitable[AsyncJob]]
 ) -> list[AsyncJob]:
     """``n`` jobs by ``submit(options)``, each with its own seed (``seed`` + its index when
-    one is given, so that the choices differ as with OpenAI); if one cannot be submitted,
-    those already submitted are cancelled."""
+    one is given, so that the choices differ as with OpenAI; none, or -1: each its own
+    random one); if one cannot be submitted, those already submitted are cancelled."""
     jobs: list[AsyncJob] = []
     try:
         for index in range(n):
-            jobs.append(await submit({} if seed is None else {"seed": seed + index}))
+            fixed = {} if seed is None or seed < 0 or n == 1 else {"seed": (seed + index) % 2**32}
+            jobs.append(await submit(fixed))
     except BaseException:
-        for job in jobs:
-            await asyncio.shield(job.cancel())
+        await cancel_all(jobs)
         raise
     return jobs
+
+
+async def cancel_all(jobs: list[AsyncJob]) -> None:
+    """Cancel every job; one whose cancel Redis did not take is cancelled once it is back."""
+    done = await asyncio.gather(
+        *(asyncio.shield(job.cancel()) for job in jobs), return_exceptions=True
+    )
+    for job, outcome in zip(jobs, done, strict=True):
+        if isinstance(outcome, Exception):
+            job.cancel_once_back()
 
 
 async def all_results(
@@ -95,6 +129,5 @@ async def all_results(
     except BaseException:
         for task in tasks:
             task.cancel()
-        for job in jobs:
-            await asyncio.shield(job.cancel())
+        await cancel_all(jobs)
         raise

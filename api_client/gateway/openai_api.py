@@ -66,7 +66,7 @@ async def chat_completions(request: Request) -> Any:
             caller, model, kind="chat", options={**options, **seed}, format=fmt, extra=extra
         )
 
-    jobs = await submit_choices(check_choices(body.n), body.seed, submit)
+    jobs = await submit_choices(check_choices(body.n, caller), body.seed, submit)
     if body.stream:
         return _stream(gateway, jobs, body.model, "chat.completion.chunk", body)
     finals = await all_results(jobs, lambda job: gateway.result(request, job))
@@ -92,7 +92,7 @@ async def completions(request: Request) -> Any:
     def submit(seed: dict[str, Any]) -> Awaitable[AsyncJob]:
         return gateway.submit(caller, model, prompt=prompt, options={**options, **seed})
 
-    jobs = await submit_choices(check_choices(body.n), body.seed, submit)
+    jobs = await submit_choices(check_choices(body.n, caller), body.seed, submit)
     if body.stream:
         return _stream(gateway, jobs, body.model, "text_completion", body)
     finals = await all_results(jobs, lambda job: gateway.result(request, job))

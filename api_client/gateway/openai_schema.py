@@ -235,7 +235,7 @@ def answer_message(final: GenerateResponse) -> dict[str, Any]:
 def usage(*finals: GenerateResponse) -> dict[str, int]:
     """Tokens of the answer's choices: the prompt once (as OpenAI counts it), the
     completions together."""
-    prompt = finals[0].prompt_eval_count or 0
+    prompt = max(final.prompt_eval_count or 0 for final in finals)
     completion = sum(final.eval_count or 0 for final in finals)
     return {
         "prompt_tokens": prompt,
