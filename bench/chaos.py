@@ -741,8 +741,11 @@ class Trial:
             r.publish(channel, b"\xff\xfe\xfd not utf-8")
         r.publish(keys.EVENTS, b"{not json")
         r.publish(keys.EVENTS, b'{"event": "handed_back"}')
+        # the watchers still hear a cancel after the garbage (published after it: they read
+        # it after the garbage): A stops. At once, not after a pause: A (1,000 tokens of the
+        # slow model) may end by itself within a second on a quiet machine
+        self.c.cancel(self.jobs["A"].job.id)
         time.sleep(2 * self.cl.hb_s)
-        self.c.cancel(self.jobs["A"].job.id)  # the watchers still hear a cancel: A stops
 
     # -- afterwards -----------------------------------------------------------------------------
     def collect(self) -> None:
