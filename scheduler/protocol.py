@@ -148,6 +148,9 @@ class Options(BaseModel):
         "(None: wherever the placement policy puts it)",
     )
     num_thread: int = Field(0, ge=0, le=1024, description="0 = worker default")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="each token's log probability and this many others"
+    )
 
 
 class Message(BaseModel):
@@ -322,6 +325,7 @@ class GenerateResponse(BaseModel):
     created_at: float
     response: str = ""
     thinking: str = ""  # thinking text (a chunk's, or the whole of it in the final record)
+    logprobs: list[dict[str, Any]] | None = None  # final record: each token's, when asked
     done: bool = False
     done_reason: DoneReason | None = None
     total_duration: int | None = None

@@ -8,6 +8,7 @@ needs a real tokenizer and a model that can write JSON.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -602,6 +603,33 @@ def test_a_schemas_strings_parse_on_a_vocabulary_of_byte_tokens(
         value = json.loads(stats.text)  # no control character: JSON refuses them
         assert len(value["name"]) <= 10 and "\ufffd" not in value["name"], (seed, stats.text)
         assert len(value["code"]) == 3 and value["code"][::2] == "ab", (seed, stats.text)
+
+
+def test_logprobs_are_the_models_own_with_their_alternatives(
+    runner_factory: Callable[..., Runner],
+) -> None:
+    """Each generated token's log probability and its top alternatives, from the logits:
+    greedy picks the likeliest, so it heads its alternatives; sampling records too."""
+    runner = runner_factory(parallel=2)
+    greedy = runner.generate(
+        "the sky", Options(temperature=0, num_predict=6, top_logprobs=3), lambda _t: None
+    )
+    assert greedy.logprobs is not None and len(greedy.logprobs) == greedy.eval_count
+    for token in greedy.logprobs:
+        alternatives = token["top_logprobs"]
+        assert len(alternatives) == 3 and alternatives[0]["logprob"] == token["logprob"] <= 0
+        assert bytes(token["bytes"]).decode("utf-8", "replace") == token["token"]
+        assert sum(math.exp(a["logprob"]) for a in alternatives) <= 1.0 + 1e-6
+    assert "".join(t["token"] for t in greedy.logprobs) == greedy.text
+    sampled = runner.generate(
+        "x", Options(temperature=1.0, seed=2, num_predict=4, top_logprobs=0), lambda _t: None
+    )
+    assert sampled.logprobs is not None and all(t["top_logprobs"] == [] for t in sampled.logprobs)
+    plain = runner.generate("x", Options(temperature=0, num_predict=2), lambda _t: None)
+    assert plain.logprobs is None
+    argmax = Options(temperature=0, repeat_penalty=1.0, num_predict=3, top_logprobs=1)
+    greedy_alone = runner.generate("x", argmax, lambda _t: None)  # no chain: the argmax
+    assert greedy_alone.logprobs is not None and len(greedy_alone.logprobs) == 3
 
 
 def test_format_with_an_invalid_value_is_refused(runner_factory: Callable[..., Runner]) -> None:

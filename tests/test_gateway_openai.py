@@ -8,6 +8,7 @@ import base64
 from collections.abc import Iterator
 
 import numpy as np
+import ollama
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
@@ -156,3 +157,34 @@ def test_n_choices_whole_and_streamed(api: openai.OpenAI) -> None:
     assert [c.index for c in completion.choices] == [0, 1]
     with pytest.raises(openai.BadRequestError, match="1 to 16 choices"):
         api.chat.completions.create(model="tiny", messages=CHAT, n=17)
+
+
+def test_logprobs_on_chat_completions_and_ollama(api: openai.OpenAI, url: str) -> None:
+    """Each token's log probability and its alternatives, in each API's shape, whole and
+    streamed (the stream gives them with its choice's last chunk)."""
+    ask = {"model": "tiny", "messages": CHAT, "max_tokens": 6, "temperature": 0}
+    whole = api.chat.completions.create(logprobs=True, top_logprobs=2, **ask)  # type: ignore[call-overload]
+    assert whole.choices[0].logprobs is not None and whole.choices[0].logprobs.content
+    content = whole.choices[0].logprobs.content
+    text = bytes(b for t in content for b in t.bytes or []).decode("utf-8", "replace")
+    assert text == whole.choices[0].message.content  # a token may be part of a character
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert whole.usage is not None and len(content) == whole.usage.completion_tokens
+    chunks = list(api.chat.completions.create(logprobs=True, stream=True, **ask))  # type: ignore[call-overload]
+    streamed = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert all(t.top_logprobs == [] for t in streamed)  # logprobs without top_logprobs
+    legacy = api.completions.create(model="tiny", prompt="the", max_tokens=4, logprobs=3)
+    found = legacy.choices[0].logprobs
+    assert found is not None and legacy.usage is not None
+    assert len(found.tokens or []) == legacy.usage.completion_tokens
+    assert all(len(top) <= 3 for top in found.top_logprobs or [])
+    assert found.text_offset is not None and found.text_offset[0] == 0
+    with ollama.Client(host=url) as local:
+        answer = local.chat(
+            model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=1, options=OPTIONS
+        )
+        assert answer.logprobs and len(answer.logprobs) == answer.eval_count
+        assert all(len(t.top_logprobs or []) == 1 for t in answer.logprobs)
+        plain = local.chat(model="tiny", messages=MESSAGES, options=OPTIONS)
+        assert plain.logprobs is None

@@ -131,7 +131,7 @@ async def _submit(
         model,
         kind=kind,
         prompt=prompt,
-        options=known_options(body.options),
+        options={**known_options(body.options), **body.logprob_options()},
         keep_alive=body.keep_alive,
         format=body.job_format(),
         extra={**extra, **body.think_fields()},

@@ -42,6 +42,12 @@ class _Request(BaseModel):
     stream: bool = True
     format: Literal["", "json"] | dict[str, Any] | None = None
     think: bool | str | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def logprob_options(self) -> dict[str, Any]:
+        """``logprobs`` and ``top_logprobs`` as the job's option (none: not asked)."""
+        return {"top_logprobs": self.top_logprobs or 0} if self.logprobs else {}
 
     def think_fields(self) -> dict[str, Any]:
         """``think`` as a job carries it (none: the model's default)."""
@@ -185,11 +191,20 @@ def generate_record(
         out["response"] = content
         if thought:
             out["thinking"] = thought
+    if chunk.logprobs is not None:  # the final record's: every token's
+        out["logprobs"] = [_ollama_logprob(token) for token in chunk.logprobs]
     out["done"] = chunk.done
     if chunk.done:
         out["done_reason"] = chunk.done_reason or "stop"
         out.update(stats(chunk))
     return out
+
+
+def _ollama_logprob(token: dict[str, Any]) -> dict[str, Any]:
+    """A token's logprobs as Ollama gives them: its text and log probability, and its
+    alternatives the same way."""
+    alternatives = [{"token": t["token"], "logprob": t["logprob"]} for t in token["top_logprobs"]]
+    return {"token": token["token"], "logprob": token["logprob"], "top_logprobs": alternatives}
 
 
 def calls_record(model: str, chunk: GenerateResponse) -> dict[str, Any]:

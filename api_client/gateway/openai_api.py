@@ -37,10 +37,12 @@ from api_client.gateway.openai_schema import (
     EmbeddingRequest,
     answer_message,
     calls_of,
+    chat_logprobs,
     envelope,
     error_event,
     event,
     finish_reason,
+    text_logprobs,
     usage,
     vector,
 )
@@ -74,7 +76,7 @@ async def chat_completions(request: Request) -> Any:
         {
             "index": index,
             "message": answer_message(final),
-            "logprobs": None,
+            "logprobs": chat_logprobs(final),
             "finish_reason": finish_reason(final),
         }
         for index, final in enumerate(finals)
@@ -100,7 +102,7 @@ async def completions(request: Request) -> Any:
         {
             "text": final.response,
             "index": index,
-            "logprobs": None,
+            "logprobs": text_logprobs(final),
             "finish_reason": finish_reason(final),
         }
         for index, final in enumerate(finals)
@@ -156,7 +158,9 @@ def _stream(
         finals.append(item)
         calls = calls_of(item)  # each call whole, in one delta before the finish
         frames = [chunk([choice(None, None, calls)])] if calls else []
-        frames.append(chunk([choice(None, finish_reason(item))]))
+        last = choice(None, finish_reason(item))  # with every token's logprobs, if asked
+        last["logprobs"] = chat_logprobs(item) if chat else text_logprobs(item)
+        frames.append(chunk([last]))
         if not job.ends_with(item):
             return frames
         if with_usage:

@@ -44,8 +44,6 @@ class _Sampling(BaseModel):
     logprobs: bool | int | None = None
 
     def options(self) -> dict[str, Any]:
-        if self.logprobs:
-            raise InvalidRequest("'logprobs' is not supported by ggufq: leave it out")
         out: dict[str, Any] = {
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
@@ -58,7 +56,13 @@ class _Sampling(BaseModel):
         for name in ("seed", "frequency_penalty", "presence_penalty"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
-        return out
+        return out | self._logprob_options()
+
+    def _logprob_options(self) -> dict[str, Any]:
+        """Completions' ``logprobs``: how many alternatives each token comes with."""
+        if self.logprobs is None or self.logprobs is False:
+            return {}
+        return {"top_logprobs": int(self.logprobs)}
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -102,6 +106,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    top_logprobs: int | None = None
     reasoning_effort: str | None = None
     reasoning: dict[str, Any] | None = None  # {"effort": ...}, as some clients send it
 
@@ -122,6 +127,10 @@ class ChatCompletionRequest(_Sampling):
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
+
+    def _logprob_options(self) -> dict[str, Any]:
+        """Chat's ``logprobs`` (true or false) and ``top_logprobs`` (its alternatives)."""
+        return {"top_logprobs": self.top_logprobs or 0} if self.logprobs else {}
 
     def turns(self) -> list[dict[str, Any]]:
         return [m.turn() for m in self.messages]
@@ -218,6 +227,31 @@ def calls_of(final: GenerateResponse) -> list[dict[str, Any]]:
         }
         for n, call in enumerate(final.tool_calls)
     ]
+
+
+def chat_logprobs(final: GenerateResponse) -> dict[str, Any] | None:
+    """A chat choice's ``logprobs``: every token's (none when not asked)."""
+    return None if final.logprobs is None else {"content": final.logprobs, "refusal": None}
+
+
+def text_logprobs(final: GenerateResponse) -> dict[str, Any] | None:
+    """A completion choice's ``logprobs``, in the completions API's older shape: tokens,
+    their log probabilities, their alternatives as token → log probability, and where
+    each token begins in the text."""
+    if final.logprobs is None:
+        return None
+    offsets, at = [], 0
+    for token in final.logprobs:
+        offsets.append(at)
+        at += len(token["token"])
+    return {
+        "tokens": [t["token"] for t in final.logprobs],
+        "token_logprobs": [t["logprob"] for t in final.logprobs],
+        "top_logprobs": [
+            {a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in final.logprobs
+        ],
+        "text_offset": offsets,
+    }
 
 
 def answer_message(final: GenerateResponse) -> dict[str, Any]:

@@ -79,6 +79,21 @@ class Job:
             self.parts.append(text)
             self.on_text(text)
 
+    def finished(self, reason: str, now: int) -> GenerationStats:
+        """Its account, ending now (perf_counter_ns) for ``reason``."""
+        first = self.first_ns or now
+        wanted = self.sampler.top_logprobs is not None
+        return GenerationStats(
+            text="".join(self.parts),
+            done_reason=reason,
+            prompt_eval_count=len(self.tokens),
+            prompt_eval_duration_ns=first - self.admitted_ns if self.generated else 0,
+            eval_count=self.generated,
+            eval_duration_ns=now - first,
+            admitted_ns=self.admitted_ns,
+            logprobs=self.sampler.logprobs if wanted else None,
+        )
+
 
 def always() -> bool:
     """The ``cancelled`` of a job that must end at its next step."""

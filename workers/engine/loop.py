@@ -333,16 +333,7 @@ class Engine:
             except Exception as exc:
                 self._fail(job, f"the consumer of its text failed ({exc!r})")
                 return
-        first = job.first_ns or now
-        job.stats = GenerationStats(
-            text="".join(job.parts),
-            done_reason=reason,
-            prompt_eval_count=len(job.tokens),
-            prompt_eval_duration_ns=first - job.admitted_ns if job.generated else 0,
-            eval_count=job.generated,
-            eval_duration_ns=now - first,
-            admitted_ns=job.admitted_ns,
-        )
+        job.stats = job.finished(reason, now)
         self._retire(job)
 
     def _fail(self, job: Job, why: str) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from scheduler.errors import InvalidRequest
 from scheduler.protocol import Options
+from workers.engine.logprobs import token_logprobs
 from workers.engine.text import Tokenizer, Utf8Guard
 
 Format = str | dict[str, Any] | None
@@ -45,6 +46,8 @@ def sampler_plan(options: Options, num_ctx: int) -> list[SamplerStep]:
                 options.presence_penalty,
             )
         )
+    if options.top_logprobs is not None:  # not a sampler: what the job wants recorded
+        steps.append(("logprobs", options.top_logprobs))
     if greedy:
         return [*steps, ("greedy",)]
     if options.top_k > 0:
@@ -131,14 +134,20 @@ class Sampler:
 
         self._L = L
         vocab, n_vocab = tokenizer.vocab, tokenizer.n_vocab
-        self._n_vocab = n_vocab
+        self._n_vocab, self._tokenizer = n_vocab, tokenizer
+        # the job's logprobs: recorded for each token sampled, not a step of the chain
+        wanted = [step[1] for step in plan if step[0] == "logprobs"]
+        self.top_logprobs: int | None = wanted[0] if wanted else None
+        self.logprobs: list[dict[str, Any]] = []
+        plan = [step for step in plan if step[0] != "logprobs"]
         self.utf8 = Utf8Guard(tokenizer) if grammar is not None else None
         if grammar is not None:
             tokenizer.partial()  # read once, here in the job's thread, not in the decode loop
         self.chain = self.grammar = None
         # plain greedy needs no chain: sample() takes the argmax itself, or llama.cpp does in
         # the decode graph (workers/engine/device_sampling.py)
-        self.plain_greedy = plan == [("greedy",)] and grammar is None
+        plain = plan == [("greedy",)] and grammar is None
+        self.plain_greedy = plain and self.top_logprobs is None  # logprobs read the logits
         if not self.plain_greedy:
             params = L.llama_sampler_chain_default_params()
             params.no_perf = True
@@ -159,8 +168,25 @@ class Sampler:
             logits = self._L.llama_get_logits_ith(ctx, idx)
             return int(np.ctypeslib.as_array(logits, shape=(self._n_vocab,)).argmax())
         if self.grammar is None:
-            return int(self._L.llama_sampler_sample(self.chain, ctx, idx))
-        return self._sample_with_grammar(ctx, idx)
+            token = int(self._L.llama_sampler_sample(self.chain, ctx, idx))
+        else:
+            token = self._sample_with_grammar(ctx, idx)
+        if self.top_logprobs is not None:
+            self._record(ctx, idx, token)
+        return token
+
+    def _record(self, ctx: Any, idx: int, token: int) -> None:
+        """The sampled token's log probability (an end-of-generation token has none)."""
+        piece, eog = self._tokenizer.piece(token)
+        if eog:
+            return
+        raw = self._L.llama_get_logits_ith(ctx, idx)
+        logits = np.ctypeslib.as_array(raw, shape=(self._n_vocab,))
+        top = self.top_logprobs or 0
+        self.logprobs.append(token_logprobs(logits, token, top, self._piece))
+
+    def _piece(self, token: int) -> bytes:
+        return self._tokenizer.piece(token)[0]
 
     def _sample_with_grammar(self, ctx: Any, idx: int) -> int:
         L, cand = self._L, self._candidates

@@ -28,6 +28,7 @@ class GenerationStats:
     eval_count: int
     eval_duration_ns: int
     admitted_ns: int = 0  # perf_counter_ns when the job got its slot
+    logprobs: list[dict[str, Any]] | None = None  # each token's, when the job asked
 
     def ollama_fields(self) -> dict[str, Any]:
         """The final record's fields under Ollama's names."""
@@ -38,7 +39,7 @@ class GenerationStats:
             "prompt_eval_duration": self.prompt_eval_duration_ns,
             "eval_count": self.eval_count,
             "eval_duration": self.eval_duration_ns,
-        }
+        } | ({} if self.logprobs is None else {"logprobs": self.logprobs})
 
 
 class StopMatcher:
