@@ -194,8 +194,8 @@ def test_embed_gives_one_normalized_vector_per_input(client: Client) -> None:
 
 
 def test_chat_renders_the_models_own_template(client: Client) -> None:
+    from scheduler.chat import render
     from tests.tinymodel import CHAT_TEMPLATE
-    from workers.chat import render
 
     messages = [
         {"role": "system", "content": "be brief"},

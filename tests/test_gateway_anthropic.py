@@ -131,3 +131,22 @@ def test_errors_come_in_anthropics_shape(api: anthropic.Anthropic, url: str) -> 
     no_max = httpx.post(f"{url}/v1/messages", json={"model": "tiny", "messages": ASK})
     assert no_max.status_code == 400 and "max_tokens" in no_max.json()["error"]["message"]
     assert no_max.json()["type"] == "error"
+
+
+def test_count_tokens_is_what_the_job_would_be_given(
+    api: anthropic.Anthropic, client: Client
+) -> None:
+    """count_tokens renders the request as its job would be (template, system, tools) and
+    counts it with the model's vocabulary: the same as the job's prompt_eval_count."""
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the sky is"}]
+    ran = client.chat("tiny", turns, options={"num_predict": 1})
+    counted = api.messages.count_tokens(model="tiny", system="Be brief.", messages=ASK)
+    assert counted.input_tokens == ran.prompt_eval_count
+    tools = [{"type": "function", "function": {**WEATHER, "parameters": WEATHER["input_schema"]}}]
+    with_tools = client.chat("tiny", turns, tools=tools, options={"num_predict": 1})
+    counted = api.messages.count_tokens(
+        model="tiny", system="Be brief.", messages=ASK, tools=[WEATHER]
+    )
+    assert counted.input_tokens == with_tools.prompt_eval_count > ran.prompt_eval_count
+    with pytest.raises(anthropic.NotFoundError):
+        api.messages.count_tokens(model="nosuchmodel", messages=ASK)

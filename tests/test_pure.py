@@ -220,7 +220,7 @@ def test_format_json_without_json_in_the_prompt_warns() -> None:
 
 
 def test_chat_rendering_fallback_bos_and_template_errors() -> None:
-    from workers.chat import render
+    from scheduler.chat import render
 
     turns = [{"role": "user", "content": "hi"}]
     assert render("", turns) == "User: hi\nAssistant:"  # a base model without a template

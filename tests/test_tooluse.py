@@ -1,5 +1,5 @@
 """How offered tools reach a model's prompt, and which jobs with tools are refused
-(scheduler/tooluse.py, workers/chat.py): pure, no model."""
+(scheduler/tooluse.py, scheduler/chat.py): pure, no model."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from scheduler.bounds import MAX_SCHEMA_BYTES
+from scheduler.chat import render
 from scheduler.errors import InvalidRequest
 from scheduler.protocol import JobRequest, parse_request
 from scheduler.tooluse import (
@@ -20,7 +21,6 @@ from scheduler.tooluse import (
     short_id,
     template_messages,
 )
-from workers.chat import render
 
 WEATHER = {
     "type": "function",

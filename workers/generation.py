@@ -7,22 +7,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.errors import InvalidRequest, JobCancelled, JobFailed
+from scheduler.chat import chat_text
+from scheduler.errors import JobCancelled, JobFailed
 from scheduler.gguf.metadata import read_model_info
 from scheduler.gguf.registry import Registry
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
 from scheduler.store.hops import wall
-from scheduler.thinking import ThinkSplitter, can_think, opens_thinking, template_switches
+from scheduler.thinking import ThinkSplitter, can_think, opens_thinking
 from scheduler.tooluse import (
     call_schema,
-    has_tool_place,
-    offered,
-    template_messages,
-    template_tools,
 )
 from workers.answer import Answer
-from workers.chat import render
 from workers.chunks import ChunkPublisher
 from workers.devices import tensor_split
 from workers.embedder import Embedder
@@ -171,26 +167,11 @@ def chat_prompt(
     """The chat's messages rendered with the model's own template (a warning without one),
     and the splitter of its thinking when the template can think."""
     info = read_model_info(registry.resolve(req.model))
-    template = info.chat_template
-    if not template:
+    if not info.chat_template:
         warnings.append(
             f"model {req.model!r} has no chat template in its metadata; the messages were "
             "rendered as a plain 'Role: text' transcript"
         )
-    thinks = can_think(template)
-    if req.think and not thinks:
-        raise InvalidRequest(
-            f"model {req.model!r} does not think (its chat template has no thinking mode): "
-            "leave out think, or set it false"
-        )
-    tools = offered(req.tools, req.tool_choice)
-    native = bool(template) and has_tool_place(template)
-    dumped = [
-        m.model_dump(mode="json", exclude_none=True, exclude={"thinking"}) for m in req.messages
-    ]
-    variables = template_switches(req.think)
-    if native and tools:
-        variables["tools"] = template_tools(tools)
-    messages = template_messages(dumped, tools, native)
-    prompt = render(template, messages, info.bos_text, info.eos_text, req.model, variables)
+    prompt = chat_text(req, info)
+    thinks = can_think(info.chat_template)
     return prompt, ThinkSplitter(inside=opens_thinking(prompt)) if thinks else None

@@ -119,6 +119,12 @@ class MessagesRequest(BaseModel):
         return fields
 
 
+class CountTokensRequest(MessagesRequest):
+    """``POST /v1/messages/count_tokens``: a message's request without ``max_tokens``."""
+
+    max_tokens: int = Field(1, ge=1)
+
+
 def _turns(message: AnthropicMessage) -> list[dict[str, Any]]:
     """One Anthropic message as the chat's messages: a user's tool results each become a
     ``tool`` message (named after its call by the job), before the text beside them."""

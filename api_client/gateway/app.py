@@ -217,6 +217,7 @@ def make_app(
             beating = asyncio.create_task(_beat(limiter, cluster))
         yield
         await stop_task(beating)
+        gateway.vocabularies.close()
         if own:
             await cluster.close()
 

@@ -23,6 +23,7 @@ from api_client.gateway.streaming import (
     lost,
     or_cancel_on_disconnect,
 )
+from api_client.gateway.tokens import Vocabularies
 from scheduler.errors import (
     GgufqError,
     InvalidModelFile,
@@ -195,6 +196,7 @@ class Gateway:
         self.client = client
         self.settings = settings
         self.registry = Registry(settings.models_dir)
+        self.vocabularies = Vocabularies()  # for counting tokens, loaded on first use
         # one job listing at a time (it reads every waiting job's record, in a thread):
         # a key asking for many at once waits, instead of taking every other request's
         # threads and connections

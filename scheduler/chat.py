@@ -1,7 +1,8 @@
 """Chat messages to a prompt, with the model's own chat template from its GGUF metadata.
 
 Pure: the template, messages and special-token texts in, the prompt out. Templates are
-Jinja (as in Hugging Face tokenizers), run in a sandbox.
+Jinja (as in Hugging Face tokenizers), run in a sandbox. The worker renders a chat job's
+prompt with :func:`chat_text`; the gateway does too, to count its tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from scheduler.errors import InvalidRequest
+from scheduler.gguf.metadata import ModelInfo
+from scheduler.protocol import JobRequest
+from scheduler.thinking import can_think, template_switches
+from scheduler.tooluse import has_tool_place, offered, template_messages, template_tools
 
 # For models without a template (base models such as the demo): a plain transcript.
 FALLBACK_TEMPLATE = (
@@ -119,3 +124,26 @@ def render(
     if bos_text and prompt.startswith(bos_text):
         prompt = prompt[len(bos_text) :]
     return str(prompt)
+
+
+def chat_text(req: JobRequest, info: ModelInfo) -> str:
+    """A chat job's prompt as its model's template renders it: the messages, the tools it
+    offers (in the template's own place for them, else in the generic form) and its think
+    switches. Raises InvalidRequest when it asks a model that cannot think to think, or
+    when the template refuses the messages."""
+    template = info.chat_template
+    if req.think and not can_think(template):
+        raise InvalidRequest(
+            f"model {req.model!r} does not think (its chat template has no thinking mode): "
+            "leave out think, or set it false"
+        )
+    tools = offered(req.tools, req.tool_choice)
+    native = bool(template) and has_tool_place(template)
+    dumped = [
+        m.model_dump(mode="json", exclude_none=True, exclude={"thinking"}) for m in req.messages
+    ]
+    variables = template_switches(req.think)
+    if native and tools:
+        variables["tools"] = template_tools(tools)
+    messages = template_messages(dumped, tools, native)
+    return render(template, messages, info.bos_text, info.eos_text, req.model, variables)
