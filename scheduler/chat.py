@@ -20,7 +20,6 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from scheduler.errors import InvalidRequest
-from scheduler.gguf.metadata import ModelInfo
 from scheduler.protocol import JobRequest
 from scheduler.thinking import can_think, template_switches
 from scheduler.tooluse import has_tool_place, offered, template_messages, template_tools
@@ -126,12 +125,11 @@ def render(
     return str(prompt)
 
 
-def chat_text(req: JobRequest, info: ModelInfo) -> str:
-    """A chat job's prompt as its model's template renders it: the messages, the tools it
-    offers (in the template's own place for them, else in the generic form) and its think
-    switches. Raises InvalidRequest when it asks a model that cannot think to think, or
-    when the template refuses the messages."""
-    template = info.chat_template
+def chat_text(req: JobRequest, template: str, bos_text: str = "", eos_text: str = "") -> str:
+    """A chat job's prompt as its model's template (and special-token texts) renders it:
+    the messages, the tools it offers (in the template's own place for them, else in the
+    generic form) and its think switches. Raises InvalidRequest when it asks a model that
+    cannot think to think, or when the template refuses the messages."""
     if req.think and not can_think(template):
         raise InvalidRequest(
             f"model {req.model!r} does not think (its chat template has no thinking mode): "
@@ -146,4 +144,4 @@ def chat_text(req: JobRequest, info: ModelInfo) -> str:
     if native and tools:
         variables["tools"] = template_tools(tools)
     messages = template_messages(dumped, tools, native)
-    return render(template, messages, info.bos_text, info.eos_text, req.model, variables)
+    return render(template, messages, bos_text, eos_text, req.model, variables)

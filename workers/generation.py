@@ -172,6 +172,6 @@ def chat_prompt(
             f"model {req.model!r} has no chat template in its metadata; the messages were "
             "rendered as a plain 'Role: text' transcript"
         )
-    prompt = chat_text(req, info)
+    prompt = chat_text(req, info.chat_template, info.bos_text, info.eos_text)
     thinks = can_think(info.chat_template)
     return prompt, ThinkSplitter(inside=opens_thinking(prompt)) if thinks else None

@@ -54,5 +54,6 @@ async def count_tokens(request: Request) -> dict[str, int]:
     job = parse_request({"kind": "chat", "model": model, **body.job_fields()})
     path = str(gateway.registry.resolve(model))
     info = gateway.registry.info(model)
-    text = await asyncio.to_thread(chat_text, job, info)
+    template = (info.chat_template, info.bos_text, info.eos_text)
+    text = await asyncio.to_thread(chat_text, job, *template)
     return {"input_tokens": await asyncio.to_thread(gateway.vocabularies.count, path, text)}
