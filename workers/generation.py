@@ -63,12 +63,14 @@ def generate(
     progress: Progress,
     meanwhile: Callable[[], None] = lambda: None,
     thinking: ThinkSplitter | None = None,
+    warnings: list[str] | None = None,
 ) -> dict[str, Any]:
     """Generated text, streamed as it comes: parted into thinking (``thinking``: the
-    splitter of a template that can think), answer text and tool calls (:mod:`answer`)."""
+    splitter of a template that can think), answer text and tool calls (:mod:`answer`,
+    which adds to ``warnings``)."""
     if not isinstance(runner, Runner):
         raise JobFailed(f"runner {runner.id} is loaded for embeddings; it cannot generate")
-    answer = Answer(req, publisher.publish, thinking)
+    answer = Answer(req, publisher.publish, thinking, warnings)
     ticker = Ticker(progress, answer)
     share = (req.tenant, req.priority, req.weight)
     format = call_schema(req.tools, req.tool_choice, req.parallel_tool_calls) or req.format
@@ -135,27 +137,16 @@ def produce(
     if req.kind == "embed":
         meanwhile()
         out = embed(req, runner)
-    elif req.kind == "chat":
-        prompt, thinking = chat_prompt(req, registry, warnings)
-        out = generate(req, runner, publisher, cancelled, prompt, progress, meanwhile, thinking)
-    elif req.prompt:
-        out = generate(req, runner, publisher, cancelled, req.prompt, progress, meanwhile)
+    elif req.kind == "chat" or req.prompt:
+        prompt, thinking = (
+            chat_prompt(req, registry, warnings) if req.kind == "chat" else (req.prompt, None)
+        )
+        out = generate(
+            req, runner, publisher, cancelled, prompt, progress, meanwhile, thinking, warnings
+        )
     else:
         meanwhile()
         out = {"response": "", "done_reason": "load" if runner.keep_alive_s else "unload"}
-    calls, malformed = out.pop("tool_calls", None), out.pop("malformed_call", "")
-    if req.kind == "chat":
-        out["message"] = {"role": "assistant", "content": out["response"]}
-        if calls:
-            out["message"]["tool_calls"] = calls
-        if out.get("thinking"):
-            out["message"]["thinking"] = out["thinking"]
-    if malformed:
-        warnings.append(
-            f"the model began a tool call that does not parse ({malformed[:200]!r}): it is "
-            "given as text, or left out when the answer was cut at num_predict; "
-            "tool_choice 'required' makes the model write a valid call"
-        )
     if warnings:
         out["warnings"] = warnings
     return out
