@@ -7,6 +7,7 @@ call form on Ollama's API (read back as a call by the gateway)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import pytest
@@ -34,8 +35,9 @@ def get_weather(city: Literal["Paris", "Rome"]) -> str:
     return f"sunny in {city}"
 
 
-def test_langchain_chat_openai_agent_loop(url: str) -> None:
-    llm = ChatOpenAI(
+@pytest.fixture()
+def llm(url: str) -> Iterator[ChatOpenAI]:
+    chat = ChatOpenAI(
         base_url=f"{url}/v1",
         api_key="x",
         model="tiny",
@@ -43,6 +45,10 @@ def test_langchain_chat_openai_agent_loop(url: str) -> None:
         max_tokens=200,
         max_retries=0,
     )
+    yield chat  # not closed: langchain-openai shares one httpx client between its models
+
+
+def test_langchain_chat_openai_agent_loop(llm: ChatOpenAI) -> None:
     asked = [HumanMessage(ASK)]
     called = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(asked)
     assert isinstance(called, AIMessage)
@@ -59,15 +65,7 @@ class Weather(BaseModel):
     degrees: int
 
 
-def test_langchain_structured_output(url: str) -> None:
-    llm = ChatOpenAI(
-        base_url=f"{url}/v1",
-        api_key="x",
-        model="tiny",
-        temperature=0,
-        max_tokens=200,
-        max_retries=0,
-    )
+def test_langchain_structured_output(llm: ChatOpenAI) -> None:
     found = llm.with_structured_output(Weather, method="json_schema").invoke(ASK)
     assert isinstance(found, Weather)
 

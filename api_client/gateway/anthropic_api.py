@@ -18,7 +18,15 @@ from api_client.gateway.anthropic_schema import (
     error_event,
     message_object,
 )
-from api_client.gateway.core import Routes, caller_of, gateway_of, json_body, model_name, parse_body
+from api_client.gateway.core import (
+    Routes,
+    caller_of,
+    gateway_of,
+    json_body,
+    model_name,
+    parse_body,
+    submit_chat,
+)
 from scheduler.chat import chat_text
 from scheduler.protocol import parse_request
 
@@ -27,16 +35,9 @@ router = Routes(prefix="/v1")
 
 @router.add("/messages", "POST")
 async def messages(request: Request) -> Any:
-    gateway, caller = gateway_of(request), caller_of(request)
+    gateway = gateway_of(request)
     body: MessagesRequest = parse_body(MessagesRequest, await json_body(request))
-    job = await gateway.submit(
-        caller,
-        model_name(body.model),
-        kind="chat",
-        options=body.options(),
-        format=body.job_format(),
-        extra=body.job_fields(),
-    )
+    job = await submit_chat(request, body)
     if body.stream:
         events = MessageStream(job.id, body.model)
         return gateway.stream(job, events.encode, error_event, KEEPALIVE, "text/event-stream")

@@ -185,7 +185,7 @@ def _choice(choice: ToolChoice) -> Any:
 
 
 def stop_reason(final: GenerateResponse) -> str:
-    if final.message is not None and final.message.tool_calls:
+    if final.tool_calls:
         return "tool_use"
     return "max_tokens" if final.done_reason == "length" else "end_turn"
 

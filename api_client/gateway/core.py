@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -187,6 +187,31 @@ async def json_body(request: Request) -> Any:
         return await request.json()
     except ValueError:
         raise InvalidRequest("the request body is not valid JSON") from None
+
+
+class ChatBody(Protocol):
+    """A request body of an API that makes one chat job (Anthropic's Messages, OpenAI's
+    Responses): its model, and the job's options, format and other fields."""
+
+    model: str
+
+    def options(self) -> dict[str, Any]: ...
+
+    def job_format(self) -> Format: ...
+
+    def job_fields(self) -> dict[str, Any]: ...
+
+
+async def submit_chat(request: Request, body: ChatBody) -> AsyncJob:
+    """The chat job of ``body``, submitted for the request's caller."""
+    return await gateway_of(request).submit(
+        caller_of(request),
+        model_name(body.model),
+        kind="chat",
+        options=body.options(),
+        format=body.job_format(),
+        extra=body.job_fields(),
+    )
 
 
 class Gateway:

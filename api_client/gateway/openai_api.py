@@ -27,6 +27,7 @@ from api_client.gateway.core import (
     json_body,
     model_name,
     parse_body,
+    submit_chat,
 )
 from api_client.gateway.ollama_schema import shorten
 from api_client.gateway.openai_schema import (
@@ -173,16 +174,9 @@ def _stream(
 @router.add("/responses", "POST")
 async def responses(request: Request) -> Any:
     """OpenAI's Responses API, stateless (api_client/gateway/responses_schema.py)."""
-    gateway, caller = gateway_of(request), caller_of(request)
+    gateway = gateway_of(request)
     body: ResponsesRequest = parse_body(ResponsesRequest, await json_body(request))
-    job = await gateway.submit(
-        caller,
-        model_name(body.model),
-        kind="chat",
-        options=body.options(),
-        format=body.job_format(),
-        extra=body.job_fields(),
-    )
+    job = await submit_chat(request, body)
     if body.stream:
         events = ResponseStream(job.id, body)
         return gateway.stream(job, events.encode, events.error, KEEPALIVE, SSE)

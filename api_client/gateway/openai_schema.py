@@ -14,7 +14,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from api_client.gateway.errors import openai_body
-from api_client.gateway.shapes import called, text_of
+from api_client.gateway.shapes import called, text_of, think_for_effort
 from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.protocol import GenerateResponse
 
@@ -111,19 +111,8 @@ class ChatCompletionRequest(_Sampling):
     reasoning: dict[str, Any] | None = None  # {"effort": ...}, as some clients send it
 
     def think_fields(self) -> dict[str, Any]:
-        """``reasoning_effort`` as the job's ``think``: none, minimal → false (no thinking),
-        low / medium / high as they are; unset: the model's default."""
-        effort = self.reasoning_effort or (self.reasoning or {}).get("effort")
-        if effort is None:
-            return {}
-        if effort in ("none", "minimal"):
-            return {"think": False}
-        if effort not in ("low", "medium", "high"):
-            raise InvalidRequest(
-                f"reasoning_effort {effort!r} is not understood: send none, minimal, low, "
-                "medium or high"
-            )
-        return {"think": effort}
+        """``reasoning_effort`` as the job's ``think`` (shapes.think_for_effort)."""
+        return think_for_effort(self.reasoning_effort or (self.reasoning or {}).get("effort"))
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
@@ -209,7 +198,7 @@ class EmbeddingRequest(BaseModel):
 
 
 def finish_reason(final: GenerateResponse) -> str:
-    if calls_of(final):
+    if final.tool_calls:
         return "tool_calls"
     return "length" if final.done_reason == "length" else "stop"
 

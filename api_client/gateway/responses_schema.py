@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from api_client.gateway.errors import public
-from api_client.gateway.shapes import called, text_of
+from api_client.gateway.shapes import called, text_of, think_for_effort
 from scheduler.errors import GgufqError, InvalidRequest
 from scheduler.protocol import GenerateResponse
 
@@ -70,10 +70,7 @@ class ResponsesRequest(BaseModel):
         if self.tools or self.tool_choice not in (None, "auto", "none"):
             fields["tool_choice"] = _choice(self.tool_choice)
             fields["parallel_tool_calls"] = self.parallel_tool_calls is not False
-        effort = (self.reasoning or {}).get("effort")
-        if effort is not None:
-            fields["think"] = False if effort in ("none", "minimal") else effort
-        return fields
+        return fields | think_for_effort((self.reasoning or {}).get("effort"))
 
     def job_format(self) -> Literal["json"] | dict[str, Any] | None:
         fmt = (self.text or {}).get("format") or {"type": "text"}

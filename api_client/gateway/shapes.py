@@ -1,6 +1,6 @@
 """Shapes the HTTP APIs share (OpenAI's, Anthropic's, Ollama's): text sent as a list of
-parts, and a call an assistant made with its arguments as JSON text or as an object.
-Pure: no I/O."""
+parts, a call an assistant made with its arguments as JSON text or as an object, and a
+reasoning effort. Pure: no I/O."""
 
 from __future__ import annotations
 
@@ -45,3 +45,18 @@ def called(call: dict[str, Any]) -> dict[str, Any]:
             ) from None
     out = {"function": {"name": function.get("name"), "arguments": arguments}}
     return {**out, "id": call["id"]} if isinstance(call.get("id"), str) else out
+
+
+def think_for_effort(effort: object) -> dict[str, Any]:
+    """OpenAI's reasoning effort as a job's ``think``: none, minimal → false (no thinking),
+    low / medium / high as they are; unset: the model's default."""
+    if effort is None:
+        return {}
+    if effort in ("none", "minimal"):
+        return {"think": False}
+    if effort not in ("low", "medium", "high"):
+        raise InvalidRequest(
+            f"reasoning effort {effort!r} is not understood: send none, minimal, low, medium "
+            "or high"
+        )
+    return {"think": effort}

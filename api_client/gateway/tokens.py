@@ -10,6 +10,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from scheduler.errors import InvalidModelFile
+
 KEPT = 4  # vocabularies kept loaded
 
 
@@ -42,7 +44,10 @@ class Vocabularies:
             params.vocab_only = True
             model = L.llama_model_load_from_file(path.encode(), params)
             if not model:
-                raise OSError(f"llama.cpp could not read the vocabulary of {path}")
+                raise InvalidModelFile(
+                    f"llama.cpp could not read the vocabulary of {path}; check the file "
+                    "(`ggufq models` says what is wrong with it)"
+                )
             while len(self._models) >= self.kept:
                 _, oldest = self._models.popitem(last=False)
                 L.llama_model_free(oldest)
