@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -77,7 +78,7 @@ def grammar_for(format: Format) -> str | None:
         return str(llama_grammar.JSON_GBNF)
     if not isinstance(format, dict):
         raise InvalidRequest(f'format must be "json" or a JSON schema object (got {format!r})')
-    _strict_strings(llama_grammar)
+    _strict_strings()
     try:
         return str(llama_grammar.json_schema_to_gbnf(json.dumps(format)))
     except Exception as exc:
@@ -92,12 +93,15 @@ def grammar_for(format: Format) -> str | None:
 _STRING_CHAR = r'[^"\\\x7F\x00-\x1F]'
 
 
-def _strict_strings(llama_grammar: Any) -> None:
+@cache  # once: the converter's rules are the module's
+def _strict_strings() -> None:
     """llama-cpp-python's schema converter lets a string's characters (its ``char`` rule)
     and a ``pattern``'s ``.`` be raw control characters, which JSON forbids (json.loads
     refuses them), and a pattern's ``.`` even a bare quote that ends the string: both are
     set to a JSON string's characters before converting (at the source, so a schema's own
     rule named ``char`` cannot dodge it)."""
+    from llama_cpp import llama_grammar
+
     escapes = r'"\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
     llama_grammar.PRIMITIVE_RULES["char"] = llama_grammar.BuiltinRule(
         f"{_STRING_CHAR} | {escapes}", []
