@@ -233,6 +233,7 @@ class RunnerView(BaseModel):
     loaded_at: float | None = None  # None while loading
     worker: str = ""
     config_key: str = ""
+    load_progress: float | None = None  # the fraction of its weights read (None: not begun)
 
 
 class JobView(BaseModel):

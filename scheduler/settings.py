@@ -264,6 +264,14 @@ class Settings(BaseSettings):
         description="A streamed answer whose job sends nothing for this long (parked, or its "
         "model loading) gets keep-alive bytes, so that proxies and clients do not cut it.",
     )
+    http_load_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="A request that does not stream, still waiting after this long while "
+        "its model loads, gets 503 with Retry-After and the load's progress (its job is "
+        "cancelled; the load goes on, so the retry finds the model loaded). A streamed one "
+        "gets load_progress lines instead, and waits.",
+    )
     http_timeout_s: float = Field(
         600.0,
         gt=0,

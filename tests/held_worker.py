@@ -1,6 +1,8 @@
 """``python -m tests.held_worker ARGS...``: the real worker (``ggufq worker ARGS...``), in which
 a job whose prompt starts with ``HOLD:`` stops after its first piece of text, still
-running, until it is cancelled or the test releases it (:func:`release`).
+running, until it is cancelled or the test releases it (:func:`release`); and, while the
+test holds loads (:func:`hold_loads`), a model's load stops at its first progress, inside
+llama.cpp's own load, until the test lets it go on (:func:`let_loads_go`).
 
 A test that acts on a running job (kills its reader, cancels it, kills its worker) must
 find it running: a job held here waits on the event the test controls instead of on the
@@ -10,6 +12,7 @@ the job is claimed, streams its first chunk, sees its cancel, and ends as any ot
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Any
@@ -17,9 +20,38 @@ from typing import Any
 import redis
 
 import workers.generation as generation
+from workers.loadwatch import LoadWatch
 from workers.main import main
 
 HOLD = "HOLD:"
+HOLD_LOADS = "ggufq:test:hold-loads"
+
+
+def hold_loads(client: redis.Redis) -> None:
+    """The loads that start from now on stop at their first progress until
+    :func:`let_loads_go`."""
+    client.set(HOLD_LOADS, 1, ex=600)
+
+
+def let_loads_go(client: redis.Redis) -> None:
+    client.delete(HOLD_LOADS)
+
+
+def hold_loads_while_asked() -> None:
+    progress = LoadWatch.progress
+    client = redis.Redis.from_url(os.environ["GGUFQ_REDIS_URL"])
+
+    def held(watch: LoadWatch, fraction: float) -> bool:
+        going_on = progress(watch, fraction)
+        if 0 < fraction < 1 and not getattr(watch, "held", False):
+            watch.held = True  # type: ignore[attr-defined]
+            # its first progress is on the runner's record, as reported
+            while client.exists(HOLD_LOADS):
+                threading.Event().wait(0.02)
+            watch.last_progress = watch.clock()  # the held time is not a stall
+        return going_on
+
+    LoadWatch.progress = held  # type: ignore[method-assign]
 
 
 def release_key(job_id: str) -> str:
@@ -58,4 +90,5 @@ def hold_marked_jobs() -> None:
 
 if __name__ == "__main__":
     hold_marked_jobs()
+    hold_loads_while_asked()
     main(sys.argv[1:])

@@ -95,9 +95,14 @@ def embed(req: JobRequest, runner: AnyRunner) -> dict[str, Any]:
 
 
 def open_runner(
-    req: JobRequest, placement: Placement, registry: Registry, settings: Settings
+    req: JobRequest,
+    placement: Placement,
+    registry: Registry,
+    settings: Settings,
+    on_load: Callable[[float], None] | None = None,
 ) -> AnyRunner:
-    """Load the runner a placement asks for: llama.cpp's layers and devices as placed."""
+    """Load the runner a placement asks for: llama.cpp's layers and devices as placed;
+    ``on_load`` hears the load's progress (a fraction; a generating runner's only)."""
     path = registry.resolve(req.model)
     info = read_model_info(path)  # a clear error for a bad file before llama.cpp
     config = placement.config
@@ -116,6 +121,7 @@ def open_runner(
         load_timeout_s=settings.load_timeout_s,
         split=split,
         device_sampling=settings.device_sampling,
+        on_load=on_load,
     )
 
 

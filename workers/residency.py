@@ -112,14 +112,24 @@ class Residency:
         pipe.execute()
 
     def _load(self, req: JobRequest, placement: Placement) -> AnyRunner:
+        on_load = partial(self._loaded_so_far, placement.runner_id)
         try:
-            return open_runner(req, placement, self.registry, self.settings)
+            return open_runner(req, placement, self.registry, self.settings, on_load)
         except (GgufqError, ValueError, RuntimeError, OSError) as exc:
             self._release(placement.runner_id, placement.devices)
             self._failed_loads[placement.runner_id] = exc  # for the jobs that wait on it
             while len(self._failed_loads) > FAILED_LOADS_KEPT:
                 self._failed_loads.popitem(last=False)
             raise self._load_error(req, placement, exc) from None
+
+    def _loaded_so_far(self, runner_id: str, fraction: float) -> None:
+        """A load's progress on its runner's record (/api/ps, the clients that wait for it).
+        Called from inside llama.cpp's load: a write Redis misses is skipped, never raised
+        into the load (the next one, or "ready", follows)."""
+        try:
+            self.state.update_runner(runner_id, {"load_progress": f"{fraction:.3f}"})
+        except redis.RedisError as exc:
+            log.debug("runner %s's load progress not written: %s", runner_id, exc)
 
     def _load_error(self, req: JobRequest, placement: Placement, exc: Exception) -> Exception:
         """How a job ends whose runner could not load here (``exc``): placed again once

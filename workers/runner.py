@@ -30,6 +30,7 @@ class Runner(Resident):
         load_timeout_s: float = 300.0,
         split: list[float] | None = None,
         device_sampling: bool = False,
+        on_load: Callable[[float], None] | None = None,
     ) -> None:
         super().__init__(runner_id, model, config, device_ids, keep_alive_s)
         # Exactly the context the estimator sized (scheduler.gguf.estimate.context_sizes).
@@ -43,6 +44,7 @@ class Runner(Resident):
                 load_timeout_s=load_timeout_s,
                 split=split,
                 device_sampling=device_sampling,
+                on_load=on_load,
             )
         )
 

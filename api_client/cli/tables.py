@@ -33,7 +33,9 @@ def ps_table(
         replica = f"{nth[(r.model, r.config_key)]}/{of}" if of > 1 else ""
         kinds: set[str] = {devices[d].kind if d in devices else "cpu" for d in r.devices}
         until: str
-        if r.state != "ready":
+        if r.state == "loading" and r.load_progress is not None:
+            until = f"loading {r.load_progress:.0%}"
+        elif r.state != "ready":
             until = r.state
         elif r.in_flight > 0:
             until = "busy"

@@ -27,6 +27,7 @@ from api_client.gateway.core import (
     parse_body,
     submit_chat,
 )
+from api_client.gateway.streaming import sse_beat
 from scheduler.chat import chat_text
 from scheduler.protocol import parse_request
 
@@ -40,7 +41,9 @@ async def messages(request: Request) -> Any:
     job = await submit_chat(request, body)
     if body.stream:
         events = MessageStream(job.id, body.model)
-        return gateway.stream(job, events.encode, error_event, KEEPALIVE, "text/event-stream")
+        return gateway.stream(
+            job, events.encode, error_event, sse_beat(KEEPALIVE), "text/event-stream"
+        )
     return message_object(job.id, body.model, await gateway.result(request, job))
 
 

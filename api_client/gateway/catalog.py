@@ -9,6 +9,7 @@ import mmap
 from pathlib import Path
 from typing import Any
 
+from api_client.gateway.loads import stage_of
 from api_client.gateway.ollama_schema import FOREVER, timestamp
 from scheduler.cluster import RunnerView
 from scheduler.errors import InvalidModelFile
@@ -102,15 +103,15 @@ def model_info(path: Path, verbose: bool) -> dict[str, Any]:
 
 
 def running(runner: RunnerView, now: float) -> dict[str, Any]:
-    """One /api/ps row: Ollama's fields, with ggufq's state (a loading runner shows) and
-    devices beside them."""
+    """One /api/ps row: Ollama's fields, with ggufq's state (a loading runner shows, with
+    its ``load_progress``) and devices beside them."""
     if runner.expires_at >= 0:
         expires = timestamp(runner.expires_at)
     elif runner.keep_alive_s < 0:
         expires = FOREVER
     else:  # loading or busy: its idle clock starts when its last job ends, after now
         expires = timestamp(now + runner.keep_alive_s)
-    return {
+    row = {
         "name": runner.model,
         "model": runner.model,
         "size": runner.size,
@@ -123,6 +124,10 @@ def running(runner: RunnerView, now: float) -> dict[str, Any]:
         "devices": list(runner.devices),
         "in_flight": runner.in_flight,
     }
+    if runner.state == "loading":
+        stage, fraction = stage_of(runner)
+        row["load_progress"] = {"stage": stage, "fraction": round(fraction, 3)}
+    return row
 
 
 def openai_model(entry: ModelEntry) -> dict[str, Any]:

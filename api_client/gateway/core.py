@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -15,9 +15,11 @@ from starlette.routing import Route
 
 from api_client.aio import AsyncClient
 from api_client.ajob import AsyncJob
-from api_client.gateway.errors import NotPermitted
+from api_client.gateway.errors import ModelLoading, NotPermitted
 from api_client.gateway.keys import ApiKey
+from api_client.gateway.loads import LoadBoard
 from api_client.gateway.streaming import (
+    Beat,
     Encode,
     JobStreamResponse,
     lost,
@@ -45,6 +47,7 @@ from scheduler.units import parse_duration_s
 Format = Literal["json"] | dict[str, Any] | None
 Endpoint = Callable[[Request], Awaitable[Any]]
 _KNOWN_OPTIONS = frozenset(Options.model_fields)
+T = TypeVar("T")
 
 
 class Routes:
@@ -226,6 +229,7 @@ class Gateway:
         # a key asking for many at once waits, instead of taking every other request's
         # threads and connections
         self.listing = asyncio.Lock()
+        self.loads = LoadBoard(client.ps)  # what waiting answers show of their model's load
 
     def has_chat_template(self, model: str) -> bool:
         """Whether the model renders prompts with a chat template. A model this host cannot
@@ -264,7 +268,7 @@ class Gateway:
         job: AsyncJob,
         encode: Encode,
         encode_error: Callable[[GgufqError], bytes],
-        keepalive: bytes,
+        beat: Beat,
         media_type: str,
     ) -> Response:
         """A streamed answer. An error before the first chunk is raised (it becomes the
@@ -275,16 +279,23 @@ class Gateway:
             job,
             encode,
             encode_error,
-            keepalive,
+            beat,
             settings.http_keepalive_s,
             settings.http_timeout_s,
             media_type=media_type,
             headers=headers,
+            loads=self.loads,
         )
 
-    async def result(self, request: Request, job: AsyncJob) -> GenerateResponse:
-        """The final record, awaited; a client that leaves first cancels the job."""
+    async def result(
+        self, request: Request, job: AsyncJob, load_wait: bool = True
+    ) -> GenerateResponse:
+        """The final record, awaited; a client that leaves first cancels the job. With
+        ``load_wait``, a job still waiting for its model's load after http_load_wait_s is
+        cancelled, and answered by a 503 with the load's progress."""
         work = job.result(self.settings.http_timeout_s)
+        if load_wait:
+            work = self._within_load_wait(work, job)
         try:
             final: GenerateResponse = await or_cancel_on_disconnect(request, work, job)
         except RedisUnavailable as exc:
@@ -312,13 +323,30 @@ class Gateway:
             extra={"input": texts, "truncate": truncate},
         )
         try:
-            record = await or_cancel_on_disconnect(
-                request, job.final(self.settings.http_timeout_s), job
-            )
+            work = self._within_load_wait(job.final(self.settings.http_timeout_s), job)
+            record = await or_cancel_on_disconnect(request, work, job)
         except RedisUnavailable as exc:
             job.cancel_once_back()
             raise lost(job.id, "result", exc) from None
         return EmbedResponse.model_validate(record)
+
+    async def _within_load_wait(self, work: Awaitable[T], job: AsyncJob) -> T:
+        """``work``'s answer, unless the job still waits for its model's load after
+        http_load_wait_s: then the job is cancelled and ModelLoading raised."""
+        task = asyncio.ensure_future(work)
+        wait_s = self.settings.http_load_wait_s
+        try:
+            done, _ = await asyncio.wait({task}, timeout=wait_s)
+            while not done:
+                loading = await self.loads.of(job.request.model)
+                if loading is not None and not task.done():
+                    await job.cancel()
+                    raise ModelLoading(loading, wait_s)
+                done, _ = await asyncio.wait({task}, timeout=LoadBoard.LOOK_S)
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def unload(self, caller: Caller, model: str) -> None:
         caller.check_model(model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from scheduler.errors import (
     ChunksLost,
@@ -28,6 +29,9 @@ from scheduler.errors import (
     ServerBusy,
     StackNotRunning,
 )
+
+if TYPE_CHECKING:
+    from api_client.gateway.loads import LoadProgress
 
 RETRY_AFTER_S = 5  # what a busy pool asks clients to wait before they try again
 
@@ -90,6 +94,23 @@ class NotSupported(GgufqError):
     code = "not_supported"
 
 
+class ModelLoading(GgufqError):
+    """A request that does not stream waited past GGUFQ_HTTP_LOAD_WAIT_S for its model's
+    load (503 with Retry-After; the load goes on, and a retry finds the model loaded)."""
+
+    code = "model_loading"
+
+    def __init__(self, progress: LoadProgress, waited_s: float) -> None:
+        done = f"{progress.fraction:.0%}" if progress.stage == "loading" else progress.stage
+        super().__init__(
+            f"model {progress.model!r} is still loading ({done}) after {waited_s:g} s; its "
+            f"load goes on: retry in {progress.retry_after_s()} s, or stream the request to "
+            "wait with its progress (GGUFQ_HTTP_LOAD_WAIT_S sets this wait)"
+        )
+        self.progress = progress
+        self.retry_after_s = progress.retry_after_s()
+
+
 @dataclass(frozen=True)
 class HttpError:
     status: int
@@ -136,6 +157,8 @@ def http_error(exc: GgufqError) -> HttpError:
     """The status (and Retry-After) for an error."""
     if isinstance(exc, RateLimited):
         return HttpError(429, exc.retry_after_s)
+    if isinstance(exc, ModelLoading):
+        return HttpError(503, exc.retry_after_s)
     for cls, answer in _STATUS:
         if isinstance(exc, cls):
             return answer
@@ -157,11 +180,16 @@ def public(message: str) -> str:
     return _PATH.sub(lambda m: m.group(1) or "/", message)
 
 
-def ollama_body(exc: GgufqError) -> dict[str, str]:
-    return {"error": public(str(exc))}
+def ollama_body(exc: GgufqError) -> dict[str, object]:
+    return {"error": public(str(exc)), **_progress(exc)}
 
 
-def openai_body(exc: GgufqError, status: int) -> dict[str, dict[str, str | None]]:
+def openai_body(exc: GgufqError, status: int) -> dict[str, dict[str, object]]:
     kind = _OPENAI_TYPE.get(status, "server_error")
     message = public(str(exc))
-    return {"error": {"message": message, "type": kind, "param": None, "code": exc.code}}
+    error = {"message": message, "type": kind, "param": None, "code": exc.code}
+    return {"error": {**error, **_progress(exc)}}
+
+
+def _progress(exc: GgufqError) -> dict[str, object]:
+    return {"load_progress": exc.progress.body()} if isinstance(exc, ModelLoading) else {}

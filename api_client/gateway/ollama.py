@@ -34,6 +34,7 @@ from api_client.gateway.core import (
     parse_body,
 )
 from api_client.gateway.errors import NotSupported
+from api_client.gateway.loads import LoadProgress
 from api_client.gateway.ollama_schema import (
     ChatRequest,
     EmbeddingsRequest,
@@ -153,8 +154,11 @@ async def _answer(
         last = line(generate_record(echo, chunk, "", chat, calls=False))
         return [line(calls_record(echo, chunk)), last] if chat and made_calls(chunk) else [last]
 
-    keepalive = line(empty_record(echo, time.time(), chat, None))
-    return gateway.stream(job, encode, error_line, keepalive, NDJSON)
+    def beat(progress: LoadProgress | None) -> bytes:
+        record = empty_record(echo, time.time(), chat, None)
+        return line(record if progress is None else {**record, "load_progress": progress.body()})
+
+    return gateway.stream(job, encode, error_line, beat, NDJSON)
 
 
 async def _load_or_unload(
@@ -173,7 +177,7 @@ async def _load_or_unload(
         job = await gateway.submit(
             caller, model, options=known_options(body.options), keep_alive=body.keep_alive
         )
-        final = await gateway.result(request, job)
+        final = await gateway.result(request, job, load_wait=False)  # it asks for the load
         record = empty_record(body.model, final.created_at, chat, final.done_reason or "load")
     return _one(record, body.stream)
 

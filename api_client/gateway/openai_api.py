@@ -48,6 +48,7 @@ from api_client.gateway.openai_schema import (
     vector,
 )
 from api_client.gateway.responses_schema import ResponsesRequest, ResponseStream, response_object
+from api_client.gateway.streaming import sse_beat
 from scheduler.errors import ModelNotFound
 from scheduler.protocol import GenerateResponse
 
@@ -168,7 +169,7 @@ def _stream(
             frames.append(chunk([], last=True))
         return [*frames, DONE]
 
-    return gateway.stream(job, encode, error_event, KEEPALIVE, SSE)
+    return gateway.stream(job, encode, error_event, sse_beat(KEEPALIVE), SSE)
 
 
 @router.add("/responses", "POST")
@@ -179,7 +180,7 @@ async def responses(request: Request) -> Any:
     job = await submit_chat(request, body)
     if body.stream:
         events = ResponseStream(job.id, body)
-        return gateway.stream(job, events.encode, events.error, KEEPALIVE, SSE)
+        return gateway.stream(job, events.encode, events.error, sse_beat(KEEPALIVE), SSE)
     final = await gateway.result(request, job)
     return response_object(job.id, body, final, final.created_at)
 

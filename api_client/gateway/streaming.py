@@ -8,6 +8,10 @@ cancels the reading task, and so the job; keep-alive bytes after a quiet spell (
 the response, 200, if the job has sent nothing yet) come from one task for all the
 responses of the process (:class:`KeepAlives`).
 
+While the job waits for its model's load, the keep-alives carry the load's progress
+(:mod:`api_client.gateway.loads`): a line as soon as the progress moves, in the shape
+each API's clients skip or read (Ollama's ``load_progress`` field, an SSE comment).
+
 An error before anything was sent is raised, so that the app answers it with its status
 (404, 503 with Retry-After ...); after that it goes in-stream, as each API does.
 """
@@ -15,6 +19,7 @@ An error before anything was sent is raised, so that the app answers it with its
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -25,10 +30,21 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from api_client.ajob import AsyncJob
+from api_client.gateway.loads import LoadBoard, LoadProgress
 from scheduler.errors import GgufqError, JobFailed, RedisUnavailable
 from scheduler.protocol import GenerateResponse
 
 Encode = Callable[[GenerateResponse], list[bytes]]
+Beat = Callable[[LoadProgress | None], bytes]  # a keep-alive frame, with a load's progress
+
+
+@dataclass
+class LoadFeed:
+    """What a waiting answer shows of its model's load, and what it showed last."""
+
+    board: LoadBoard
+    model: str
+    shown: LoadProgress | None = None
 
 
 async def until_disconnected(request: Request) -> None:
@@ -80,6 +96,18 @@ def _ms(seconds: float) -> str:
     return f"{max(0.0, seconds) * 1000:.3f}"  # a wall clock stepped back: 0, not negative
 
 
+def sse_beat(keepalive: bytes) -> Beat:
+    """An SSE API's beat: its keep-alive, or the load's progress as a comment (which
+    every SSE client skips, and a person reading the stream sees)."""
+
+    def beat(progress: LoadProgress | None) -> bytes:
+        if progress is None:
+            return keepalive
+        return b": load_progress " + json.dumps(progress.body()).encode() + b"\n\n"
+
+    return beat
+
+
 class _Output:
     """The response's sends, one at a time (the reading task and the keep-alives both
     send), and when the last one went out."""
@@ -88,12 +116,13 @@ class _Output:
         self,
         send: Send,
         head: dict[str, Any],
-        keepalive: bytes,
+        beat: Beat,
         every_s: float,
         timing: ServerTiming,
+        feed: LoadFeed | None = None,
     ):
         self.send, self.head, self.timing = send, head, timing
-        self.keepalive, self.every_s = keepalive, every_s
+        self.beat, self.every_s, self.feed = beat, every_s, feed
         self.started = self.ended = False
         self.lock = asyncio.Lock()
         self.loop = asyncio.get_running_loop()
@@ -116,6 +145,19 @@ class _Output:
 
     def quiet_for(self, now: float) -> float:
         return 0.0 if self.ended or self.lock.locked() else now - self.last
+
+    def due(self, now: float) -> bytes | None:
+        """The frame due now, if any: the load's progress when it moved (its job has
+        sent nothing yet), else a keep-alive after ``every_s`` of quiet."""
+        feed = self.feed if self.timing.first_chunk is None and not self.ended else None
+        known = None
+        if feed is not None:
+            feed.board.look()
+            known = feed.board.known(feed.model)
+            if known is not None and known != feed.shown and not self.lock.locked():
+                feed.shown = known
+                return self.beat(known)
+        return self.beat(known) if self.quiet_for(now) >= self.every_s else None
 
 
 class KeepAlives:
@@ -142,10 +184,13 @@ class KeepAlives:
         while self._outputs:
             await asyncio.sleep(self.LOOK_S)
             now = loop.time()
-            for out in [o for o in self._outputs if o.quiet_for(now) >= o.every_s]:
+            for out in list(self._outputs):
+                frame = out.due(now)
+                if frame is None:
+                    continue
                 out.last = now  # not again before its send went out
                 # a task of its own: a client that reads slowly holds up no other
-                task = loop.create_task(out.frames([out.keepalive]))
+                task = loop.create_task(out.frames([frame]))
                 task.add_done_callback(_ignore)
 
 
@@ -169,22 +214,25 @@ def keepalives() -> KeepAlives:
 
 
 class JobStreamResponse(Response):
-    """A job's chunks, each encoded by ``encode``; keep-alive bytes after ``keepalive_s``
-    without one; the job's error encoded by ``encode_error`` once the response has begun."""
+    """A job's chunks, each encoded by ``encode``; a ``beat`` after ``keepalive_s``
+    without one, or when its model's load moved (``loads``); the job's error encoded by
+    ``encode_error`` once the response has begun."""
 
     def __init__(
         self,
         job: AsyncJob,
         encode: Encode,
         encode_error: Callable[[GgufqError], bytes],
-        keepalive: bytes,
+        beat: Beat,
         keepalive_s: float,
         timeout_s: float,
         media_type: str,
         headers: dict[str, str],
+        loads: LoadBoard | None = None,
     ) -> None:
         self.job, self.encode, self.encode_error = job, encode, encode_error
-        self.keepalive, self.keepalive_s, self.timeout_s = keepalive, keepalive_s, timeout_s
+        self.beat, self.keepalive_s, self.timeout_s = beat, keepalive_s, timeout_s
+        self.loads = loads
         self.status_code = 200
         self.media_type = media_type
         self.background = None
@@ -197,7 +245,8 @@ class JobStreamResponse(Response):
 
         head = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
         timing = ServerTiming(scope.get("state", {}).get("arrived"), self.job.request.submitted_at)
-        out = _Output(send, head, self.keepalive, self.keepalive_s, timing)
+        feed = None if self.loads is None else LoadFeed(self.loads, self.job.request.model)
+        out = _Output(send, head, self.beat, self.keepalive_s, timing, feed)
 
         async def watch() -> None:
             nonlocal gone

@@ -67,7 +67,7 @@ def device_view(device_id: str, h: dict[str, str], reserved: int) -> DeviceView:
 def runner_view(runner_id: str, h: dict[str, str]) -> RunnerView | None:
     if "model" not in h:
         return None
-    loaded_at = h.get("loaded_at")
+    loaded_at, load_progress = h.get("loaded_at"), h.get("load_progress")
     return RunnerView(
         id=runner_id,
         model=h["model"],
@@ -87,6 +87,7 @@ def runner_view(runner_id: str, h: dict[str, str]) -> RunnerView | None:
         loaded_at=None if loaded_at is None else float(loaded_at),
         worker=h.get("worker", ""),
         config_key=h.get("config_key", ""),
+        load_progress=None if load_progress is None else float(load_progress),
     )
 
 

@@ -55,6 +55,7 @@ class Engine:
         load_timeout_s: float = 300.0,
         split: list[float] | None = None,
         device_sampling: bool = False,
+        on_load: Callable[[float], None] | None = None,  # the load's fraction done
     ) -> None:
         L = llama()
         _init_backend(L)
@@ -62,7 +63,7 @@ class Engine:
         self.name = name or os.path.basename(path)
         self.config = config
         self.size = size = ContextSize.of(config)
-        watch = LoadWatch(load_timeout_s)
+        watch = LoadWatch(load_timeout_s, report=on_load)
         self.model, self.ctx = _load(L, path, config, size, n_gpu_layers, n_threads, watch, split)
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)

@@ -1,0 +1,123 @@
+"""Model loads as the gateway's waiting clients see them: Ollama-style ``load_progress``.
+
+A runner's worker writes its load's fraction on the runner's record as llama.cpp reports
+it (``workers.residency``). A model is *loading* for a client when it has a runner
+loading and none ready: a job of that model can only be waiting for the load then (with a
+ready runner it runs, or waits for a slot, and a replica's load says nothing of it).
+
+:class:`LoadBoard` reads the runners for all of a gateway's waiting answers at once, at
+most every ``LOOK_S``, and only while some answer asks: thousands of clients waiting on
+one load cost one read a half second, not one each. A read Redis misses keeps what was
+known (a keep-alive goes out instead of a progress line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from scheduler.cluster import RunnerView
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """How far a model's load has come. ``stage``: ``waiting`` (its worker has not begun
+    reading the weights: it is starting, or loading another model first), ``loading``
+    (the weights, ``fraction`` of them read) or ``starting`` (weights in, the context
+    being made)."""
+
+    model: str
+    stage: str
+    fraction: float
+    runner: str
+    seconds_left: float | None = None  # at the pace so far, when it has one
+
+    def body(self) -> dict[str, object]:
+        """The ``load_progress`` object of a line, a /api/ps row or a 503's body."""
+        out: dict[str, object] = {"stage": self.stage, "fraction": round(self.fraction, 3)}
+        if self.seconds_left is not None:
+            out["seconds_left"] = round(self.seconds_left, 1)
+        return out
+
+    def retry_after_s(self) -> int:
+        """What a 503 asks the client to wait: the time left at the pace so far (1 to 60
+        seconds), or 5 without a pace."""
+        if self.seconds_left is None:
+            return 5
+        return max(1, min(60, math.ceil(round(self.seconds_left, 1))))
+
+
+def stage_of(runner: RunnerView) -> tuple[str, float]:
+    fraction = runner.load_progress or 0.0
+    if runner.load_progress is None:
+        return "waiting", 0.0
+    return ("starting" if fraction >= 1.0 else "loading"), min(fraction, 1.0)
+
+
+class LoadBoard:
+    """The models whose only live runners are loading, with their progress."""
+
+    LOOK_S = 0.5
+
+    def __init__(
+        self,
+        read: Callable[[], Awaitable[list[RunnerView]]],
+        clock: Callable[[], float] = lambda: asyncio.get_running_loop().time(),
+    ) -> None:
+        self._read, self._clock = read, clock
+        self._loading: dict[str, LoadProgress] = {}
+        self._first_seen: dict[str, tuple[float, float]] = {}  # runner → (when, fraction)
+        self._read_at = -math.inf
+        self._reading: asyncio.Future[None] | None = None
+
+    def known(self, model: str) -> LoadProgress | None:
+        """What the last read said of ``model`` (None: not loading, or not read yet)."""
+        return self._loading.get(model)
+
+    def look(self) -> None:
+        """Read again, in the background, unless a read is under way or recent."""
+        if self._reading is None and self._clock() - self._read_at >= self.LOOK_S:
+            self._reading = asyncio.ensure_future(self._refresh())
+
+    async def of(self, model: str) -> LoadProgress | None:
+        """``model``'s load, read again first unless the last read is recent."""
+        self.look()
+        if self._reading is not None:
+            await asyncio.shield(self._reading)
+        return self.known(model)
+
+    async def _refresh(self) -> None:
+        try:
+            runners = await self._read()
+        except Exception as exc:  # Redis away: what was known stays, keep-alives go out
+            log.debug("runners not read for load progress: %s", exc)
+            return
+        finally:
+            self._read_at, self._reading = self._clock(), None
+        self._loading = self._tally(runners)
+
+    def _tally(self, runners: list[RunnerView]) -> dict[str, LoadProgress]:
+        now = self._clock()
+        ready = {r.model for r in runners if r.state == "ready"}
+        loading: dict[str, LoadProgress] = {}
+        seen: dict[str, tuple[float, float]] = {}
+        for runner in runners:
+            if runner.state != "loading" or runner.model in ready:
+                continue
+            stage, fraction = stage_of(runner)
+            left = None
+            if stage == "loading":  # the pace from its first read seen loading
+                first = seen[runner.id] = self._first_seen.get(runner.id, (now, fraction))
+                pace = (fraction - first[1]) / (now - first[0]) if now > first[0] else 0.0
+                left = (1.0 - fraction) / pace if pace > 0 else None
+            found = LoadProgress(runner.model, stage, fraction, runner.id, left)
+            best = loading.get(runner.model)
+            if best is None or found.fraction > best.fraction:
+                loading[runner.model] = found
+        self._first_seen = seen
+        return loading
