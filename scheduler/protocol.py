@@ -189,7 +189,9 @@ class JobRequest(BaseModel):
         default_factory=list, max_length=4096, description="embed: the texts to embed"
     )
     truncate: bool = Field(
-        False, description="embed: cut inputs longer than the context instead of refusing them"
+        False,
+        description="cut what the context cannot hold instead of refusing it: embed inputs' "
+        "ends, a chat's oldest turns, a prompt's beginning (workers/fitting.py)",
     )
     tools: list[Tool] = Field(
         default_factory=list, max_length=MAX_TOOLS, description="chat: tools the model may call"

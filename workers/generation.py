@@ -11,7 +11,7 @@ from scheduler.chat import chat_text
 from scheduler.errors import JobCancelled, JobFailed
 from scheduler.gguf.metadata import read_model_info
 from scheduler.gguf.registry import Registry
-from scheduler.protocol import JobRequest, Placement
+from scheduler.protocol import JobRequest, Message, Placement
 from scheduler.settings import Settings
 from scheduler.store.hops import wall
 from scheduler.thinking import ThinkSplitter, can_think, opens_thinking
@@ -22,6 +22,7 @@ from workers.answer import Answer
 from workers.chunks import ChunkPublisher
 from workers.devices import tensor_split
 from workers.embedder import Embedder
+from workers.fitting import fit_chat, fit_prompt, room_to_generate
 from workers.keepalive import effective_keep_alive
 from workers.runner import Runner
 
@@ -144,8 +145,11 @@ def produce(
         meanwhile()
         out = embed(req, runner)
     elif req.kind == "chat" or req.prompt:
+        fit = _fitter(req, runner, warnings)
         prompt, thinking = (
-            chat_prompt(req, registry, warnings) if req.kind == "chat" else (req.prompt, None)
+            chat_prompt(req, registry, warnings, fit)
+            if req.kind == "chat"
+            else (fit(lambda _m: req.prompt), None)
         )
         out = generate(
             req, runner, publisher, cancelled, prompt, progress, meanwhile, thinking, warnings
@@ -158,17 +162,52 @@ def produce(
     return out
 
 
+Render = Callable[[list[Message]], str]
+
+
+def _fitter(req: JobRequest, runner: AnyRunner, warnings: list[str]) -> Callable[[Render], str]:
+    """How the job's prompt is made from its messages (``render``): whole, or with
+    ``truncate`` cut to fit its slot (:mod:`workers.fitting`), with a warning that says so."""
+
+    def fit(render: Render) -> str:
+        if not req.truncate or not isinstance(runner, Runner):
+            return render(req.messages)
+        num_ctx = runner.config.num_ctx
+        limit = num_ctx - room_to_generate(num_ctx, req.options.num_predict)
+
+        def count(text: str) -> int:
+            return len(runner.engine.tokenize(text))
+
+        if req.kind == "chat":
+            fitted = fit_chat(req.messages, render, count, limit)
+        else:
+            fitted = fit_prompt(render([]), count, limit)
+        if (warning := fitted.warning(req.kind == "chat")) is not None:
+            warnings.append(warning)
+        return fitted.prompt
+
+    return fit
+
+
 def chat_prompt(
-    req: JobRequest, registry: Registry, warnings: list[str]
+    req: JobRequest,
+    registry: Registry,
+    warnings: list[str],
+    fit: Callable[[Render], str] | None = None,
 ) -> tuple[str, ThinkSplitter | None]:
     """The chat's messages rendered with the model's own template (a warning without one),
-    and the splitter of its thinking when the template can think."""
+    made to fit by ``fit``, and the splitter of its thinking when the template can think."""
     info = read_model_info(registry.resolve(req.model))
     if not info.chat_template:
         warnings.append(
             f"model {req.model!r} has no chat template in its metadata; the messages were "
             "rendered as a plain 'Role: text' transcript"
         )
-    prompt = chat_text(req, info.chat_template, info.bos_text, info.eos_text)
+
+    def render(messages: list[Message]) -> str:
+        job = req.model_copy(update={"messages": messages})
+        return chat_text(job, info.chat_template, info.bos_text, info.eos_text)
+
+    prompt = render(req.messages) if fit is None else fit(render)
     thinks = can_think(info.chat_template)
     return prompt, ThinkSplitter(inside=opens_thinking(prompt)) if thinks else None

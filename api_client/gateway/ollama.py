@@ -135,7 +135,7 @@ async def _submit(
         options={**known_options(body.options), **body.logprob_options()},
         keep_alive=body.keep_alive,
         format=body.job_format(),
-        extra={**extra, **body.think_fields()},
+        extra={**extra, **body.job_fields()},
     )
 
 

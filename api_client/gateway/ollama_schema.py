@@ -44,14 +44,16 @@ class _Request(BaseModel):
     think: bool | str | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    truncate: bool = False  # a prompt the context cannot hold: cut (oldest turns), not a 400
 
     def logprob_options(self) -> dict[str, Any]:
         """``logprobs`` and ``top_logprobs`` as the job's option (none: not asked)."""
         return {"top_logprobs": self.top_logprobs or 0} if self.logprobs else {}
 
-    def think_fields(self) -> dict[str, Any]:
-        """``think`` as a job carries it (none: the model's default)."""
-        return {} if self.think is None else {"think": self.think}
+    def job_fields(self) -> dict[str, Any]:
+        """``think`` and ``truncate`` as a job carries them (none: the defaults)."""
+        fields: dict[str, Any] = {} if self.think is None else {"think": self.think}
+        return {**fields, "truncate": True} if self.truncate else fields
 
     def job_format(self) -> Literal["json"] | dict[str, Any] | None:
         return self.format or None
