@@ -255,7 +255,7 @@ class Gateway:
         caller.check_model(model)
         caller.check_job(options or {}, keep_alive, self.settings)
         return await self.client.submit(
-            model,
+            self.registry.first_name(model),  # names of one file share its runners
             prompt,
             options=options,
             keep_alive=keep_alive,

@@ -67,6 +67,7 @@ class Registry:
     def __init__(self, models_dir: Path) -> None:
         self.models_dir = Path(models_dir).expanduser()
         self._listing: tuple[int, dict[str, Path]] = (-1, {})
+        self._firsts: tuple[int, dict[str, str]] = (-1, {})
 
     def _files(self) -> dict[str, Path]:
         """The directory's *.gguf files, listed again only when the directory changes."""
@@ -78,6 +79,25 @@ class Registry:
             files = {p.stem: p for p in sorted(self.models_dir.glob("*.gguf")) if p.is_file()}
             self._listing = (mtime, files)
         return self._listing[1]
+
+    def first_name(self, name: str) -> str:
+        """The first name of ``name``'s file: names whose files are one file (a symlink, a
+        hard link) are one model, as Ollama's names of one digest are, and share its
+        runners. First: the file's own name before a symlink's, then in order of names;
+        ``name`` itself when no other name shares its file."""
+        files = self._files()
+        if self._firsts[0] != self._listing[0]:
+            firsts: dict[tuple[int, int], str] = {}
+            by_name = {}
+            # a file's own name before a symlink's, then by name
+            for stem, path in sorted(files.items(), key=lambda f: (f[1].is_symlink(), f[0])):
+                try:
+                    st = path.stat()
+                except OSError:
+                    continue
+                by_name[stem] = firsts.setdefault((st.st_dev, st.st_ino), stem)
+            self._firsts = (self._listing[0], by_name)
+        return self._firsts[1].get(name, name)
 
     def names(self) -> list[str]:
         names = set(self._files())
