@@ -188,11 +188,7 @@ class JobRequest(BaseModel):
     input: list[str] = Field(
         default_factory=list, max_length=4096, description="embed: the texts to embed"
     )
-    truncate: bool = Field(
-        False,
-        description="cut what the context cannot hold instead of refusing it: embed inputs' "
-        "ends, a chat's oldest turns, a prompt's beginning (workers/fitting.py)",
-    )
+    truncate: bool = Field(False, description="cut what the context cannot hold, not refuse it")
     tools: list[Tool] = Field(
         default_factory=list, max_length=MAX_TOOLS, description="chat: tools the model may call"
     )
@@ -330,6 +326,7 @@ class GenerateResponse(BaseModel):
     logprobs: list[dict[str, Any]] | None = None  # final record: each token's, when asked
     done: bool = False
     done_reason: DoneReason | None = None
+    stop_sequence: str | None = None  # final record: the stop string that ended it
     total_duration: int | None = None
     load_duration: int | None = None
     prompt_eval_count: int | None = None

@@ -150,3 +150,25 @@ def test_count_tokens_is_what_the_job_would_be_given(
     assert counted.input_tokens == with_tools.prompt_eval_count > ran.prompt_eval_count
     with pytest.raises(anthropic.NotFoundError):
         api.messages.count_tokens(model="nosuchmodel", messages=ASK)
+
+
+def test_a_stop_sequence_is_named_as_the_reason(api: anthropic.Anthropic, client: Client) -> None:
+    options = {"temperature": 0, "num_predict": 16}
+    whole = client.chat("tiny", [{"role": "user", "content": "the sky is"}], options=options)
+    stop = whole.response.strip()[2:5]  # a string the answer holds, past its beginning
+    assert len(stop) == 3
+    greedy = {"temperature": 0}
+    answer = api.messages.create(
+        model="tiny",
+        max_tokens=16,
+        messages=ASK,
+        stop_sequences=[stop, "never said"],
+        extra_body=greedy,
+    )
+    assert answer.stop_reason == "stop_sequence" and answer.stop_sequence == stop
+    assert answer.content[0].type == "text" and stop not in answer.content[0].text
+    with api.messages.stream(
+        model="tiny", max_tokens=16, messages=ASK, stop_sequences=[stop], extra_body=greedy
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop

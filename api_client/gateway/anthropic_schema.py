@@ -187,6 +187,8 @@ def _choice(choice: ToolChoice) -> Any:
 def stop_reason(final: GenerateResponse) -> str:
     if final.tool_calls:
         return "tool_use"
+    if final.stop_sequence is not None:
+        return "stop_sequence"
     return "max_tokens" if final.done_reason == "length" else "end_turn"
 
 
@@ -220,7 +222,7 @@ def message_object(job_id: str, model: str, final: GenerateResponse | None) -> d
         "model": model,
         "content": content,
         "stop_reason": stop_reason(final) if final is not None else None,
-        "stop_sequence": None,
+        "stop_sequence": None if final is None else final.stop_sequence,
         "usage": usage(final),
     }
 
@@ -289,7 +291,7 @@ class MessageStream:
                 sse("content_block_stop", {"index": self._blocks}),
             ]
             self._blocks += 1
-        end = {"stop_reason": stop_reason(final), "stop_sequence": None}
+        end = {"stop_reason": stop_reason(final), "stop_sequence": final.stop_sequence}
         frames.append(sse("message_delta", {"delta": end, "usage": usage(final)}))
         return [*frames, sse("message_stop", {})]
 

@@ -92,6 +92,7 @@ class Job:
             eval_duration_ns=now - first,
             admitted_ns=self.admitted_ns,
             logprobs=self.sampler.logprobs if wanted else None,
+            stop_sequence=self.stops.matched,
         )
 
 

@@ -29,6 +29,7 @@ class GenerationStats:
     eval_duration_ns: int
     admitted_ns: int = 0  # perf_counter_ns when the job got its slot
     logprobs: list[dict[str, Any]] | None = None  # each token's, when the job asked
+    stop_sequence: str | None = None  # the stop string that ended it
 
     def ollama_fields(self) -> dict[str, Any]:
         """The final record's fields under Ollama's names."""
@@ -39,7 +40,9 @@ class GenerationStats:
             "prompt_eval_duration": self.prompt_eval_duration_ns,
             "eval_count": self.eval_count,
             "eval_duration": self.eval_duration_ns,
-        } | ({} if self.logprobs is None else {"logprobs": self.logprobs})
+        } | ({} if self.logprobs is None else {"logprobs": self.logprobs}) | (
+            {} if self.stop_sequence is None else {"stop_sequence": self.stop_sequence}
+        )
 
 
 class StopMatcher:
@@ -52,16 +55,18 @@ class StopMatcher:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self.held = ""
+        self.matched: str | None = None  # the stop string found
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit now, whether a stop string was found)."""
         if not self.stops:
             return text, False
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda hit: hit[0])
             self.held = ""
-            return buf[: min(hits)], True
+            return buf[:at], True
         keep = max(_prefix_overlap(buf, s) for s in self.stops)
         self.held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
