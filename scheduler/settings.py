@@ -268,9 +268,9 @@ class Settings(BaseSettings):
         30.0,
         gt=0,
         description="A request that does not stream, still waiting after this long while "
-        "its model loads, gets 503 with Retry-After and the load's progress (its job is "
-        "cancelled; the load goes on, so the retry finds the model loaded). A streamed one "
-        "gets load_progress lines instead, and waits.",
+        "its model's load is under way, gets 503 with Retry-After and the load's progress "
+        "(its job is cancelled; the load goes on, so the retry finds the model loaded). A "
+        "streamed one gets load_progress lines instead, and waits.",
     )
     http_timeout_s: float = Field(
         600.0,

@@ -51,7 +51,7 @@ def hold_loads_while_asked() -> None:
             watch.last_progress = watch.clock()  # the held time is not a stall
         return going_on
 
-    LoadWatch.progress = held  # type: ignore[method-assign]
+    LoadWatch.progress = held  # type: ignore[method-assign,assignment]
 
 
 def release_key(job_id: str) -> str:

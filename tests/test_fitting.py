@@ -25,7 +25,7 @@ def talk(*turns: tuple[str, str]) -> list[Message]:
     return [Message(role=role, content=content) for role, content in turns]  # type: ignore[arg-type]
 
 
-def test_a_chat_loses_its_oldest_turns_and_keeps_its_system_and_last_message() -> None:
+def test_a_chat_loses_its_oldest_turns_and_keeps_its_system_and_last_user_turn() -> None:
     chat = talk(
         ("system", "be brief"),
         ("user", "one two three"),
@@ -34,15 +34,16 @@ def test_a_chat_loses_its_oldest_turns_and_keeps_its_system_and_last_message() -
         ("assistant", "seven"),
         ("user", "eight"),
     )
-    assert fit_chat(chat, render, words, 100).left_out == 0
+    assert fit_chat(chat, render, words, 100).messages == 0
     # "system: be brief user: six assistant: seven user: eight" is 9 words: the cut falls
     # where a user turn begins, as few turns as fit
     fitted = fit_chat(chat, render, words, 9)
-    assert fitted.left_out == 2
+    assert fitted.messages == 2 and fitted.chars == 0
     assert fitted.prompt == "system: be brief user: six assistant: seven user: eight"
-    assert "2 oldest messages were left out" in (fitted.warning(chat=True) or "")
+    assert "its 2 oldest messages were left out" in (fitted.warning() or "")
     assert fit_chat(chat, render, words, 5).prompt == "system: be brief user: eight"
-    # not even the system and last message fit: the whole, for the slot's own 400
+    # not even the system and last message fit, and the last turn has nothing to cut: the
+    # whole, for the slot's own 400
     assert fit_chat(chat, render, words, 4) == fit_chat(chat, render, words, 1000)
 
 
@@ -50,12 +51,32 @@ def test_a_tool_answer_never_loses_its_call() -> None:
     chat = talk(("user", "a b c d"), ("assistant", "x"), ("tool", "y"), ("user", "z"))
     # cutting after the call would fit 4 words, but a cut falls only where a user turn begins
     assert fit_chat(chat, render, words, 6).prompt == "user: z"
+    # a chat that ends with a tool's answer keeps the call and its user turn
+    called = talk(
+        ("user", "a b"), ("assistant", "x"), ("user", "c"), ("assistant", "y"), ("tool", "t")
+    )
+    assert fit_chat(called, render, words, 6).prompt == "user: c assistant: y tool: t"
+
+
+def test_a_one_turn_chat_loses_its_beginning_and_a_refused_rendering_does_not_fit() -> None:
+    (one,) = talk(("user", "a b c d e f"))
+    fitted = fit_chat([one], render, words, 4)  # "user:" and three words
+    assert fitted.prompt == "user:  d e f" and fitted.chars == 5 and fitted.messages == 0
+    assert "first 5 characters" in (fitted.warning() or "")
+
+    def alternating(messages: list[Message]) -> str:
+        if messages and messages[0].role != "user":
+            raise InvalidRequest("conversation roles must alternate user/assistant")
+        return render(messages)
+
+    chat = talk(("user", "a b c"), ("assistant", "d"), ("user", "e"))
+    assert fit_chat(chat, alternating, words, 2).prompt == "user: e"
 
 
 def test_a_prompt_loses_its_beginning_and_room_is_left_to_generate() -> None:
     fitted = fit_prompt("a b c d e f", words, 3)
-    assert fitted.prompt == " d e f" and fitted.left_out == 5  # the least cut that fits
-    assert fit_prompt("a b", words, 3).left_out == 0
+    assert fitted.prompt == " d e f" and fitted.chars == 5  # the least cut that fits
+    assert fit_prompt("a b", words, 3).chars == 0
     assert room_to_generate(1000, 100) == 100
     assert room_to_generate(1000, -1) == 250 and room_to_generate(1000, 900) == 500
 
@@ -81,7 +102,7 @@ def test_a_chat_past_its_context_is_refused_unless_truncated(client: Client) -> 
     assert "oldest messages were left out" in warning
     plain = client.generate("tiny", "word " * 400, options=options, truncate=True)
     assert plain.prompt_eval_count and plain.prompt_eval_count <= 128 - 8
-    assert any("first characters of the prompt" in w for w in plain.warnings)
+    assert any("first" in w and "characters" in w for w in plain.warnings)
 
 
 def test_ollamas_truncate_on_chat(stack: LocalStack) -> None:
@@ -96,3 +117,9 @@ def test_ollamas_truncate_on_chat(stack: LocalStack) -> None:
         cut = httpx.post(f"{url}/api/chat", json={**body, "truncate": True}, timeout=60)
     assert refused.status_code == 400 and "num_ctx" in refused.json()["error"]
     assert cut.status_code == 200 and cut.json()["done"] is True
+    # a prompt that /api/generate renders as a one-turn chat loses its beginning
+    prompt = {**body, "prompt": "word " * 400}
+    del prompt["messages"]
+    with running_gateway(stack.settings) as url:
+        long = httpx.post(f"{url}/api/generate", json={**prompt, "truncate": True}, timeout=60)
+    assert long.status_code == 200 and long.json()["prompt_eval_count"] <= 128 - 4

@@ -190,3 +190,33 @@ def test_a_model_is_loading_for_its_clients_only_while_no_runner_of_it_is_ready(
     # 0.2 → 0.6 in 2 s: 0.4 left at 0.2 a second
     assert second is not None and second.seconds_left == pytest.approx(2.0)
     assert second.retry_after_s() == 2 and kept == second
+
+
+def test_a_fresh_look_waits_for_a_read_begun_after_it_and_failed_reads_forget() -> None:
+    now = [0.0]
+    reads: list[list[RunnerView]] = [[runner("a", "loading", 0.3)], [runner("a", "ready", 1.0)]]
+    failing = [False]
+
+    async def read() -> list[RunnerView]:
+        if failing[0]:
+            raise ConnectionError("Redis away")
+        return reads.pop(0)
+
+    async def main() -> list[LoadProgress | None]:
+        board = LoadBoard(read, clock=lambda: now[0])
+        seen = [await board.of("a")]
+        now[0] += 0.1  # a recent read would do for of(), not for now()
+        seen.append(await board.now("a"))  # the runner is ready by now
+        reads.append([runner("a", "loading", 0.5)])
+        now[0] += 1.0
+        seen.append(await board.of("a"))
+        failing[0] = True
+        now[0] += 1.0
+        seen.append(await board.of("a"))  # one failed read: what was known stays
+        now[0] += LoadBoard.FORGET_S
+        seen.append(await board.of("a"))  # reads failing that long: forgotten
+        return seen
+
+    first, fresh, later, kept, forgotten = asyncio.run(main())
+    assert first is not None and first.fraction == 0.3 and fresh is None
+    assert later is not None and kept == later and forgotten is None

@@ -13,6 +13,7 @@ import pytest
 from api_client import Client
 from scheduler.gguf.registry import Registry
 from scheduler.local.stack import LocalStack
+from tests.conftest import wait_for
 from tests.gateway_server import running_gateway
 
 
@@ -57,3 +58,12 @@ def test_two_names_of_one_file_share_one_runner(
     assert second.json()["response"] == first.json()["response"]
     assert {r.id for r in client.ps()} == before  # no runner loaded for the second name
     assert all(r.model != alias for r in client.ps())
+    # unloading by the other name unloads the shared runner
+    with running_gateway(stack.settings) as url:
+        unload = httpx.post(
+            f"{url}/api/generate", json={"model": alias, "keep_alive": 0}, timeout=60
+        )
+    assert unload.json()["done_reason"] == "unload"
+    assert wait_for(
+        lambda: not any(r.model == "tiny" and r.context_length == 640 for r in client.ps())
+    )

@@ -1,9 +1,11 @@
 """A prompt cut to fit its slot, for a job that sets ``truncate`` (Ollama's, on /api/chat
 and /api/generate): without it a prompt the slot cannot hold is a 400 that says so.
 
-A chat loses its oldest turns: every system message and the last message stay, and a cut
-falls only where a user turn begins, so that the rest still alternates as templates
-demand (a tool's answer never loses its call). A plain prompt loses its beginning. Either
+A chat loses its oldest turns: every system message and the last user turn stay, and a
+cut falls only where a user turn begins, so that the rest still alternates as templates
+demand (a tool's answer never loses its call); when that is still too long, the last user
+turn loses its beginning (a one-turn chat, as /api/generate makes of a prompt, too). A
+plain prompt loses its beginning. Either
 way the prompt leaves room to generate: ``num_predict`` tokens when the job sets it,
 else a quarter of the slot, and never more than half of it.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from scheduler.errors import InvalidRequest
 from scheduler.protocol import Message
 
 
@@ -29,14 +32,19 @@ def room_to_generate(num_ctx: int, num_predict: int) -> int:
 @dataclass(frozen=True)
 class Fitted:
     prompt: str
-    left_out: int  # messages (a chat) or characters (a prompt) cut
+    messages: int = 0  # messages left out (a chat's oldest)
+    chars: int = 0  # characters cut from the beginning (of a prompt, or a chat's last turn)
 
-    def warning(self, chat: bool) -> str | None:
-        if not self.left_out:
+    def warning(self) -> str | None:
+        parts = []
+        if self.messages:
+            parts.append(f"its {self.messages} oldest messages")
+        if self.chars:
+            parts.append(f"the first {self.chars} characters of its last turn or prompt")
+        if not parts:
             return None
-        what = "oldest messages" if chat else "first characters of the prompt"
         return (
-            f"the prompt did not fit the context: its {self.left_out} {what} were left out "
+            f"the prompt did not fit the context: {' and '.join(parts)} were left out "
             "(truncate); raise options.num_ctx to keep them"
         )
 
@@ -59,15 +67,17 @@ def fit_chat(
     count: Callable[[str], int],
     limit: int,
 ) -> Fitted:
-    """The conversation rendered within ``limit`` tokens, its oldest turns left out as
-    needed; the whole of it rendered when even the shortest does not fit (the slot's
-    own 400 then says so)."""
+    """The conversation rendered within ``limit`` tokens: its oldest turns left out as
+    needed, and when the system messages and the last user turn on their own are still
+    too long, that turn's beginning cut. The whole, unfitted, when nothing fits (the
+    slot's own 400 then says so). A rendering the template refuses counts as too long."""
     whole = render(list(messages))
     if count(whole) <= limit:
-        return Fitted(whole, 0)
-    last = len(messages) - 1
-    # where a cut may fall: where a user turn begins, and before the last message
-    cuts = [i for i, m in enumerate(messages) if m.role == "user" and 0 < i < last] + [last]
+        return Fitted(whole)
+    users = [i for i, m in enumerate(messages) if m.role == "user"]
+    if not users:
+        return Fitted(whole)
+    cuts = [i for i in users if i > 0]  # where a cut may fall: where a user turn begins
 
     def kept(cut: int) -> list[Message]:
         return [m for i, m in enumerate(messages) if i >= cut or m.role == "system"]
@@ -75,20 +85,44 @@ def fit_chat(
     rendered: dict[int, str] = {}
 
     def fits(k: int) -> bool:
-        rendered[k] = render(kept(cuts[k]))
+        try:
+            rendered[k] = render(kept(cuts[k]))
+        except InvalidRequest:
+            return False
         return count(rendered[k]) <= limit
 
     k = _first_fit(len(cuts), fits)
-    if k is None:
-        return Fitted(whole, 0)
-    return Fitted(rendered[k], len(messages) - len(kept(cuts[k])))
+    if k is not None:
+        return Fitted(rendered[k], len(messages) - len(kept(cuts[k])))
+    # the last user turn and what follows it, that turn's beginning cut
+    last = users[-1]
+    rest, turn = kept(last), messages[last]
+    at = rest.index(turn)
+    turn_texts: dict[int, str] = {}
+
+    def cut_fits(i: int) -> bool:
+        shorter = [
+            *rest[:at],
+            turn.model_copy(update={"content": turn.content[i:]}),
+            *rest[at + 1 :],
+        ]
+        try:
+            turn_texts[i] = render(shorter)
+        except InvalidRequest:
+            return False
+        return count(turn_texts[i]) <= limit
+
+    start = _first_fit(len(turn.content), cut_fits)
+    if start is None:
+        return Fitted(whole)
+    return Fitted(turn_texts[start], len(messages) - len(rest), start)
 
 
 def fit_prompt(prompt: str, count: Callable[[str], int], limit: int) -> Fitted:
     """``prompt`` within ``limit`` tokens: the least of its beginning cut that makes it fit."""
     if count(prompt) <= limit:
-        return Fitted(prompt, 0)
+        return Fitted(prompt)
     start = _first_fit(len(prompt), lambda i: count(prompt[i:]) <= limit)
     if start is None:
-        return Fitted(prompt, 0)
-    return Fitted(prompt[start:], start)
+        return Fitted(prompt)
+    return Fitted(prompt[start:], chars=start)

@@ -182,7 +182,7 @@ def _fitter(req: JobRequest, runner: AnyRunner, warnings: list[str]) -> Callable
             fitted = fit_chat(req.messages, render, count, limit)
         else:
             fitted = fit_prompt(render([]), count, limit)
-        if (warning := fitted.warning(req.kind == "chat")) is not None:
+        if (warning := fitted.warning()) is not None:
             warnings.append(warning)
         return fitted.prompt
 

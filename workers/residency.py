@@ -9,6 +9,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import redis
@@ -58,6 +59,10 @@ class Residency:
         # runners whose load failed here, with why: the jobs that waited on one end as
         # its first job did (not placed again onto this device as if it had just gone)
         self._failed_loads: OrderedDict[str, Exception] = OrderedDict()
+        # loads' progress, written apart from the loads (latest fraction per runner)
+        self._progress: dict[str, float] = {}
+        self._progress_lock = threading.Lock()
+        self._progress_writer = ThreadPoolExecutor(1, thread_name_prefix="load-progress")
 
     # -- loading ----------------------------------------------------------------------------
     def _runner_for(self, req: JobRequest, placement: Placement) -> tuple[AnyRunner, int]:
@@ -124,11 +129,21 @@ class Residency:
 
     def _loaded_so_far(self, runner_id: str, fraction: float) -> None:
         """A load's progress on its runner's record (/api/ps, the clients that wait for it).
-        Called from inside llama.cpp's load: a write Redis misses is skipped, never raised
-        into the load (the next one, or "ready", follows)."""
+        Called from inside llama.cpp's load, which must never wait for Redis: the fraction
+        is handed to one writer thread, which writes the latest one (a write Redis misses
+        is skipped; the next one, or "ready", follows)."""
+        with self._progress_lock:
+            due = runner_id not in self._progress  # else the write on its way takes this
+            self._progress[runner_id] = fraction
+        if due:
+            self._progress_writer.submit(self._write_progress, runner_id)
+
+    def _write_progress(self, runner_id: str) -> None:
+        with self._progress_lock:
+            fraction = self._progress.pop(runner_id)
         try:
             self.state.update_runner(runner_id, {"load_progress": f"{fraction:.3f}"})
-        except redis.RedisError as exc:
+        except Exception as exc:  # Redis away, or anything: the load goes on regardless
             log.debug("runner %s's load progress not written: %s", runner_id, exc)
 
     def _load_error(self, req: JobRequest, placement: Placement, exc: Exception) -> Exception:

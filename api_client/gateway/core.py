@@ -332,14 +332,17 @@ class Gateway:
 
     async def _within_load_wait(self, work: Awaitable[T], job: AsyncJob) -> T:
         """``work``'s answer, unless the job still waits for its model's load after
-        http_load_wait_s: then the job is cancelled and ModelLoading raised."""
+        http_load_wait_s: then the job is cancelled and ModelLoading raised. Only a load
+        under way counts (its weights being read, or its context made: the job that began
+        it has its worker, and the load goes on without it), as a fresh read says (no
+        runner of the model ready: the job cannot have started)."""
         task = asyncio.ensure_future(work)
         wait_s = self.settings.http_load_wait_s
         try:
             done, _ = await asyncio.wait({task}, timeout=wait_s)
             while not done:
-                loading = await self.loads.of(job.request.model)
-                if loading is not None and not task.done():
+                loading = await self.loads.now(job.request.model)
+                if loading is not None and loading.stage != "waiting" and not task.done():
                     await job.cancel()
                     raise ModelLoading(loading, wait_s)
                 done, _ = await asyncio.wait({task}, timeout=LoadBoard.LOOK_S)
@@ -353,7 +356,16 @@ class Gateway:
         caller.check_admin(f"unload model {model!r}")
         if self.registry.names():  # a host without the models answers for none of them
             self.registry.resolve(model)
-        await self.client.unload(model)
+        await self.client.unload(self.registry.first_name(model))  # its runners' name
+
+    def may_see_runner(self, caller: Caller, model: str) -> bool:
+        """Whether a listing of runners shows one of ``model`` (a first name) to the caller:
+        one of its key's models is that name, or another name of its file."""
+        if caller.may_use(model):
+            return True
+        return caller.key is not None and any(
+            self.registry.first_name(name) == model for name in caller.key.models
+        )
 
 
 JOB_HEADER = "X-Ggufq-Job"  # the job's id, for `ggufq cancel`, logs and Flower

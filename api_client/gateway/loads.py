@@ -37,6 +37,10 @@ class LoadProgress:
     runner: str
     seconds_left: float | None = None  # at the pace so far, when it has one
 
+    def shown(self) -> tuple[str, float]:
+        """What a client sees move: its stage and fraction (not the time left)."""
+        return self.stage, round(self.fraction, 3)
+
     def body(self) -> dict[str, object]:
         """The ``load_progress`` object of a line, a /api/ps row or a 503's body."""
         out: dict[str, object] = {"stage": self.stage, "fraction": round(self.fraction, 3)}
@@ -63,6 +67,7 @@ class LoadBoard:
     """The models whose only live runners are loading, with their progress."""
 
     LOOK_S = 0.5
+    FORGET_S = 3.0
 
     def __init__(
         self,
@@ -72,11 +77,14 @@ class LoadBoard:
         self._read, self._clock = read, clock
         self._loading: dict[str, LoadProgress] = {}
         self._first_seen: dict[str, tuple[float, float]] = {}  # runner → (when, fraction)
-        self._read_at = -math.inf
+        self._read_at = self._read_ok_at = -math.inf
         self._reading: asyncio.Future[None] | None = None
 
     def known(self, model: str) -> LoadProgress | None:
-        """What the last read said of ``model`` (None: not loading, or not read yet)."""
+        """What the last read said of ``model`` (None: not loading, not read yet, or read
+        too long ago: reads that fail forget what they knew)."""
+        if self._clock() - self._read_ok_at > self.FORGET_S:
+            return None
         return self._loading.get(model)
 
     def look(self) -> None:
@@ -91,15 +99,25 @@ class LoadBoard:
             await asyncio.shield(self._reading)
         return self.known(model)
 
+    async def now(self, model: str) -> LoadProgress | None:
+        """``model``'s load as a read begun after this call says (None if it fails)."""
+        asked = self._clock()
+        while self._read_at < asked or self._reading is not None:
+            if self._reading is None:
+                self._reading = asyncio.ensure_future(self._refresh())
+            await asyncio.shield(self._reading)
+        return self.known(model) if self._read_ok_at >= asked else None
+
     async def _refresh(self) -> None:
+        begun = self._clock()
         try:
             runners = await self._read()
-        except Exception as exc:  # Redis away: what was known stays, keep-alives go out
+        except Exception as exc:  # Redis away: keep-alives go out instead
             log.debug("runners not read for load progress: %s", exc)
             return
         finally:
-            self._read_at, self._reading = self._clock(), None
-        self._loading = self._tally(runners)
+            self._read_at, self._reading = begun, None
+        self._loading, self._read_ok_at = self._tally(runners), begun
 
     def _tally(self, runners: list[RunnerView]) -> dict[str, LoadProgress]:
         now = self._clock()

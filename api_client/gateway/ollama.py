@@ -246,9 +246,9 @@ async def tags(request: Request) -> dict[str, Any]:
 
 @router.add("/api/ps", "GET")
 async def ps(request: Request) -> dict[str, Any]:
-    runners, caller = await gateway_of(request).client.ps(), caller_of(request)
-    now = time.time()
-    return {"models": [running(r, now) for r in runners if caller.may_use(r.model)]}
+    gateway, caller = gateway_of(request), caller_of(request)
+    runners, now = await gateway.client.ps(), time.time()
+    return {"models": [running(r, now) for r in runners if gateway.may_see_runner(caller, r.model)]}
 
 
 @router.add("/api/show", "POST")

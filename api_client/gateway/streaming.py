@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from api_client.gateway.loads import LoadBoard, LoadProgress
 from scheduler.errors import GgufqError, JobFailed, RedisUnavailable
 from scheduler.protocol import GenerateResponse
 
+log = logging.getLogger(__name__)
 Encode = Callable[[GenerateResponse], list[bytes]]
 Beat = Callable[[LoadProgress | None], bytes]  # a keep-alive frame, with a load's progress
 
@@ -154,7 +156,10 @@ class _Output:
         if feed is not None:
             feed.board.look()
             known = feed.board.known(feed.model)
-            if known is not None and known != feed.shown and not self.lock.locked():
+            moved = known is not None and (
+                feed.shown is None or known.shown() != feed.shown.shown()
+            )
+            if moved and not self.lock.locked():
                 feed.shown = known
                 return self.beat(known)
         return self.beat(known) if self.quiet_for(now) >= self.every_s else None
@@ -185,7 +190,12 @@ class KeepAlives:
             await asyncio.sleep(self.LOOK_S)
             now = loop.time()
             for out in list(self._outputs):
-                frame = out.due(now)
+                try:
+                    frame = out.due(now)
+                except Exception:  # one response's fault must not stop everyone's
+                    log.exception("a waiting response's keep-alive failed")
+                    self._outputs.discard(out)
+                    continue
                 if frame is None:
                     continue
                 out.last = now  # not again before its send went out
