@@ -33,15 +33,17 @@ class GenerationStats:
 
     def ollama_fields(self) -> dict[str, Any]:
         """The final record's fields under Ollama's names."""
-        return {
-            "response": self.text,
-            "done_reason": self.done_reason,
-            "prompt_eval_count": self.prompt_eval_count,
-            "prompt_eval_duration": self.prompt_eval_duration_ns,
-            "eval_count": self.eval_count,
-            "eval_duration": self.eval_duration_ns,
-        } | ({} if self.logprobs is None else {"logprobs": self.logprobs}) | (
-            {} if self.stop_sequence is None else {"stop_sequence": self.stop_sequence}
+        return (
+            {
+                "response": self.text,
+                "done_reason": self.done_reason,
+                "prompt_eval_count": self.prompt_eval_count,
+                "prompt_eval_duration": self.prompt_eval_duration_ns,
+                "eval_count": self.eval_count,
+                "eval_duration": self.eval_duration_ns,
+            }
+            | ({} if self.logprobs is None else {"logprobs": self.logprobs})
+            | ({} if self.stop_sequence is None else {"stop_sequence": self.stop_sequence})
         )
 
 
