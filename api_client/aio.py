@@ -21,13 +21,14 @@ from api_client.batch import BatchStopped, run_batch
 from api_client.batch_files import BatchInput, BatchSummary
 from api_client.client import Client, Messages
 from api_client.job import Job
-from scheduler.cluster import DeviceView, JobView, RunnerView
+from scheduler.cluster import DeviceView, JobView, RunnerView, by_expiry
 from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Options
 from scheduler.settings import Settings
 from scheduler.store.connection import connect_typed_async
 from scheduler.store.headroom import LOOK_FROM_BYTES, admit, refused_for_memory
 from scheduler.store.hub import Hub
 from scheduler.store.leases import Leases
+from scheduler.store.readers import aread_runners
 from scheduler.store.routes import AsyncFastPath
 
 SIDE_TIMEOUT_S = 5.0
@@ -269,7 +270,8 @@ class AsyncClient:
         return await asyncio.to_thread(self.sync.devices)
 
     async def ps(self) -> list[RunnerView]:
-        return await asyncio.to_thread(self.sync.ps)
+        """:meth:`Client.ps`, on this client's asyncio connections."""
+        return by_expiry(await aread_runners(self.r))
 
     async def models(self) -> list[dict[str, Any]]:
         return await asyncio.to_thread(self.sync.models)

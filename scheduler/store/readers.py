@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterable, Iterator
 
 import redis
+import redis.asyncio
 from pydantic import ValidationError
 
 from scheduler.cluster import CustodyView, DeviceView, JobView, RunnerView
@@ -131,3 +132,14 @@ def _readable(raws: Iterable[bytes]) -> Iterator[SentJob]:
             yield SentJob.model_validate_json(raw)
         except ValidationError as exc:
             log.warning("skipping an in-flight record that does not parse: %s", exc)
+
+
+async def aread_runners(client: redis.asyncio.Redis) -> list[RunnerView]:
+    """:meth:`ClusterReader.runners` on an asyncio client: on its connections, no thread."""
+    ids = sorted(text(r) for r in await client.smembers(keys.RUNNERS))
+    pipe = client.pipeline(transaction=False)
+    for runner_id in ids:
+        pipe.hgetall(keys.runner(runner_id))
+    hashes = await pipe.execute()
+    views = (runner_view(i, decoded(h)) for i, h in zip(ids, hashes, strict=True))
+    return [v for v in views if v is not None]
