@@ -32,6 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from api_client.ajob import AsyncJob
 from api_client.gateway.loads import LoadBoard, LoadProgress
+from api_client.gateway.writes import ON_GONE
 from scheduler.errors import GgufqError, JobFailed, RedisUnavailable
 from scheduler.protocol import GenerateResponse
 
@@ -258,15 +259,23 @@ class JobStreamResponse(Response):
         feed = None if self.loads is None else LoadFeed(self.loads, self.job.request.model)
         out = _Output(send, head, self.beat, self.keepalive_s, timing, feed)
 
-        async def watch() -> None:
+        def left() -> None:
             nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
             if not out.ended:  # the server says so too once the response is complete
                 gone = True
                 reading.cancel()
 
-        helpers = [asyncio.create_task(watch(), name=f"watch-{self.job.id}")]
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left()
+
+        helpers = []
+        on_gone = scope.get(ON_GONE)
+        if on_gone is not None:  # the gateway's own server says when the client leaves
+            on_gone.append(left)
+        else:  # any other ASGI server: a task reads for the disconnect
+            helpers.append(asyncio.create_task(watch(), name=f"watch-{self.job.id}"))
         sender = keepalives()
         sender.add(out)
         chunks = cast(AsyncGenerator[GenerateResponse, None], self.job.stream(self.timeout_s))

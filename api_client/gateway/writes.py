@@ -12,6 +12,7 @@ turn ends (a response that starts and waits), whichever comes first. Nothing els
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -98,9 +99,14 @@ class HeldHead(asyncio.Transport):
         self._transport.set_write_buffer_limits(high, low)
 
 
+ON_GONE = "ggufq.on_gone"  # a request's scope: callbacks for when its client goes away
+
+
 class GatewayProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol whose responses' heads wait for their first body part
-    (:class:`HeldHead`)."""
+    (:class:`HeldHead`), and which calls a request's :data:`ON_GONE` callbacks when its
+    connection is lost before its response is complete: a waiting answer learns that its
+    client left without a task of its own reading for the disconnect (thousands wait)."""
 
     transport: HeldHead
 
@@ -112,4 +118,13 @@ class GatewayProtocol(HttpToolsProtocol):
         # complete): its response's head is the next thing written. uvicorn's own hook,
         # private: tests/test_gateway_writes.py fails if a head goes out alone.
         self.transport.hold_next()
+        cycle.scope[ON_GONE] = []
         super()._start_asgi_task(cycle, app)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        super().connection_lost(exc)
+        if cycle is not None and not cycle.response_complete:
+            callbacks: list[Callable[[], None]] = cycle.scope.get(ON_GONE, [])  # type: ignore[assignment]
+            for callback in callbacks:
+                callback()
