@@ -44,11 +44,15 @@ class AsyncJob:
     def __init__(self, client: AsyncHost, job: Job) -> None:
         self.client = client
         self.job = job
-        self.id = job.id
-        self.request: JobRequest = job.request
+        self.id, self.model, self.submitted_at = job.id, job.model, job.submitted_at
+
+    @property
+    def request(self) -> JobRequest:
+        """The job as submitted."""
+        return self.job.request
 
     def __repr__(self) -> str:
-        return f"AsyncJob(id={self.id!r}, model={self.request.model!r})"
+        return f"AsyncJob(id={self.id!r}, model={self.model!r})"
 
     async def hops(self) -> dict[str, float]:
         """See :meth:`Job.hops`."""

@@ -65,14 +65,23 @@ class Job:
 
     def __init__(self, client: JobHost, request: JobRequest, resend: bool = True) -> None:
         self.client = client
-        self.request = request
         self.id = request.id
+        self.model, self.kind, self.priority = request.model, request.kind, request.priority
+        self.submitted_at = request.submitted_at
+        # the whole request as JSON, parsed again only to send it again: a gateway holds
+        # thousands of waiting jobs, and the parsed request costs three times the bytes
+        self._request = request.model_dump_json().encode()
         self.resend = resend  # False for a handle without the job's whole request
         self._sent_at = 0.0  # when check() last sent it to placement again
         self.first_read_at = 0.0  # when a reader here had its first chunk (hops.py)
 
+    @property
+    def request(self) -> JobRequest:
+        """The job as submitted."""
+        return JobRequest.model_validate_json(self._request)
+
     def __repr__(self) -> str:
-        return f"Job(id={self.id!r}, model={self.request.model!r})"
+        return f"Job(id={self.id!r}, model={self.model!r})"
 
     def status(self) -> str:
         """Celery's state of the job's run task: PENDING, STARTED, SUCCESS, FAILURE."""
@@ -195,7 +204,7 @@ class Job:
     def stream_end(self) -> dict[str, Any] | None:
         """The stream's final chunk, when the stream has ended and that chunk is the whole
         final record (an embedding's vectors travel in its result only: None for those)."""
-        if self.request.kind == "embed":
+        if self.kind == "embed":
             return None
         try:
             last = cast(Entries, self.client.r.xrevrange(keys.job_chunks(self.id), count=1))
@@ -206,7 +215,7 @@ class Job:
     def _end_of(self, last: Entries) -> dict[str, Any] | None:
         """The final chunk among the stream's last entry ``last``, if it is one (never for
         an embedding: its vectors travel in its result only)."""
-        if self.request.kind == "embed":
+        if self.kind == "embed":
             return None
         try:
             chunk = json.loads(last[0][1][b"c"])
@@ -283,7 +292,7 @@ class Job:
             result_key(self.client.app, self.id),
         )
         pipe.exists(keys.job_placed(self.id))
-        pipe.llen(keys.placement_queue(self.request.priority))
+        pipe.llen(keys.placement_queue(self.priority))
         # what is left of a job placed: its custody record (kept GGUFQ_STREAM_TTL_S after
         # it ends), its stream and its result
         pipe.exists(
@@ -309,7 +318,7 @@ class Job:
             )
         if placed or queued or not self.resend:
             return False
-        return time.time() - max(self._sent_at, self.request.submitted_at) >= RESEND_AFTER_S
+        return time.time() - max(self._sent_at, self.submitted_at) >= RESEND_AFTER_S
 
     def _send_again(self) -> None:
         log.warning("job %s never reached placement (Redis went away?): sending it again", self.id)
@@ -323,7 +332,7 @@ class Job:
         if chunk.get("done"):
             return GenerateResponse.model_validate(chunk)
         return GenerateResponse(
-            model=self.request.model,
+            model=self.model,
             job_id=self.id,
             created_at=time.time(),
             response=chunk.get("response", ""),

@@ -341,7 +341,7 @@ class Gateway:
         try:
             done, _ = await asyncio.wait({task}, timeout=wait_s)
             while not done:
-                loading = await self.loads.now(job.request.model)
+                loading = await self.loads.now(job.model)
                 if loading is not None and loading.stage != "waiting" and not task.done():
                     await job.cancel()
                     raise ModelLoading(loading, wait_s)

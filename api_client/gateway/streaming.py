@@ -255,8 +255,8 @@ class JobStreamResponse(Response):
         gone = False
 
         head = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
-        timing = ServerTiming(scope.get("state", {}).get("arrived"), self.job.request.submitted_at)
-        feed = None if self.loads is None else LoadFeed(self.loads, self.job.request.model)
+        timing = ServerTiming(scope.get("state", {}).get("arrived"), self.job.submitted_at)
+        feed = None if self.loads is None else LoadFeed(self.loads, self.job.model)
         out = _Output(send, head, self.beat, self.keepalive_s, timing, feed)
 
         def left() -> None:
