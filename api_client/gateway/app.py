@@ -165,6 +165,7 @@ class Guard:
             receive = _limited(receive, self.rules.max_body_bytes)
             if self.require_keys and scope["path"] not in _OPEN_PATHS:
                 key, ticket = await self._admit(headers)
+            del headers  # not held while the answer waits (thousands of them)
             scope.setdefault("state", {})["caller"] = Caller(key)
             route = self.direct.get((scope["method"], scope["path"]))
             if route is None:

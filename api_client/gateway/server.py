@@ -43,8 +43,15 @@ def serve(host: str | None = None, port: int | None = None, log_level: str = "in
         port,
         "required" if keys_required(settings, host) else "off",
     )
-    uvicorn.run(
-        app, host=host, port=port, log_level=log_level, access_log=False, http=GatewayProtocol
+    uvicorn.run(  # no proxy headers: the gateway reads no client address, and that layer
+        # would stay on the stack of every waiting request
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        proxy_headers=False,
+        http=GatewayProtocol,
     )
 
 

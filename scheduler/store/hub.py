@@ -50,19 +50,28 @@ class Subscription:
             self._waiter.set_result(None)
 
     async def get_message(self, timeout: float | None) -> Message | None:
-        """The next message of the channel, or None once ``timeout`` has passed."""
+        """The next message of the channel, or None once ``timeout`` has passed (a timer
+        that ends the wait, not asyncio.wait_for's coroutine, future and task-like
+        machinery for each of thousands of waiting readers)."""
         if not self._messages:
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = None if timeout is None else loop.call_later(timeout, _time_up, waiter)
             try:
-                await asyncio.wait_for(self._waiter, timeout)
-            except TimeoutError:
-                return None
+                await waiter
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
         return self._messages.pop(0) if self._messages else None
 
     async def aclose(self) -> None:
         await self.hub.leave(self)
+
+
+def _time_up(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class Hub:
