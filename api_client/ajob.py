@@ -41,6 +41,8 @@ class AsyncHost(Protocol):
 class AsyncJob:
     """A submitted job, awaited from asyncio; the same id as everywhere else."""
 
+    __slots__ = ("client", "job", "id", "model", "submitted_at")  # one a waiting answer
+
     def __init__(self, client: AsyncHost, job: Job) -> None:
         self.client = client
         self.job = job

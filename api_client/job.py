@@ -63,6 +63,19 @@ STREAM_END_LOOKS = 3
 class Job:
     """A submitted job: its id is the same in the client, the placement service and the worker."""
 
+    __slots__ = (
+        "client",
+        "id",
+        "model",
+        "kind",
+        "priority",
+        "submitted_at",
+        "_request",
+        "resend",
+        "_sent_at",
+        "first_read_at",
+    )  # a gateway holds one a waiting answer: no dict each
+
     def __init__(self, client: JobHost, request: JobRequest, resend: bool = True) -> None:
         self.client = client
         self.id = request.id

@@ -78,7 +78,7 @@ def _answering(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
     return answer
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Caller:
     """Who sent a request: its API key (None when keys are off)."""
 

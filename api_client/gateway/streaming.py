@@ -41,7 +41,7 @@ Encode = Callable[[GenerateResponse], list[bytes]]
 Beat = Callable[[LoadProgress | None], bytes]  # a keep-alive frame, with a load's progress
 
 
-@dataclass
+@dataclass(slots=True)
 class LoadFeed:
     """What a waiting answer shows of its model's load, and what it showed last."""
 
@@ -73,7 +73,7 @@ async def or_cancel_on_disconnect(request: Request, work: Awaitable[Any], job: A
             task.cancel()
 
 
-@dataclass
+@dataclass(slots=True)
 class ServerTiming:
     """A streamed answer's Server-Timing header: ``gateway``, the gateway's own time before
     the first byte (from the request's arrival until its job was made, and from the job's
@@ -114,6 +114,20 @@ def sse_beat(keepalive: bytes) -> Beat:
 class _Output:
     """The response's sends, one at a time (the reading task and the keep-alives both
     send), and when the last one went out."""
+
+    __slots__ = (
+        "send",
+        "head",
+        "timing",
+        "beat",
+        "every_s",
+        "feed",
+        "started",
+        "ended",
+        "lock",
+        "loop",
+        "last",
+    )  # one a waiting answer: no dict each
 
     def __init__(
         self,

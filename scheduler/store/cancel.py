@@ -57,6 +57,8 @@ class ReaderLease:
     has lapsed, the job's worker (or placement, for a parked job) cancels it. Pure timing;
     the reader writes :meth:`commands` when :meth:`due` says so."""
 
+    __slots__ = ("job_id", "ttl_s", "lease_s", "renewed_at", "handed_at")  # one a reader
+
     def __init__(self, job_id: str, ttl_s: int, lease_s: float = READER_LEASE_S) -> None:
         self.job_id, self.ttl_s, self.lease_s = job_id, ttl_s, lease_s
         self.renewed_at: float | None = None

@@ -141,6 +141,19 @@ class ChunkOrder:
     after each chunk.
     """
 
+    __slots__ = (
+        "job_id",
+        "timeout_s",
+        "quiet_max_s",
+        "clock",
+        "last",
+        "backfill",
+        "quiet",
+        "done",
+        "quiet_s",
+        "deadline",
+    )  # a gateway holds one a waiting reader: no dict each
+
     def __init__(
         self,
         job_id: str,
