@@ -162,7 +162,7 @@ class Guard:
                 asked = headers.get(b"access-control-request-headers", b"")
                 await _preflight(asked)(scope, receive, counted)
                 return
-            receive = _limited(receive, self.rules.max_body_bytes)
+            unlimited, receive = receive, _limited(receive, self.rules.max_body_bytes)
             if self.require_keys and scope["path"] not in _OPEN_PATHS:
                 key, ticket = await self._admit(headers)
             del headers  # not held while the answer waits (thousands of them)
@@ -173,7 +173,8 @@ class Guard:
             else:
                 scope["route"] = route  # as the router would: the metrics' label
                 response = await route.endpoint(Request(scope, receive, counted))
-                await response(scope, receive, counted)
+                # the body is read: the answer (which may wait long) needs no limit on it
+                await response(scope, unlimited, counted)
         except GgufqError as exc:
             await error_response(scope["path"], exc)(scope, receive, counted)
         finally:

@@ -79,6 +79,9 @@ class LoadBoard:
         self._first_seen: dict[str, tuple[float, float]] = {}  # runner → (when, fraction)
         self._read_at = self._read_ok_at = -math.inf
         self._reading: asyncio.Future[None] | None = None
+        self.version = 0  # raised whenever what a client would see changed
+        self._watchers = 0
+        self._looking: asyncio.Future[None] | None = None
 
     def known(self, model: str) -> LoadProgress | None:
         """What the last read said of ``model`` (None: not loading, not read yet, or read
@@ -91,6 +94,22 @@ class LoadBoard:
         """Read again, in the background, unless a read is under way or recent."""
         if self._reading is None and self._clock() - self._read_at >= self.LOOK_S:
             self._reading = asyncio.ensure_future(self._refresh())
+
+    def watch(self) -> None:
+        """An answer waits for its first chunk: read every ``LOOK_S`` while any does."""
+        self._watchers += 1
+        if self._looking is None or self._looking.done():
+            self._looking = asyncio.ensure_future(self._keep_looking())
+
+    def unwatch(self) -> None:
+        self._watchers -= 1
+
+    async def _keep_looking(self) -> None:
+        while self._watchers > 0:
+            self.look()
+            if self._reading is not None:
+                await asyncio.shield(self._reading)
+            await asyncio.sleep(self.LOOK_S)
 
     async def of(self, model: str) -> LoadProgress | None:
         """``model``'s load, read again first unless the last read is recent."""
@@ -117,7 +136,12 @@ class LoadBoard:
             return
         finally:
             self._read_at, self._reading = begun, None
-        self._loading, self._read_ok_at = self._tally(runners), begun
+        loading = self._tally(runners)
+        if {m: p.shown() for m, p in loading.items()} != {
+            m: p.shown() for m, p in self._loading.items()
+        }:
+            self.version += 1
+        self._loading, self._read_ok_at = loading, begun
 
     def _tally(self, runners: list[RunnerView]) -> dict[str, LoadProgress]:
         now = self._clock()

@@ -48,6 +48,18 @@ class LoadFeed:
     board: LoadBoard
     model: str
     shown: LoadProgress | None = None
+    version: int = -1  # of the board, when this answer last looked
+    watching: bool = False
+
+    def start(self) -> None:
+        self.watching = True
+        self.board.watch()
+
+    def stop(self) -> None:
+        """Its answer has its first chunk, or ended: it shows no more progress."""
+        if self.watching:
+            self.watching = False
+            self.board.unwatch()
 
 
 async def until_disconnected(request: Request) -> None:
@@ -167,17 +179,18 @@ class _Output:
         """The frame due now, if any: the load's progress when it moved (its job has
         sent nothing yet), else a keep-alive after ``every_s`` of quiet."""
         feed = self.feed if self.timing.first_chunk is None and not self.ended else None
-        known = None
-        if feed is not None:
-            feed.board.look()
-            known = feed.board.known(feed.model)
-            moved = known is not None and (
-                feed.shown is None or known.shown() != feed.shown.shown()
-            )
-            if moved and not self.lock.locked():
+        board = None if feed is None else feed.board
+        if feed is not None and board is not None and feed.version != board.version:
+            if self.lock.locked():
+                return None  # a send is under way: look again at the next tick
+            feed.version = board.version
+            known = board.known(feed.model)
+            if known is not None and (feed.shown is None or known.shown() != feed.shown.shown()):
                 feed.shown = known
                 return self.beat(known)
-        return self.beat(known) if self.quiet_for(now) >= self.every_s else None
+        if self.quiet_for(now) < self.every_s:
+            return None
+        return self.beat(None if feed is None or board is None else board.known(feed.model))
 
 
 class KeepAlives:
@@ -279,19 +292,17 @@ class JobStreamResponse(Response):
                 gone = True
                 reading.cancel()
 
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            left()
-
         helpers = []
         on_gone = scope.get(ON_GONE)
         if on_gone is not None:  # the gateway's own server says when the client leaves
             on_gone.append(left)
         else:  # any other ASGI server: a task reads for the disconnect
-            helpers.append(asyncio.create_task(watch(), name=f"watch-{self.job.id}"))
+            watch = _watch(receive, left)
+            helpers.append(asyncio.create_task(watch, name=f"watch-{self.job.id}"))
         sender = keepalives()
         sender.add(out)
+        if feed is not None:
+            feed.start()  # stopped in the finally below
         chunks = cast(AsyncGenerator[GenerateResponse, None], self.job.stream(self.timeout_s))
         try:
             error = await self._relay(chunks, out)
@@ -305,6 +316,8 @@ class JobStreamResponse(Response):
             reading.uncancel()  # the client left: not an error, and nobody to answer
         finally:
             sender.discard(out)
+            if feed is not None:
+                feed.stop()
             for helper in helpers:  # before any await: it can cancel nothing after
                 helper.cancel()
             await chunks.aclose()  # cancels the job unless it had ended
@@ -324,11 +337,20 @@ class JobStreamResponse(Response):
                 return exc
             except Exception as exc:  # Redis gone mid-stream: an error the caller can read
                 return self._lost(exc)
-            out.timing.first_chunk = out.timing.first_chunk or time.time()
+            if out.timing.first_chunk is None:
+                out.timing.first_chunk = time.time()
+                if out.feed is not None:
+                    out.feed.stop()
             await out.frames(self.encode(chunk), more=not self.job.ends_with(chunk))
 
     def _lost(self, exc: Exception) -> JobFailed:
         return lost(self.job.id, "stream", exc)
+
+
+async def _watch(receive: Receive, left: Callable[[], None]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    left()
 
 
 def lost(job_id: str, what: str, exc: Exception) -> JobFailed:
