@@ -53,15 +53,21 @@ ENV = {
 
 
 # -- the client process ----------------------------------------------------------------------
-async def one_client(port: int, out: dict[str, Any]) -> None:
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def connect(port: int) -> Connection:
+    return await asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
+
+
+async def one_client(port: int, out: dict[str, Any], conn: Connection | BaseException) -> None:
     body = json.dumps(
         {"model": MODEL, "prompt": "hi", "stream": True, "options": {"num_predict": 1}}
     ).encode()
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
-    except OSError as exc:
-        out["error"] = f"connect: {type(exc).__name__}: {exc}"
+    if isinstance(conn, BaseException):
+        out["error"] = f"connect: {type(conn).__name__}: {conn}"
         return
+    reader, writer = conn
     head = (
         f"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -100,11 +106,16 @@ async def clients(port: int, n: int, timeout_s: float, progress: Path) -> list[d
     results: list[dict[str, Any]] = [{} for _ in range(n)]
     tasks = []
     for start in range(0, n, BATCH):
+        # a batch's connections made before the next batch's begin: a storm of SYNs past
+        # the accept backlog is dropped, and after the kernel's retries (about 2 minutes)
+        # some clients never connect (seen at 10,000: ListenOverflows by the 100,000)
+        batch = range(start, min(n, start + BATCH))
+        conns = await asyncio.gather(*(connect(port) for _ in batch), return_exceptions=True)
         tasks += [
-            asyncio.create_task(one_client(port, results[i]))
-            for i in range(start, min(n, start + BATCH))
+            asyncio.create_task(one_client(port, results[i], conn))
+            for i, conn in zip(batch, conns, strict=True)
         ]
-        await asyncio.sleep(0.2)  # within the gateway's accept backlog
+        await asyncio.sleep(0.2)
     deadline = time.monotonic() + timeout_s
     while not all(t.done() for t in tasks) and time.monotonic() < deadline:
         heads = sum(1 for r in results if "head_at" in r)
