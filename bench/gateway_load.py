@@ -57,7 +57,8 @@ Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 async def connect(port: int) -> Connection:
-    return await asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
+    opening = asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
+    return await asyncio.wait_for(opening, 150)  # past the kernel's SYN retries
 
 
 async def one_client(port: int, out: dict[str, Any], conn: Connection | BaseException) -> None:

@@ -139,14 +139,14 @@ class Guard:
             return
         started = time.perf_counter()
         scope.setdefault("state", {})["arrived"] = time.time()  # for Server-Timing
-        seen: dict[str, Any] = {"status": 500, "ttfb": None}
+        seen: dict[str, Any] = {"status": 500, "ttfb": None, "started": False}
         headers = dict(scope["headers"])
         refusal = self.rules.refusal(scope["method"], headers)
         origin = headers.get(b"origin") if refusal is None else None  # allowed: CORS headers
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":
-                seen["status"] = message["status"]
+                seen["status"], seen["started"] = message["status"], True
                 if origin is not None:
                     message["headers"] = [*message.get("headers", []), *_cors(origin)]
             elif message["type"] == "http.response.body" and seen["ttfb"] is None:
@@ -176,6 +176,8 @@ class Guard:
                 # the body is read: the answer (which may wait long) needs no limit on it
                 await response(scope, unlimited, counted)
         except GgufqError as exc:
+            if seen["started"]:  # too late for a status: the server closes the connection
+                raise
             await error_response(scope["path"], exc)(scope, receive, counted)
         finally:
             if ticket is not None and key is not None and self.limiter is not None:
@@ -238,6 +240,7 @@ def make_app(
             beating = asyncio.create_task(_beat(limiter, cluster))
         yield
         await stop_task(beating)
+        await gateway.loads.close()
         gateway.vocabularies.close()
         if own:
             await cluster.close()

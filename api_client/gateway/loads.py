@@ -14,10 +14,13 @@ known (a keep-alive goes out instead of a progress line).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+
+from redis.exceptions import RedisError
 
 from scheduler.cluster import RunnerView
 
@@ -111,6 +114,14 @@ class LoadBoard:
                 await asyncio.shield(self._reading)
             await asyncio.sleep(self.LOOK_S)
 
+    async def close(self) -> None:
+        """Stop looking (the app stops)."""
+        for task in (self._looking, self._reading):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
     async def of(self, model: str) -> LoadProgress | None:
         """``model``'s load, read again first unless the last read is recent."""
         self.look()
@@ -130,13 +141,15 @@ class LoadBoard:
     async def _refresh(self) -> None:
         begun = self._clock()
         try:
-            runners = await self._read()
-        except Exception as exc:  # Redis away: keep-alives go out instead
+            loading = self._tally(await self._read())
+        except (RedisError, OSError) as exc:  # Redis away: keep-alives go out instead
             log.debug("runners not read for load progress: %s", exc)
+            return
+        except Exception:  # a fault of ours: said, and the next look tries again
+            log.exception("the load board's read failed")
             return
         finally:
             self._read_at, self._reading = begun, None
-        loading = self._tally(runners)
         if {m: p.shown() for m, p in loading.items()} != {
             m: p.shown() for m, p in self._loading.items()
         }:

@@ -19,6 +19,7 @@ An error before anything was sent is raised, so that the app answers it with its
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -315,6 +316,9 @@ class JobStreamResponse(Response):
                 raise
             reading.uncancel()  # the client left: not an error, and nobody to answer
         finally:
+            if on_gone is not None:  # before any await: nothing may cancel what follows
+                with contextlib.suppress(ValueError):
+                    on_gone.remove(left)
             sender.discard(out)
             if feed is not None:
                 feed.stop()

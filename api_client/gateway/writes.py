@@ -114,7 +114,8 @@ def _lean(event: asyncio.Event) -> None:
         event._waiters = []  # type: ignore[assignment]
 
 
-ON_GONE = "ggufq.on_gone"  # a request's scope: callbacks for when its client goes away
+# a request's scope: callbacks for when its client goes away (None once it has gone)
+ON_GONE = "ggufq.on_gone"
 
 
 class GatewayProtocol(HttpToolsProtocol):
@@ -146,6 +147,9 @@ class GatewayProtocol(HttpToolsProtocol):
         cycle = self.cycle
         super().connection_lost(exc)
         if cycle is not None and not cycle.response_complete:
-            callbacks: list[Callable[[], None]] = cycle.scope.get(ON_GONE, [])  # type: ignore[assignment]
+            callbacks: list[Callable[[], None]] = cycle.scope.get(ON_GONE) or []  # type: ignore[assignment]
+            # gone for good: an answer that registers later (its endpoint was still
+            # submitting) finds no list, and reads receive(), which says so at once
+            cycle.scope[ON_GONE] = None  # type: ignore[literal-required]
             for callback in callbacks:
                 callback()
