@@ -49,7 +49,9 @@ def test_every_metric_a_panel_names_is_exported(stack: LocalStack) -> None:
     assert len({title for title, _ in named}) == len(dashboard["panels"])  # each names one
     missing = sorted((title, name) for title, name in named if name not in families)
     assert not missing, f"panels name metrics nobody exports: {missing}"
-    assert {"ggufq_device_reserved_bytes", "ggufq_gateway_requests"} <= {n for _, n in named}
+    assert {"ggufq_device_reserved_bytes", "ggufq_gateway_requests", "ggufq_parked_jobs"} <= {
+        n for _, n in named
+    }
 
 
 def test_a_panel_naming_an_unknown_metric_would_be_caught() -> None:

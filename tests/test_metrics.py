@@ -38,6 +38,7 @@ def test_metrics_endpoint_reports_devices_runners_jobs_and_counters(
     assert after[("ggufq_runners", (("model", "tiny"), ("state", "ready")))] >= 1
     for state in ("parked", "queued", "running"):  # counted from key sizes: none left
         assert after[("ggufq_jobs", (("state", state),))] == 0
+    assert not [k for k in after if k[0] == "ggufq_parked_jobs"]  # no model has one parked
     tiny = (("model", "tiny"),)
     finished = ("ggufq_jobs_finished_total", tiny)
     assert after[finished] == before.get(finished, 0) + 1

@@ -87,6 +87,14 @@ class ClusterCollector(Collector):
         for state, count in self.state.job_counts().items():
             jobs.add_metric([state], count)
         yield jobs
+        parked = GaugeMetricFamily(
+            "ggufq_parked_jobs", "Jobs parked (waiting for memory or a slot).", labels=["model"]
+        )
+        by_model: dict[bytes, bytes] = self.r.hgetall(keys.PARKED_MODELS)  # type: ignore[assignment]
+        for model, n in sorted(by_model.items()):
+            if int(n) > 0:
+                parked.add_metric([model.decode()], float(n))
+        yield parked
 
     def _counters(self) -> Iterator[Metric]:
         families = {
