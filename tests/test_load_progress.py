@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +155,19 @@ def runner(model: str, state: str, progress: float | None, id: str = "r1") -> Ru
     )
 
 
+def reading(
+    reads: list[list[RunnerView]], failing: list[bool]
+) -> Callable[[], Awaitable[list[RunnerView]]]:
+    """A board's read of the runners: the next of ``reads``, or Redis away while failing."""
+
+    async def read() -> list[RunnerView]:
+        if failing[0]:
+            raise ConnectionError("Redis away")
+        return reads.pop(0)
+
+    return read
+
+
 def test_a_model_is_loading_for_its_clients_only_while_no_runner_of_it_is_ready() -> None:
     now = [0.0]
     reads: list[list[RunnerView]] = [
@@ -167,11 +180,7 @@ def test_a_model_is_loading_for_its_clients_only_while_no_runner_of_it_is_ready(
         [runner("a", "loading", 0.6)],
     ]
     failing = [False]
-
-    async def read() -> list[RunnerView]:
-        if failing[0]:
-            raise ConnectionError("Redis away")
-        return reads.pop(0)
+    read = reading(reads, failing)
 
     async def main() -> list[LoadProgress | None]:
         board = LoadBoard(read, clock=lambda: now[0])
@@ -196,11 +205,7 @@ def test_a_fresh_look_waits_for_a_read_begun_after_it_and_failed_reads_forget() 
     now = [0.0]
     reads: list[list[RunnerView]] = [[runner("a", "loading", 0.3)], [runner("a", "ready", 1.0)]]
     failing = [False]
-
-    async def read() -> list[RunnerView]:
-        if failing[0]:
-            raise ConnectionError("Redis away")
-        return reads.pop(0)
+    read = reading(reads, failing)
 
     async def main() -> list[LoadProgress | None]:
         board = LoadBoard(read, clock=lambda: now[0])

@@ -9,7 +9,7 @@ import mmap
 from pathlib import Path
 from typing import Any
 
-from api_client.gateway.loads import stage_of
+from api_client.gateway.loads import progress_of
 from api_client.gateway.ollama_schema import FOREVER, timestamp
 from scheduler.cluster import RunnerView
 from scheduler.errors import InvalidModelFile
@@ -125,8 +125,7 @@ def running(runner: RunnerView, now: float) -> dict[str, Any]:
         "in_flight": runner.in_flight,
     }
     if runner.state == "loading":
-        stage, fraction = stage_of(runner)
-        row["load_progress"] = {"stage": stage, "fraction": round(fraction, 3)}
+        row["load_progress"] = progress_of(runner).body()
     return row
 
 

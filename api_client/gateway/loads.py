@@ -18,7 +18,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from redis.exceptions import RedisError
 
@@ -59,11 +59,13 @@ class LoadProgress:
         return max(1, min(60, math.ceil(round(self.seconds_left, 1))))
 
 
-def stage_of(runner: RunnerView) -> tuple[str, float]:
-    fraction = runner.load_progress or 0.0
+def progress_of(runner: RunnerView) -> LoadProgress:
+    """A loading runner's progress as its record says (no pace: that takes two reads)."""
     if runner.load_progress is None:
-        return "waiting", 0.0
-    return ("starting" if fraction >= 1.0 else "loading"), min(fraction, 1.0)
+        return LoadProgress(runner.model, "waiting", 0.0, runner.id)
+    fraction = min(runner.load_progress, 1.0)
+    stage = "starting" if fraction >= 1.0 else "loading"
+    return LoadProgress(runner.model, stage, fraction, runner.id)
 
 
 class LoadBoard:
@@ -164,13 +166,13 @@ class LoadBoard:
         for runner in runners:
             if runner.state != "loading" or runner.model in ready:
                 continue
-            stage, fraction = stage_of(runner)
-            left = None
-            if stage == "loading":  # the pace from its first read seen loading
+            found = progress_of(runner)
+            if found.stage == "loading":  # the pace from its first read seen loading
+                fraction = found.fraction
                 first = seen[runner.id] = self._first_seen.get(runner.id, (now, fraction))
                 pace = (fraction - first[1]) / (now - first[0]) if now > first[0] else 0.0
-                left = (1.0 - fraction) / pace if pace > 0 else None
-            found = LoadProgress(runner.model, stage, fraction, runner.id, left)
+                if pace > 0:
+                    found = replace(found, seconds_left=(1.0 - fraction) / pace)
             best = loading.get(runner.model)
             if best is None or found.fraction > best.fraction:
                 loading[runner.model] = found

@@ -180,18 +180,17 @@ class _Output:
         """The frame due now, if any: the load's progress when it moved (its job has
         sent nothing yet), else a keep-alive after ``every_s`` of quiet."""
         feed = self.feed if self.timing.first_chunk is None and not self.ended else None
-        board = None if feed is None else feed.board
-        if feed is not None and board is not None and feed.version != board.version:
+        if feed is not None and feed.version != feed.board.version:
             if self.lock.locked():
                 return None  # a send is under way: look again at the next tick
-            feed.version = board.version
-            known = board.known(feed.model)
+            feed.version = feed.board.version
+            known = feed.board.known(feed.model)
             if known is not None and (feed.shown is None or known.shown() != feed.shown.shown()):
                 feed.shown = known
                 return self.beat(known)
         if self.quiet_for(now) < self.every_s:
             return None
-        return self.beat(None if feed is None or board is None else board.known(feed.model))
+        return self.beat(None if feed is None else feed.board.known(feed.model))
 
 
 class KeepAlives:
