@@ -29,23 +29,23 @@ from api_client.gateway.core import (
     parse_body,
     submit_chat,
 )
-from api_client.gateway.ollama_schema import shorten
 from api_client.gateway.openai_schema import (
     DONE,
     KEEPALIVE,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
-    answer_message,
     calls_of,
+    chat_completion,
     chat_logprobs,
+    embedding_list,
     envelope,
     error_event,
     event,
     finish_reason,
+    text_completion,
     text_logprobs,
     usage,
-    vector,
 )
 from api_client.gateway.responses_schema import ResponsesRequest, ResponseStream, response_object
 from api_client.gateway.streaming import sse_beat
@@ -74,17 +74,7 @@ async def chat_completions(request: Request) -> Any:
     if body.stream:
         return _stream(gateway, jobs, body.model, "chat.completion.chunk", body)
     finals = await all_results(jobs, lambda job: gateway.result(request, job))
-    choices = [
-        {
-            "index": index,
-            "message": answer_message(final),
-            "logprobs": chat_logprobs(final),
-            "finish_reason": finish_reason(final),
-        }
-        for index, final in enumerate(finals)
-    ]
-    envelope_ = envelope("chat.completion", jobs[0].id, body.model, finals[0].created_at)
-    return {**envelope_, "choices": choices, "usage": usage(*finals)}
+    return chat_completion(jobs[0].id, body.model, finals)
 
 
 @router.add("/completions", "POST")
@@ -100,17 +90,7 @@ async def completions(request: Request) -> Any:
     if body.stream:
         return _stream(gateway, jobs, body.model, "text_completion", body)
     finals = await all_results(jobs, lambda job: gateway.result(request, job))
-    choices = [
-        {
-            "text": final.response,
-            "index": index,
-            "logprobs": text_logprobs(final),
-            "finish_reason": finish_reason(final),
-        }
-        for index, final in enumerate(finals)
-    ]
-    envelope_ = envelope("text_completion", jobs[0].id, body.model, finals[0].created_at)
-    return {**envelope_, "choices": choices, "usage": usage(*finals)}
+    return text_completion(jobs[0].id, body.model, finals)
 
 
 def _stream(
@@ -192,18 +172,7 @@ async def embeddings(request: Request) -> dict[str, Any]:
     result = await gateway.embed(
         request, caller, model_name(body.model), body.texts(), truncate=False
     )
-    vectors = shorten(result.embeddings, body.dimensions)
-    data = [
-        {"object": "embedding", "index": i, "embedding": vector(v, body.encoding_format)}
-        for i, v in enumerate(vectors)
-    ]
-    tokens = result.prompt_eval_count
-    return {
-        "object": "list",
-        "data": data,
-        "model": body.model,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
+    return embedding_list(body, result)
 
 
 @router.add("/models", "GET")

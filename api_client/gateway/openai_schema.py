@@ -14,9 +14,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from api_client.gateway.errors import openai_body
+from api_client.gateway.ollama_schema import shorten
 from api_client.gateway.shapes import called, text_of, think_for_effort
 from scheduler.errors import GgufqError, InvalidRequest
-from scheduler.protocol import GenerateResponse
+from scheduler.protocol import EmbedResponse, GenerateResponse
 
 FINGERPRINT = "fp_ggufq"
 
@@ -295,3 +296,49 @@ def vector(values: list[float], encoding: str) -> list[float] | str:
     if encoding == "base64":
         return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
     return values
+
+
+def chat_completion(job_id: str, model: str, finals: list[GenerateResponse]) -> dict[str, Any]:
+    """A whole chat completion: one choice per final record."""
+    choices = [
+        {
+            "index": index,
+            "message": answer_message(final),
+            "logprobs": chat_logprobs(final),
+            "finish_reason": finish_reason(final),
+        }
+        for index, final in enumerate(finals)
+    ]
+    head = envelope("chat.completion", job_id, model, finals[0].created_at)
+    return {**head, "choices": choices, "usage": usage(*finals)}
+
+
+def text_completion(job_id: str, model: str, finals: list[GenerateResponse]) -> dict[str, Any]:
+    """A whole (legacy) completion: one choice per final record."""
+    choices = [
+        {
+            "text": final.response,
+            "index": index,
+            "logprobs": text_logprobs(final),
+            "finish_reason": finish_reason(final),
+        }
+        for index, final in enumerate(finals)
+    ]
+    head = envelope("text_completion", job_id, model, finals[0].created_at)
+    return {**head, "choices": choices, "usage": usage(*finals)}
+
+
+def embedding_list(body: EmbeddingRequest, result: EmbedResponse) -> dict[str, Any]:
+    """The embeddings answer: one vector per input, cut to ``dimensions`` if asked."""
+    vectors = shorten(result.embeddings, body.dimensions)
+    data = [
+        {"object": "embedding", "index": i, "embedding": vector(v, body.encoding_format)}
+        for i, v in enumerate(vectors)
+    ]
+    tokens = result.prompt_eval_count
+    return {
+        "object": "list",
+        "data": data,
+        "model": body.model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
