@@ -126,6 +126,13 @@ class AsyncClient:
                 await self._send_to_placement(request)
         return AsyncJob(self, Job(sync, request))
 
+    def attach(self, model: str, prompt: str = "", **kwargs: Any) -> AsyncJob:
+        """The handle of a job submitted before with these very arguments (its ``id`` and
+        ``submitted_at`` among them), not sent again: whoever takes over from the process
+        that sent it waits for that job, which its reader sends again only if it was lost
+        (placement places a job once)."""
+        return AsyncJob(self, Job(self.sync, self.sync.request(model, prompt, **kwargs)))
+
     async def _send_fast(self, request: JobRequest) -> bool:
         assert self.fast is not None
         return await self.fast.send(request, *self.sync.fast_parts(request)) is not None

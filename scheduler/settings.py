@@ -277,13 +277,39 @@ class Settings(BaseSettings):
         gt=0,
         description="The gateway gives up on a job that sends nothing for this long (504).",
     )
+    data_dir: Path = Field(
+        _HOME / "data",
+        description="Where the Batch API keeps its files (inputs, outputs, errors); gateways "
+        "on several hosts must share it (a network mount).",
+    )
+    batch_max_file_bytes: int = Field(
+        200 << 20, ge=1, description="The largest batch input file (OpenAI's: 200 MB)."
+    )
+    batch_max_lines: int = Field(
+        50_000, ge=1, description="The most request lines one batch takes (OpenAI's: 50,000)."
+    )
+    batch_concurrency: int = Field(
+        16, ge=1, le=4096, description="Lines of one batch in flight at once, as jobs."
+    )
+    batch_drivers: int = Field(
+        4, ge=0, description="Batches one gateway process drives at once (0: none)."
+    )
+    batch_lease_s: float = Field(
+        15.0,
+        gt=1,
+        description="A batch's driver holds it this long without renewing (Redis's clock); "
+        "past it, another gateway process takes the batch up where it stood.",
+    )
+    batch_retention_s: float = Field(
+        30 * 86400.0, gt=0, description="How long an ended batch, and its files, are kept."
+    )
 
-    @field_validator("keep_alive_s", mode="before")
+    @field_validator("keep_alive_s", "batch_retention_s", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> float:
         return parse_duration_s(value)
 
-    @field_validator("redis_maxmemory", mode="before")
+    @field_validator("redis_maxmemory", "batch_max_file_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip() not in ("", "0"):

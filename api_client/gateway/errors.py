@@ -48,6 +48,18 @@ class JobNotFound(GgufqError):
     code = "job_not_found"
 
 
+class NotFound(GgufqError):
+    """No file or batch of the caller's with that id."""
+
+    code = "not_found"
+
+
+class Conflict(GgufqError):
+    """The thing asked of is in a state where that cannot be done (a batch already ended)."""
+
+    code = "conflict"
+
+
 class Forbidden(GgufqError):
     """The API key may not use this model."""
 
@@ -121,6 +133,8 @@ _STATUS: list[tuple[type[GgufqError], HttpError]] = [
     (InvalidRequest, HttpError(400)),
     (ModelNotFound, HttpError(404)),
     (JobNotFound, HttpError(404)),
+    (NotFound, HttpError(404)),
+    (Conflict, HttpError(409)),
     (Unauthorized, HttpError(401)),
     (Forbidden, HttpError(403)),
     (BadOrigin, HttpError(403)),
@@ -146,6 +160,7 @@ _OPENAI_TYPE = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",

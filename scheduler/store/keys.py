@@ -172,3 +172,24 @@ def gateway_beat(gateway_id: str) -> str:
 
 # prefix of the counters (one a second) of bytes admitted lately (scheduler/store/headroom.py)
 MEMORY_ADMITTED = f"{PREFIX}:memory:admitted"
+
+# server-side batches (api_client/batches): each batch's record, the lease of the process
+# driving it, the job sent for each line and each line's end (until its files are written)
+BATCHES = f"{PREFIX}:batches"  # sorted set: batch id → when it was created
+BATCHES_ACTIVE = f"{PREFIX}:batches:active"  # set: batches not ended (drivers look here)
+
+
+def batch(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}"  # hash: state, counts, times, file ids, its doc
+
+
+def batch_lease(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}:lease"  # string with a TTL: the driving process
+
+
+def batch_sent(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}:sent"  # hash: line → "attempt:submitted_at"
+
+
+def batch_out(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}:out"  # hash: line → its output or error line

@@ -1,0 +1,277 @@
+"""The driver of one server-side batch: while it holds the batch's lease it moves the batch
+through its states (states.py), running its lines as batch-priority jobs of the batch's
+tenant, ``batch_concurrency`` at a time.
+
+Every step starts from the batch's record, so a driver that dies is replaced by another
+that goes on where it stood: a line's job id is the batch's id and the line's, and the time
+it was sent is written before it is sent, so a line's job is sent once and a new driver
+waits for it instead of sending another; a line's end is written once (lua/batch_line.lua).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from api_client.aio import AsyncClient
+from api_client.ajob import AsyncJob
+from api_client.batches.answers import answer_of, job_of
+from api_client.batches.files import FileStore
+from api_client.batches.lines import Line, LineError, output_line, read_lines, run_order, unrun_line
+from api_client.batches.states import BatchState, Mover
+from api_client.batches.store import Batch, BatchStore, Moved, Written
+from api_client.gateway.errors import NotFound, http_error, openai_body
+from scheduler.errors import GgufqError, NoWorkers, RedisUnavailable, ServerBusy
+from scheduler.store import keys
+
+log = logging.getLogger("ggufq.batches")
+LOOK_S = 1.0  # how often a running batch's driver looks for a cancel or its window's end
+_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0)  # waits before sending a line again (nothing took it)
+_MAX_BATCH_ERRORS = 1000  # a refused input file reports this many of its lines' problems
+B = BatchState
+
+
+class LeaseLost(Exception):
+    """The driver no longer holds its batch (another process took it): it stops at once,
+    leaving the jobs it sent running for the new driver to wait for."""
+
+
+@dataclass(frozen=True)
+class DriverSettings:
+    concurrency: int  # lines in flight at once
+    lease_s: float
+    retention_s: float  # how long an ended batch and its files are kept
+    max_lines: int
+
+
+class Driver:
+    def __init__(
+        self,
+        client: AsyncClient,
+        store: BatchStore,
+        files: FileStore,
+        batch_id: str,
+        holder: str,
+        settings: DriverSettings,
+        first_name: Callable[[str], str] = str,
+    ) -> None:
+        self.client, self.store, self.files = client, store, files
+        self.first_name = first_name  # names of one model file share its runners
+        self.id, self.holder, self.settings = batch_id, holder, settings
+        self._lines: list[Line] | None = None
+        self._cancel_jobs = False  # when the lines' tasks stop: cancel their jobs too?
+
+    async def run(self) -> None:
+        """Drive the batch until it ends or the lease is lost; gives the lease back."""
+        keeper = asyncio.create_task(self._keep_lease())
+        driving = asyncio.create_task(self._drive())
+        try:
+            done, _ = await asyncio.wait({keeper, driving}, return_when=asyncio.FIRST_COMPLETED)
+            if keeper in done:  # the lease was lost: stop driving, write nothing more
+                driving.cancel()
+                with contextlib.suppress(asyncio.CancelledError, LeaseLost):
+                    await driving
+                log.warning("batch %s: this process lost its lease; another goes on", self.id)
+            else:
+                driving.result()
+        except LeaseLost:
+            log.warning("batch %s: this process lost its lease; another goes on", self.id)
+        finally:
+            driving.cancel()
+            keeper.cancel()
+            await asyncio.gather(driving, keeper, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.store.lease(self.id, self.holder, "release", self.settings.lease_s)
+
+    async def _keep_lease(self) -> None:
+        """Renew the lease; return once it is lost (another holds it, or Redis did not
+        answer for as long as the lease lasts: the lease has lapsed there too)."""
+        every = self.settings.lease_s / 3
+        renewed = time.monotonic()
+        while True:
+            await asyncio.sleep(every)
+            try:
+                if not await self.store.lease(self.id, self.holder, "renew", self.settings.lease_s):
+                    return
+                renewed = time.monotonic()
+            except Exception as exc:
+                log.warning("batch %s: renewing its lease failed: %s", self.id, exc)
+                if time.monotonic() - renewed >= self.settings.lease_s - every:
+                    return
+
+    async def _drive(self) -> None:
+        steps = {
+            B.VALIDATING: self._validate,
+            B.IN_PROGRESS: self._run_lines,
+            B.FINALIZING: self._finalize,
+            B.CANCELLING: self._cancel,
+        }
+        batch = await self.store.get(self.id)
+        while not batch.state.ended:
+            await steps[batch.state](batch)
+            batch = await self.store.get(self.id)
+
+    async def _move(self, target: BatchState, **fields: Any) -> None:
+        moved, before = await self.store.move(self.id, target, Mover.DRIVER, self.holder, **fields)
+        if moved is Moved.LEASE:
+            raise LeaseLost(self.id)
+        if moved is Moved.REFUSED:  # a caller moved it meanwhile (cancel): the next step sees
+            log.info("batch %s: not moved to %s from %s", self.id, target, before)
+
+    async def _read(self, batch: Batch) -> tuple[list[Line], list[LineError]]:
+        input_id = batch.doc["input_file_id"]
+        try:
+            data = await asyncio.to_thread(self.files.content, input_id, None)
+        except NotFound:
+            gone = LineError(0, "input_file_missing", f"the input file {input_id} is gone")
+            return [], [gone]
+        lines, errors = await asyncio.to_thread(
+            read_lines, data, batch.doc["endpoint"], self.settings.max_lines
+        )
+        self._lines = lines
+        return lines, errors
+
+    async def _validate(self, batch: Batch) -> None:
+        lines, errors = await self._read(batch)
+        if errors:
+            problems = json.dumps([e.as_dict() for e in errors[:_MAX_BATCH_ERRORS]])
+            await self._move(B.FAILED, errors=problems)
+        else:
+            await self._move(B.IN_PROGRESS, total=len(lines))
+
+    async def _run_lines(self, batch: Batch) -> None:
+        lines = self._lines if self._lines is not None else (await self._read(batch))[0]
+        ends, sent = await self.store.ends(self.id), await self.store.sent(self.id)
+        todo = iter([line for line in run_order(lines) if line.index not in ends])
+        count = min(self.settings.concurrency, len(lines) - len(ends))
+        tasks = {asyncio.create_task(self._lines_of(batch, todo, sent)) for _ in range(count)}
+        self._cancel_jobs = False
+        try:
+            while tasks:
+                done, tasks = await asyncio.wait(tasks, timeout=LOOK_S)
+                for task in done:
+                    task.result()  # LeaseLost, or Redis failing: this driver stops
+                if tasks and await self._must_stop(batch):
+                    self._cancel_jobs = True  # cancelled, or past its window: stop its jobs
+                    break
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if time.time() >= batch.expires_at:
+            await self._end_files(batch, B.EXPIRED, "batch_expired", "the completion window ended")
+        elif not self._cancel_jobs:
+            await self._move(B.FINALIZING)
+
+    async def _must_stop(self, batch: Batch) -> bool:
+        if time.time() >= batch.expires_at:
+            return True
+        return (await self.store.get(self.id)).state is not B.IN_PROGRESS
+
+    async def _lines_of(self, batch: Batch, todo: Iterator[Line], sent: dict[int, str]) -> None:
+        for line in todo:  # the lines' tasks share one iterator: each line is run once
+            await self._run_line(batch, line, sent.get(line.index))
+
+    async def _run_line(self, batch: Batch, line: Line, sent: str | None) -> None:
+        endpoint = batch.doc["endpoint"]
+        job_id = f"{self.id}-{line.index}"
+        status, body = 200, None
+        try:
+            spec = job_of(endpoint, line.body)
+            extra = {**spec.pop("extra"), "tenant": batch.tenant, "weight": batch.doc["weight"]}
+            model = self.first_name(spec.pop("model"))
+            spec.update(model=model, extra=extra, priority="batch", id=job_id)
+            job = await self._send(line, spec, sent, batch.expires_at)
+            try:
+                # past the window the batch's look stops the job: the wait outlasts it
+                final = await job.final(batch.expires_at - time.time() + 10 * LOOK_S)
+            except asyncio.CancelledError:
+                if self._cancel_jobs:
+                    await asyncio.shield(job.cancel())
+                raise
+            body = answer_of(endpoint, line.body, job_id, final)
+        except GgufqError as exc:
+            status = http_error(exc).status
+            body = openai_body(exc, status)
+        value = json.dumps(output_line(line, job_id, status, body))
+        counter = "completed" if status == 200 else "failed"
+        written, _ = await self.store.write_end(self.id, self.holder, line.index, value, counter)
+        if written is Written.LEASE:
+            raise LeaseLost(self.id)
+
+    async def _send(
+        self, line: Line, spec: dict[str, Any], sent: str | None, deadline: float
+    ) -> AsyncJob:
+        """The line's job: the one sent before (``sent``: when), else sent now, its time
+        written down first. One whose sender died before sending it (Redis has no claim
+        of its id) is sent now, with that time: sending one job twice is harmless (its id
+        is claimed by that time, and placement places a job once)."""
+        if sent is None:
+            at = repr(time.time())
+            written, sent = await self.store.write_sent(self.id, self.holder, line.index, at)
+            if written is Written.LEASE:
+                raise LeaseLost(self.id)
+            if written is Written.WRITTEN:
+                return await self._submit(spec, float(at), deadline)
+        if not await self.client.r.exists(keys.job_submitted(spec["id"])):
+            return await self._submit(spec, float(sent), deadline)
+        return self.client.attach(**spec, submitted_at=float(sent))
+
+    async def _submit(self, spec: dict[str, Any], at: float, deadline: float) -> AsyncJob:
+        """Send a line's job; a pool with no worker or no room now is asked again."""
+        for wait in _RETRY_S:
+            try:
+                return await self.client.submit(**spec, submitted_at=at)
+            except (NoWorkers, ServerBusy, RedisUnavailable) as exc:
+                if time.time() + wait >= deadline:
+                    raise
+                log.warning(
+                    "batch %s: sending %s again in %g s: %s", self.id, spec["id"], wait, exc
+                )
+                await asyncio.sleep(wait)
+        return await self.client.submit(**spec, submitted_at=at)  # its error is the line's
+
+    async def _finalize(self, batch: Batch) -> None:
+        await self._end_files(batch, B.COMPLETED, "", "")
+
+    async def _cancel(self, batch: Batch) -> None:
+        ends, sent = await self.store.ends(self.id), await self.store.sent(self.id)
+        for index in set(sent) - set(ends):  # jobs in flight (again, after a driver died)
+            await self.client.cancel(f"{self.id}-{index}")
+        await self._end_files(batch, B.CANCELLED, "batch_cancelled", "the batch was cancelled")
+
+    async def _end_files(self, batch: Batch, target: BatchState, code: str, why: str) -> None:
+        """Write the output and error files (lines in input order; lines that never ended
+        go to the errors as ``code``), then end the batch in ``target`` with them."""
+        lines = self._lines if self._lines is not None else (await self._read(batch))[0]
+        ends = await self.store.ends(self.id)
+        outputs: list[bytes] = []
+        errors: list[bytes] = []
+        for line in lines:
+            if line.index in ends:
+                value = ends[line.index]
+                ok = json.loads(value)["response"]["status_code"] == 200
+                (outputs if ok else errors).append(value.encode())
+            else:
+                errors.append(json.dumps(unrun_line(line, code, why)).encode())
+        ids = {}
+        for name, rows in (("output", outputs), ("error", errors)):
+            if rows:
+                file_id = f"file-{self.id.removeprefix('batch_')}-{name}"
+                await asyncio.to_thread(
+                    self.files.create,
+                    b"\n".join(rows) + b"\n",
+                    f"{self.id}_{name}.jsonl",
+                    "batch_output",
+                    batch.tenant,
+                    self.settings.retention_s,
+                    file_id,
+                )
+                ids[f"{name}_file_id"] = file_id
+        await self._move(target, completed=len(outputs), failed=len(errors), **ids)

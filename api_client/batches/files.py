@@ -1,0 +1,136 @@
+"""Files of the Batch API (inputs, outputs, errors) in a directory every gateway process
+reaches (GGUFQ_DATA_DIR: on several hosts, a shared mount).
+
+A file is two entries: ``<id>`` (its bytes) and ``<id>.json`` (OpenAI's file object, with
+the tenant that owns it and when it expires), each written whole under a temporary name and
+renamed into place, so a process killed mid-write leaves no half file behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from api_client.gateway.errors import NotFound
+from scheduler.errors import InvalidRequest
+
+PURPOSES = frozenset({"batch", "batch_output"})
+
+
+def new_file_id() -> str:
+    return "file-" + uuid.uuid4().hex[:24]
+
+
+class FileStore:
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root = Path(root) / "files"
+        self.max_bytes = max_bytes
+
+    def create(
+        self,
+        data: bytes,
+        filename: str,
+        purpose: str,
+        tenant: str,
+        keep_s: float,
+        file_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Store ``data`` and return its file object (``file_id`` given: written again
+        under that id, as a batch's output is after its driver died mid-way)."""
+        if purpose not in PURPOSES:
+            raise InvalidRequest(f"purpose {purpose!r} is not served: files here are for 'batch'")
+        if len(data) > self.max_bytes:
+            raise InvalidRequest(
+                f"the file has {len(data):,} bytes; a batch file holds at most "
+                f"{self.max_bytes:,} (GGUFQ_BATCH_MAX_FILE_BYTES): split it into several batches"
+            )
+        file_id = file_id or new_file_id()
+        now = int(time.time())
+        meta = {
+            "id": file_id,
+            "object": "file",
+            "bytes": len(data),
+            "created_at": now,
+            "expires_at": now + int(keep_s),
+            "filename": Path(filename or "input.jsonl").name[:255],
+            "purpose": purpose,
+            "status": "processed",
+            "status_details": None,
+            "tenant": tenant,
+        }
+        self.root.mkdir(parents=True, exist_ok=True)
+        _write(self.root / file_id, data)
+        _write(self.root / f"{file_id}.json", json.dumps(meta).encode())
+        return meta
+
+    def get(self, file_id: str, tenant: str | None) -> dict[str, Any]:
+        """A file's object; ``tenant`` None sees every tenant's (an admin key)."""
+        path = self._meta_path(file_id)
+        try:
+            meta: dict[str, Any] = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            raise _not_found(file_id) from None
+        if tenant is not None and meta.get("tenant") != tenant:
+            raise _not_found(file_id)
+        return meta
+
+    def content(self, file_id: str, tenant: str | None) -> bytes:
+        self.get(file_id, tenant)
+        try:
+            return (self.root / file_id).read_bytes()
+        except OSError:
+            raise _not_found(file_id) from None
+
+    def delete(self, file_id: str, tenant: str | None) -> None:
+        self.get(file_id, tenant)
+        for path in (self._meta_path(file_id), self.root / file_id):
+            path.unlink(missing_ok=True)
+
+    def listing(self, tenant: str | None) -> list[dict[str, Any]]:
+        found = []
+        for path in self.root.glob("file-*.json") if self.root.is_dir() else ():
+            try:
+                meta = json.loads(path.read_bytes())
+            except (OSError, ValueError):
+                continue
+            if tenant is None or meta.get("tenant") == tenant:
+                found.append(meta)
+        return sorted(found, key=lambda m: m.get("created_at", 0), reverse=True)
+
+    def expire(self, now: float, keep: set[str]) -> int:
+        """Delete files past their expiry, except ``keep`` (inputs of batches not ended)."""
+        gone = 0
+        for meta in self.listing(None):
+            if meta.get("expires_at", now + 1) <= now and meta["id"] not in keep:
+                self.delete(meta["id"], None)
+                gone += 1
+        return gone
+
+    def _meta_path(self, file_id: str) -> Path:
+        if not file_id.startswith("file-") or not file_id[5:].replace("-", "").isalnum():
+            raise _not_found(file_id)
+        return self.root / f"{file_id}.json"
+
+
+def public(meta: dict[str, Any]) -> dict[str, Any]:
+    """A file object as the API shows it (without its tenant)."""
+    return {k: v for k, v in meta.items() if k != "tenant"}
+
+
+def _write(path: Path, data: bytes) -> None:
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
+    with open(partial, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(partial, path)
+
+
+def _not_found(file_id: str) -> NotFound:
+    return NotFound(
+        f"no file {file_id[:80]!r} (it was deleted, it expired, or it is another key's)"
+    )
