@@ -88,6 +88,7 @@ def stack_env(models_dir: Path, state_dir: Path, host: str = HOST) -> dict[str, 
     return {
         "GGUFQ_MODELS_DIR": str(models_dir),
         "GGUFQ_STATE_DIR": str(state_dir),
+        "GGUFQ_DATA_DIR": str(state_dir / "data"),  # the Batch API's files
         "GGUFQ_HOST_ID": host,
         "GGUFQ_HEARTBEAT_INTERVAL_S": "0.5",
         "GGUFQ_DEVICE_TTL_S": "5",

@@ -23,7 +23,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api_client.aio import AsyncClient
-from api_client.gateway import anthropic_api, jobs_api, ollama, openai_api
+from api_client.batches.runners import BatchRunners
+from api_client.gateway import anthropic_api, batches_api, jobs_api, ollama, openai_api
 from api_client.gateway.anthropic_schema import error_body as anthropic_error
 from api_client.gateway.core import Caller, Gateway
 from api_client.gateway.edge import EdgeRules, split_list, too_large
@@ -66,6 +67,7 @@ def edge_rules(settings: Settings, require_keys: bool) -> EdgeRules:
         hosts=split_list(settings.http_hosts),
         origins=split_list(settings.http_origins),
         max_body_bytes=settings.http_max_body_bytes,
+        max_upload_bytes=settings.batch_max_file_bytes,
     )
 
 
@@ -141,7 +143,7 @@ class Guard:
         scope.setdefault("state", {})["arrived"] = time.time()  # for Server-Timing
         seen: dict[str, Any] = {"status": 500, "ttfb": None, "started": False}
         headers = dict(scope["headers"])
-        refusal = self.rules.refusal(scope["method"], headers)
+        refusal = self.rules.refusal(scope["method"], headers, scope["path"])
         origin = headers.get(b"origin") if refusal is None else None  # allowed: CORS headers
 
         async def counted(message: Message) -> None:
@@ -162,7 +164,8 @@ class Guard:
                 asked = headers.get(b"access-control-request-headers", b"")
                 await _preflight(asked)(scope, receive, counted)
                 return
-            unlimited, receive = receive, _limited(receive, self.rules.max_body_bytes)
+            limit = self.rules.body_limit(scope["path"])
+            unlimited, receive = receive, _limited(receive, limit)
             if self.require_keys and scope["path"] not in _OPEN_PATHS:
                 key, ticket = await self._admit(headers)
             del headers  # not held while the answer waits (thousands of them)
@@ -238,7 +241,12 @@ def make_app(
             with contextlib.suppress(Exception):  # alive before the first request is admitted
                 await _beat_once(limiter, cluster)
             beating = asyncio.create_task(_beat(limiter, cluster))
+        runners = BatchRunners(cluster, settings) if settings.batch_drivers else None
+        looking = asyncio.create_task(runners.run()) if runners else None
         yield
+        await stop_task(looking)
+        if runners is not None:
+            await runners.close()
         await stop_task(beating)
         await gateway.loads.close()
         gateway.vocabularies.close()
@@ -265,6 +273,7 @@ def make_app(
         *jobs_api.router.routes,
         *anthropic_api.router.routes,
         *openai_api.router.routes,
+        *batches_api.router.routes,
         Route("/metrics", metrics),
     ]
     app = Starlette(

@@ -31,6 +31,7 @@ _DEFAULT_ORIGINS = tuple(
     for port in ("", ":*")
 ) + ("app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+UPLOAD_PATHS = frozenset({"/v1/files"})  # bodies are a form with a file (OpenAI's files API)
 
 
 def split_list(value: str) -> tuple[str, ...]:
@@ -95,8 +96,14 @@ class EdgeRules:
     hosts: tuple[str, ...] = ()
     origins: tuple[str, ...] = ()
     max_body_bytes: int = 16 << 20
+    max_upload_bytes: int = 200 << 20  # a batch's input file, with its form around it
 
-    def refusal(self, method: str, headers: dict[bytes, bytes]) -> GgufqError | None:
+    def body_limit(self, path: str) -> int:
+        return self.max_upload_bytes + (1 << 20) if path in UPLOAD_PATHS else self.max_body_bytes
+
+    def refusal(
+        self, method: str, headers: dict[bytes, bytes], path: str = ""
+    ) -> GgufqError | None:
         """Why a request must not reach an endpoint, or None."""
         host = headers.get(b"host", b"").decode("latin-1")
         if self.check_host and not host_allowed(host, self.hosts):
@@ -113,10 +120,18 @@ class EdgeRules:
             )
         if method in _BODY_METHODS and has_body(headers):
             length = headers.get(b"content-length", b"").strip()
-            if length.isdigit() and int(length) > self.max_body_bytes:
-                return too_large(self.max_body_bytes)
+            limit = self.body_limit(path)
+            if length.isdigit() and int(length) > limit:
+                return too_large(limit)
             media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-            if media != b"application/json":
+            if path in UPLOAD_PATHS and method == "POST":
+                if media != b"multipart/form-data":
+                    return UnsupportedMediaType(
+                        f"a file is uploaded as multipart/form-data with parts 'file' and "
+                        f"'purpose' (got {media.decode('latin-1') or 'none'}); with curl: "
+                        "-F purpose=batch -F file=@requests.jsonl"
+                    )
+            elif media != b"application/json":
                 got = media.decode("latin-1") or "none"
                 return UnsupportedMediaType(
                     f"request bodies must be JSON sent as Content-Type: application/json (got "

@@ -1,0 +1,167 @@
+"""OpenAI's Batch API on the gateway: ``/v1/files`` (a batch's input, output and error
+files) and ``/v1/batches`` (create, list, retrieve, cancel). The batches run on the cluster
+(api_client/batches): the request that creates one returns at once, and any gateway
+process drives it. A key sees its own files and batches; an admin key, or a keyless
+gateway, every one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api_client.batches.files import FileStore, public
+from api_client.batches.lines import ENDPOINTS, read_lines
+from api_client.batches.runners import batch_store, file_store
+from api_client.batches.states import BatchState, Mover
+from api_client.batches.store import Batch, BatchStore, Moved
+from api_client.gateway.core import Caller, Routes, caller_of, gateway_of, json_body, parse_body
+from api_client.gateway.errors import Conflict
+from scheduler.errors import InvalidRequest
+from scheduler.units import parse_duration_s
+
+router = Routes(prefix="/v1")
+MAX_WINDOW_S = 7 * 86400.0
+
+
+class CreateBatch(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    input_file_id: str = Field(min_length=1, max_length=128)
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+def _tenant(caller: Caller) -> str | None:
+    """Whose files and batches the caller sees: None for all of them."""
+    return None if caller.key is None or caller.key.admin else caller.tenant
+
+
+def _files(request: Request) -> FileStore:
+    return file_store(gateway_of(request).settings)
+
+
+def _batches(request: Request) -> BatchStore:
+    return batch_store(gateway_of(request).client)
+
+
+@router.add("/files", "POST")
+async def create_file(request: Request) -> dict[str, Any]:
+    caller = caller_of(request)
+    async with request.form(max_files=1, max_fields=8) as form:
+        upload, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(upload, UploadFile):
+            raise InvalidRequest("the form has no 'file' part: send the JSONL file as 'file'")
+        if not isinstance(purpose, str):
+            raise InvalidRequest("the form has no 'purpose': send purpose=batch")
+        data = await upload.read()
+        name = upload.filename or "input.jsonl"
+    keep_s = gateway_of(request).settings.batch_retention_s
+    meta = await asyncio.to_thread(
+        _files(request).create, data, name, purpose, caller.tenant, keep_s
+    )
+    return public(meta)
+
+
+@router.add("/files", "GET")
+async def list_files(request: Request) -> dict[str, Any]:
+    found = await asyncio.to_thread(_files(request).listing, _tenant(caller_of(request)))
+    return {"object": "list", "data": [public(meta) for meta in found], "has_more": False}
+
+
+@router.add("/files/{file_id}", "GET")
+async def get_file(request: Request) -> dict[str, Any]:
+    file_id, tenant = request.path_params["file_id"], _tenant(caller_of(request))
+    return public(await asyncio.to_thread(_files(request).get, file_id, tenant))
+
+
+@router.add("/files/{file_id}/content", "GET")
+async def file_content(request: Request) -> Response:
+    file_id, tenant = request.path_params["file_id"], _tenant(caller_of(request))
+    data = await asyncio.to_thread(_files(request).content, file_id, tenant)
+    return Response(data, media_type="application/octet-stream")
+
+
+@router.add("/files/{file_id}", "DELETE")
+async def delete_file(request: Request) -> dict[str, Any]:
+    file_id, tenant = request.path_params["file_id"], _tenant(caller_of(request))
+    await asyncio.to_thread(_files(request).delete, file_id, tenant)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+@router.add("/batches", "POST")
+async def create_batch(request: Request) -> dict[str, Any]:
+    gateway, caller = gateway_of(request), caller_of(request)
+    body: CreateBatch = parse_body(CreateBatch, await json_body(request))
+    if body.endpoint not in ENDPOINTS:
+        raise InvalidRequest(
+            f"endpoint {body.endpoint!r} is not served for batches: use one of "
+            + ", ".join(ENDPOINTS)
+        )
+    try:
+        window_s = parse_duration_s(body.completion_window)
+    except ValueError as exc:
+        raise InvalidRequest(f"completion_window: {exc}") from None
+    if not 0 < window_s <= MAX_WINDOW_S:
+        raise InvalidRequest("completion_window must be more than 0 and at most 7 days, e.g. 24h")
+    files = _files(request)
+    meta = await asyncio.to_thread(files.get, body.input_file_id, _tenant(caller))
+    if meta["purpose"] != "batch":
+        raise InvalidRequest(f"file {body.input_file_id} was not uploaded with purpose batch")
+    if caller.key is not None:  # its key's models, for every line that parses
+        data = await asyncio.to_thread(files.content, body.input_file_id, None)
+        lines, _ = read_lines(data, body.endpoint, gateway.settings.batch_max_lines)
+        for line in lines:
+            caller.check_model(str(line.body.get("model", "")))
+    doc = {
+        "endpoint": body.endpoint,
+        "input_file_id": body.input_file_id,
+        "completion_window": body.completion_window,
+        "expires_at": int(time.time() + window_s),
+        "metadata": body.metadata,
+        "tenant": caller.tenant,
+        "weight": caller.weight,
+    }
+    return (await _batches(request).create(doc)).as_openai()
+
+
+@router.add("/batches", "GET")
+async def list_batches(request: Request) -> dict[str, Any]:
+    try:
+        limit = min(max(int(request.query_params.get("limit", 20)), 1), 100)
+    except ValueError:
+        raise InvalidRequest("limit must be a whole number from 1 to 100") from None
+    after = request.query_params.get("after")
+    found = await _batches(request).listing(_tenant(caller_of(request)), limit + 1, after)
+    data = [batch.as_openai() for batch in found[:limit]]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(found) > limit,
+    }
+
+
+async def _batch(request: Request) -> Batch:
+    return await _batches(request).get(request.path_params["batch_id"], _tenant(caller_of(request)))
+
+
+@router.add("/batches/{batch_id}", "GET")
+async def get_batch(request: Request) -> dict[str, Any]:
+    return (await _batch(request)).as_openai()
+
+
+@router.add("/batches/{batch_id}/cancel", "POST")
+async def cancel_batch(request: Request) -> dict[str, Any]:
+    batch, store = await _batch(request), _batches(request)
+    moved, before = await store.move(batch.id, BatchState.CANCELLING, Mover.CALLER)
+    if moved is Moved.REFUSED and before is not BatchState.CANCELLED:
+        raise Conflict(f"batch {batch.id} is {before}: only a batch not yet ended can be cancelled")
+    return (await store.get(batch.id)).as_openai()
