@@ -330,6 +330,7 @@ class GenerateResponse(BaseModel):
     total_duration: int | None = None
     load_duration: int | None = None
     prompt_eval_count: int | None = None
+    prompt_cached_count: int | None = None  # of those, found in the slot's cache
     prompt_eval_duration: int | None = None
     eval_count: int | None = None
     eval_duration: int | None = None

@@ -754,6 +754,10 @@ def test_a_prompt_that_extends_a_cached_one_answers_as_if_evaluated_whole(
     assert runner.engine.reused_tokens > 2 * len(runner.engine.tokenize(first))
     assert reused.text == fresh.text == again.text
     assert reused.prompt_eval_count == fresh.prompt_eval_count
+    # each job's record says how much of its prompt the slot's cache held
+    assert fresh.prompt_cached_count == 0
+    assert reused.prompt_cached_count == len(runner.engine.tokenize(first))
+    assert again.prompt_cached_count == len(runner.engine.tokenize(longer)) - 1
 
 
 def test_the_loop_accounts_for_its_steps(runner_factory: Callable[..., Runner]) -> None:

@@ -256,15 +256,17 @@ def answer_message(final: GenerateResponse) -> dict[str, Any]:
     return out
 
 
-def usage(*finals: GenerateResponse) -> dict[str, int]:
+def usage(*finals: GenerateResponse) -> dict[str, Any]:
     """Tokens of the answer's choices: the prompt once (as OpenAI counts it), the
-    completions together."""
+    completions together; ``cached_tokens``: the prompt's found in the runner's cache."""
     prompt = max(final.prompt_eval_count or 0 for final in finals)
     completion = sum(final.eval_count or 0 for final in finals)
+    cached = max(final.prompt_cached_count or 0 for final in finals)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 

@@ -62,6 +62,7 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     seq: int = -1
     fed: int = 0  # prompt tokens already sent to llama_decode (or found in the slot's cache)
+    cached: int = 0  # prompt tokens found in the slot's cache (not evaluated again)
     decoded: list[int] = field(default_factory=list)  # tokens whose KV is in the slot
     pos: int = 0  # position of the next token in the sequence
     next_token: int = -1  # sampled, not yet decoded
@@ -87,6 +88,7 @@ class Job:
             text="".join(self.parts),
             done_reason=reason,
             prompt_eval_count=len(self.tokens),
+            prompt_cached_count=self.cached,
             prompt_eval_duration_ns=first - self.admitted_ns if self.generated else 0,
             eval_count=self.generated,
             eval_duration_ns=now - first,

@@ -358,6 +358,7 @@ class Engine:
             if self._n_swa == 0 or lowest <= max(0, keep - self._n_swa):
                 job.fed = job.pos = keep
                 job.decoded = job.tokens[:keep]
+                job.cached = keep
                 self.reused_tokens += keep
                 return
         L.llama_memory_seq_rm(self._mem, seq, -1, -1)

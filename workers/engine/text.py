@@ -30,6 +30,7 @@ class GenerationStats:
     admitted_ns: int = 0  # perf_counter_ns when the job got its slot
     logprobs: list[dict[str, Any]] | None = None  # each token's, when the job asked
     stop_sequence: str | None = None  # the stop string that ended it
+    prompt_cached_count: int = 0  # prompt tokens its slot's cache held: not evaluated again
 
     def ollama_fields(self) -> dict[str, Any]:
         """The final record's fields under Ollama's names."""
@@ -44,6 +45,7 @@ class GenerationStats:
             }
             | ({} if self.logprobs is None else {"logprobs": self.logprobs})
             | ({} if self.stop_sequence is None else {"stop_sequence": self.stop_sequence})
+            | ({"prompt_cached_count": n} if (n := self.prompt_cached_count) else {})
         )
 
 
