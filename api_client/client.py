@@ -11,6 +11,7 @@ from typing import Any, Literal, overload
 
 from api_client.batch import run_batch
 from api_client.batch_files import BatchInput, BatchSummary
+from api_client.batches.handle import BatchHandle, submit_batch
 from api_client.job import Job
 from scheduler.cluster import CustodyView, DeviceView, JobView, RunnerView, by_expiry
 from scheduler.errors import NoWorkers, job_id_taken
@@ -255,6 +256,12 @@ class Client:
             stop=stop,
         )
 
+    def submit_batch(self, path: str | Path, **kw: Any) -> BatchHandle:
+        """Start a batch on the cluster from a JSONL file of OpenAI Batch API lines (README:
+        Batches on the cluster); it runs without this process. ``endpoint`` defaults to the
+        first line's url; ``completion_window`` ("24h"), ``metadata``."""
+        return submit_batch(self, path, **kw)
+
     def embed(
         self,
         model: str,
@@ -339,15 +346,7 @@ class Client:
     def models(self) -> list[dict[str, Any]]:
         """The models jobs can name (GGUFQ_MODELS_DIR as this process sees it, plus the demo
         model): name, path, GGUF metadata, or ``error`` saying why a file is unusable."""
-        return [
-            {
-                "name": e.name,
-                "path": str(e.path),
-                "error": e.error,
-                **(e.info.__dict__ if e.info else {}),
-            }
-            for e in Registry(self.settings.models_dir).entries()
-        ]
+        return Registry(self.settings.models_dir).described()
 
     def devices(self) -> list[DeviceView]:
         """Every registered device, with its memory (``free`` = min(reported free, total −

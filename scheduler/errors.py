@@ -121,6 +121,18 @@ class JobTimeout(GgufqError):
     code = "job_timeout"
 
 
+class NotFound(GgufqError):
+    """No file or batch of the caller's with that id."""
+
+    code = "not_found"
+
+
+class Conflict(GgufqError):
+    """What was asked cannot be done in the state it is in (a batch that ended already)."""
+
+    code = "conflict"
+
+
 class BadSettings(GgufqError):
     """A GGUFQ_ environment variable (or .env entry) holds a value ggufq cannot use."""
 

@@ -12,6 +12,8 @@ import io
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +22,12 @@ import openai
 import pytest
 import redis
 
+from api_client import Client
+from api_client.batches.handle import BatchHandle
 from api_client.batches.lines import read_lines, run_order
 from api_client.batches.states import MOVES, BatchState, Mover, sources, tables
 from api_client.gateway.keys import KeyStore
+from scheduler.errors import Conflict
 from scheduler.local.embedded import free_port
 from scheduler.local.stack import LocalStack
 from scheduler.settings import Settings
@@ -90,7 +95,12 @@ def release_running(r: redis.Redis, held: set[str], released: set[str]) -> str:
         found[:] = [k.decode() for k in r.hkeys(keys.RUNNING) if k.decode() in held - released]
         return bool(found)
 
-    assert wait_for(running, 60), "no held line of the batch runs: " + ", ".join(held - released)
+    batch_id = next(iter(held)).rsplit("-", 1)[0]
+    assert wait_for(running, 60), (
+        f"no held line of the batch runs: {sorted(held - released)}; the batch: "
+        f"{r.hgetall(keys.batch(batch_id))}, its lease: {r.get(keys.batch_lease(batch_id))}, "
+        f"sent: {r.hgetall(keys.batch_sent(batch_id))}, ended: {r.hkeys(keys.batch_out(batch_id))}"
+    )
     release(r, found[0])
     released.add(found[0])
     return found[0]
@@ -332,6 +342,45 @@ def test_a_key_sees_its_own_files_and_batches_and_its_models_only(held: Held) ->
             assert ended(api, batch.id).status == "completed"
     KeyStore(r).revoke(mine.id)
     KeyStore(r).revoke(_other.id)
+
+
+def test_python_and_the_cli_start_watch_and_read_a_batch(held: Held, tmp_path: Path) -> None:
+    stack, settings, r = held
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl(*(line(f"p{i}", f"say {i}") for i in range(3))).getvalue())
+    seen: list[str] = []
+    env = {
+        **os.environ,
+        "GGUFQ_REDIS_URL": stack.redis_url,
+        "GGUFQ_DATA_DIR": str(settings.data_dir),
+    }
+
+    def ggufq(*argv: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "api_client.cli", *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    with running_gateway(settings), Client(stack.redis_url, settings=settings) as client:
+        handle = client.submit_batch(path)  # its endpoint: the first line's url
+        final = handle.wait(timeout=60, on_progress=lambda b: seen.append(b["status"]))
+        assert final["status"] == "completed" and final["request_counts"]["completed"] == 3
+        assert seen[-1] == "completed" and len(seen) >= 2
+        assert [x["custom_id"] for x in handle.results()] == ["p0", "p1", "p2"]
+        assert handle.id in ggufq("batches") and "3/3" in ggufq("batches")
+        assert json.loads(ggufq("batches", "status", handle.id))["status"] == "completed"
+        results = [json.loads(x) for x in ggufq("batches", "results", handle.id).splitlines()]
+        assert results == handle.results()
+        with pytest.raises(Conflict):
+            handle.cancel()
+        batch_id = ggufq("batches", "submit", str(path)).strip()
+        done = BatchHandle(client, batch_id).wait(timeout=60)
+        assert done["request_counts"]["completed"] == 3
 
 
 def test_lines_are_checked_up_front_and_ordered_by_shared_prefix() -> None:

@@ -167,10 +167,12 @@ def _readme_gateway_examples() -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.parametrize("index", range(len(_readme_gateway_examples()[0])))
-def test_readme_python_examples_run(url: str, index: int) -> None:
+def test_readme_python_examples_run(url: str, index: int, stack: LocalStack) -> None:
     code = _readme_gateway_examples()[0][index]
     code = code.replace("gemma3-270m", "tiny").replace("http://localhost:11434", url)
-    env = {**os.environ, "OLLAMA_HOST": url}
+    # the Python client's examples meet the same stack (and batch files) as the gateway
+    env = {**os.environ, "OLLAMA_HOST": url, "GGUFQ_REDIS_URL": stack.redis_url}
+    env["GGUFQ_DATA_DIR"] = str(stack.settings.data_dir)
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +27,8 @@ from api_client.batches.files import FileStore
 from api_client.batches.lines import Line, LineError, output_line, read_lines, run_order, unrun_line
 from api_client.batches.states import BatchState, Mover
 from api_client.batches.store import Batch, BatchStore, Moved, Written
-from api_client.gateway.errors import NotFound, http_error, openai_body
-from scheduler.errors import GgufqError, NoWorkers, RedisUnavailable, ServerBusy
+from api_client.gateway.errors import http_error, openai_body
+from scheduler.errors import GgufqError, NotFound, NoWorkers, RedisUnavailable, ServerBusy
 from scheduler.store import keys
 
 log = logging.getLogger("ggufq.batches")
@@ -125,16 +126,19 @@ class Driver:
             log.info("batch %s: not moved to %s from %s", self.id, target, before)
 
     async def _read(self, batch: Batch) -> tuple[list[Line], list[LineError]]:
+        """The batch's lines, or its input's problems (one: the file is gone)."""
+        if self._lines is not None:
+            return self._lines, []
         input_id = batch.doc["input_file_id"]
         try:
             data = await asyncio.to_thread(self.files.content, input_id, None)
         except NotFound:
-            gone = LineError(0, "input_file_missing", f"the input file {input_id} is gone")
-            return [], [gone]
+            return [], [LineError(0, "input_file_missing", f"the input file {input_id} is gone")]
         lines, errors = await asyncio.to_thread(
             read_lines, data, batch.doc["endpoint"], self.settings.max_lines
         )
-        self._lines = lines
+        if not errors:
+            self._lines = lines
         return lines, errors
 
     async def _validate(self, batch: Batch) -> None:
@@ -146,10 +150,15 @@ class Driver:
             await self._move(B.IN_PROGRESS, total=len(lines))
 
     async def _run_lines(self, batch: Batch) -> None:
-        lines = self._lines if self._lines is not None else (await self._read(batch))[0]
+        lines, errors = await self._read(batch)
+        if errors:  # its input was deleted under it: it fails, with what ended kept
+            await self._end_files(batch, B.FAILED, "", "", errors=json.dumps([errors[0].as_dict()]))
+            return
         ends, sent = await self.store.ends(self.id), await self.store.sent(self.id)
         todo = iter([line for line in run_order(lines) if line.index not in ends])
         count = min(self.settings.concurrency, len(lines) - len(ends))
+        if time.time() >= batch.expires_at:  # taken up past its window: nothing more is sent
+            count = 0
         tasks = {asyncio.create_task(self._lines_of(batch, todo, sent)) for _ in range(count)}
         self._cancel_jobs = False
         try:
@@ -165,6 +174,7 @@ class Driver:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         if time.time() >= batch.expires_at:
+            await self._cancel_in_flight()
             await self._end_files(batch, B.EXPIRED, "batch_expired", "the completion window ended")
         elif not self._cancel_jobs:
             await self._move(B.FINALIZING)
@@ -196,6 +206,8 @@ class Driver:
                     await asyncio.shield(job.cancel())
                 raise
             body = answer_of(endpoint, line.body, job_id, final)
+        except RedisUnavailable:
+            raise  # not the line's outcome: this driver stops, the next one waits for the job
         except GgufqError as exc:
             status = http_error(exc).status
             body = openai_body(exc, status)
@@ -238,32 +250,44 @@ class Driver:
         return await self.client.submit(**spec, submitted_at=at)  # its error is the line's
 
     async def _finalize(self, batch: Batch) -> None:
-        await self._end_files(batch, B.COMPLETED, "", "")
+        _, errors = await self._read(batch)
+        if errors:
+            await self._end_files(batch, B.FAILED, "", "", errors=json.dumps([errors[0].as_dict()]))
+        else:
+            await self._end_files(batch, B.COMPLETED, "", "")
 
     async def _cancel(self, batch: Batch) -> None:
-        ends, sent = await self.store.ends(self.id), await self.store.sent(self.id)
-        for index in set(sent) - set(ends):  # jobs in flight (again, after a driver died)
-            await self.client.cancel(f"{self.id}-{index}")
+        await self._cancel_in_flight()
         await self._end_files(batch, B.CANCELLED, "batch_cancelled", "the batch was cancelled")
 
-    async def _end_files(self, batch: Batch, target: BatchState, code: str, why: str) -> None:
+    async def _cancel_in_flight(self) -> None:
+        """Cancel the lines' jobs sent and not ended (again, after a driver died)."""
+        ends, sent = await self.store.ends(self.id), await self.store.sent(self.id)
+        for index in set(sent) - set(ends):
+            await self.client.cancel(f"{self.id}-{index}")
+
+    async def _end_files(
+        self, batch: Batch, target: BatchState, code: str, why: str, **fields: Any
+    ) -> None:
         """Write the output and error files (lines in input order; lines that never ended
-        go to the errors as ``code``), then end the batch in ``target`` with them."""
-        lines = self._lines if self._lines is not None else (await self._read(batch))[0]
+        go to the errors as ``code``), then end the batch in ``target`` with them. The
+        files are this driver's own: a driver whose move is refused deletes them."""
+        lines, _ = await self._read(batch)
         ends = await self.store.ends(self.id)
         outputs: list[bytes] = []
         errors: list[bytes] = []
-        for line in lines:
-            if line.index in ends:
-                value = ends[line.index]
+        for index in sorted(set(ends) | {line.index for line in lines}):
+            if index in ends:
+                value = ends[index]
                 ok = json.loads(value)["response"]["status_code"] == 200
                 (outputs if ok else errors).append(value.encode())
             else:
-                errors.append(json.dumps(unrun_line(line, code, why)).encode())
-        ids = {}
+                errors.append(json.dumps(unrun_line(lines[index], code, why)).encode())
+        ids: dict[str, str] = {}
+        mine = uuid.uuid4().hex[:8]
         for name, rows in (("output", outputs), ("error", errors)):
             if rows:
-                file_id = f"file-{self.id.removeprefix('batch_')}-{name}"
+                file_id = f"file-{self.id.removeprefix('batch_')}-{name}-{mine}"
                 await asyncio.to_thread(
                     self.files.create,
                     b"\n".join(rows) + b"\n",
@@ -274,4 +298,13 @@ class Driver:
                     file_id,
                 )
                 ids[f"{name}_file_id"] = file_id
-        await self._move(target, completed=len(outputs), failed=len(errors), **ids)
+        counts = {"completed": len(outputs), "failed": len(errors)}
+        moved, _ = await self.store.move(
+            self.id, target, Mover.DRIVER, self.holder, **counts, **ids, **fields
+        )
+        if moved is not Moved.MOVED:  # another driver's files stand (or a cancel came)
+            for file_id in ids.values():
+                with contextlib.suppress(NotFound):
+                    await asyncio.to_thread(self.files.delete, file_id, None)
+        if moved is Moved.LEASE:
+            raise LeaseLost(self.id)

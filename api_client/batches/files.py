@@ -8,6 +8,7 @@ renamed into place, so a process killed mid-write leaves no half file behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -15,8 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from api_client.gateway.errors import NotFound
-from scheduler.errors import InvalidRequest
+from scheduler.errors import InvalidRequest, NotFound
 
 PURPOSES = frozenset({"batch", "batch_output"})
 
@@ -43,7 +43,7 @@ class FileStore:
         under that id, as a batch's output is after its driver died mid-way)."""
         if purpose not in PURPOSES:
             raise InvalidRequest(f"purpose {purpose!r} is not served: files here are for 'batch'")
-        if len(data) > self.max_bytes:
+        if purpose == "batch" and len(data) > self.max_bytes:  # an output is what it is
             raise InvalidRequest(
                 f"the file has {len(data):,} bytes; a batch file holds at most "
                 f"{self.max_bytes:,} (GGUFQ_BATCH_MAX_FILE_BYTES): split it into several batches"
@@ -102,8 +102,19 @@ class FileStore:
         return sorted(found, key=lambda m: m.get("created_at", 0), reverse=True)
 
     def expire(self, now: float, keep: set[str]) -> int:
-        """Delete files past their expiry, except ``keep`` (inputs of batches not ended)."""
+        """Delete files past their expiry, except ``keep`` (inputs of batches not ended),
+        and what a process killed mid-write left (a part file, or bytes without their
+        object) an hour on."""
         gone = 0
+        for path in self.root.glob(".*.part") if self.root.is_dir() else ():
+            with contextlib.suppress(OSError):
+                if path.stat().st_mtime < now - 3600:
+                    path.unlink()
+        for path in self.root.glob("file-*") if self.root.is_dir() else ():
+            with contextlib.suppress(OSError):
+                orphan = path.suffix != ".json" and not path.with_name(f"{path.name}.json").exists()
+                if orphan and path.stat().st_mtime < now - 3600:
+                    path.unlink()
         for meta in self.listing(None):
             if meta.get("expires_at", now + 1) <= now and meta["id"] not in keep:
                 self.delete(meta["id"], None)

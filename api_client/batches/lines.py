@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from api_client.batches.states import ENDPOINTS
 from api_client.gateway.core import model_name, parse_body
 from api_client.gateway.openai_schema import (
     ChatCompletionRequest,
@@ -19,11 +20,10 @@ from api_client.gateway.openai_schema import (
 )
 from scheduler.errors import GgufqError
 
-ENDPOINTS: dict[str, type[Any]] = {
-    "/v1/chat/completions": ChatCompletionRequest,
-    "/v1/completions": CompletionRequest,
-    "/v1/embeddings": EmbeddingRequest,
-}
+# each endpoint's request body, as that endpoint validates it
+BODIES: dict[str, type[Any]] = dict(
+    zip(ENDPOINTS, (ChatCompletionRequest, CompletionRequest, EmbeddingRequest), strict=True)
+)
 _ORDER_KEY_CHARS = 4096  # lines whose text agrees this far run side by side
 
 
@@ -111,7 +111,7 @@ def _read_line(raw: bytes, number: int, endpoint: str) -> tuple[Line | None, Lin
         return error("invalid_parameter", "a batch's requests cannot stream", "body.stream")
     try:
         model_name(body.get("model"))
-        parse_body(ENDPOINTS[endpoint], body)
+        parse_body(BODIES[endpoint], body)
     except GgufqError as exc:
         return error("invalid_request", exc.message, "body")
     return Line(0, custom_id, body), None

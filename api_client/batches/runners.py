@@ -92,6 +92,7 @@ class BatchRunners:
             log.exception("driving batch %s failed; it will be taken up again", driver.id)
 
     async def _expire_files(self) -> None:
+        await self.store.forget(time.time() - self.driver_settings.retention_s - 2 * 86400)
         keep = set()
         for batch_id in await self.store.active():
             with contextlib.suppress(Exception):

@@ -13,6 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+# what a batch's lines may ask for (lines.py checks their bodies)
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+MAX_WINDOW_S = 86400.0  # its longest completion window (OpenAI's one): job ids' claims
+# (GGUFQ_RESULT_TTL_S, a day) outlive it
+
 
 class BatchState(StrEnum):
     VALIDATING = "validating"  # its input file is being read and checked
@@ -53,9 +58,11 @@ MOVES: tuple[Move, ...] = (
     Move(B.VALIDATING, B.FAILED, Mover.DRIVER, "the input is refused, with each line's error"),
     Move(B.VALIDATING, B.CANCELLING, Mover.CALLER, "cancel asked"),
     Move(B.IN_PROGRESS, B.FINALIZING, Mover.DRIVER, "every line ended"),
+    Move(B.IN_PROGRESS, B.FAILED, Mover.DRIVER, "its input file is gone: what ended is kept"),
     Move(B.IN_PROGRESS, B.EXPIRED, Mover.DRIVER, "the window passed: lines left expire"),
     Move(B.IN_PROGRESS, B.CANCELLING, Mover.CALLER, "cancel asked"),
     Move(B.FINALIZING, B.COMPLETED, Mover.DRIVER, "its output and error files written"),
+    Move(B.FINALIZING, B.FAILED, Mover.DRIVER, "its input file is gone: what ended is kept"),
     Move(B.CANCELLING, B.CANCELLED, Mover.DRIVER, "its jobs stopped, what ended written out"),
 )
 

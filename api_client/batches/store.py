@@ -4,6 +4,7 @@ wrote of each line, read and moved only through lua/batch_*.lua (see states.py).
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -13,12 +14,13 @@ from typing import Any, cast
 import redis.asyncio
 
 from api_client.batches.states import BatchState, Mover, sources
-from api_client.gateway.errors import NotFound
+from scheduler.errors import NotFound
 from scheduler.store import keys
 from scheduler.store.records import decoded, text
 from scheduler.store.scripts import flatten, script
 
 _COUNTERS = ("total", "completed", "failed")
+_BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")
 
 
 class Moved(StrEnum):
@@ -100,26 +102,15 @@ class BatchStore:
         self._lease = script(r, "batch_lease")
 
     async def create(self, doc: dict[str, Any]) -> Batch:
-        batch_id = "batch_" + uuid.uuid4().hex[:24]
-        doc = {**doc, "id": batch_id, "created_at": int(time.time())}
-        fields = {"state": BatchState.VALIDATING.value, "doc": json.dumps(doc)}
+        batch = new_batch(doc)
         pipe = self.r.pipeline(transaction=True)
-        pipe.hset(keys.batch(batch_id), mapping=cast(dict[Any, Any], fields))
-        pipe.zadd(keys.BATCHES, {batch_id: doc["created_at"]})
-        pipe.sadd(keys.BATCHES_ACTIVE, batch_id)
+        queue_create(pipe, batch)
         await pipe.execute()
-        return Batch(batch_id, BatchState.VALIDATING, doc, fields)
+        return batch
 
     async def get(self, batch_id: str, tenant: str | None = None) -> Batch:
         """The batch; ``tenant`` given: only that tenant's (else NotFound, as for none)."""
-        raw = await self.r.hgetall(keys.batch(batch_id)) if batch_id.isascii() else {}
-        if not raw:
-            raise _not_found(batch_id)
-        fields = decoded(raw)
-        batch = Batch(batch_id, BatchState(fields["state"]), json.loads(fields["doc"]), fields)
-        if tenant is not None and batch.tenant != tenant:
-            raise _not_found(batch_id)
-        return batch
+        return batch_of(batch_id, await self.r.hgetall(keys.batch(batch_id)), tenant)
 
     async def listing(self, tenant: str | None, limit: int, after: str | None) -> list[Batch]:
         """Batches newest first, ``limit`` of them, those older than ``after``."""
@@ -138,6 +129,11 @@ class BatchStore:
                 break
         return found
 
+    async def forget(self, before: float) -> None:
+        """Drop from the listing's index batches created before ``before`` (their records
+        expired: kept retention_s after their end, which is at most a window after)."""
+        await self.r.zremrangebyscore(keys.BATCHES, "-inf", before)
+
     async def active(self) -> list[str]:
         return sorted(text(i) for i in await self.r.smembers(keys.BATCHES_ACTIVE))
 
@@ -152,10 +148,8 @@ class BatchStore:
         """Move the batch to ``target`` if the table lets ``by`` from where it is (and
         ``holder`` holds its lease, for the driver's moves); returns what came of it and the
         state it was in."""
-        allowed = ",".join(s.value for s in sources(target, by))
-        args = [holder, target.value, allowed, self.retention_s, *flatten(fields)]
-        outcome, before = await self._move(keys=_move_keys(batch_id), args=args)
-        return Moved(text(outcome)), BatchState(text(before)) if before else None
+        names, args = move_call(batch_id, target, by, holder, self.retention_s, fields)
+        return moved_of(await self._move(keys=names, args=args))
 
     async def lease(self, batch_id: str, holder: str, op: str, lease_s: float) -> bool:
         held = await self._lease(
@@ -191,14 +185,55 @@ class BatchStore:
         return {int(k): text(v) for k, v in raw.items()}
 
 
-def _move_keys(batch_id: str) -> list[str]:
-    return [
+def new_batch(doc: dict[str, Any]) -> Batch:
+    """A new batch (validating) of ``doc``: its endpoint, input file, window and tenant."""
+    batch_id = "batch_" + uuid.uuid4().hex[:24]
+    doc = {**doc, "id": batch_id, "created_at": int(time.time())}
+    fields = {"state": BatchState.VALIDATING.value, "doc": json.dumps(doc)}
+    return Batch(batch_id, BatchState.VALIDATING, doc, fields)
+
+
+def queue_create(pipe: Any, batch: Batch) -> None:
+    """Queue the new batch's record and index entries on a pipeline (sync or asyncio)."""
+    pipe.hset(keys.batch(batch.id), mapping=cast(dict[Any, Any], batch.fields))
+    pipe.zadd(keys.BATCHES, {batch.id: batch.doc["created_at"]})
+    pipe.sadd(keys.BATCHES_ACTIVE, batch.id)
+
+
+def batch_of(batch_id: str, raw: dict[Any, Any], tenant: str | None) -> Batch:
+    """The batch its record ``raw`` holds; NotFound for none, or another tenant's."""
+    if not raw or not _BATCH_ID.fullmatch(batch_id):
+        raise _not_found(batch_id)
+    fields = decoded(raw)
+    batch = Batch(batch_id, BatchState(fields["state"]), json.loads(fields["doc"]), fields)
+    if tenant is not None and batch.tenant != tenant:
+        raise _not_found(batch_id)
+    return batch
+
+
+def move_call(
+    batch_id: str,
+    target: BatchState,
+    by: Mover,
+    holder: str,
+    retention_s: int,
+    fields: dict[str, Any],
+) -> tuple[list[str], list[Any]]:
+    """The keys and arguments of lua/batch_move.lua for a move (from the move table)."""
+    allowed = ",".join(s.value for s in sources(target, by))
+    names = [
         keys.batch(batch_id),
         keys.BATCHES_ACTIVE,
         keys.batch_lease(batch_id),
         keys.batch_sent(batch_id),
         keys.batch_out(batch_id),
     ]
+    return names, [holder, target.value, allowed, retention_s, *flatten(fields)]
+
+
+def moved_of(reply: list[Any]) -> tuple[Moved, BatchState | None]:
+    outcome, before = reply
+    return Moved(text(outcome)), BatchState(text(before)) if before else None
 
 
 def _not_found(batch_id: str) -> NotFound:

@@ -1,9 +1,9 @@
 """`ggufq`: run the stack, send jobs, look at state.
 
 This module owns the parser and the dispatch; each command lives with its kind: jobs.py
-(run, batch), cluster.py (ps, devices, jobs, load, unload, cancel), ops.py (up, worker,
-placement, flower, config, models, estimate), gateway.py (serve, keys), access.py (acl),
-demo.py (demo).
+(run, batch), batches.py (batches on the cluster), cluster.py (ps, devices, jobs, load,
+unload, cancel), ops.py (up, worker, placement, flower, config, models, estimate),
+gateway.py (serve, keys), access.py (acl), demo.py (demo).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import redis
 
 from api_client.cli.access import add_acl_arguments, cmd_acl
+from api_client.cli.batches import add_batches_commands, cmd_list
 from api_client.cli.cluster import (
     cmd_cancel,
     cmd_devices,
@@ -128,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--retries", type=int, default=2, help="retries of transient failures per row (2)"
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON, no bar")
+    p = command(
+        "batches", cmd_list, "batches on the cluster: list, submit, status, cancel, results"
+    )
+    p.add_argument("--limit", type=int, default=20, help="the newest this many (20)")
+    p.add_argument("--json", action="store_true")
+    add_batches_commands(p)
     command("config", cmd_config, "print the effective settings")
     p = command("models", cmd_models, "list the models jobs can name")
     p.add_argument("--json", action="store_true")

@@ -12,21 +12,21 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import Response
 
 from api_client.batches.files import FileStore, public
-from api_client.batches.lines import ENDPOINTS, read_lines
+from api_client.batches.lines import read_lines
 from api_client.batches.runners import batch_store, file_store
-from api_client.batches.states import BatchState, Mover
+from api_client.batches.states import ENDPOINTS, MAX_WINDOW_S, BatchState, Mover
 from api_client.batches.store import Batch, BatchStore, Moved
 from api_client.gateway.core import Caller, Routes, caller_of, gateway_of, json_body, parse_body
-from api_client.gateway.errors import Conflict
-from scheduler.errors import InvalidRequest
+from scheduler.errors import Conflict, InvalidRequest
 from scheduler.units import parse_duration_s
 
 router = Routes(prefix="/v1")
-MAX_WINDOW_S = 7 * 86400.0
 
 
 class CreateBatch(BaseModel):
@@ -54,14 +54,19 @@ def _batches(request: Request) -> BatchStore:
 @router.add("/files", "POST")
 async def create_file(request: Request) -> dict[str, Any]:
     caller = caller_of(request)
-    async with request.form(max_files=1, max_fields=8) as form:
-        upload, purpose = form.get("file"), form.get("purpose")
-        if not isinstance(upload, UploadFile):
-            raise InvalidRequest("the form has no 'file' part: send the JSONL file as 'file'")
-        if not isinstance(purpose, str):
-            raise InvalidRequest("the form has no 'purpose': send purpose=batch")
-        data = await upload.read()
-        name = upload.filename or "input.jsonl"
+    try:
+        async with request.form(max_files=1, max_fields=8) as form:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise InvalidRequest("the form has no 'file' part: send the JSONL file as 'file'")
+            if not isinstance(purpose, str):
+                raise InvalidRequest("the form has no 'purpose': send purpose=batch")
+            data = await upload.read()
+            name = upload.filename or "input.jsonl"
+    except (HTTPException, MultiPartException) as exc:
+        raise InvalidRequest(
+            f"the upload is not a form this takes ({exc}): one 'file' part and 'purpose'"
+        ) from None
     keep_s = gateway_of(request).settings.batch_retention_s
     meta = await asyncio.to_thread(
         _files(request).create, data, name, purpose, caller.tenant, keep_s
@@ -91,6 +96,10 @@ async def file_content(request: Request) -> Response:
 @router.add("/files/{file_id}", "DELETE")
 async def delete_file(request: Request) -> dict[str, Any]:
     file_id, tenant = request.path_params["file_id"], _tenant(caller_of(request))
+    for batch_id in await _batches(request).active():
+        batch = await _batches(request).get(batch_id)
+        if batch.doc["input_file_id"] == file_id:
+            raise Conflict(f"file {file_id} is the input of {batch_id}, not ended yet")
     await asyncio.to_thread(_files(request).delete, file_id, tenant)
     return {"id": file_id, "object": "file", "deleted": True}
 
@@ -109,14 +118,15 @@ async def create_batch(request: Request) -> dict[str, Any]:
     except ValueError as exc:
         raise InvalidRequest(f"completion_window: {exc}") from None
     if not 0 < window_s <= MAX_WINDOW_S:
-        raise InvalidRequest("completion_window must be more than 0 and at most 7 days, e.g. 24h")
+        raise InvalidRequest("completion_window must be more than 0 and at most 24h, e.g. 24h")
     files = _files(request)
     meta = await asyncio.to_thread(files.get, body.input_file_id, _tenant(caller))
     if meta["purpose"] != "batch":
         raise InvalidRequest(f"file {body.input_file_id} was not uploaded with purpose batch")
     if caller.key is not None:  # its key's models, for every line that parses
         data = await asyncio.to_thread(files.content, body.input_file_id, None)
-        lines, _ = read_lines(data, body.endpoint, gateway.settings.batch_max_lines)
+        limit = gateway.settings.batch_max_lines
+        lines, _ = await asyncio.to_thread(read_lines, data, body.endpoint, limit)
         for line in lines:
             caller.check_model(str(line.body.get("model", "")))
     doc = {

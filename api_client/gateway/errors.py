@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from scheduler.errors import (
     ChunksLost,
+    Conflict,
     GgufqError,
     InvalidModelFile,
     InvalidRequest,
@@ -24,6 +25,7 @@ from scheduler.errors import (
     LoadFailed,
     ModelNotFound,
     NoCapacity,
+    NotFound,
     NoWorkers,
     RedisUnavailable,
     ServerBusy,
@@ -46,18 +48,6 @@ class JobNotFound(GgufqError):
     """No job of the caller's with that id is waiting or running."""
 
     code = "job_not_found"
-
-
-class NotFound(GgufqError):
-    """No file or batch of the caller's with that id."""
-
-    code = "not_found"
-
-
-class Conflict(GgufqError):
-    """The thing asked of is in a state where that cannot be done (a batch already ended)."""
-
-    code = "conflict"
 
 
 class Forbidden(GgufqError):

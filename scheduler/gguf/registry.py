@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from scheduler.errors import InvalidModelFile, ModelNotFound
 from scheduler.gguf.metadata import ModelInfo, read_model_info
@@ -122,6 +123,18 @@ class Registry:
 
     def info(self, name: str) -> ModelInfo:
         return read_model_info(self.resolve(name))
+
+    def described(self) -> list[dict[str, Any]]:
+        """:meth:`entries` as plain dicts: name, path, error, and the GGUF metadata."""
+        return [
+            {
+                "name": e.name,
+                "path": str(e.path),
+                "error": e.error,
+                **(e.info.__dict__ if e.info else {}),
+            }
+            for e in self.entries()
+        ]
 
     def entries(self) -> list[ModelEntry]:
         """Every name with its metadata, or the reason its file is unusable."""
