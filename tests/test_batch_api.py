@@ -18,13 +18,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import redis
 
 from api_client import Client
+from api_client.batches import spool
 from api_client.batches.handle import BatchHandle
 from api_client.batches.lines import read_lines, run_order
+from api_client.batches.spool import Spool
 from api_client.batches.states import MOVES, BatchState, Mover, sources, tables
 from api_client.gateway.keys import KeyStore
 from scheduler.errors import Conflict
@@ -381,6 +384,43 @@ def test_python_and_the_cli_start_watch_and_read_a_batch(held: Held, tmp_path: P
         batch_id = ggufq("batches", "submit", str(path)).strip()
         done = BatchHandle(client, batch_id).wait(timeout=60)
         assert done["request_counts"]["completed"] == 3
+
+
+def test_bad_uploads_ids_and_deletes_get_clear_answers(api: openai.OpenAI, held: Held) -> None:
+    base = str(api.base_url).rstrip("/")
+    no_file = httpx.post(f"{base}/files", files={"purpose": (None, "batch")})
+    assert no_file.status_code == 400 and "'file'" in no_file.json()["error"]["message"]
+    broken = httpx.post(
+        f"{base}/files",
+        content=b"--x\r\nnot a part",
+        headers={"Content-Type": "multipart/form-data; boundary=x"},
+    )
+    assert broken.status_code == 400
+    as_json = httpx.post(f"{base}/files", json={"file": "x"})
+    assert as_json.status_code == 415 and "multipart/form-data" in as_json.text
+    for wrong in ("batch_nope", "batch_0123:sent", "../x"):
+        assert httpx.get(f"{base}/batches/{wrong}").status_code == 404
+    assert httpx.get(f"{base}/files/file-../../etc").status_code == 404
+    upload = api.files.create(file=("d.jsonl", jsonl(line("d", f"{HOLD} d"))), purpose="batch")
+    batch = api.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="1h"
+    )
+    with pytest.raises(openai.ConflictError, match="not ended"):
+        api.files.delete(upload.id)
+    api.batches.cancel(batch.id)
+    assert ended(api, batch.id).status == "cancelled"
+    assert api.files.delete(upload.id).deleted
+
+
+def test_a_spool_keeps_answers_on_disk_and_redis_only_their_place(tmp_path: Path) -> None:
+    kept = Spool(tmp_path, "batch_x", "a")
+    places = [kept.append(b"first"), kept.append(b"second answer")]
+    kept.close()
+    assert [spool.read(tmp_path, p) for p in places] == [b"first", b"second answer"]
+    assert all(len(p) < 40 for p in places)
+    assert spool.read(tmp_path, "batch_x.b:0:5") is None  # another host's file: lost
+    assert spool.read(tmp_path, "../etc:0:5") is None
+    assert spool.remove(tmp_path, "batch_x") == 1 and spool.read(tmp_path, places[0]) is None
 
 
 def test_lines_are_checked_up_front_and_ordered_by_shared_prefix() -> None:

@@ -22,14 +22,25 @@ from typing import Any
 
 from api_client.aio import AsyncClient
 from api_client.ajob import AsyncJob
+from api_client.batches import spool
 from api_client.batches.answers import answer_of, job_of
 from api_client.batches.files import FileStore
-from api_client.batches.lines import Line, LineError, output_line, read_lines, run_order, unrun_line
+from api_client.batches.lines import (
+    Line,
+    LineError,
+    lost_line,
+    output_line,
+    read_lines,
+    run_order,
+    unrun_line,
+)
+from api_client.batches.spool import Spool
 from api_client.batches.states import BatchState, Mover
 from api_client.batches.store import Batch, BatchStore, Moved, Written
 from api_client.gateway.errors import http_error, openai_body
 from scheduler.errors import GgufqError, NotFound, NoWorkers, RedisUnavailable, ServerBusy
 from scheduler.store import keys
+from scheduler.store.records import text
 
 log = logging.getLogger("ggufq.batches")
 LOOK_S = 1.0  # how often a running batch's driver looks for a cancel or its window's end
@@ -67,6 +78,7 @@ class Driver:
         self.id, self.holder, self.settings = batch_id, holder, settings
         self._lines: list[Line] | None = None
         self._cancel_jobs = False  # when the lines' tasks stop: cancel their jobs too?
+        self.spool = Spool(files.root.parent, batch_id, uuid.uuid4().hex[:8])
 
     async def run(self) -> None:
         """Drive the batch until it ends or the lease is lost; gives the lease back."""
@@ -87,6 +99,7 @@ class Driver:
             driving.cancel()
             keeper.cancel()
             await asyncio.gather(driving, keeper, return_exceptions=True)
+            self.spool.close()
             with contextlib.suppress(Exception):
                 await self.store.lease(self.id, self.holder, "release", self.settings.lease_s)
 
@@ -211,8 +224,10 @@ class Driver:
         except GgufqError as exc:
             status = http_error(exc).status
             body = openai_body(exc, status)
-        value = json.dumps(output_line(line, job_id, status, body))
+        answer = json.dumps(output_line(line, job_id, status, body)).encode()
+        place = await asyncio.to_thread(self.spool.append, answer)
         counter = "completed" if status == 200 else "failed"
+        value = f"{status}|{place}"  # Redis keeps where the answer is, not the answer
         written, _ = await self.store.write_end(self.id, self.holder, line.index, value, counter)
         if written is Written.LEASE:
             raise LeaseLost(self.id)
@@ -220,34 +235,29 @@ class Driver:
     async def _send(
         self, line: Line, spec: dict[str, Any], sent: str | None, deadline: float
     ) -> AsyncJob:
-        """The line's job: the one sent before (``sent``: when), else sent now, its time
-        written down first. One whose sender died before sending it (Redis has no claim
-        of its id) is sent now, with that time: sending one job twice is harmless (its id
-        is claimed by that time, and placement places a job once)."""
-        if sent is None:
-            at = repr(time.time())
+        """The line's job. Its time is written down before it is sent, and its id is
+        claimed (with that time) as it is sent: a job whose id is claimed is waited for,
+        never sent again (its reader sends it to placement again if it was lost on the
+        way, and placement places a job once); one not claimed is sent. A pool with no
+        worker or no room now is asked again."""
+        r, job_id = self.client.r, spec["id"]
+        if sent is None:  # none yet, or Redis lost it and kept the claim: that time
+            claimed = await r.get(keys.job_submitted(job_id))
+            at = text(claimed) if claimed else repr(time.time())
             written, sent = await self.store.write_sent(self.id, self.holder, line.index, at)
             if written is Written.LEASE:
                 raise LeaseLost(self.id)
-            if written is Written.WRITTEN:
-                return await self._submit(spec, float(at), deadline)
-        if not await self.client.r.exists(keys.job_submitted(spec["id"])):
-            return await self._submit(spec, float(sent), deadline)
-        return self.client.attach(**spec, submitted_at=float(sent))
-
-    async def _submit(self, spec: dict[str, Any], at: float, deadline: float) -> AsyncJob:
-        """Send a line's job; a pool with no worker or no room now is asked again."""
-        for wait in _RETRY_S:
+        for wait in (*_RETRY_S, None):
+            if await r.exists(keys.job_submitted(job_id)):
+                return self.client.attach(**spec, submitted_at=float(sent))
             try:
-                return await self.client.submit(**spec, submitted_at=at)
+                return await self.client.submit(**spec, submitted_at=float(sent))
             except (NoWorkers, ServerBusy, RedisUnavailable) as exc:
-                if time.time() + wait >= deadline:
+                if wait is None or time.time() + wait >= deadline:
                     raise
-                log.warning(
-                    "batch %s: sending %s again in %g s: %s", self.id, spec["id"], wait, exc
-                )
+                log.warning("batch %s: sending %s again in %g s: %s", self.id, job_id, wait, exc)
                 await asyncio.sleep(wait)
-        return await self.client.submit(**spec, submitted_at=at)  # its error is the line's
+        raise AssertionError("the last try returns or raises")
 
     async def _finalize(self, batch: Batch) -> None:
         _, errors = await self._read(batch)
@@ -269,36 +279,11 @@ class Driver:
     async def _end_files(
         self, batch: Batch, target: BatchState, code: str, why: str, **fields: Any
     ) -> None:
-        """Write the output and error files (lines in input order; lines that never ended
-        go to the errors as ``code``), then end the batch in ``target`` with them. The
-        files are this driver's own: a driver whose move is refused deletes them."""
+        """Write the output and error files, then end the batch in ``target`` with them.
+        The files are this driver's own: a driver whose move is refused deletes them."""
         lines, _ = await self._read(batch)
         ends = await self.store.ends(self.id)
-        outputs: list[bytes] = []
-        errors: list[bytes] = []
-        for index in sorted(set(ends) | {line.index for line in lines}):
-            if index in ends:
-                value = ends[index]
-                ok = json.loads(value)["response"]["status_code"] == 200
-                (outputs if ok else errors).append(value.encode())
-            else:
-                errors.append(json.dumps(unrun_line(lines[index], code, why)).encode())
-        ids: dict[str, str] = {}
-        mine = uuid.uuid4().hex[:8]
-        for name, rows in (("output", outputs), ("error", errors)):
-            if rows:
-                file_id = f"file-{self.id.removeprefix('batch_')}-{name}-{mine}"
-                await asyncio.to_thread(
-                    self.files.create,
-                    b"\n".join(rows) + b"\n",
-                    f"{self.id}_{name}.jsonl",
-                    "batch_output",
-                    batch.tenant,
-                    self.settings.retention_s,
-                    file_id,
-                )
-                ids[f"{name}_file_id"] = file_id
-        counts = {"completed": len(outputs), "failed": len(errors)}
+        ids, counts = await asyncio.to_thread(self._write_files, batch, lines, ends, code, why)
         moved, _ = await self.store.move(
             self.id, target, Mover.DRIVER, self.holder, **counts, **ids, **fields
         )
@@ -308,3 +293,46 @@ class Driver:
                     await asyncio.to_thread(self.files.delete, file_id, None)
         if moved is Moved.LEASE:
             raise LeaseLost(self.id)
+        if moved is Moved.MOVED:
+            await asyncio.to_thread(spool.remove, self.files.root.parent, self.id)
+
+    def _write_files(
+        self, batch: Batch, lines: list[Line], ends: dict[int, str], code: str, why: str
+    ) -> tuple[dict[str, str], dict[str, int]]:
+        """The output file (answers) and the error file (failed requests, and lines that
+        never ended, as ``code``), lines in input order, read from the spools one by one;
+        their ids and the batch's counts. Blocking."""
+        ok: list[int] = []
+        failed: list[int] = []
+        for index in sorted(set(ends) | {line.index for line in lines}):
+            answered = index in ends and ends[index].startswith("200|")
+            (ok if answered else failed).append(index)
+        lost: list[int] = []  # answers this process cannot read back (a data dir not shared)
+        root = self.files.root.parent
+
+        def rows(indexes: list[int]) -> Iterator[bytes]:
+            for index in indexes:
+                if index not in ends:
+                    yield json.dumps(unrun_line(lines[index], code, why)).encode()
+                elif (data := spool.read(root, ends[index].split("|", 1)[1])) is not None:
+                    yield data
+                elif indexes is ok:
+                    lost.append(index)  # to the error file
+                else:
+                    yield json.dumps(lost_line(lines, index)).encode()
+
+        ids: dict[str, str] = {}
+        mine = uuid.uuid4().hex[:8]
+        for name in ("output", "error"):
+            if name == "error":
+                failed = sorted(failed + lost)
+            indexes = ok if name == "output" else failed
+            if indexes:
+                file_id = f"file-{self.id.removeprefix('batch_')}-{name}-{mine}"
+                name_ = f"{self.id}_{name}.jsonl"
+                keep_s = self.settings.retention_s
+                self.files.create(
+                    rows(indexes), name_, "batch_output", batch.tenant, keep_s, file_id
+                )
+                ids[f"{name}_file_id"] = file_id
+        return ids, {"completed": len(ok) - len(lost), "failed": len(failed)}

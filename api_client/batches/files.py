@@ -13,6 +13,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,28 +33,34 @@ class FileStore:
 
     def create(
         self,
-        data: bytes,
+        data: bytes | Iterable[bytes],
         filename: str,
         purpose: str,
         tenant: str,
         keep_s: float,
         file_id: str | None = None,
     ) -> dict[str, Any]:
-        """Store ``data`` and return its file object (``file_id`` given: written again
-        under that id, as a batch's output is after its driver died mid-way)."""
+        """Store ``data`` (bytes, or lines written one by one, each ended by a newline)
+        and return its file object under a new id, or ``file_id``."""
         if purpose not in PURPOSES:
             raise InvalidRequest(f"purpose {purpose!r} is not served: files here are for 'batch'")
-        if purpose == "batch" and len(data) > self.max_bytes:  # an output is what it is
+        if isinstance(data, bytes) and len(data) > self.max_bytes:  # an output is what it is
             raise InvalidRequest(
                 f"the file has {len(data):,} bytes; a batch file holds at most "
                 f"{self.max_bytes:,} (GGUFQ_BATCH_MAX_FILE_BYTES): split it into several batches"
             )
         file_id = file_id or new_file_id()
+        self.root.mkdir(parents=True, exist_ok=True)
+        size = _write(
+            self.root / file_id,
+            [data] if isinstance(data, bytes) else data,
+            lines=not isinstance(data, bytes),
+        )
         now = int(time.time())
         meta = {
             "id": file_id,
             "object": "file",
-            "bytes": len(data),
+            "bytes": size,
             "created_at": now,
             "expires_at": now + int(keep_s),
             "filename": Path(filename or "input.jsonl").name[:255],
@@ -62,9 +69,7 @@ class FileStore:
             "status_details": None,
             "tenant": tenant,
         }
-        self.root.mkdir(parents=True, exist_ok=True)
-        _write(self.root / file_id, data)
-        _write(self.root / f"{file_id}.json", json.dumps(meta).encode())
+        _write(self.root / f"{file_id}.json", [json.dumps(meta).encode()])
         return meta
 
     def get(self, file_id: str, tenant: str | None) -> dict[str, Any]:
@@ -132,13 +137,22 @@ def public(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in meta.items() if k != "tenant"}
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Path, chunks: Iterable[bytes], lines: bool = False) -> int:
+    """Write ``chunks`` (each ended by a newline, with ``lines``) whole, or not at all;
+    returns the bytes written."""
     partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
+    size = 0
     with open(partial, "wb") as out:
-        out.write(data)
+        for chunk in chunks:
+            out.write(chunk)
+            size += len(chunk)
+            if lines:
+                out.write(b"\n")
+                size += 1
         out.flush()
         os.fsync(out.fileno())
     os.replace(partial, path)
+    return size
 
 
 def _not_found(file_id: str) -> NotFound:

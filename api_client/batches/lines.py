@@ -153,3 +153,18 @@ def unrun_line(line: Line, code: str, message: str) -> dict[str, Any]:
         "response": None,
         "error": {"code": code, "message": message},
     }
+
+
+def lost_line(lines: list[Line], index: int) -> dict[str, Any]:
+    """A line of the error file for an answer written where this process cannot read it."""
+    custom_id = lines[index].custom_id if index < len(lines) else f"line {index + 1}"
+    return {
+        "id": f"batch_req_lost_{index}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {
+            "code": "answer_lost",
+            "message": "its answer was kept in GGUFQ_DATA_DIR/spool by a gateway process "
+            "whose files this one cannot read: gateways must share GGUFQ_DATA_DIR",
+        },
+    }

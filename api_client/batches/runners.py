@@ -14,6 +14,7 @@ import time
 import uuid
 
 from api_client.aio import AsyncClient
+from api_client.batches import spool
 from api_client.batches.driver import LOOK_S, Driver, DriverSettings
 from api_client.batches.files import FileStore
 from api_client.batches.store import BatchStore
@@ -98,6 +99,9 @@ class BatchRunners:
             with contextlib.suppress(Exception):
                 keep.add((await self.store.get(batch_id)).doc["input_file_id"])
         gone = await asyncio.to_thread(self.files.expire, time.time(), keep)
+        # what drivers that died left, once no batch can still need it
+        root, keep_s = self.files.root.parent, self.driver_settings.retention_s
+        gone += await asyncio.to_thread(spool.remove, root, "*", keep_s)
         if gone:
             log.info("deleted %d expired batch files", gone)
 

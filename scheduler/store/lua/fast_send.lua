@@ -23,8 +23,8 @@
 --       owner ttl (also the hops'), message, route ttl, model, demand tau
 -- Returns 1 when sent (also when this attempt's claim is there already: it ran, and its
 -- reply was lost); 0 when the normal path must place it (the route changed, the runner
--- is not ready or has no free slot, its device is silent, jobs wait, or another attempt
--- of the same submission was placed); -1 when the job id is another submission's.
+-- is not ready or has no free slot, its device is silent, or jobs wait); -1 when the job
+-- id is taken.
 -- this very attempt ran already (sent again after its reply was lost): sent
 if redis.call('GET', KEYS[8]) == ARGV[7] then return 1 end
 local route = redis.call('GET', KEYS[1])
@@ -41,13 +41,7 @@ local beat = redis.call('ZSCORE', KEYS[3], ARGV[2])
 if not beat or tonumber(beat) < now_s() - tonumber(ARGV[4]) then return 0 end
 if redis.call('ZCARD', KEYS[4]) > 0 then return 0 end
 if redis.call('LLEN', KEYS[5]) > 0 or redis.call('LLEN', KEYS[6]) > 0 then return 0 end
--- the id is another job's: taken; this job's, claimed by another attempt (its sender's
--- normal path, or another process sending it on its behalf): placed already, placement
--- decides (it places a job once), else this attempt goes on under the same claim
-local claim = redis.call('GET', KEYS[7])
-if claim and claim ~= ARGV[6] then return -1 end
-if claim and redis.call('EXISTS', KEYS[8]) == 1 then return 0 end
-redis.call('SET', KEYS[7], ARGV[6], 'EX', ARGV[5])
+if not redis.call('SET', KEYS[7], ARGV[6], 'NX', 'EX', ARGV[5]) then return -1 end
 redis.call('SET', KEYS[8], ARGV[7], 'EX', ARGV[5])
 count_on(KEYS[2], ARGV[10])
 redis.call('HSET', KEYS[2], 'last_used', ARGV[3], 'expires_at', -1)
