@@ -38,7 +38,14 @@ from api_client.batches.spool import Spool
 from api_client.batches.states import BatchState, Mover
 from api_client.batches.store import Batch, BatchStore, Moved, Written
 from api_client.gateway.errors import http_error, openai_body
-from scheduler.errors import GgufqError, NotFound, NoWorkers, RedisUnavailable, ServerBusy
+from scheduler.errors import (
+    GgufqError,
+    InvalidRequest,
+    NotFound,
+    NoWorkers,
+    RedisUnavailable,
+    ServerBusy,
+)
 from scheduler.store import keys
 from scheduler.store.records import text
 
@@ -99,7 +106,7 @@ class Driver:
             driving.cancel()
             keeper.cancel()
             await asyncio.gather(driving, keeper, return_exceptions=True)
-            self.spool.close()
+            await asyncio.to_thread(self.spool.close)
             with contextlib.suppress(Exception):
                 await self.store.lease(self.id, self.holder, "release", self.settings.lease_s)
 
@@ -225,12 +232,27 @@ class Driver:
             status = http_error(exc).status
             body = openai_body(exc, status)
         answer = json.dumps(output_line(line, job_id, status, body)).encode()
-        place = await asyncio.to_thread(self.spool.append, answer)
+        place = await self._keep(answer)
         counter = "completed" if status == 200 else "failed"
         value = f"{status}|{place}"  # Redis keeps where the answer is, not the answer
         written, _ = await self.store.write_end(self.id, self.holder, line.index, value, counter)
         if written is Written.LEASE:
             raise LeaseLost(self.id)
+
+    async def _keep(self, answer: bytes) -> str:
+        """The answer appended to this driver's spool; a disk that refuses it (full, read
+        only) is asked again, then the driver stops (the next one waits for the job)."""
+        for wait in (*_RETRY_S, None):
+            try:
+                return await asyncio.to_thread(self.spool.append, answer)
+            except OSError as exc:
+                if wait is None:
+                    raise
+                log.warning(
+                    "batch %s: keeping an answer failed, again in %g s: %s", self.id, wait, exc
+                )
+                await asyncio.sleep(wait)
+        raise AssertionError("the last try returns or raises")
 
     async def _send(
         self, line: Line, spec: dict[str, Any], sent: str | None, deadline: float
@@ -252,6 +274,12 @@ class Driver:
                 return self.client.attach(**spec, submitted_at=float(sent))
             try:
                 return await self.client.submit(**spec, submitted_at=float(sent))
+            except InvalidRequest:
+                # its id claimed meanwhile, by a driver that lost its lease sending the same
+                # line with the same time: that job is this line's
+                if await r.get(keys.job_submitted(job_id)) == sent.encode():
+                    return self.client.attach(**spec, submitted_at=float(sent))
+                raise
             except (NoWorkers, ServerBusy, RedisUnavailable) as exc:
                 if wait is None or time.time() + wait >= deadline:
                     raise
@@ -302,22 +330,22 @@ class Driver:
         """The output file (answers) and the error file (failed requests, and lines that
         never ended, as ``code``), lines in input order, read from the spools one by one;
         their ids and the batch's counts. Blocking."""
-        ok: list[int] = []
-        failed: list[int] = []
-        for index in sorted(set(ends) | {line.index for line in lines}):
-            answered = index in ends and ends[index].startswith("200|")
-            (ok if answered else failed).append(index)
-        lost: list[int] = []  # answers this process cannot read back (a data dir not shared)
         root = self.files.root.parent
+        answers = {index: _answer_of(value) for index, value in ends.items()}
+        ok = [i for i in sorted(answers) if answers[i][0] == 200]
+        failed = sorted((set(answers) | {line.index for line in lines}) - set(ok))
+        lost: set[int] = set()  # answers this process cannot read back (a data dir not shared)
 
         def rows(indexes: list[int]) -> Iterator[bytes]:
             for index in indexes:
-                if index not in ends:
+                if index not in answers:
                     yield json.dumps(unrun_line(lines[index], code, why)).encode()
-                elif (data := spool.read(root, ends[index].split("|", 1)[1])) is not None:
+                    continue
+                data = None if index in lost else spool.read(root, answers[index][1])
+                if data is not None:
                     yield data
                 elif indexes is ok:
-                    lost.append(index)  # to the error file
+                    lost.add(index)  # to the error file
                 else:
                     yield json.dumps(lost_line(lines, index)).encode()
 
@@ -325,14 +353,21 @@ class Driver:
         mine = uuid.uuid4().hex[:8]
         for name in ("output", "error"):
             if name == "error":
-                failed = sorted(failed + lost)
+                failed = sorted(set(failed) | lost)
             indexes = ok if name == "output" else failed
-            if indexes:
-                file_id = f"file-{self.id.removeprefix('batch_')}-{name}-{mine}"
-                name_ = f"{self.id}_{name}.jsonl"
-                keep_s = self.settings.retention_s
-                self.files.create(
-                    rows(indexes), name_, "batch_output", batch.tenant, keep_s, file_id
-                )
-                ids[f"{name}_file_id"] = file_id
+            if not indexes:
+                continue
+            file_id = f"file-{self.id.removeprefix('batch_')}-{name}-{mine}"
+            filename, keep_s = f"{self.id}_{name}.jsonl", self.settings.retention_s
+            made = (rows(indexes), filename, "batch_output", batch.tenant, keep_s, file_id)
+            if self.files.create(*made)["bytes"] == 0:  # every answer in it was lost
+                self.files.delete(file_id, None)
+                continue
+            ids[f"{name}_file_id"] = file_id
         return ids, {"completed": len(ok) - len(lost), "failed": len(failed)}
+
+
+def _answer_of(end: str) -> tuple[int, str]:
+    """A line's end as written (``status|place``): its status and where its answer is."""
+    status, _, place = end.partition("|")
+    return int(status), place

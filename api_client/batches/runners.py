@@ -17,6 +17,7 @@ from api_client.aio import AsyncClient
 from api_client.batches import spool
 from api_client.batches.driver import LOOK_S, Driver, DriverSettings
 from api_client.batches.files import FileStore
+from api_client.batches.states import MAX_WINDOW_S
 from api_client.batches.store import BatchStore
 from scheduler.gguf.registry import Registry
 from scheduler.settings import Settings
@@ -95,13 +96,14 @@ class BatchRunners:
     async def _expire_files(self) -> None:
         await self.store.forget(time.time() - self.driver_settings.retention_s - 2 * 86400)
         keep = set()
-        for batch_id in await self.store.active():
+        active = await self.store.active()
+        for batch_id in active:
             with contextlib.suppress(Exception):
                 keep.add((await self.store.get(batch_id)).doc["input_file_id"])
         gone = await asyncio.to_thread(self.files.expire, time.time(), keep)
         # what drivers that died left, once no batch can still need it
-        root, keep_s = self.files.root.parent, self.driver_settings.retention_s
-        gone += await asyncio.to_thread(spool.remove, root, "*", keep_s)
+        root, keep_s = self.files.root.parent, self.driver_settings.retention_s + MAX_WINDOW_S
+        gone += await asyncio.to_thread(spool.remove, root, "*", keep_s, frozenset(active))
         if gone:
             log.info("deleted %d expired batch files", gone)
 
