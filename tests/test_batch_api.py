@@ -33,6 +33,7 @@ from api_client.gateway.keys import KeyStore
 from scheduler.errors import Conflict
 from scheduler.local.embedded import free_port
 from scheduler.local.stack import LocalStack
+from scheduler.placement.metrics import ClusterCollector
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.acl import Role
@@ -215,6 +216,13 @@ def test_a_cancelled_batch_stops_its_jobs_and_accounts_for_every_line(
     )
     r = held[2]
     assert wait_for(lambda: any(k.decode().startswith(batch.id) for k in r.hkeys(keys.RUNNING)), 60)
+    metrics = {
+        (m.name, tuple(sorted(x.labels.items()))): x.value
+        for m in ClusterCollector(r, 5).collect()
+        for x in m.samples
+    }
+    assert metrics[("ggufq_batches", (("state", "in_progress"),))] >= 1
+    assert metrics[("ggufq_batch_lines", (("count", "total"),))] >= 3
     assert api.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     done = ended(api, batch.id)
     assert done.status == "cancelled"

@@ -34,6 +34,7 @@ class ClusterCollector(Collector):
         yield from self._devices()
         yield from self._runners()
         yield from self._jobs()
+        yield from self._batches()
         yield from self._counters()
 
     def _devices(self) -> Iterator[Metric]:
@@ -95,6 +96,34 @@ class ClusterCollector(Collector):
             if int(n) > 0:
                 parked.add_metric([model.decode()], float(n))
         yield parked
+
+    def _batches(self) -> Iterator[Metric]:
+        """Server-side batches not ended (api_client/batches), by state, and their lines."""
+        batches = GaugeMetricFamily(
+            "ggufq_batches", "Server-side batches not ended, by state.", labels=["state"]
+        )
+        lines = GaugeMetricFamily(
+            "ggufq_batch_lines",
+            "Lines of the batches not ended: total, completed, failed.",
+            labels=["count"],
+        )
+        states: Counter[str] = Counter()
+        counts: Counter[str] = Counter()
+        pipe = self.r.pipeline(transaction=False)
+        active: set[bytes] = self.r.smembers(keys.BATCHES_ACTIVE)  # type: ignore[assignment]
+        for batch_id in sorted(active):
+            pipe.hmget(keys.batch(batch_id.decode()), "state", "total", "completed", "failed")
+        for state, *numbers in pipe.execute():
+            if state is not None:
+                states[state.decode()] += 1
+                for name, n in zip(("total", "completed", "failed"), numbers, strict=True):
+                    counts[name] += int(n or 0)
+        for state, n in sorted(states.items()):
+            batches.add_metric([state], n)
+        for name in ("total", "completed", "failed"):
+            lines.add_metric([name], counts[name])
+        yield batches
+        yield lines
 
     def _counters(self) -> Iterator[Metric]:
         families = {
