@@ -272,8 +272,13 @@ class Driver:
         for wait in (*_RETRY_S, None):
             if await r.exists(keys.job_submitted(job_id)):
                 return self.client.attach(**spec, submitted_at=float(sent))
+            # shielded: a driver that stops (its lease lost, Redis gone) while a line is being
+            # sent must let the send finish and the job live (the next driver waits for it);
+            # the client would cancel the job of a caller that left
+            sending = asyncio.ensure_future(self.client.submit(**spec, submitted_at=float(sent)))
+            sending.add_done_callback(_retrieved)
             try:
-                return await self.client.submit(**spec, submitted_at=float(sent))
+                return await asyncio.shield(sending)
             except InvalidRequest:
                 # its id claimed meanwhile, by a driver that lost its lease sending the same
                 # line with the same time: that job is this line's
@@ -371,3 +376,9 @@ def _answer_of(end: str) -> tuple[int, str]:
     """A line's end as written (``status|place``): its status and where its answer is."""
     status, _, place = end.partition("|")
     return int(status), place
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Mark a send's outcome read (its driver may have stopped waiting for it)."""
+    if not task.cancelled():
+        task.exception()
