@@ -88,7 +88,7 @@ LAPSES: tuple[Lapse, ...] = (
         "lines ended stay ended; lines whose job was sent wait for that job (same id: it "
         "runs once); the others are sent",
     ),
-    Lapse(B.FINALIZING, "its files are written again, under the same ids"),
+    Lapse(B.FINALIZING, "its files are written again (each driver's under ids of its own)"),
     Lapse(B.CANCELLING, "its jobs still in flight are cancelled again, then as before"),
 )
 
