@@ -70,6 +70,8 @@ def flower(slow_stack: LocalStack) -> Iterator[str]:
     base = f"http://127.0.0.1:{port}"
     try:
         assert wait_for(lambda: answers(base + "/api/workers"), timeout=60), "flower did not start"
+        said = (slow_stack.log_dir / "flower.log").read_text(errors="replace")
+        assert "/ui" in said  # it tells where the pool page is
         yield base
     finally:
         proc.terminate()

@@ -65,7 +65,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_flower(args: argparse.Namespace) -> int:
     extra = [a for a in args.flower_args if a != "--"]
-    run_flower(get_settings(), args.port, args.address, extra)
+    settings = get_settings()
+    # Flower shows the Celery side; the pool's devices, runners and queues are the gateway's
+    host = "localhost" if settings.http_host in ("127.0.0.1", "0.0.0.0") else settings.http_host
+    print(
+        f"the pool page (devices, runners, queues): http://{host}:{settings.http_port}/ui",
+        flush=True,
+    )
+    run_flower(settings, args.port, args.address, extra)
     return 0
 
 

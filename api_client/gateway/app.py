@@ -24,7 +24,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api_client.aio import AsyncClient
 from api_client.batches.runners import BatchRunners
-from api_client.gateway import anthropic_api, batches_api, jobs_api, ollama, openai_api
+from api_client.gateway import (
+    anthropic_api,
+    batches_api,
+    jobs_api,
+    ollama,
+    openai_api,
+    pool_api,
+)
 from api_client.gateway.anthropic_schema import error_body as anthropic_error
 from api_client.gateway.core import Caller, Gateway
 from api_client.gateway.edge import EdgeRules, split_list, too_large
@@ -44,7 +51,8 @@ from scheduler.store.acl import Role
 from scheduler.store.connection import resolve_redis_url
 
 log = logging.getLogger("ggufq.gateway")
-_OPEN_PATHS = frozenset({"/", "/api/version", "/metrics"})  # answered without a key
+# answered without a key (the pool page holds no data: what it reads asks for one)
+_OPEN_PATHS = frozenset({"/", "/api/version", "/metrics", "/ui"})
 
 
 def error_response(path: str, exc: GgufqError) -> Response:
@@ -274,6 +282,7 @@ def make_app(
         *anthropic_api.router.routes,
         *openai_api.router.routes,
         *batches_api.router.routes,
+        *pool_api.router.routes,
         Route("/metrics", metrics),
     ]
     app = Starlette(
