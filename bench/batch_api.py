@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import io
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from tinystack import tiny_state, wait_answering
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -155,17 +155,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="lines in flight")
     args = parser.parse_args()
 
-    import httpx
-
     from api_client import Client
     from scheduler.local.embedded import free_port
     from scheduler.local.stack import LocalStack
     from scheduler.settings import Settings
     from scheduler.store.acl import Role
 
-    tiny = importlib.import_module("tests.tinymodel")
-    state = Path(tempfile.mkdtemp(prefix="ggufq-batch-bench-"))
-    (state / "models").mkdir()
+    state, tiny = tiny_state("ggufq-batch-bench-")
     tiny.write_tiny_llama(state / "models" / f"{MODEL}.gguf", context_length=8192)
     port = free_port()
     env = {
@@ -188,12 +184,7 @@ def main() -> None:
     with LocalStack(settings, ["--virtual-gpu", "8GiB"], state / "logs", env) as stack:
         stack.add_process("gateway", "api_client.gateway", role=Role.GATEWAY)
         base = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                httpx.get(base, timeout=1)
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_answering(base)
         ours = settings.model_copy(
             update={"redis_url": stack.redis_url, "data_dir": state / "data"}
         )

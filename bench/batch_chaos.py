@@ -21,17 +21,17 @@ Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
 import signal
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from tinystack import tiny_state
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -80,9 +80,7 @@ def main() -> None:
     from scheduler.store import keys
     from scheduler.store.acl import Role
 
-    tiny = importlib.import_module("tests.tinymodel")
-    state = Path(tempfile.mkdtemp(prefix="ggufq-batch-chaos-"))
-    (state / "models").mkdir()
+    state, tiny = tiny_state("ggufq-batch-chaos-")
     tiny.write_tiny_llama(state / "models" / f"{MODEL}.gguf")
     env = {
         "GGUFQ_MODELS_DIR": str(state / "models"),

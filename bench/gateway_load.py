@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tinystack import tiny_state, wait_answering
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 MODEL, HOG = "load", "hog"
@@ -254,19 +256,13 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds a round may take")
     args = parser.parse_args()
 
-    import importlib
-
-    import httpx
-
     from api_client import Client
     from scheduler.local.embedded import free_port
     from scheduler.local.stack import LocalStack
     from scheduler.settings import Settings
     from scheduler.store.acl import Role
 
-    tiny = importlib.import_module("tests.tinymodel")
-    state = Path(tempfile.mkdtemp(prefix="ggufq-load-"))
-    (state / "models").mkdir()
+    state, tiny = tiny_state("ggufq-load-")
     tiny.write_tiny_llama(state / "models" / f"{MODEL}.gguf")
     tiny.write_tiny_model(state / "models" / f"{HOG}.gguf", endless=True)
     port = free_port()
@@ -285,12 +281,7 @@ def main() -> None:
         gateway = stack.add_process("gateway", "api_client.gateway", role=Role.GATEWAY)
         worker = next(proc for name, proc in stack.procs if name == "worker")
         client = Client(stack.redis_url, settings=settings, timeout=args.timeout)
-        for _ in range(300):  # the gateway answers before the clients come
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_answering(f"http://127.0.0.1:{port}/")  # before the clients come
         for n in (int(x) for x in args.clients.split(",")):
             rows.append(run(n, args, stack, client, (gateway.pid, worker.pid), port))
         client.close()

@@ -14,11 +14,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from api_client.aio import AsyncClient
 from api_client.ajob import AsyncJob
@@ -51,9 +53,10 @@ from scheduler.store.records import text
 
 log = logging.getLogger("ggufq.batches")
 LOOK_S = 1.0  # how often a running batch's driver looks for a cancel or its window's end
-_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0)  # waits before sending a line again (nothing took it)
+_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0)  # waits before a send (or a spool write) is tried again
 _MAX_BATCH_ERRORS = 1000  # a refused input file reports this many of its lines' problems
 B = BatchState
+T = TypeVar("T")
 
 
 class LeaseLost(Exception):
@@ -242,17 +245,9 @@ class Driver:
     async def _keep(self, answer: bytes) -> str:
         """The answer appended to this driver's spool; a disk that refuses it (full, read
         only) is asked again, then the driver stops (the next one waits for the job)."""
-        for wait in (*_RETRY_S, None):
-            try:
-                return await asyncio.to_thread(self.spool.append, answer)
-            except OSError as exc:
-                if wait is None:
-                    raise
-                log.warning(
-                    "batch %s: keeping an answer failed, again in %g s: %s", self.id, wait, exc
-                )
-                await asyncio.sleep(wait)
-        raise AssertionError("the last try returns or raises")
+        return await self._again(
+            partial(asyncio.to_thread, self.spool.append, answer), (OSError,), "keeping an answer"
+        )
 
     async def _send(
         self, line: Line, spec: dict[str, Any], sent: str | None, deadline: float
@@ -262,35 +257,52 @@ class Driver:
         never sent again (its reader sends it to placement again if it was lost on the
         way, and placement places a job once); one not claimed is sent. A pool with no
         worker or no room now is asked again."""
-        r, job_id = self.client.r, spec["id"]
         if sent is None:  # none yet, or Redis lost it and kept the claim: that time
-            claimed = await r.get(keys.job_submitted(job_id))
+            claimed = await self.client.r.get(keys.job_submitted(spec["id"]))
             at = text(claimed) if claimed else repr(time.time())
             written, sent = await self.store.write_sent(self.id, self.holder, line.index, at)
             if written is Written.LEASE:
                 raise LeaseLost(self.id)
-        for wait in (*_RETRY_S, None):
-            if await r.exists(keys.job_submitted(job_id)):
+        busy = (NoWorkers, ServerBusy, RedisUnavailable)
+        send = partial(self._send_once, spec, sent)
+        return await self._again(send, busy, f"sending {spec['id']}", deadline)
+
+    async def _send_once(self, spec: dict[str, Any], sent: str) -> AsyncJob:
+        r, job_id = self.client.r, spec["id"]
+        if await r.exists(keys.job_submitted(job_id)):
+            return self.client.attach(**spec, submitted_at=float(sent))
+        # shielded: a driver that stops (its lease lost, Redis gone) while a line is being
+        # sent must let the send finish and the job live (the next driver waits for it);
+        # the client would cancel the job of a caller that left
+        sending = asyncio.ensure_future(self.client.submit(**spec, submitted_at=float(sent)))
+        sending.add_done_callback(_retrieved)
+        try:
+            return await asyncio.shield(sending)
+        except InvalidRequest:
+            # its id claimed meanwhile, by a driver that lost its lease sending the same
+            # line with the same time: that job is this line's
+            if await r.get(keys.job_submitted(job_id)) == sent.encode():
                 return self.client.attach(**spec, submitted_at=float(sent))
-            # shielded: a driver that stops (its lease lost, Redis gone) while a line is being
-            # sent must let the send finish and the job live (the next driver waits for it);
-            # the client would cancel the job of a caller that left
-            sending = asyncio.ensure_future(self.client.submit(**spec, submitted_at=float(sent)))
-            sending.add_done_callback(_retrieved)
+            raise
+
+    async def _again(
+        self,
+        attempt: Callable[[], Awaitable[T]],
+        passing: tuple[type[Exception], ...],
+        what: str,
+        deadline: float = math.inf,
+    ) -> T:
+        """``attempt``'s answer, asked again after each of ``passing``'s errors (waits of
+        _RETRY_S) while the deadline allows; the last try's error is the caller's."""
+        for wait in _RETRY_S:
             try:
-                return await asyncio.shield(sending)
-            except InvalidRequest:
-                # its id claimed meanwhile, by a driver that lost its lease sending the same
-                # line with the same time: that job is this line's
-                if await r.get(keys.job_submitted(job_id)) == sent.encode():
-                    return self.client.attach(**spec, submitted_at=float(sent))
-                raise
-            except (NoWorkers, ServerBusy, RedisUnavailable) as exc:
-                if wait is None or time.time() + wait >= deadline:
+                return await attempt()
+            except passing as exc:
+                if time.time() + wait >= deadline:
                     raise
-                log.warning("batch %s: sending %s again in %g s: %s", self.id, job_id, wait, exc)
+                log.warning("batch %s: %s failed (%s); again in %g s", self.id, what, exc, wait)
                 await asyncio.sleep(wait)
-        raise AssertionError("the last try returns or raises")
+        return await attempt()
 
     async def _finalize(self, batch: Batch) -> None:
         _, errors = await self._read(batch)

@@ -15,11 +15,12 @@ from typing import Any, Protocol
 import redis
 
 from api_client.batches.files import FileStore
-from api_client.batches.states import ENDPOINTS, MAX_WINDOW_S, BatchState, Mover
+from api_client.batches.states import BatchState, Mover, batch_doc
 from api_client.batches.store import (
     Batch,
     Moved,
     batch_of,
+    checked,
     move_call,
     moved_of,
     new_batch,
@@ -29,7 +30,6 @@ from scheduler.errors import Conflict, InvalidRequest, JobTimeout, NotFound
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.scripts import script
-from scheduler.units import parse_duration_s
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -54,29 +54,11 @@ def submit_batch(
     settings = client.settings
     data = Path(path).read_bytes()
     endpoint = endpoint or _endpoint_of(data)
-    if endpoint not in ENDPOINTS:
-        raise InvalidRequest(
-            f"endpoint {endpoint!r} is not served for batches: one of {', '.join(ENDPOINTS)}"
-        )
+    made = (endpoint, completion_window, metadata, client.tenant, client.weight)
+    doc = batch_doc(*made, time.time())  # checked before the file is stored
     files = FileStore(settings.data_dir, settings.batch_max_file_bytes)
     meta = files.create(data, Path(path).name, "batch", client.tenant, settings.batch_retention_s)
-    try:
-        window_s = parse_duration_s(completion_window)
-    except ValueError as exc:
-        raise InvalidRequest(f"completion_window: {exc}") from None
-    if not 0 < window_s <= MAX_WINDOW_S:
-        raise InvalidRequest("completion_window must be more than 0 and at most 24h, e.g. 24h")
-    batch = new_batch(
-        {
-            "endpoint": endpoint,
-            "input_file_id": meta["id"],
-            "completion_window": completion_window,
-            "expires_at": int(time.time() + window_s),
-            "metadata": metadata,
-            "tenant": client.tenant,
-            "weight": client.weight,
-        }
-    )
+    batch = new_batch({**doc, "input_file_id": meta["id"]})
     pipe = client.r.pipeline(transaction=True)
     queue_create(pipe, batch)
     pipe.execute()
@@ -106,7 +88,7 @@ class BatchHandle:
         return f"BatchHandle({self.id!r})"
 
     def _batch(self) -> Batch:
-        return batch_of(self.id, self.client.r.hgetall(keys.batch(self.id)), None)
+        return batch_of(self.id, self.client.r.hgetall(keys.batch(checked(self.id))), None)
 
     def status(self) -> dict[str, Any]:
         """OpenAI's batch object: ``status``, ``request_counts``, file ids, times."""

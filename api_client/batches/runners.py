@@ -6,7 +6,6 @@ is driven by one at a time, and by another as soon as that one's lease lapses.""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -95,15 +94,13 @@ class BatchRunners:
 
     async def _expire_files(self) -> None:
         await self.store.forget(time.time() - self.driver_settings.retention_s - 2 * 86400)
-        keep = set()
-        active = await self.store.active()
-        for batch_id in active:
-            with contextlib.suppress(Exception):
-                keep.add((await self.store.get(batch_id)).doc["input_file_id"])
+        active = await self.store.active_batches()
+        keep = {batch.doc["input_file_id"] for batch in active}
         gone = await asyncio.to_thread(self.files.expire, time.time(), keep)
         # what drivers that died left, once no batch can still need it
         root, keep_s = self.files.root.parent, self.driver_settings.retention_s + MAX_WINDOW_S
-        gone += await asyncio.to_thread(spool.remove, root, "*", keep_s, frozenset(active))
+        ids = frozenset(batch.id for batch in active)
+        gone += await asyncio.to_thread(spool.remove, root, "*", keep_s, ids)
         if gone:
             log.info("deleted %d expired batch files", gone)
 

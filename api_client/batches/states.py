@@ -5,13 +5,17 @@ Every move is a compare-and-set on the batch's state in Redis (lua/batch_move.lu
 the states a move may start from, taken from :data:`MOVES`); the driver's moves and line
 writes also check its lease, so a driver that stalled past its lease writes nothing.
 
-Pure: no Redis, no clock.
+Pure: no Redis, no clock (``now`` is an argument).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
+
+from scheduler.errors import InvalidRequest
+from scheduler.units import parse_duration_s
 
 # what a batch's lines may ask for (lines.py checks their bodies)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -65,6 +69,36 @@ MOVES: tuple[Move, ...] = (
     Move(B.FINALIZING, B.FAILED, Mover.DRIVER, "its input file is gone: what ended is kept"),
     Move(B.CANCELLING, B.CANCELLED, Mover.DRIVER, "its jobs stopped, what ended written out"),
 )
+
+
+def batch_doc(
+    endpoint: str,
+    completion_window: str,
+    metadata: dict[str, str] | None,
+    tenant: str,
+    weight: float,
+    now: float,
+) -> dict[str, Any]:
+    """What a new batch is created with (its input file's id added by the caller),
+    checked: an endpoint batches serve, a window of at most MAX_WINDOW_S."""
+    if endpoint not in ENDPOINTS:
+        raise InvalidRequest(
+            f"endpoint {endpoint!r} is not served for batches: use one of {', '.join(ENDPOINTS)}"
+        )
+    try:
+        window_s = parse_duration_s(completion_window)
+    except ValueError as exc:
+        raise InvalidRequest(f"completion_window: {exc}") from None
+    if not 0 < window_s <= MAX_WINDOW_S:
+        raise InvalidRequest("completion_window must be more than 0 and at most 24h, e.g. 24h")
+    return {
+        "endpoint": endpoint,
+        "completion_window": completion_window,
+        "expires_at": int(now + window_s),
+        "metadata": metadata,
+        "tenant": tenant,
+        "weight": weight,
+    }
 
 
 def sources(target: BatchState, by: Mover) -> list[BatchState]:

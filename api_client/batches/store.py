@@ -3,6 +3,7 @@ wrote of each line, read and moved only through lua/batch_*.lua (see states.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -110,6 +111,7 @@ class BatchStore:
 
     async def get(self, batch_id: str, tenant: str | None = None) -> Batch:
         """The batch; ``tenant`` given: only that tenant's (else NotFound, as for none)."""
+        checked(batch_id)  # before a read: another key of ours is no batch
         return batch_of(batch_id, await self.r.hgetall(keys.batch(batch_id)), tenant)
 
     async def listing(self, tenant: str | None, limit: int, after: str | None) -> list[Batch]:
@@ -136,6 +138,18 @@ class BatchStore:
 
     async def active(self) -> list[str]:
         return sorted(text(i) for i in await self.r.smembers(keys.BATCHES_ACTIVE))
+
+    async def active_batches(self, tenant: str | None = None) -> list[Batch]:
+        """The batches not ended (``tenant`` given: that tenant's), in one round trip."""
+        ids = await self.active()
+        pipe = self.r.pipeline(transaction=False)
+        for batch_id in ids:
+            pipe.hgetall(keys.batch(batch_id))
+        found = []
+        for batch_id, raw in zip(ids, await pipe.execute(), strict=True):
+            with contextlib.suppress(NotFound):  # its record gone (expired, or Redis lost it)
+                found.append(batch_of(batch_id, raw, tenant))
+        return found
 
     async def move(
         self,
@@ -198,6 +212,13 @@ def queue_create(pipe: Any, batch: Batch) -> None:
     pipe.hset(keys.batch(batch.id), mapping=cast(dict[Any, Any], batch.fields))
     pipe.zadd(keys.BATCHES, {batch.id: batch.doc["created_at"]})
     pipe.sadd(keys.BATCHES_ACTIVE, batch.id)
+
+
+def checked(batch_id: str) -> str:
+    """``batch_id``, if it is a batch's id (else NotFound)."""
+    if not _BATCH_ID.fullmatch(batch_id):
+        raise _not_found(batch_id)
+    return batch_id
 
 
 def batch_of(batch_id: str, raw: dict[Any, Any], tenant: str | None) -> Batch:

@@ -19,12 +19,10 @@ from starlette.responses import Response
 
 from api_client.batches.files import FileStore, public
 from api_client.batches.lines import read_lines
-from api_client.batches.runners import batch_store, file_store
-from api_client.batches.states import ENDPOINTS, MAX_WINDOW_S, BatchState, Mover
+from api_client.batches.states import BatchState, Mover, batch_doc
 from api_client.batches.store import Batch, BatchStore, Moved
 from api_client.gateway.core import Caller, Routes, caller_of, gateway_of, json_body, parse_body
 from scheduler.errors import Conflict, InvalidRequest
-from scheduler.units import parse_duration_s
 
 router = Routes(prefix="/v1")
 
@@ -40,15 +38,15 @@ class CreateBatch(BaseModel):
 
 def _tenant(caller: Caller) -> str | None:
     """Whose files and batches the caller sees: None for all of them."""
-    return None if caller.key is None or caller.key.admin else caller.tenant
+    return None if caller.sees_all else caller.tenant
 
 
 def _files(request: Request) -> FileStore:
-    return file_store(gateway_of(request).settings)
+    return gateway_of(request).files
 
 
 def _batches(request: Request) -> BatchStore:
-    return batch_store(gateway_of(request).client)
+    return gateway_of(request).batches
 
 
 @router.add("/files", "POST")
@@ -96,10 +94,9 @@ async def file_content(request: Request) -> Response:
 @router.add("/files/{file_id}", "DELETE")
 async def delete_file(request: Request) -> dict[str, Any]:
     file_id, tenant = request.path_params["file_id"], _tenant(caller_of(request))
-    for batch_id in await _batches(request).active():
-        batch = await _batches(request).get(batch_id)
+    for batch in await _batches(request).active_batches():
         if batch.doc["input_file_id"] == file_id:
-            raise Conflict(f"file {file_id} is the input of {batch_id}, not ended yet")
+            raise Conflict(f"file {file_id} is the input of {batch.id}, not ended yet")
     await asyncio.to_thread(_files(request).delete, file_id, tenant)
     return {"id": file_id, "object": "file", "deleted": True}
 
@@ -108,17 +105,8 @@ async def delete_file(request: Request) -> dict[str, Any]:
 async def create_batch(request: Request) -> dict[str, Any]:
     gateway, caller = gateway_of(request), caller_of(request)
     body: CreateBatch = parse_body(CreateBatch, await json_body(request))
-    if body.endpoint not in ENDPOINTS:
-        raise InvalidRequest(
-            f"endpoint {body.endpoint!r} is not served for batches: use one of "
-            + ", ".join(ENDPOINTS)
-        )
-    try:
-        window_s = parse_duration_s(body.completion_window)
-    except ValueError as exc:
-        raise InvalidRequest(f"completion_window: {exc}") from None
-    if not 0 < window_s <= MAX_WINDOW_S:
-        raise InvalidRequest("completion_window must be more than 0 and at most 24h, e.g. 24h")
+    made = (body.endpoint, body.completion_window, body.metadata, caller.tenant, caller.weight)
+    doc = batch_doc(*made, time.time())
     files = _files(request)
     meta = await asyncio.to_thread(files.get, body.input_file_id, _tenant(caller))
     if meta["purpose"] != "batch":
@@ -129,16 +117,7 @@ async def create_batch(request: Request) -> dict[str, Any]:
         lines, _ = await asyncio.to_thread(read_lines, data, body.endpoint, limit)
         for line in lines:
             caller.check_model(str(line.body.get("model", "")))
-    doc = {
-        "endpoint": body.endpoint,
-        "input_file_id": body.input_file_id,
-        "completion_window": body.completion_window,
-        "expires_at": int(time.time() + window_s),
-        "metadata": body.metadata,
-        "tenant": caller.tenant,
-        "weight": caller.weight,
-    }
-    return (await _batches(request).create(doc)).as_openai()
+    return (await _batches(request).create({**doc, "input_file_id": meta["id"]})).as_openai()
 
 
 @router.add("/batches", "GET")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import ValidationError
@@ -15,6 +16,8 @@ from starlette.routing import Route
 
 from api_client.aio import AsyncClient
 from api_client.ajob import AsyncJob
+from api_client.batches.files import FileStore
+from api_client.batches.store import BatchStore
 from api_client.gateway.errors import ModelLoading, NotPermitted
 from api_client.gateway.keys import ApiKey
 from api_client.gateway.loads import LoadBoard
@@ -91,6 +94,15 @@ class Caller:
     @property
     def weight(self) -> float:
         return self.key.weight if self.key else 1.0
+
+    @property
+    def sees_all(self) -> bool:
+        """An admin key, or no key (a keyless gateway): every tenant's jobs and batches."""
+        return self.key is None or self.key.admin
+
+    def sees(self, tenant: str) -> bool:
+        """Whether the caller sees the jobs, batches and files of ``tenant``."""
+        return self.sees_all or tenant == self.tenant
 
     def check_model(self, model: str) -> None:
         if self.key is not None:
@@ -230,6 +242,16 @@ class Gateway:
         # threads and connections
         self.listing = asyncio.Lock()
         self.loads = LoadBoard(client.ps)  # what waiting answers show of their model's load
+
+    @cached_property
+    def batches(self) -> BatchStore:
+        """The Batch API's batches (made on first use, then kept)."""
+        return BatchStore(self.client.r, self.settings.batch_retention_s)
+
+    @cached_property
+    def files(self) -> FileStore:
+        """The Batch API's files."""
+        return FileStore(self.settings.data_dir, self.settings.batch_max_file_bytes)
 
     def has_chat_template(self, model: str) -> bool:
         """Whether the model renders prompts with a chat template. A model this host cannot

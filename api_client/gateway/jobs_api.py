@@ -12,27 +12,25 @@ from typing import Any
 
 from starlette.requests import Request
 
-from api_client.gateway.core import Caller, Routes, caller_of, gateway_of
+from api_client.gateway.core import Routes, caller_of, gateway_of
 from api_client.gateway.errors import JobNotFound
 from scheduler.cluster import JobView
 
 router = Routes()
 
 
-def _visible(caller: Caller, job: JobView) -> bool:
-    return caller.key is None or caller.key.admin or job.tenant == caller.tenant
-
-
-async def _listing(request: Request) -> list[JobView]:
+async def visible_jobs(request: Request) -> list[JobView]:
+    """The jobs not ended that the request's caller sees (one listing at a time: it reads
+    every waiting job's record)."""
     gateway, caller = gateway_of(request), caller_of(request)
     async with gateway.listing:
         found = await asyncio.to_thread(gateway.client.sync.jobs)
-    return [job for job in found if _visible(caller, job)]
+    return [job for job in found if caller.sees(job.tenant)]
 
 
 async def _one(request: Request) -> JobView:
     job_id = request.path_params["job_id"]
-    for job in await _listing(request):
+    for job in await visible_jobs(request):
         if job.id == job_id:
             return job
     raise JobNotFound(
@@ -44,7 +42,7 @@ async def _one(request: Request) -> JobView:
 
 @router.add("/api/jobs", "GET")
 async def jobs(request: Request) -> dict[str, Any]:
-    return {"jobs": [job.model_dump(mode="json") for job in await _listing(request)]}
+    return {"jobs": [job.model_dump(mode="json") for job in await visible_jobs(request)]}
 
 
 @router.add("/api/jobs/{job_id}", "GET")

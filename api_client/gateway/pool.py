@@ -22,14 +22,14 @@ def pool_view(
     batches: list[dict[str, Any]],
     now: float,
     sees_model: Callable[[str], bool],
-    sees_job: Callable[[JobView], bool],
 ) -> dict[str, Any]:
+    """The page's view; ``jobs`` and ``batches``: those the caller sees already."""
     shown = [r for r in runners if sees_model(r.model)]
     return {
         "now": now,
         "devices": [_device(d, runners, sees_model) for d in devices],
         "runners": [_runner(r, now) for r in shown],
-        "queues": _queues([j for j in jobs if sees_job(j)], now),
+        "queues": _queues(jobs, now),
         "batches": batches,
     }
 

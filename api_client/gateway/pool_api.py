@@ -5,7 +5,6 @@ reaches a server)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from functools import cache
 from importlib import resources
@@ -14,10 +13,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
-from api_client.batches.runners import batch_store
 from api_client.gateway.core import Routes, caller_of, gateway_of
+from api_client.gateway.jobs_api import visible_jobs
 from api_client.gateway.pool import pool_view
-from scheduler.cluster import JobView
 
 router = Routes()
 
@@ -35,22 +33,18 @@ async def ui(_request: Request) -> HTMLResponse:
 @router.add("/api/pool", "GET")
 async def pool(request: Request) -> dict[str, Any]:
     gateway, caller = gateway_of(request), caller_of(request)
-    client = gateway.client
-    async with gateway.listing:  # one listing at a time: it reads every waiting job
-        jobs = await asyncio.to_thread(client.sync.jobs)
-    devices, runners = await client.devices(), await client.ps()
-    admin = caller.key is None or caller.key.admin
-    store = batch_store(client)
-    batches = []
-    for batch_id in await store.active():
-        batch = await store.get(batch_id)
-        if admin or batch.tenant == caller.tenant:
-            batches.append(batch.as_openai())
-
-    def sees_job(job: JobView) -> bool:
-        return admin or job.tenant == caller.tenant
+    jobs = await visible_jobs(request)
+    devices, runners = await gateway.client.devices(), await gateway.client.ps()
+    batches = await gateway.batches.active_batches(None if caller.sees_all else caller.tenant)
 
     def sees_model(model: str) -> bool:
-        return admin or gateway.may_see_runner(caller, model)
+        return caller.sees_all or gateway.may_see_runner(caller, model)
 
-    return pool_view(devices, runners, jobs, batches, time.time(), sees_model, sees_job)
+    return pool_view(
+        devices,
+        runners,
+        jobs,
+        [batch.as_openai() for batch in batches],
+        time.time(),
+        sees_model,
+    )
