@@ -30,6 +30,9 @@ def test_metrics_endpoint_reports_devices_runners_jobs_and_counters(
     assert wait_for(lambda: _serving(port))
     before = scrape(port)
     result = client.generate("tiny", "the sky is", options=GREEDY)
+    finished = ("ggufq_jobs_finished_total", (("model", "tiny"),))
+    # the counters follow the job's end, which its reader saw first
+    assert wait_for(lambda: scrape(port)[finished] == before.get(finished, 0) + 1)
     after = scrape(port)
     device = (("device", "cpu:testhost"), ("kind", "cpu"), ("worker", "ggufq-cpu@testhost"))
     assert after[("ggufq_device_total_bytes", device)] > 0
@@ -40,11 +43,29 @@ def test_metrics_endpoint_reports_devices_runners_jobs_and_counters(
         assert after[("ggufq_jobs", (("state", state),))] == 0
     assert not [k for k in after if k[0] == "ggufq_parked_jobs"]  # no model has one parked
     tiny = (("model", "tiny"),)
-    finished = ("ggufq_jobs_finished_total", tiny)
-    assert after[finished] == before.get(finished, 0) + 1
     tokens = ("ggufq_tokens_generated_total", tiny)
     assert after[tokens] == before.get(tokens, 0) + (result.eval_count or 0)
     assert after[("ggufq_model_loads_total", tiny)] >= 1
+    # the job's timings: one more observation in each histogram, in a bucket its value fits
+    waited = (("model", "tiny"), ("tenant", "default"))
+    for name, labels in (
+        ("ggufq_job_queue_wait_seconds", waited),
+        ("ggufq_job_time_to_first_token_seconds", tiny),
+        ("ggufq_job_tokens_per_second", tiny),
+    ):
+        count = (f"{name}_count", labels)
+        assert after[count] == before.get(count, 0) + 1, name
+        assert after[(f"{name}_sum", labels)] > before.get((f"{name}_sum", labels), 0)
+        inf = (f"{name}_bucket", tuple(sorted((*labels, ("le", "+Inf")))))
+        assert after[inf] == after[count]
+
+
+def test_an_expired_runner_is_counted(stack: LocalStack, client: Client) -> None:
+    port = stack.settings.metrics_port
+    expiries = ("ggufq_model_expiries_total", (("model", "tiny"),))
+    before = scrape(port).get(expiries, 0)
+    client.generate("tiny", "hi", options=GREEDY, keep_alive=0)  # unloads as it ends
+    assert wait_for(lambda: scrape(port).get(expiries, 0) == before + 1)
 
 
 def _serving(port: int) -> bool:

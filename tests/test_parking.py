@@ -10,6 +10,7 @@ from scheduler.gguf.estimate import estimate_bytes
 from scheduler.gguf.metadata import read_model_info
 from scheduler.local.stack import LocalStack
 from scheduler.protocol import RunnerConfig
+from scheduler.store import keys
 from tests.conftest import settings_from, stack_env, wait_for
 from tests.held_worker import HOLD, release
 from tests.tinymodel import write_slow_model
@@ -46,6 +47,11 @@ def one_slot_stack(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
 LONG = {"temperature": 0, "num_predict": 2000, "num_ctx": 8192}
 
 
+def counted(client: Client, field: str) -> float:
+    """A counter of the cluster's (scheduler/store/stats.py) as the workers left it."""
+    return float(client.r.hget(keys.STATS, field) or 0)  # type: ignore[arg-type]
+
+
 def parked(client: Client) -> list[str]:
     return [j.id for j in client.jobs() if j.state == "parked"]
 
@@ -78,6 +84,7 @@ def test_parked_job_waits_then_runs_and_loaded_model_is_not_blocked(
     (runner,) = client.ps()
     assert runner.context_length == 4096
     assert client.jobs() == []
+    assert wait_for(lambda: counted(client, "evictions|slow") == 1)  # A's, to make room
 
 
 def test_load_pin_and_unload(one_slot_stack: Client) -> None:
@@ -90,6 +97,7 @@ def test_load_pin_and_unload(one_slot_stack: Client) -> None:
         client.load("slow", device="vgpu:nowhere:0")
     assert client.unload("slow")
     assert wait_for(lambda: not client.ps())
+    assert wait_for(lambda: counted(client, "unloads|slow") == 1)
     assert client.unload("slow") == []
 
 

@@ -97,7 +97,9 @@ class Residency:
         self.backlog.run(
             f"marking runner {runner_id} ready", lambda: self.state.update_runner(runner_id, ready)
         )
-        self.backlog.run(f"counting runner {runner_id}'s load", partial(self._tally, req, runner))
+        load_s = runner.load_duration_ns / 1e9
+        tally = partial(self._count, req.model, loads=1, load_seconds=load_s)
+        self.backlog.run(f"counting runner {runner_id}'s load", tally)
         return runner, runner.load_duration_ns
 
     def mark_loaded_ready(self) -> int:
@@ -111,9 +113,9 @@ class Residency:
             self.state.update_runner(runner_id, {"state": "ready", "worker": self.worker_name})
         return len(stale)
 
-    def _tally(self, req: JobRequest, runner: AnyRunner) -> None:
+    def _count(self, model: str, **amounts: float) -> None:
         pipe = self.r.pipeline(transaction=False)
-        count(pipe, req.model, loads=1, load_seconds=runner.load_duration_ns / 1e9)
+        count(pipe, model, **amounts)
         pipe.execute()
 
     def _load(self, req: JobRequest, placement: Placement) -> AnyRunner:
@@ -175,16 +177,16 @@ class Residency:
         if when_idle:
             runner.keep_alive_s = 0
         self._schedule_expiry(runner_id, None)
-        return self._unload_or_later([runner_id])
+        return self._unload_or_later([runner_id], "unloads" if when_idle else "evictions")
 
-    def _unload_or_later(self, runner_ids: list[str]) -> bool:
+    def _unload_or_later(self, runner_ids: list[str], why: str) -> bool:
         """Unload each runner; when Redis is away, it and the rest are left to the expiry
         loop a second later (else they would stay loaded, their expiry cleared). Whether
         the last one unloaded now."""
         unloaded = False
         for i, runner_id in enumerate(runner_ids):
             try:
-                unloaded = self._unload(runner_id)
+                unloaded = self._unload(runner_id, why=why)
             except AWAY as exc:
                 log.warning("unloading runner %s waits for Redis: %s", runner_id, exc)
                 for later in runner_ids[i:]:
@@ -192,7 +194,9 @@ class Residency:
                 return False
         return unloaded
 
-    def _unload(self, runner_id: str, force: bool = False) -> bool:
+    def _unload(self, runner_id: str, force: bool = False, why: str | None = None) -> bool:
+        """Unload a runner; ``why`` names the counter its unloading adds to (evictions,
+        expiries, unloads: scheduler/store/stats.py), None counts nothing (a shutdown)."""
         if not self.state.begin_unload(runner_id, force=force):
             phase = self.state.runner_phase(runner_id)
             # a job arrived meanwhile, or another unload is under way; unless "unloading"
@@ -208,6 +212,9 @@ class Residency:
         self.backlog.run(
             f"releasing runner {runner_id}", lambda: self._release(runner_id, device_ids)
         )
+        if runner is not None and why is not None:
+            tally = partial(self._count, runner.model, **{why: 1})
+            self.backlog.run(f"counting runner {runner_id}'s unloading", tally)
         log.info("unloaded runner %s", runner_id)
         return True
 
@@ -253,7 +260,7 @@ class Residency:
                 timeout = 1.0 if next_at is None else max(0.0, next_at - self.clock())
                 self._wake.wait(min(timeout, 1.0))
                 return
-        self._unload_or_later(due)
+        self._unload_or_later(due, "expiries")
 
     def _schedule_expiry(self, runner_id: str, at: float | None) -> None:
         with self._wake:

@@ -25,7 +25,7 @@ from scheduler.settings import Settings
 from scheduler.store.cancel import CancelWatcher, cancelled_before_start
 from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.hops import note as note_hops
-from scheduler.store.stats import count
+from scheduler.store.stats import count, job_timings, observe
 from scheduler.store.streams import Appended, error_chunk
 from workers.chunks import ChunkPublisher, ChunkWriter
 from workers.generation import AnyRunner, Progress, produce
@@ -341,6 +341,9 @@ class WorkerRuntime(Residency):
             def bookkeeping() -> None:  # the counters and hops, in one round trip
                 pipe = self.r.pipeline(transaction=False)
                 count(pipe, req.model, **tally)
+                if tally.get("finished") and last is not None:
+                    timings = job_timings(req.submitted_at, hops, last)
+                    observe(pipe, {"model": req.model, "tenant": req.tenant}, **timings)
                 note_hops(pipe, req.id, ttl_s, hops)
                 pipe.execute()
 
@@ -389,6 +392,6 @@ class WorkerRuntime(Residency):
         if keep_alive_s is None or keep_alive_s == 0:
             # never loaded here (its only job was cancelled in the queue, or the load failed)
             # and so nothing would expire it, or asked to go when idle: release it now
-            self._unload(runner_id)
+            self._unload(runner_id, why="expiries")
         else:
             self._schedule_expiry(runner_id, expires_at(now, keep_alive_s))

@@ -1,7 +1,8 @@
 """Prometheus metrics of the whole cluster, served by each placement service.
 
-Gauges are read from Redis at scrape time (devices, runners, jobs); counters are kept in
-Redis by the workers (``ggufq:stats``), so any placement service reports the same totals.
+Gauges are read from Redis at scrape time (devices, runners, jobs); counters and the job
+timings' histograms are kept in Redis by the workers (``ggufq:stats``, ``ggufq:timings``),
+so any placement service reports the same totals.
 """
 
 from __future__ import annotations
@@ -13,13 +14,18 @@ from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from scheduler.store import keys
 from scheduler.store.clock import redis_now
 from scheduler.store.readers import ClusterReader
-from scheduler.store.stats import COUNTERS
+from scheduler.store.stats import COUNTERS, TIMINGS, histograms
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,7 @@ class ClusterCollector(Collector):
         yield from self._jobs()
         yield from self._batches()
         yield from self._counters()
+        yield from self._timings()
 
     def _devices(self) -> Iterator[Metric]:
         labels = ["device", "worker", "kind"]
@@ -135,6 +142,16 @@ class ClusterCollector(Collector):
             name, _, model = field.decode().partition("|")
             if name in families:
                 families[name].add_metric([model], float(value))
+        yield from families.values()
+
+    def _timings(self) -> Iterator[Metric]:
+        families = {
+            name: HistogramMetricFamily(t.metric, t.doc, labels=list(t.labels))
+            for name, t in TIMINGS.items()
+        }
+        raw: dict[bytes, bytes] = self.r.hgetall(keys.TIMINGS)  # type: ignore[assignment]
+        for hist in sorted(histograms(raw), key=lambda h: (h.name, h.labels)):
+            families[hist.name].add_metric(list(hist.labels), hist.buckets(), hist.total)
         yield from families.values()
 
 
