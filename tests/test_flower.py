@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -16,6 +17,7 @@ import pytest
 
 from api_client import Client
 from scheduler.local.embedded import free_port
+from scheduler.local.flower import with_pool_link
 from scheduler.local.stack import LocalStack
 from scheduler.store.acl import Role
 from tests.conftest import needs_tool, settings_from, stack_env, wait_for
@@ -114,6 +116,15 @@ def test_flower_shows_workers_queues_and_jobs(flower: str, slow_stack: LocalStac
     assert wait_for(lambda: {"ggufq.cpu.flowerhost", "ggufq.cpu.flowerhost.batch"} <= queues())
 
 
+def test_flower_links_to_the_pool_page(flower: str) -> None:
+    with urllib.request.urlopen(flower + "/workers", timeout=10) as response:
+        page = response.read().decode()
+    link = re.search(r'<a class="nav-link" id="ggufq-pool" href="([^"]+)"[^>]*>Pool</a>', page)
+    assert link is not None, "Flower's bar has no link to the pool page"
+    assert link.group(1).startswith("http://") and link.group(1).endswith("/ui")
+    assert ">Workers</a>" in page and ">Broker</a>" in page  # Flower's own pages stay
+
+
 def test_plain_celery_form_finds_the_app(slow_stack: LocalStack) -> None:
     env = {**os.environ, **slow_stack.extra_env, "GGUFQ_REDIS_URL": slow_stack.redis_url}
     out = subprocess.run(
@@ -133,6 +144,7 @@ def test_dashboard_pages_in_headless_chromium(flower: str, slow_stack: LocalStac
         shot = slow_stack.log_dir / f"flower-{page}.png"
         dom = chromium(flower + f"/{page}", shot)
         assert WORKER in dom, f"the {page} page does not show the worker"
+        assert 'id="ggufq-pool"' in dom  # the link to the pool page, in the rendered bar
         assert shot.stat().st_size > 10_000
 
 
@@ -160,3 +172,15 @@ def chromium(url: str, screenshot: Path) -> str:
         [*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True
     )
     return out.stdout
+
+
+def test_a_flower_bar_this_does_not_know_gets_no_link(tmp_path: Path) -> None:
+    templates, into = tmp_path / "templates", tmp_path / "into"
+    templates.mkdir()
+    (templates / "navbar.html").write_text("<nav><ul class='other'></ul></nav>")
+    assert not with_pool_link(templates, "http://localhost:11434/ui", into)
+    assert not into.exists()  # Flower keeps its own pages
+    (templates / "navbar.html").write_text('<ul class="app-nav navbar-nav"><li>W</li></ul>')
+    assert with_pool_link(templates, "http://h/ui?{{ x }}", into)
+    bar = (into / "navbar.html").read_text()
+    assert 'href="http://h/ui?%7B%7B x %7D%7D"' in bar and bar.index("Pool") < bar.index("</ul>")

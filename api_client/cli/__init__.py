@@ -192,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=5555)
     p.add_argument("--address", default="127.0.0.1", help="listen address (0.0.0.0: all)")
     p.add_argument(
+        "--pool-url",
+        default="",
+        help="the gateway's pool page that Flower's bar links to (default: "
+        "http://<GGUFQ_HTTP_HOST>:<GGUFQ_HTTP_PORT>/ui)",
+    )
+    p.add_argument(
         "flower_args",
         nargs=argparse.REMAINDER,
         help="further Flower options after --, e.g. -- --basic-auth=user:pass",

@@ -68,11 +68,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
     settings = get_settings()
     # Flower shows the Celery side; the pool's devices, runners and queues are the gateway's
     host = "localhost" if settings.http_host in ("127.0.0.1", "0.0.0.0") else settings.http_host
-    print(
-        f"the pool page (devices, runners, queues): http://{host}:{settings.http_port}/ui",
-        flush=True,
-    )
-    run_flower(settings, args.port, args.address, extra)
+    pool_url = args.pool_url or f"http://{host}:{settings.http_port}/ui"
+    print(f"the pool page (devices, runners, queues): {pool_url}", flush=True)
+    run_flower(settings, args.port, args.address, extra, pool_url)
     return 0
 
 
