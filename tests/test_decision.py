@@ -181,6 +181,23 @@ def test_10_evicts_the_least_demanded_model_first() -> None:
     assert out == Evict(["cold"])  # though "hot" expires sooner
 
 
+def test_10_evicts_the_set_that_brings_back_the_fewest_loads() -> None:
+    # one hot runner on "a" would make room, two cold ones on "b" would: the two go, as
+    # the hot model would be loaded again soon (the fewest runners is only the tie-break)
+    devices = [dev("a", 8, reserved=7), dev("b", 8, reserved=7)]
+    runners = [
+        runner("hot", "x", "a", 7, expires_at=60),
+        runner("cold1", "y", "b", 3, expires_at=60),
+        runner("cold2", "z", "b", 4, expires_at=60),
+    ]
+    snap = Snapshot(devices, runners, 0, demand={"x": 9.0, "y": 0.5, "z": 0.5})
+    out = decide(job(gib=6), snap, "binpack", now=50.0, max_queue=4, max_loaded=3)
+    assert out == Evict(["cold1", "cold2"])
+    # with the demand even, the fewest runners
+    even = Snapshot(devices, runners, 0, demand={"x": 1.0, "y": 0.5, "z": 0.5})
+    assert decide(job(gib=6), even, "binpack", 50.0, 4, 3) == Evict(["hot"])
+
+
 def test_decayed_demand() -> None:
     from scheduler.cluster import DEMAND_TAU_S, decayed
 

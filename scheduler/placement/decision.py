@@ -95,11 +95,14 @@ def decide(
        memory left over; blocks are split in order, each GPU filled before the next, the
        output layer with the last blocks.
     9. More than ``max_queue`` parked jobs → refuse at once: server busy.
-    10. Fits on a device after unloading idle runners there → evict the fewest runners:
-        idle replicas first, runners that never expire last, then the models with the
-        least recent demand (a request count decayed by e every DEMAND_TAU_S), then the
-        soonest expiry, then least recently used; ``victim_key`` replaces that order
-        (bench/cache_sim.py compares rules with it).
+    10. Fits on a device after unloading idle runners there → evict the cheapest set: on
+        each device idle runners are taken in order (idle replicas first, runners that
+        never expire last, then the models with the least recent demand, a request count
+        decayed by e every DEMAND_TAU_S, then the soonest expiry, then least recently
+        used) until the job fits, and the device whose set costs least wins (fewest
+        runners that never expire, then least demand left with no runner, then fewest
+        runners: fitting.victims_cost); ``victim_key`` replaces that order, and the
+        device with the fewest victims wins (bench/cache_sim.py compares rules with it).
     11. Memory is held by busy runners → park.
     """
     # 1
