@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import ctypes
 import json
-import multiprocessing
 import os
 import statistics
 import subprocess
@@ -41,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+from child import in_child  # bench/, beside this file
 
 T = TypeVar("T")
 NUM_CTX = 2048
@@ -92,8 +93,10 @@ def pct(values: list[float], q: float) -> float:
 def sequential(path: str, texts: list[str], tokens: int, **llama: Any) -> Run:
     """One prompt after another through llama-cpp-python (``llama``: more Llama arguments,
     such as ``n_gpu_layers`` for bench/gpu/throughput.py)."""
-    from llama_cpp import Llama, StoppingCriteriaList
+    from workers.cpus import llama as guarded  # loaded as the worker loads it (AMX guard)
 
+    llama_cpp = guarded()
+    Llama, StoppingCriteriaList = llama_cpp.Llama, llama_cpp.StoppingCriteriaList
     llm = Llama(model_path=path, n_ctx=NUM_CTX, n_batch=512, verbose=False, **llama)
     llm.create_completion("Hello", max_tokens=4, temperature=0)  # warm
     run = Run("sequential", note=f"llama-cpp-python create_completion, n_ctx {NUM_CTX}")
@@ -354,9 +357,9 @@ def fresh(column: Callable[..., T], *args: Any) -> T:
     """Run a column in a new process. llama.cpp's CPU backend uses OpenMP, whose worker
     threads belong to the thread that called it: once a process holds more of them than
     cores (a context used from the main thread, then the engine's decode thread), libgomp
-    stops spinning at barriers and every graph node waits on a futex, 15-20 % slower."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(column, args)
+    stops spinning at barriers and every graph node waits on a futex, 15-20 % slower. A
+    process that dies fails the bench at once, naming the column and the signal."""
+    return in_child(column, *args)
 
 
 def one_round(path: str, texts: list[str], args: argparse.Namespace, skip: set[str]) -> list[Run]:
