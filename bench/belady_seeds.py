@@ -33,8 +33,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import cache_sim, scheduling_sim  # noqa: E402
-from scheduler.cluster import RunnerState, Snapshot  # noqa: E402
+from scheduler.cluster import DeviceState, RunnerState, Snapshot  # noqa: E402
 from scheduler.placement import decision, fitting  # noqa: E402
+from scheduler.placement.needs import JobNeeds  # noqa: E402
 
 Rating = Callable[[fitting.VictimKey | None], fitting.VictimsCost]
 
@@ -93,6 +94,35 @@ def rule_runs(seed: int, max_replicas: int) -> dict[str, int]:
     return out
 
 
+def eviction_ms(devices: int = 1000, idle: int = 4, repeats: int = 15) -> dict[str, float]:
+    """What the rating costs a decision: the median ms of one eviction choice over
+    ``devices`` full GPUs of ``idle`` idle runners each (every model's own), a job that
+    needs two of them gone, rated by victims_cost against by the fewest."""
+    gib = 1 << 30
+    devs, runners, demand = [], [], {}
+    for d in range(devices):
+        devs.append(DeviceState(f"d{d}", "w", f"d{d}", "gpu", 16 * gib, 16 * gib, 16 * gib))
+        for k in range(idle):
+            model = f"m{d}-{k}"
+            runners.append(
+                RunnerState(
+                    f"r{d}-{k}", model, "c", {f"d{d}": 4 * gib}, "ready", 0, 100.0 + k, 50.0
+                )
+            )
+            demand[model] = (d * 7 + k * 13) % 97 / 10
+    snap = Snapshot(devs, runners, 0, demand=demand)
+    job = JobNeeds("new", "c", 6 * gib)
+    out = {}
+    for name, cost in (("fewest", fewest(None)), ("victims_cost", None)):
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fitting.cheapest_victims(job, snap, 10, None, cost=cost)
+            times.append((time.perf_counter() - started) * 1000)
+        out[name] = statistics.median(times)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", type=int, default=20)
@@ -131,6 +161,11 @@ def main() -> None:
     for name, s in summary.items():
         print(f"{name:28} worst {s['worst']:.3f}  median {s['median']:.3f}")
     worst = max(summary[f"replicas_{n} ggufq/belady"]["worst"] for n in (1, 3))
+    timing = eviction_ms()
+    print(
+        f"one eviction choice over 1,000 devices x 4 idle runners: {timing['victims_cost']:.2f} ms"
+        f" (fewest: {timing['fewest']:.2f} ms)"
+    )
     print(
         f"worst ggufq / belady over {args.seeds} seeds = {worst:.3f} (target <= 1.15): "
         f"{'met' if worst <= 1.15 else 'NOT met'}"
@@ -141,6 +176,7 @@ def main() -> None:
                 "bench": "belady_seeds",
                 "seeds": args.seeds,
                 "worst_loads_vs_belady": worst,
+                "eviction_ms": timing,
                 "summary": summary,
                 "runs": rows,
                 "elapsed_s": time.perf_counter() - began,

@@ -10,6 +10,7 @@ import pytest
 
 from api_client import Client, InvalidRequest
 from scheduler.local.stack import LocalStack
+from scheduler.store import keys
 from tests.conftest import settings_from, stack_env, wait_for
 from tests.held_worker import HOLD, release
 from tests.tinymodel import write_slow_model
@@ -44,11 +45,20 @@ def busy_runner(client: Client) -> object:
 
 def test_an_unload_asked_while_busy_happens_when_the_last_job_ends(client: Client) -> None:
     job = busy_runner(client)
+    before = {why: counted(client, why) for why in ("unloads", "expiries")}
     assert len(client.unload("slow")) == 1
     assert client.ps()  # still serving its job
     release(client.r, job.id)  # type: ignore[attr-defined]
     assert job.result(timeout=120).done  # type: ignore[attr-defined]
     assert wait_for(lambda: not client.ps(), timeout=30)
+    # counted as asked (ggufq unload), though it happened as its last job ended
+    assert wait_for(lambda: counted(client, "unloads") == before["unloads"] + 1)
+    assert counted(client, "expiries") == before["expiries"]
+
+
+def counted(client: Client, why: str) -> float:
+    """How many of `slow`'s runners the workers counted unloaded for ``why``."""
+    return float(client.r.hget(keys.STATS, f"{why}|slow") or 0)  # type: ignore[arg-type]
 
 
 def test_a_keep_alive_zero_job_on_a_busy_runner_unloads_it_after_the_last(

@@ -46,8 +46,16 @@ def test_observations_read_back_as_cumulative_buckets_per_label_set() -> None:
     observe(pipe, a, queue_wait=0.2)
     observe(pipe, a, queue_wait=1000.0)  # past the last bound: +Inf only
     observe(pipe, b, queue_wait=0.02)
-    pipe.hash[b"queue_wait|7|unknown"] = b"1"  # too few labels: skipped
-    pipe.hash[b"gone_timing|0|x"] = b"1"  # a timing this version does not know: skipped
+    skipped = {  # what another version, or a hand, may have left: never fails a scrape
+        b"queue_wait|+Inf|unknown": b"1",  # too few labels
+        b"gone_timing|1.0|x": b"1",  # a timing this version does not know
+        b"queue_wait|0.3|carol|m": b"1",  # a bound this version does not have
+        b"queue_wait|1.0|dave|m": b"1.5",  # a count that is no whole number
+        b"queue_wait|sum|erin|m": b"abc",
+        b"queue_wait|\xb2|frank|m": b"1",  # "²": a digit to str.isdigit, not to int()
+        b"\xff\xfe|1.0|x": b"1",  # not UTF-8
+    }
+    pipe.hash.update(skipped)
     found = {(h.name, h.labels): h for h in histograms(pipe.hash)}
     assert set(found) == {
         ("queue_wait", ("alice", "m|odd")),
@@ -56,10 +64,17 @@ def test_observations_read_back_as_cumulative_buckets_per_label_set() -> None:
     }
     alice = dict(found[("queue_wait", ("alice", "m|odd"))].buckets())
     bounds = TIMINGS["queue_wait"].buckets
-    assert list(alice) == [str(b) for b in bounds] + ["+Inf"]
+    assert list(alice) == [repr(float(b)) for b in bounds] + ["+Inf"]
     assert alice["0.01"] == 1  # le 0.01 holds 0.01 itself
     assert alice["0.25"] == 2
-    assert alice["300"] == 2 and alice["+Inf"] == 3
+    assert alice["300.0"] == 2 and alice["+Inf"] == 3
     assert found[("queue_wait", ("alice", "m|odd"))].total == pytest.approx(1000.21)
     assert dict(found[("ttft", ("m|odd",))].buckets())["2.5"] == 0
-    assert dict(found[("ttft", ("m|odd",))].buckets())["5"] == 1
+    assert dict(found[("ttft", ("m|odd",))].buckets())["5.0"] == 1
+
+
+def test_values_redis_would_refuse_are_left_out() -> None:
+    pipe = RecordingPipe()
+    observe(pipe, {"model": "m"}, ttft=float("nan"), tokens_per_s=float("inf"))
+    observe(pipe, {"model": "m"}, ttft=-1.0)
+    assert pipe.hash == {}

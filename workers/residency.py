@@ -19,7 +19,7 @@ from scheduler.errors import GgufqError, InvalidModelFile, LoadFailed
 from scheduler.gguf.registry import Registry
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
-from scheduler.store.stats import count
+from scheduler.store.stats import count, execute
 from scheduler.store.worker_state import WorkerState
 from workers.backlog import AWAY, Backlog, patiently
 from workers.devices import close_and_wait
@@ -54,6 +54,9 @@ class Residency:
         self._jobs_lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._expiry = ExpirySchedule()
+        # runner id → why it is to unload, when that happens later than asked (a busy
+        # runner asked to go when idle, an unload put off while Redis is away)
+        self._why: dict[str, str] = {}
         self._wake = threading.Condition()
         self.backlog = Backlog()  # job ends that Redis missed while it was away
         # runners whose load failed here, with why: the jobs that waited on one end as
@@ -116,7 +119,7 @@ class Residency:
     def _count(self, model: str, **amounts: float) -> None:
         pipe = self.r.pipeline(transaction=False)
         count(pipe, model, **amounts)
-        pipe.execute()
+        execute(pipe, f"counting {model}'s runners")
 
     def _load(self, req: JobRequest, placement: Placement) -> AnyRunner:
         on_load = partial(self._loaded_so_far, placement.runner_id)
@@ -174,10 +177,12 @@ class Residency:
         runner = self.runners.get(runner_id)
         if runner is None:
             return False
+        why = "unloads" if when_idle else "evictions"
         if when_idle:
             runner.keep_alive_s = 0
+            self._why[runner_id] = why
         self._schedule_expiry(runner_id, None)
-        return self._unload_or_later([runner_id], "unloads" if when_idle else "evictions")
+        return self._unload_or_later([runner_id], why)
 
     def _unload_or_later(self, runner_ids: list[str], why: str) -> bool:
         """Unload each runner; when Redis is away, it and the rest are left to the expiry
@@ -190,6 +195,7 @@ class Residency:
             except AWAY as exc:
                 log.warning("unloading runner %s waits for Redis: %s", runner_id, exc)
                 for later in runner_ids[i:]:
+                    self._why.setdefault(later, why)
                     self._schedule_expiry(later, self.clock() + 1.0)
                 return False
         return unloaded
@@ -212,6 +218,7 @@ class Residency:
         self.backlog.run(
             f"releasing runner {runner_id}", lambda: self._release(runner_id, device_ids)
         )
+        why = self._why.pop(runner_id, why)  # as asked, if it was asked earlier
         if runner is not None and why is not None:
             tally = partial(self._count, runner.model, **{why: 1})
             self.backlog.run(f"counting runner {runner_id}'s unloading", tally)
@@ -225,6 +232,7 @@ class Residency:
     def _drop_local(self, runner_id: str) -> None:
         """Unload a runner whose record placement already removed (nothing to release)."""
         self._schedule_expiry(runner_id, None)
+        self._why.pop(runner_id, None)
         runner = self.runners.pop(runner_id, None)
         if runner is not None:
             runner.close()

@@ -25,7 +25,7 @@ from scheduler.settings import Settings
 from scheduler.store.cancel import CancelWatcher, cancelled_before_start
 from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.hops import note as note_hops
-from scheduler.store.stats import count, job_timings, observe
+from scheduler.store.stats import count, execute, job_timings, observe
 from scheduler.store.streams import Appended, error_chunk
 from workers.chunks import ChunkPublisher, ChunkWriter
 from workers.generation import AnyRunner, Progress, produce
@@ -345,7 +345,7 @@ class WorkerRuntime(Residency):
                     timings = job_timings(req.submitted_at, hops, last)
                     observe(pipe, {"model": req.model, "tenant": req.tenant}, **timings)
                 note_hops(pipe, req.id, ttl_s, hops)
-                pipe.execute()
+                execute(pipe, f"counting job {req.id}")
 
             # through an outage too: else its slot stays taken in placement's view
             self.backlog.run(f"ending job {req.id}", self.strays.on_its_way(req.id, write_end))

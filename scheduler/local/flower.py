@@ -76,7 +76,12 @@ def run_flower(
     app = flower_app(settings)
     templates = Path(tempfile.mkdtemp(prefix="ggufq-flower-"))
     try:
-        if with_pool_link(Path(flower_settings["template_path"]), pool_url, templates):
+        try:
+            linked = with_pool_link(Path(flower_settings["template_path"]), pool_url, templates)
+        except (OSError, KeyError, TypeError) as exc:  # another Flower's templates
+            log.warning("cannot add the pool page's link to Flower's pages (%r)", exc)
+            linked = False
+        if linked:
             flower_settings["template_path"] = str(templates)
         else:
             log.warning("this Flower's pages are not the ones ggufq knows: no link to %s", pool_url)

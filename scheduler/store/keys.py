@@ -19,7 +19,7 @@ CHANGES_N = f"{PREFIX}:changes:n"  # counter: number of the last change logged
 CANCELS = f"{PREFIX}:cancels"  # pub/sub channel: ids of jobs asked to cancel
 RUNNING = f"{PREFIX}:running"  # hash: job id → time its worker started it
 STATS = f"{PREFIX}:stats"  # hash: "<counter>|<model>" → total (scheduler/placement/metrics.py)
-# hash: "<timing>|<bucket>|<labels…>" → count, "<timing>|sum|<labels…>" → total
+# hash: "<timing>|<bucket's upper bound>|<labels…>" → count, "<timing>|sum|<labels…>" → total
 # (scheduler/store/stats.py): the cluster's histograms of job timings
 TIMINGS = f"{PREFIX}:timings"
 ORPHANS = f"{PREFIX}:orphans"  # hash: job id → in-flight record of a device that was dropped

@@ -4,12 +4,17 @@ reports them, so any placement service reports the same totals."""
 
 from __future__ import annotations
 
+import logging
+import math
 from bisect import bisect_left
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from scheduler.store import keys
+
+log = logging.getLogger(__name__)
 
 # the counters workers keep in ggufq:stats, as "<name>|<model>" fields
 COUNTERS = {
@@ -24,6 +29,15 @@ COUNTERS = {
     "expiries": ("ggufq_model_expiries", "Runners unloaded as their keep_alive ran out."),
     "unloads": ("ggufq_model_unloads", "Runners unloaded on request (ggufq unload)."),
 }
+
+
+def execute(pipe: Any, what: str) -> None:
+    """Execute a pipeline of counters and timings: a command Redis refuses (a value it
+    cannot add, a key of another type) is logged, never raised, for what it counts has
+    happened (a job that ended is not failed by its counting). Redis away still raises."""
+    for reply in pipe.execute(raise_on_error=False):
+        if isinstance(reply, Exception):
+            log.warning("%s: Redis refused a counter (%s)", what, reply)
 
 
 def count(pipe: Any, model: str, **amounts: float) -> None:
@@ -86,13 +100,22 @@ def job_timings(
 
 def observe(pipe: Any, labels: Mapping[str, str], **values: float) -> None:
     """Queue observations of the named timings on a pipeline (the caller executes it);
-    ``labels`` holds each timing's labels, by name."""
+    ``labels`` holds each timing's labels, by name. A value that is no finite number of
+    0 or more is left out (Redis would refuse it)."""
     for name, value in values.items():
+        if not (math.isfinite(value) and value >= 0):
+            continue
         timing = TIMINGS[name]
         tail = "|".join(labels[label] for label in timing.labels)
-        bucket = bisect_left(timing.buckets, value)  # len(buckets): +Inf
-        pipe.hincrby(keys.TIMINGS, f"{name}|{bucket}|{tail}", 1)
+        i = bisect_left(timing.buckets, value)
+        bound = _bound(timing.buckets[i]) if i < len(timing.buckets) else "+Inf"
+        pipe.hincrby(keys.TIMINGS, f"{name}|{bound}|{tail}", 1)
         pipe.hincrbyfloat(keys.TIMINGS, f"{name}|sum|{tail}", value)
+
+
+def _bound(upper: float) -> str:
+    """A bucket's upper bound as its field and its ``le`` label name it."""
+    return repr(float(upper))
 
 
 @dataclass
@@ -106,7 +129,7 @@ class Histogram:
 
     def buckets(self) -> list[tuple[str, float]]:
         """Prometheus's cumulative buckets, ``+Inf`` last."""
-        bounds = [str(b) for b in TIMINGS[self.name].buckets] + ["+Inf"]
+        bounds = [_bound(b) for b in TIMINGS[self.name].buckets] + ["+Inf"]
         running, out = 0, []
         for bound, n in zip(bounds, self.counts, strict=True):
             running += n
@@ -115,23 +138,43 @@ class Histogram:
 
 
 def histograms(raw: Mapping[bytes, bytes]) -> Iterator[Histogram]:
-    """The histograms in ``ggufq:timings`` as read whole; fields it does not know (an
-    older or newer writer's) are skipped."""
+    """The histograms in ``ggufq:timings`` as read whole. A field is kept by its bucket's
+    bound, so a version with other bounds skips the counts it does not know, as it skips
+    an unknown timing or anything it cannot read: a scrape never fails on them."""
     found: dict[tuple[str, tuple[str, ...]], Histogram] = {}
     for field, value in raw.items():
-        name, _, rest = field.decode().partition("|")
-        timing = TIMINGS.get(name)
-        if timing is None:
+        try:
+            name, bound, labels, number = _field(field, value)
+        except (ValueError, UnicodeDecodeError):
             continue
-        bucket, *labels = rest.split("|", len(timing.labels))
-        if len(labels) != len(timing.labels):
-            continue
-        key = (name, tuple(labels))
-        if key not in found:
-            found[key] = Histogram(name, key[1], [0] * (len(timing.buckets) + 1))
-        hist = found[key]
-        if bucket == "sum":
-            hist.total = float(value)
-        elif bucket.isdigit() and int(bucket) < len(hist.counts):
-            hist.counts[int(bucket)] = int(value)
+        timing = TIMINGS[name]
+        hist = found.get((name, labels))
+        if hist is None:
+            hist = found[(name, labels)] = Histogram(name, labels, [0] * (len(timing.buckets) + 1))
+        if bound == "sum":
+            hist.total = number
+        else:
+            hist.counts[_index(timing)[bound]] = int(number)
     yield from found.values()
+
+
+def _field(field: bytes, value: bytes) -> tuple[str, str, tuple[str, ...], float]:
+    """(timing, bound or "sum", labels, value) of one field; ValueError when it is not one."""
+    name, _, rest = field.decode().partition("|")
+    timing = TIMINGS.get(name)
+    if timing is None:
+        raise ValueError(f"no timing {name!r}")
+    bound, *labels = rest.split("|", len(timing.labels))
+    if len(labels) != len(timing.labels) or (bound != "sum" and bound not in _index(timing)):
+        raise ValueError(f"not a field of {name}: {field!r}")
+    number = float(value)
+    if not math.isfinite(number) or (bound != "sum" and not number.is_integer()):
+        raise ValueError(f"not a count: {value!r}")
+    return name, bound, tuple(labels), number
+
+
+@cache
+def _index(timing: Timing) -> dict[str, int]:
+    """Each bound's place among the timing's buckets, ``+Inf`` last."""
+    bounds = [_bound(b) for b in timing.buckets] + ["+Inf"]
+    return {bound: i for i, bound in enumerate(bounds)}
