@@ -25,6 +25,7 @@ from workers.start_claim import HandBack, RunnerGone
 class FakeRunner:
     id: str
     device_ids: list[str]
+    model: str = "fake"
     closed: list[int] = field(default_factory=list)
     keep_alive_s: float = 300.0
     load_duration_ns: int = 1
@@ -164,6 +165,9 @@ def test_an_unload_placement_asked_for_as_redis_went_away_is_tried_again(
     monkeypatch.setattr(runtime, "clock", lambda: 1e12)
     runtime._expire_due()
     assert runner.closed == [1] and not db.exists(keys.runner("r"))
+    # counted as the eviction it was, though the expiry loop carried it out
+    assert db.hget(keys.STATS, "evictions|fake") == b"1"
+    assert db.hget(keys.STATS, "expiries|fake") is None
     runtime.chunks.close()
 
 
