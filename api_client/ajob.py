@@ -73,12 +73,18 @@ class AsyncJob:
         return chunk.done
 
     async def stream(
-        self, timeout: float | None = None, cancel_on_close: bool = True, after: int = 0
+        self,
+        timeout: float | None = None,
+        cancel_on_close: bool = True,
+        after: int = 0,
+        lapse_on_close: bool = False,
     ) -> AsyncIterator[GenerateResponse]:
         """Chunks in order, then the final one with the stats (see :meth:`Job.stream`).
 
         Leaving the loop early (``break``, ``aclose()``, the task being cancelled) cancels
-        the job unless ``cancel_on_close`` is False; ``after`` resumes after that ``seq``.
+        the job unless ``cancel_on_close`` is False, or, with ``lapse_on_close``, once the
+        reader's lease has lapsed with no other reader (a stream another reader may pick
+        up: api_client/gateway/resume.py); ``after`` resumes after that ``seq``.
         """
         wait = self.client.timeout if timeout is None else timeout
         done = gave_up = False
@@ -104,14 +110,14 @@ class AsyncJob:
                     lease.handed_at = None
         except (GeneratorExit, asyncio.CancelledError):
             gave_up = True
-            if cancel_on_close and not done:
+            if cancel_on_close and not done and not lapse_on_close:
                 # the stream is being torn down: cancel without awaiting anything that
                 # could itself be cancelled half-way
                 await asyncio.shield(self.cancel())
             raise
         except redis.RedisError:  # Redis lost under a running job: nobody will read it
             gave_up = True
-            if cancel_on_close:
+            if cancel_on_close and not lapse_on_close:
                 self.cancel_once_back()
             raise
         except TimeoutError:

@@ -97,6 +97,25 @@ def stack_env(models_dir: Path, state_dir: Path, host: str = HOST) -> dict[str, 
     }
 
 
+# a stack whose worker holds HOLD: jobs (tests/held_worker.py), its settings on its Redis,
+# and a client of that Redis
+Held = tuple[LocalStack, Settings, redis.Redis]
+
+
+@contextmanager
+def held_stack(models_dir: Path, root: Path, host: str) -> Iterator[Held]:
+    """A real stack on the session's models whose worker holds a job whose prompt starts
+    with ``HOLD:`` after its first text, until the test releases it."""
+    env = stack_env(models_dir, root / "state", host=host)
+    settings = settings_from(env, None)
+    with LocalStack(
+        settings, log_dir=root / "logs", extra_env=env, worker_module="tests.held_worker"
+    ) as stack:
+        r = redis.Redis.from_url(stack.redis_url)
+        yield stack, settings.model_copy(update={"redis_url": stack.redis_url}), r
+        r.close()
+
+
 def settings_from(env: dict[str, str], redis_url: str | None) -> Settings:
     values = {k.removeprefix("GGUFQ_").lower(): v for k, v in env.items()}
     return Settings(redis_url=redis_url, **values)  # type: ignore[arg-type]

@@ -32,18 +32,15 @@ from api_client.batches.states import MOVES, BatchState, Mover, sources, tables
 from api_client.gateway.keys import KeyStore
 from scheduler.errors import Conflict
 from scheduler.local.embedded import free_port
-from scheduler.local.stack import LocalStack
 from scheduler.placement.metrics import ClusterCollector
-from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.acl import Role
-from tests.conftest import settings_from, stack_env, wait_for
+from tests.conftest import Held, held_stack, wait_for
 from tests.gateway_server import running_gateway
 from tests.held_worker import HOLD, release
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY = {"model": "tiny", "max_tokens": 6, "temperature": 0, "seed": 3}
-Held = tuple[LocalStack, Settings, redis.Redis]
 
 
 def line(custom_id: str, prompt: str, url: str = "/v1/completions", **body: Any) -> bytes:
@@ -57,15 +54,8 @@ def jsonl(*lines: bytes) -> io.BytesIO:
 
 @pytest.fixture(scope="module")
 def held(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Held]:
-    root = tmp_path_factory.mktemp("batches")
-    env = stack_env(models_dir, root / "state", host="batchhost")
-    settings = settings_from(env, None)
-    with LocalStack(
-        settings, log_dir=root / "logs", extra_env=env, worker_module="tests.held_worker"
-    ) as stack:
-        r = redis.Redis.from_url(stack.redis_url)
-        yield stack, settings.model_copy(update={"redis_url": stack.redis_url}), r
-        r.close()
+    with held_stack(models_dir, tmp_path_factory.mktemp("batches"), "batchhost") as stack:
+        yield stack
 
 
 @pytest.fixture()

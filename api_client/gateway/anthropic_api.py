@@ -18,9 +18,9 @@ from api_client.gateway.anthropic_schema import (
     error_event,
     message_object,
 )
+from api_client.gateway.caller import caller_of
 from api_client.gateway.core import (
     Routes,
-    caller_of,
     gateway_of,
     json_body,
     model_name,

@@ -31,9 +31,11 @@ from api_client.gateway import (
     ollama,
     openai_api,
     pool_api,
+    stream_api,
 )
 from api_client.gateway.anthropic_schema import error_body as anthropic_error
-from api_client.gateway.core import Caller, Gateway
+from api_client.gateway.caller import Caller
+from api_client.gateway.core import Gateway
 from api_client.gateway.edge import EdgeRules, split_list, too_large
 from api_client.gateway.errors import headers_for, http_error, ollama_body, openai_body
 from api_client.gateway.keys import (
@@ -283,6 +285,7 @@ def make_app(
         *openai_api.router.routes,
         *batches_api.router.routes,
         *pool_api.router.routes,
+        *stream_api.router.routes,
         Route("/metrics", metrics),
     ]
     app = Starlette(

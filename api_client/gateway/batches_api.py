@@ -21,7 +21,8 @@ from api_client.batches.files import FileStore, public
 from api_client.batches.lines import read_lines
 from api_client.batches.states import BatchState, Mover, batch_doc
 from api_client.batches.store import Batch, BatchStore, Moved
-from api_client.gateway.core import Caller, Routes, caller_of, gateway_of, json_body, parse_body
+from api_client.gateway.caller import Caller, caller_of
+from api_client.gateway.core import Routes, gateway_of, json_body, parse_body
 from scheduler.errors import Conflict, InvalidRequest
 
 router = Routes(prefix="/v1")

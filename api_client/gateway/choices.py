@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 from api_client.ajob import AsyncJob
-from api_client.gateway.core import Caller
+from api_client.gateway.caller import Caller
 from api_client.gateway.errors import NotPermitted
 from scheduler.errors import InvalidRequest, JobTimeout
 from scheduler.protocol import GenerateResponse
@@ -51,10 +51,16 @@ class Choices(AsyncJob):
         await asyncio.gather(*(job.cancel() for job in self.jobs))
 
     async def stream(
-        self, timeout: float | None = None, cancel_on_close: bool = True, after: int = 0
+        self,
+        timeout: float | None = None,
+        cancel_on_close: bool = True,
+        after: int = 0,
+        lapse_on_close: bool = False,
     ) -> AsyncIterator[GenerateResponse]:
         """The choices' chunks as they come. ``timeout`` bounds the silence of the answer,
-        not of each choice: with one slot, a choice is silent while those ahead of it run."""
+        not of each choice: with one slot, a choice is silent while those ahead of it run.
+        Never picked up again by another reader (resume.py): ``lapse_on_close`` is not
+        theirs."""
         came: asyncio.Queue[tuple[int, GenerateResponse | Exception]] = asyncio.Queue()
         wait = self.client.timeout if timeout is None else timeout
         ended: set[int] = set()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -18,9 +17,10 @@ from api_client.aio import AsyncClient
 from api_client.ajob import AsyncJob
 from api_client.batches.files import FileStore
 from api_client.batches.store import BatchStore
-from api_client.gateway.errors import ModelLoading, NotPermitted
-from api_client.gateway.keys import ApiKey
+from api_client.gateway.caller import Caller, caller_of
+from api_client.gateway.errors import ModelLoading
 from api_client.gateway.loads import LoadBoard
+from api_client.gateway.resume import asked
 from api_client.gateway.streaming import (
     Beat,
     Encode,
@@ -45,7 +45,6 @@ from scheduler.protocol import (
     describe_validation_error,
 )
 from scheduler.settings import Settings
-from scheduler.units import parse_duration_s
 
 Format = Literal["json"] | dict[str, Any] | None
 Endpoint = Callable[[Request], Awaitable[Any]]
@@ -79,85 +78,6 @@ def _answering(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
 
     answer.__name__ = endpoint.__name__
     return answer
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who sent a request: its API key (None when keys are off)."""
-
-    key: ApiKey | None = None
-
-    @property
-    def tenant(self) -> str:
-        return self.key.id if self.key else "default"
-
-    @property
-    def weight(self) -> float:
-        return self.key.weight if self.key else 1.0
-
-    @property
-    def sees_all(self) -> bool:
-        """An admin key, or no key (a keyless gateway): every tenant's jobs and batches."""
-        return self.key is None or self.key.admin
-
-    def sees(self, tenant: str) -> bool:
-        """Whether the caller sees the jobs, batches and files of ``tenant``."""
-        return self.sees_all or tenant == self.tenant
-
-    def check_model(self, model: str) -> None:
-        if self.key is not None:
-            self.key.check_model(model)
-
-    def may_use(self, model: str) -> bool:
-        """Whether listings show ``model`` to this caller (its key's allow-list)."""
-        return self.key is None or not self.key.models or model in self.key.models
-
-    def check_admin(self, what: str) -> None:
-        """Only an admin key (or no key: a keyless gateway) may do ``what``."""
-        if self.key is not None and not self.key.admin:
-            raise NotPermitted(
-                f"API key {self.key.id!r} may not {what}: that disturbs every tenant, and "
-                "needs an admin key (`ggufq keys create --admin`)"
-            )
-
-    def check_job(
-        self, options: dict[str, Any], keep_alive: str | float | None, settings: Settings
-    ) -> None:
-        """A non-admin key's job within its ceilings: no pin or unload by keep_alive, at
-        most its max_keep_alive_s (GGUFQ_HTTP_MAX_KEEP_ALIVE_S), and num_ctx x num_parallel
-        at most its max_context (GGUFQ_HTTP_MAX_CONTEXT)."""
-        if self.key is None or self.key.admin:
-            return
-        if keep_alive is not None:
-            try:
-                seconds = parse_duration_s(keep_alive)
-            except ValueError as exc:
-                raise InvalidRequest(f"keep_alive: {exc}") from None
-            if seconds < 0:
-                self.check_admin("keep a model loaded for ever (keep_alive < 0)")
-            if seconds == 0:
-                self.check_admin("unload a model (keep_alive 0)")
-            ceiling = self.key.max_keep_alive_s or settings.http_max_keep_alive_s
-            if seconds > ceiling:
-                raise NotPermitted(
-                    f"keep_alive {keep_alive!r} is longer than API key {self.key.id!r} may ask "
-                    f"for ({ceiling:g} s: the key's max_keep_alive_s, else "
-                    "GGUFQ_HTTP_MAX_KEEP_ALIVE_S)"
-                )
-        ctx = int(options.get("num_ctx") or settings.num_ctx)
-        slots = int(options.get("num_parallel") or 1)
-        limit = self.key.max_context or settings.http_max_context
-        if ctx * slots > limit:
-            raise NotPermitted(
-                f"num_ctx {ctx} x num_parallel {slots} is {ctx * slots:,} tokens; API key "
-                f"{self.key.id!r} may ask for at most {limit:,} (a larger runner evicts other "
-                "tenants' models): ask for less, or use a key with a larger max_context"
-            )
-
-
-def caller_of(request: Request) -> Caller:
-    caller = getattr(request.state, "caller", None)
-    return caller if isinstance(caller, Caller) else Caller()
 
 
 def gateway_of(request: Request) -> Gateway:
@@ -199,9 +119,11 @@ def parse_body(model: type[Any], body: Any) -> Any:
 
 async def json_body(request: Request) -> Any:
     try:
-        return await request.json()
+        parsed = await request.json()
     except ValueError:
         raise InvalidRequest("the request body is not valid JSON") from None
+    asked(request.scope, await request.body())  # a stream to be resumable keeps it
+    return parsed
 
 
 class ChatBody(Protocol):
@@ -276,14 +198,13 @@ class Gateway:
     ) -> AsyncJob:
         caller.check_model(model)
         caller.check_job(options or {}, keep_alive, self.settings)
-        return await self.client.submit(
-            self.registry.first_name(model),  # names of one file share its runners
-            prompt,
-            options=options,
-            keep_alive=keep_alive,
-            format=format,
-            extra={"kind": kind, "tenant": caller.tenant, "weight": caller.weight, **(extra or {})},
-        )
+        name = self.registry.first_name(model)  # names of one file share its runners
+        fields: dict[str, Any] = dict(options=options, keep_alive=keep_alive, format=format)
+        fields["extra"] = {"kind": kind, "tenant": caller.tenant, "weight": caller.weight}
+        fields["extra"].update(extra or {})
+        if caller.resume is not None:  # GET /v1/stream/{id}: the job it made, not a new one
+            return caller.resume.attach(self.client, name, prompt, **fields)
+        return await self.client.submit(name, prompt, **fields)
 
     def stream(
         self,

@@ -12,7 +12,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from api_client.gateway.core import Routes, caller_of, gateway_of
+from api_client.gateway.caller import caller_of
+from api_client.gateway.core import Routes, gateway_of
 from api_client.gateway.errors import JobNotFound
 from scheduler.cluster import JobView
 

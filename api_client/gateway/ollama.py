@@ -21,12 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from api_client.ajob import AsyncJob
+from api_client.gateway.caller import Caller, caller_of
 from api_client.gateway.catalog import running, show, tag, usable
 from api_client.gateway.core import (
-    Caller,
     Gateway,
     Routes,
-    caller_of,
     gateway_of,
     json_body,
     known_options,

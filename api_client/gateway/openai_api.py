@@ -17,12 +17,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api_client.ajob import AsyncJob
+from api_client.gateway.caller import caller_of
 from api_client.gateway.catalog import openai_model, usable
 from api_client.gateway.choices import Choices, all_results, check_choices, submit_choices
 from api_client.gateway.core import (
     Gateway,
     Routes,
-    caller_of,
     gateway_of,
     json_body,
     model_name,

@@ -13,7 +13,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
-from api_client.gateway.core import Routes, caller_of, gateway_of
+from api_client.gateway.caller import caller_of
+from api_client.gateway.core import Routes, gateway_of
 from api_client.gateway.jobs_api import visible_jobs
 from api_client.gateway.pool import pool_view
 

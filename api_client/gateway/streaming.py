@@ -33,11 +33,13 @@ from starlette.types import Receive, Scope, Send
 
 from api_client.ajob import AsyncJob
 from api_client.gateway.loads import LoadBoard, LoadProgress
+from api_client.gateway.resume import StreamIds, opened
 from api_client.gateway.writes import ON_GONE
 from scheduler.errors import GgufqError, JobFailed, RedisUnavailable
 from scheduler.protocol import GenerateResponse
 
 log = logging.getLogger(__name__)
+SSE_TYPE = "text/event-stream"
 Encode = Callable[[GenerateResponse], list[bytes]]
 Beat = Callable[[LoadProgress | None], bytes]  # a keep-alive frame, with a load's progress
 
@@ -271,6 +273,7 @@ class JobStreamResponse(Response):
         self.job, self.encode, self.encode_error = job, encode, encode_error
         self.beat, self.keepalive_s, self.timeout_s = beat, keepalive_s, timeout_s
         self.loads = loads
+        self.ids: StreamIds | None = None  # a resumable stream's (resume.py), as it begins
         self.status_code = 200
         self.media_type = media_type
         self.background = None
@@ -281,7 +284,10 @@ class JobStreamResponse(Response):
         assert reading is not None
         gone = False
 
-        head = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+        resumable = await opened(scope, self.job, self.media_type == SSE_TYPE)
+        self.ids = None if resumable is None else resumable[0]
+        named = [(b"x-conversation-id", resumable[1].encode())] if resumable else []
+        head = {"type": "http.response.start", "status": 200, "headers": self.raw_headers + named}
         timing = ServerTiming(scope.get("state", {}).get("arrived"), self.job.submitted_at)
         feed = None if self.loads is None else LoadFeed(self.loads, self.job.model)
         out = _Output(send, head, self.beat, self.keepalive_s, timing, feed)
@@ -303,7 +309,11 @@ class JobStreamResponse(Response):
         sender.add(out)
         if feed is not None:
             feed.start()  # stopped in the finally below
-        chunks = cast(AsyncGenerator[GenerateResponse, None], self.job.stream(self.timeout_s))
+        lapse = self.ids is not None  # a client gone leaves it for another to pick up
+        stream = self.job.stream(self.timeout_s, lapse_on_close=True) if lapse else None
+        chunks = cast(
+            AsyncGenerator[GenerateResponse, None], stream or self.job.stream(self.timeout_s)
+        )
         try:
             error = await self._relay(chunks, out)
             if error is not None and not out.started:
@@ -344,7 +354,10 @@ class JobStreamResponse(Response):
                 out.timing.first_chunk = time.time()
                 if out.feed is not None:
                     out.feed.stop()
-            await out.frames(self.encode(chunk), more=not self.job.ends_with(chunk))
+            frames = self.encode(chunk)
+            if self.ids is not None:  # a resumable stream: ids, and only the chunks asked for
+                frames = self.ids.frames(frames, chunk.seq)
+            await out.frames(frames, more=not self.job.ends_with(chunk))
 
     def _lost(self, exc: Exception) -> JobFailed:
         return lost(self.job.id, "stream", exc)

@@ -123,6 +123,18 @@ def job_reader_wanted(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:reader:wanted"
 
 
+def job_http(job_id: str) -> str:
+    # hash: the HTTP request that made a resumable stream (its path, body, tenant, submitted
+    # at), kept with the job's chunks so that any gateway can pick the stream up again
+    # (api_client/gateway/resume.py)
+    return f"{PREFIX}:job:{job_id}:http"
+
+
+def conversation(tenant: str, name: str) -> str:
+    # string: the job id of the tenant's latest stream under its X-Conversation-Id
+    return f"{PREFIX}:conversation:{tenant}:{name}"
+
+
 def cancel_flag(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:cancel"  # string: set when the job is asked to cancel
 
