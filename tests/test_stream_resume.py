@@ -20,7 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
+from api_client.gateway.keys import KeyStore
 from scheduler.local.embedded import free_port
+from scheduler.store import keys
 from scheduler.store.acl import Role
 from tests.conftest import Held, held_stack, wait_for
 from tests.gateway_server import running_gateway
@@ -37,21 +39,26 @@ def held(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @dataclass
 class Event:
-    id: int | None
+    name: str | None  # its SSE id: "<job id>.<seq>"
     data: str
+
+    @property
+    def id(self) -> int | None:
+        """The seq of the chunk whose last event this is."""
+        return None if self.name is None else int(self.name.rpartition(".")[2])
 
 
 def events(lines: Iterator[str]) -> Iterator[Event]:
     """Server-sent events, as a browser's EventSource reads them (comments skipped)."""
-    seq: int | None = None
+    name: str | None = None
     data: list[str] = []
     for line in lines:
         if not line:
             if data:
-                yield Event(seq, "\n".join(data))
-            seq, data = None, []
+                yield Event(name, "\n".join(data))
+            name, data = None, []
         elif line.startswith("id:"):
-            seq = int(line[3:].strip())
+            name = line[3:].strip()
         elif line.startswith("data:"):
             data.append(line[5:].strip())
 
@@ -98,9 +105,14 @@ def test_a_chat_stream_left_by_its_client_is_picked_up_where_it_stopped(held: He
                 seen.append(event)
                 if event.id is not None:
                     break  # the client goes away after its first chunk
-        last = max(e.id for e in seen if e.id is not None)
-        rest = picked_up(http, url, "sea", **{"Last-Event-ID": str(last)})
+        last = [e.name for e in seen if e.name is not None][-1]
+        assert last is not None and last.startswith(f"{job_id}.")
+        rest = picked_up(http, url, "sea", **{"Last-Event-ID": last})
         whole = picked_up(http, url, job_id)  # by the job's id, from the first chunk
+        # the name goes on to a newer stream: the old stream's event id is told apart
+        http.post(f"{url}/v1/chat/completions", json=body, headers={"X-Conversation-Id": "sea"})
+        spliced = http.get(f"{url}/v1/stream/sea", headers={"Last-Event-ID": last})
+        assert spliced.status_code == 409 and job_id in spliced.text
     ids = [e.id for e in [*seen, *rest] if e.id is not None]
     assert ids == sorted(set(ids)), ids  # none twice, in order
     assert ids == [e.id for e in whole if e.id is not None]  # none missing
@@ -114,23 +126,24 @@ def test_a_chat_stream_left_by_its_client_is_picked_up_where_it_stopped(held: He
 def test_an_ollama_stream_is_picked_up_from_a_chunk(held: Held) -> None:
     body = {"model": "tiny", "prompt": "the sky is", "options": {**GREEDY, "num_predict": 12}}
     with running_gateway(held[1]) as url, httpx.Client(timeout=60) as http:
+        first: list[dict[str, Any]] = []
         with http.stream(
             "POST", f"{url}/api/generate", json=body, headers={"X-Conversation-Id": "sky"}
         ) as answer:
-            first = chunk_lines(answer)[:2]  # the client reads two chunks, and goes
-        with http.stream("GET", f"{url}/v1/stream/sky?from=3") as answer:
-            rest = chunk_lines(answer)
+            for line in answer.iter_lines():
+                first.append(json.loads(line))
+                if "seq" in first[-1]:
+                    break  # the client reads its first chunk, and goes
+        after = first[-1]["seq"]
+        with http.stream("GET", f"{url}/v1/stream/sky?from={after + 1}") as answer:
+            rest = [json.loads(line) for line in answer.iter_lines() if line]
         with http.stream("GET", f"{url}/v1/stream/sky") as answer:
-            whole = chunk_lines(answer)
-    assert [c["response"] for c in [*first, *rest]] == [c["response"] for c in whole]
+            whole = [json.loads(line) for line in answer.iter_lines() if line]
+    seqs = [c["seq"] for c in [*first, *rest] if "seq" in c]
+    assert seqs == list(range(1, len(seqs) + 1)) == [c["seq"] for c in whole if "seq" in c]
+    text = "".join(c["response"] for c in [*first, *rest])
+    assert text == "".join(c["response"] for c in whole) and text
     assert rest[-1]["done"] and whole[-1]["eval_count"] == rest[-1]["eval_count"]
-
-
-def chunk_lines(answer: httpx.Response) -> list[dict[str, Any]]:
-    """An Ollama stream's chunk lines: each one chunk of the job (seq 1, 2, ...), keep-alive
-    lines (no text, not done) left out."""
-    lines = [json.loads(line) for line in answer.iter_lines() if line]
-    return [line for line in lines if line.get("response") or line.get("done")]
 
 
 def test_a_stream_outlives_its_gateway_killed_mid_answer(held: Held) -> None:
@@ -165,7 +178,7 @@ def test_a_stream_outlives_its_gateway_killed_mid_answer(held: Held) -> None:
         assert seen and content(seen[-1])
         release(r, job_id)  # the job goes on, with no gateway reading it
         _second, url = gateway("gateway-b")
-        rest = picked_up(http, url, "story", **{"Last-Event-ID": str(seen[-1].id)})
+        rest = picked_up(http, url, "story", **{"Last-Event-ID": str(seen[-1].name)})
         whole = picked_up(http, url, job_id)
     text = "".join(content(e) for e in [*seen, *rest])
     assert text == "".join(content(e) for e in whole)
@@ -180,6 +193,39 @@ def answers(url: str) -> bool:
         return False
 
 
+def test_a_stream_nobody_picks_up_is_cancelled_when_its_lease_lapses(held: Held) -> None:
+    """The client of a held job leaves at once (before its reader's lease was renewed
+    even once) and never comes back: the job is cancelled after the lease, not left to
+    run unread."""
+    stack, settings, r = held
+    quick = settings.model_copy(update={"http_reader_lease_s": 2.0})
+    body = {"model": "tiny", "prompt": f"{HOLD} nobody", "stream": True, "max_tokens": 8}
+    with running_gateway(quick) as url, httpx.Client(timeout=60) as http:
+        with http.stream(
+            "POST", f"{url}/v1/completions", json=body, headers={"X-Conversation-Id": "gone"}
+        ) as answer:
+            job_id = answer.headers["x-ggufq-job"]
+        custody = keys.job_custody(job_id)
+        assert wait_for(lambda: r.hget(custody, "state") == b"cancelled", timeout=60)
+
+
+def test_another_key_cannot_pick_up_a_stream(held: Held) -> None:
+    r = held[2]
+    _mine, my_token = KeyStore(r).create("stream-owner")
+    _other, other_token = KeyStore(r).create("stream-other")
+    body = {"model": "tiny", "prompt": "hi", "options": {"num_predict": 2}}
+    with running_gateway(held[1], require_keys=True) as url, httpx.Client(timeout=60) as http:
+        mine = {"Authorization": f"Bearer {my_token}"}
+        made = http.post(
+            f"{url}/api/generate", json=body, headers={**mine, "X-Conversation-Id": "private"}
+        )
+        job_id = made.headers["x-ggufq-job"]
+        assert http.get(f"{url}/v1/stream/private", headers=mine).status_code == 200
+        theirs = {"Authorization": f"Bearer {other_token}"}
+        for name in ("private", job_id):
+            assert http.get(f"{url}/v1/stream/{name}", headers=theirs).status_code == 404
+
+
 def test_unknown_streams_and_bad_positions_get_clear_errors(held: Held) -> None:
     with running_gateway(held[1]) as url, httpx.Client(timeout=30) as http:
         missing = http.get(f"{url}/v1/stream/no-such-conversation")
@@ -189,3 +235,5 @@ def test_unknown_streams_and_bad_positions_get_clear_errors(held: Held) -> None:
         http.post(f"{url}/api/generate", json=body, headers={"X-Conversation-Id": "c"})
         bad = http.get(f"{url}/v1/stream/c?from=two")
         assert bad.status_code == 400 and "whole number" in bad.text
+        named = http.post(f"{url}/api/generate", json=body, headers={"X-Conversation-Id": "a/b"})
+        assert named.status_code == 400 and "X-Conversation-Id" in named.text

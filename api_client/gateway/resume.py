@@ -21,6 +21,8 @@ with ``X-Conversation-Id``, then ``GET /v1/stream/{id}?from=N``).
 from __future__ import annotations
 
 import logging
+import re
+import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,21 +31,26 @@ import redis
 
 from api_client.aio import AsyncClient
 from api_client.ajob import AsyncJob
+from scheduler.errors import InvalidRequest
 from scheduler.store import keys
+from scheduler.store.cancel import ReaderLease
 
 log = logging.getLogger(__name__)
 CONVERSATION = b"x-conversation-id"
 BODY = "ggufq.body"  # the scope's key for the body of a request that asked to be resumable
-MAX_NAME = 128
+NAME = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+MAX_KEPT_BYTES = 4 << 20  # a larger request streams as one that cannot be picked up again
 
 
 @dataclass(frozen=True, slots=True)
 class Resume:
-    """A stream picked up again: the job its request made, and the first chunk to send."""
+    """A stream picked up again: the job its request made, the first chunk to send, and
+    the name it was asked for by."""
 
     job_id: str
     submitted_at: float
     from_seq: int
+    name: str = ""
 
     def attach(self, client: AsyncClient, model: str, prompt: str, **fields: Any) -> AsyncJob:
         """The handle of the job the kept request made (its arguments as then), not sent."""
@@ -66,25 +73,45 @@ class Kept:
 @dataclass(slots=True)
 class StreamIds:
     """A resumable answer's frames: those of chunks before ``from_seq`` left out, and each
-    chunk's last SSE event given the chunk's seq as its id."""
+    chunk's last frame marked with its place: an SSE event's id ``<job id>.<seq>`` (so
+    that an id from another stream of the same name is told apart), an NDJSON line's
+    ``seq`` field."""
 
+    job_id: bytes
     from_seq: int
     sse: bool
 
     def frames(self, frames: list[bytes], seq: int | None) -> list[bytes]:
         if seq is not None and seq < self.from_seq:
             return []
-        if not self.sse or seq is None or not frames:
+        if seq is None or not frames:
             return frames
-        return [*frames[:-1], b"id: %d\n" % seq + frames[-1]]
+        last = frames[-1]
+        if self.sse:
+            marked = b"id: %s.%d\n" % (self.job_id, seq) + last
+        elif last.startswith(b"{"):
+            marked = b'{"seq":%d,' % seq + last[1:]
+        else:
+            marked = last
+        return [*frames[:-1], marked]
 
 
 def asked(scope: MutableMapping[str, Any], body: bytes) -> None:
-    """Keep on its scope the body of a request that asks for a resumable stream."""
-    for name, value in scope.get("headers", ()):
-        if name == CONVERSATION:
-            scope[BODY] = (value.decode("latin-1").strip()[:MAX_NAME], body)
+    """Keep on its scope the body of a request that asks for a resumable stream (before
+    its job is made: a name that cannot be one is refused first)."""
+    for header, value in scope.get("headers", ()):
+        if header == CONVERSATION:
+            scope[BODY] = (conversation_name(value.decode("latin-1").strip()), body)
             return
+
+
+def conversation_name(name: str) -> str:
+    if not NAME.fullmatch(name):
+        raise InvalidRequest(
+            f"X-Conversation-Id {name[:40]!r}: give 1 to 128 letters, digits or . _ : @ - "
+            "(it names the stream in GET /v1/stream/{id})"
+        )
+    return name
 
 
 async def opened(
@@ -97,25 +124,35 @@ async def opened(
     caller = scope.get("state", {}).get("caller")
     resume: Resume | None = getattr(caller, "resume", None)
     if resume is not None:
-        return StreamIds(resume.from_seq, sse), ""
-    asking = scope.get(BODY)
+        return StreamIds(job.id.encode(), resume.from_seq, sse), resume.name or job.id
+    asking = scope.pop(BODY, None)  # not held while the answer waits
     if asking is None or type(job) is not AsyncJob:
         return None
     name, body = asking
+    if len(body) > MAX_KEPT_BYTES:
+        log.warning(
+            "job %s's request is over %d bytes: not kept to be picked up", job.id, len(body)
+        )
+        return None
     tenant = getattr(caller, "tenant", "default")
     try:
         await keep(job, scope["path"], body, tenant, name)
     except redis.RedisError as exc:  # the stream goes on, as one that cannot be resumed
         log.warning("job %s's stream cannot be picked up again: %s", job.id, exc)
         return None
-    return StreamIds(0, sse), name or job.id
+    return StreamIds(job.id.encode(), 1, sse), name
 
 
 async def keep(job: AsyncJob, path: str, body: bytes, tenant: str, name: str) -> None:
-    r, ttl_s = job.client.r, job.client.settings.stream_ttl_s
+    """Keep the request beside the job's chunks, with its reader's lease: a client that
+    leaves before its lease's first renewal still leaves a lease to lapse, and its job is
+    cancelled unless the stream is picked up."""
+    settings = job.client.settings
+    r, ttl_s = job.client.r, settings.stream_ttl_s
     record: dict[str, bytes | str] = {"path": path, "body": body, "tenant": tenant}
     record["at"] = repr(job.submitted_at)
     pipe = r.pipeline(transaction=False)
+    ReaderLease(job.id, ttl_s, settings.reader_lease_s).renew(pipe, time.monotonic())
     pipe.hset(keys.job_http(job.id), mapping=record)  # type: ignore[arg-type]
     pipe.expire(keys.job_http(job.id), ttl_s)
     if name:
@@ -126,7 +163,7 @@ async def keep(job: AsyncJob, path: str, body: bytes, tenant: str, name: str) ->
 async def find(r: Any, tenant: str, name: str) -> Kept | None:
     """The kept request of stream ``name``: the tenant's conversation of that name, else the
     job of that id."""
-    job_id = await r.get(keys.conversation(tenant, name[:MAX_NAME]))
+    job_id = await r.get(keys.conversation(tenant, conversation_name(name)))
     job_id = job_id.decode() if job_id else name
     raw = await r.hgetall(keys.job_http(job_id))
     if not raw or b"body" not in raw:

@@ -20,7 +20,7 @@ from api_client.gateway import anthropic_api, ollama, openai_api
 from api_client.gateway.caller import caller_of
 from api_client.gateway.core import Routes, gateway_of
 from api_client.gateway.resume import Resume, find
-from scheduler.errors import InvalidRequest, NotFound
+from scheduler.errors import Conflict, InvalidRequest, NotFound
 
 router = Routes(prefix="/v1")
 
@@ -44,7 +44,8 @@ async def stream(request: Request) -> Any:
             "request carried X-Conversation-Id, for GGUFQ_STREAM_TTL_S after it began, by "
             "its own API key; name it by that header's value or by its X-Ggufq-Job"
         )
-    resumed = replace(caller, resume=Resume(kept.job_id, kept.submitted_at, first_seq(request)))
+    start = first_seq(request, kept.job_id)
+    resumed = replace(caller, resume=Resume(kept.job_id, kept.submitted_at, start, name))
     request.scope["state"]["caller"] = resumed  # the answer reads it as it begins
     scope = {**request.scope, "method": "POST", "path": kept.path, "query_string": b""}
     sent = False
@@ -59,18 +60,27 @@ async def stream(request: Request) -> Any:
     return await RESUMABLE[kept.path](Request(scope, receive))
 
 
-def first_seq(request: Request) -> int:
-    """The first chunk to send: ``from``, else the one after ``Last-Event-ID``, else 1."""
+def first_seq(request: Request, job_id: str) -> int:
+    """The first chunk to send: ``from``, else the one after ``Last-Event-ID`` (an SSE
+    event's id, ``<job id>.<seq>``, or a bare seq), else 1. An id of another job (the
+    conversation's name went on to a newer stream) is refused: its seq means nothing here."""
     given = request.query_params.get("from")
     last = request.headers.get("last-event-id")
     try:
         if given is not None:
             return max(1, int(given))
         if last:
-            return max(1, int(last) + 1)
+            of, _, seq = last.strip().rpartition(".")
+            if of and of != job_id:
+                raise Conflict(
+                    f"Last-Event-ID {last!r} is an event of job {of}, and this stream's job "
+                    f"is {job_id}: the conversation's name went on to a newer stream; pick "
+                    f"up job {of} by its id (GET /v1/stream/{of})"
+                )
+            return max(1, int(seq) + 1)
     except ValueError:
         raise InvalidRequest(
-            f"from={given!r} / Last-Event-ID {last!r}: give a chunk's seq, a whole number "
-            "(an SSE event's id is its chunk's seq)"
+            f"from={given!r} / Last-Event-ID {last!r}: give a chunk's seq, a whole number, "
+            "or an SSE event's id as the stream sent it"
         ) from None
     return 1
