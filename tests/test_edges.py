@@ -15,6 +15,7 @@ from scheduler.local.embedded import free_port
 from scheduler.protocol import JobRequest, check_model_name, parse_request
 from scheduler.settings import Settings
 from scheduler.store import keys
+from tests.conftest import ggufq
 from tests.tinymodel import write_tiny_model
 
 
@@ -34,6 +35,27 @@ def test_a_client_of_a_redis_that_does_not_answer_raises_a_typed_error(tmp_path:
 
     with pytest.raises(RedisUnavailable, match="cannot reach Redis"):
         asyncio.run(listed())
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("redis+cluster://u:hunter2@h:7000/0", "Redis Cluster is not supported"),
+        ("rediss+cluster://h:7000", "Redis Cluster is not supported"),
+        ("sentinel://h:26379;sentinel://g:26379", "Sentinel URLs are not supported yet"),
+        ("http://h:6379", "http: give redis://"),
+        ("h:6379", "no scheme: give redis://"),
+    ],
+)
+def test_a_redis_url_ggufq_cannot_use_is_refused_by_the_command_line(
+    url: str, said: str, tmp_path: Path
+) -> None:
+    out = ggufq("ps", env={"GGUFQ_REDIS_URL": url, "GGUFQ_STATE_DIR": str(tmp_path)})
+    assert out.returncode != 0
+    assert said in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "hunter2" not in out.stderr  # the password is masked
+    for ok in ("redis://h:1/0", "rediss://h:1", "unix:///tmp/redis.sock"):
+        assert Settings(redis_url=ok).redis_url == ok  # Valkey too: the same URLs
 
 
 def test_bad_ids_names_and_pins_are_refused(client: Client) -> None:

@@ -78,6 +78,7 @@ class LocalStack:
                     nice=nice,
                     maxmemory=self.settings.redis_maxmemory,
                     users=Users.fresh(),
+                    binary=self.settings.redis_server or None,
                 )
                 self.redis_url = self.redis.start()
                 self.role_urls = {role: self.redis.role_url(role) for role in Role}
