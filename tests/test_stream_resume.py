@@ -113,6 +113,9 @@ def test_a_chat_stream_left_by_its_client_is_picked_up_where_it_stopped(held: He
         http.post(f"{url}/v1/chat/completions", json=body, headers={"X-Conversation-Id": "sea"})
         spliced = http.get(f"{url}/v1/stream/sea", headers={"Last-Event-ID": last})
         assert spliced.status_code == 409 and job_id in spliced.text
+        # after the end of a stream that ended: nothing to send, and an EventSource stops
+        past = http.get(f"{url}/v1/stream/{job_id}?from={whole[-1].id + 1}")
+        assert past.status_code == 204 and not past.content
     ids = [e.id for e in [*seen, *rest] if e.id is not None]
     assert ids == sorted(set(ids)), ids  # none twice, in order
     assert ids == [e.id for e in whole if e.id is not None]  # none missing

@@ -4,16 +4,19 @@
 ``id`` is the stream's ``X-Conversation-Id`` (the caller's latest stream of that name) or
 its job's id (``X-Ggufq-Job``). The frames sent are those of the job's chunks from seq
 ``from`` on (the query), or after the ``Last-Event-ID`` header's seq; without either, from
-the first. The answer has the shape of the request that made the stream (an OpenAI chat
-completion's events, Anthropic's, an Ollama NDJSON stream ...).
+the first; 204 when the job's stream ended before that chunk. The answer has the shape of
+the request that made the stream (an OpenAI chat completion's events, Anthropic's, an
+Ollama NDJSON stream ...).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import Message
 
 from api_client.gateway import anthropic_api, ollama, openai_api
@@ -21,6 +24,7 @@ from api_client.gateway.caller import caller_of
 from api_client.gateway.core import Routes, gateway_of
 from api_client.gateway.resume import Resume, find
 from scheduler.errors import Conflict, InvalidRequest, NotFound
+from scheduler.store import keys
 
 router = Routes(prefix="/v1")
 
@@ -45,6 +49,8 @@ async def stream(request: Request) -> Any:
             "its own API key; name it by that header's value or by its X-Ggufq-Job"
         )
     start = first_seq(request, kept.job_id)
+    if await ended_before(gateway.client.r, kept.job_id, start):
+        return Response(status_code=204)  # nothing after: an EventSource stops asking
     resumed = replace(caller, resume=Resume(kept.job_id, kept.submitted_at, start, name))
     request.scope["state"]["caller"] = resumed  # the answer reads it as it begins
     scope = {**request.scope, "method": "POST", "path": kept.path, "query_string": b""}
@@ -58,6 +64,16 @@ async def stream(request: Request) -> Any:
         return {"type": "http.request", "body": kept.body, "more_body": False}
 
     return await RESUMABLE[kept.path](Request(scope, receive))
+
+
+async def ended_before(r: Any, job_id: str, seq: int) -> bool:
+    """Whether the job's stream ended with a chunk before ``seq``: there is nothing to send."""
+    last = await r.xrevrange(keys.job_chunks(job_id), count=1)
+    if not last:
+        return False
+    (entry, fields), *_ = last
+    final = json.loads(fields[b"c"]).get("done")
+    return bool(final) and int(entry.split(b"-")[1]) < seq
 
 
 def first_seq(request: Request, job_id: str) -> int:
