@@ -321,6 +321,10 @@ class Settings(BaseSettings):
         scheme = url.split("://", 1)[0].lower() if url and "://" in url else ""
         if not url or scheme in ("redis", "rediss", "unix"):
             return url
+        if scheme == "redis+sentinel":
+            if "master=" not in url.partition("?")[2]:
+                raise ValueError("a redis+sentinel:// URL names its primary: add ?master=NAME")
+            return url
         if "cluster" in scheme:
             raise ValueError(
                 "Redis Cluster is not supported: Celery's Redis transport (kombu) cannot use "
@@ -328,7 +332,8 @@ class Settings(BaseSettings):
             )
         if "sentinel" in scheme:
             raise ValueError(
-                "Sentinel URLs are not supported yet; give the primary's redis://HOST:PORT/0"
+                "give Sentinel as redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]"
+                "/DB?master=NAME"
             )
         raise ValueError(
             f"{scheme or 'no scheme'}: give redis://[USER:PASSWORD@]HOST:PORT/DB, rediss:// "

@@ -42,7 +42,8 @@ def test_a_client_of_a_redis_that_does_not_answer_raises_a_typed_error(tmp_path:
     [
         ("redis+cluster://u:hunter2@h:7000/0", "Redis Cluster is not supported"),
         ("rediss+cluster://h:7000", "Redis Cluster is not supported"),
-        ("sentinel://h:26379;sentinel://g:26379", "Sentinel URLs are not supported yet"),
+        ("sentinel://h:26379;sentinel://g:26379", "give Sentinel as redis+sentinel://"),
+        ("redis+sentinel://h:26379/0", "add ?master=NAME"),
         ("http://h:6379", "http: give redis://"),
         ("h:6379", "no scheme: give redis://"),
     ],

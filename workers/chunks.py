@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+import redis.sentinel
 
 from scheduler.local.procs import lower_thread_priority
 from scheduler.store.connection import REDIS_AWAY
@@ -224,6 +225,11 @@ def _quick_client(client: redis.Redis, timeout_s: float) -> redis.Redis:
     pool = client.connection_pool
     kwargs = dict(pool.connection_kwargs, socket_timeout=timeout_s)
     kwargs["socket_connect_timeout"] = timeout_s
+    if isinstance(pool, redis.sentinel.SentinelConnectionPool):  # the primary it names
+        named = redis.sentinel.SentinelConnectionPool(
+            pool.service_name, pool.sentinel_manager, **kwargs
+        )
+        return redis.Redis(connection_pool=named)
     quick = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
     return redis.Redis(connection_pool=quick)
 

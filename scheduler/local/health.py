@@ -15,13 +15,13 @@ import redis
 from scheduler.settings import get_settings
 from scheduler.store import keys
 from scheduler.store.clock import redis_now
-from scheduler.store.connection import resolve_redis_url
+from scheduler.store.connection import connect_typed, resolve_redis_url
 
 
 def check(role: str) -> str | None:
     """None when healthy, else what is wrong."""
     settings = get_settings()
-    client = redis.Redis.from_url(resolve_redis_url(settings), socket_timeout=5)
+    client = connect_typed(resolve_redis_url(settings), socket_timeout=5)
     try:
         since = redis_now(client) - settings.device_ttl_s
         if role == "placement":

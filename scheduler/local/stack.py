@@ -15,14 +15,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-import redis
-
 from scheduler.errors import StackFailed
 from scheduler.local.embedded import EmbeddedRedis
 from scheduler.local.procs import niced_child_preexec
 from scheduler.settings import Settings
 from scheduler.store.acl import Role, Users
-from scheduler.store.connection import clear_runtime, write_runtime
+from scheduler.store.connection import clear_runtime, connect, write_runtime
 from scheduler.store.readers import ClusterReader
 
 RESTART_FIRST_S = 1.0  # a child that dies again waits this, then twice as long each time
@@ -196,7 +194,7 @@ class LocalStack:
         return True
 
     def wait_ready(self, timeout_s: float) -> None:
-        client = redis.Redis.from_url(self.redis_url)
+        client = connect(self.redis_url)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:

@@ -11,8 +11,8 @@ from celery import Celery
 
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
-from scheduler.store import keys
-from scheduler.store.transport import Transport
+from scheduler.store import keys, sentinel
+from scheduler.store.transport import SentinelTransport, Transport
 
 
 def make_app(redis_url: str, settings: Settings, *, stash_unacked: bool = True) -> Celery:
@@ -24,7 +24,11 @@ def make_app(redis_url: str, settings: Settings, *, stash_unacked: bool = True) 
     again, ``Recovery.orphans`` re-places the jobs of a dropped device), and the start
     claim runs it once however often it is delivered. The placement queue keeps the
     record: it is all that brings back a submission whose placement process died."""
-    app = Celery("ggufq", broker=redis_url, backend=redis_url, set_as_current=False)
+    url, transport, options = redis_url, Transport, {}
+    if sentinel.is_sentinel(redis_url):  # kombu's form, and its transport for it
+        found = sentinel.parse(redis_url)
+        url, transport, options = found.kombu_url, SentinelTransport, found.transport_options
+    app = Celery("ggufq", broker=url, backend=url, set_as_current=False)
     app.conf.update(
         task_serializer="json",
         result_serializer="json",
@@ -50,7 +54,7 @@ def make_app(redis_url: str, settings: Settings, *, stash_unacked: bool = True) 
         worker_send_task_events=settings.task_events,
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
-        broker_transport=Transport,  # kombu's Redis transport, robust to bad queue items
+        broker_transport=transport,  # kombu's Redis transport, robust to bad queue items
         worker_consumer="scheduler.store.transport:Consumer",  # reconnects within 0.25 s
         # a result stored as Redis goes away waits for it (tried again up to 1 s apart)
         # instead of failing the task after the job ran
@@ -63,7 +67,9 @@ def make_app(redis_url: str, settings: Settings, *, stash_unacked: bool = True) 
             "unacked_restore_interval": settings.broker_restore_interval_s,
             "unacked_restore_throttle": 1,
             "ack_emulation": stash_unacked,
+            **options,
         },
+        result_backend_transport_options=options,
         enable_utc=True,
     )
     return app

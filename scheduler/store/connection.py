@@ -14,6 +14,7 @@ import redis.asyncio
 
 from scheduler.errors import RedisUnavailable, StackNotRunning
 from scheduler.settings import Settings
+from scheduler.store import sentinel
 from scheduler.store.acl import Role
 
 # errors that mean Redis is away (down, restarting, loading its data, unreachable), not
@@ -184,12 +185,16 @@ def _options(
 
 
 POOL_WAIT_S = 60  # the longest a command waits for a free connection of a bounded pool
+_UNBOUNDED = {"max_connections": CLIENT_OPTIONS["max_connections"]}
 
 
 def connect(redis_url: str) -> redis.Redis:
     """A Redis client for ggufq's processes, with the timeouts above. A failed connect
     raises redis-py's own errors: the services wait for Redis on those (:data:`REDIS_AWAY`),
-    and must never take one for a job's error."""
+    and must never take one for a job's error. A ``redis+sentinel://`` URL gives a client
+    of whichever primary its sentinels name (scheduler/store/sentinel.py)."""
+    if sentinel.is_sentinel(redis_url):
+        return sentinel.client(redis_url, CLIENT_OPTIONS)
     return redis.Redis.from_url(redis_url, **CLIENT_OPTIONS)
 
 
@@ -204,6 +209,8 @@ def connect_typed(
     options = _options(redis_url, (_Tcp, _Tls, _Unix), max_connections)
     if socket_timeout is not None:
         options["socket_timeout"] = socket_timeout
+    if sentinel.is_sentinel(redis_url):  # its pool opens what it needs (not bounded yet)
+        return sentinel.client(redis_url, {**options, **_UNBOUNDED})
     if max_connections is None:
         return redis.Redis.from_url(redis_url, **options)
     # from_pool: the client closes the pool with itself
@@ -217,6 +224,8 @@ def connect_typed_async(
     options = _options(redis_url, (_AsyncTcp, _AsyncTls, _AsyncUnix), max_connections)
     if socket_timeout is not None:
         options["socket_timeout"] = socket_timeout
+    if sentinel.is_sentinel(redis_url):
+        return sentinel.async_client(redis_url, {**options, **_UNBOUNDED})
     if max_connections is None:
         return redis.asyncio.Redis.from_url(redis_url, **options)
     pool = redis.asyncio.BlockingConnectionPool.from_url(redis_url, **options)

@@ -109,6 +109,17 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
+class SentinelChannel(kombu_redis.SentinelChannel, Channel):
+    """The channel above, whose connections go to the primary its sentinels name."""
+
+
+class SentinelTransport(Transport):
+    """The transport above behind Sentinel (``redis+sentinel://``: scheduler/store/sentinel.py)."""
+
+    Channel = SentinelChannel
+    default_port = kombu_redis.SentinelTransport.default_port  # type: ignore[assignment]
+
+
 class Consumer(CeleryConsumer):  # type: ignore[misc]
     _events_due_at = 0.0  # when the flush set last is due; 0: none is set
 

@@ -1,0 +1,88 @@
+"""Redis behind Sentinel (issue 38): ggufq's clients find the primary through its sentinels,
+and follow a failover by themselves. A primary, a replica and three sentinels run on
+loopback (tests/sentinels.py); the primary is SIGKILLed, the sentinels promote the replica,
+and the same clients and the same stack serve again without a restart."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import redis
+
+from api_client import Client
+from scheduler.local.stack import LocalStack
+from scheduler.settings import Settings
+from scheduler.store.connection import connect, connect_typed_async
+from scheduler.store.sentinel import parse
+from tests.conftest import settings_from, stack_env, wait_for
+from tests.sentinels import Group, sentinel_group
+
+SHORT = {"temperature": 0, "num_predict": 4}
+
+
+@pytest.fixture()
+def group(tmp_path: Path) -> Group:  # type: ignore[misc]
+    with sentinel_group(tmp_path / "redis") as found:
+        yield found
+
+
+def test_a_sentinel_url_names_its_sentinels_primary_and_credentials() -> None:
+    found = parse("redis+sentinel://worker:p%40ss@h1:26379,h2:26380/2?master=main")
+    assert found.sentinels == (("h1", 26379), ("h2", 26380)) and found.master == "main"
+    assert (found.db, found.username, found.password) == (2, "worker", "p@ss")
+    assert found.kombu_url == (
+        "sentinel://worker:p%40ss@h1:26379/2;sentinel://worker:p%40ss@h2:26380/2"
+    )
+    assert found.transport_options == {"master_name": "main"}
+    with pytest.raises(ValueError, match="master=NAME"):
+        Settings(redis_url="redis+sentinel://h1:26379/0")
+
+
+def answers(client: redis.Redis, value: str) -> bool:
+    try:
+        client.set("ggufq:test:sentinel", value)
+        return client.get("ggufq:test:sentinel") == value.encode()
+    except redis.RedisError:
+        return False
+
+
+def test_clients_follow_a_failover(group: Group) -> None:
+    sync = connect(group.url)
+    assert answers(sync, "before")
+    group.kill_primary()
+    assert wait_for(lambda: group.primary_port() == group.replica, timeout=60)
+    assert wait_for(lambda: answers(sync, "after"), timeout=30)
+
+    async def async_side() -> bool:
+        aclient = connect_typed_async(group.url)
+        try:
+            await aclient.set("ggufq:test:sentinel", "async")
+            return await aclient.get("ggufq:test:sentinel") == b"async"
+        finally:
+            await aclient.aclose()
+
+    assert asyncio.run(async_side())
+    sync.close()
+
+
+def test_a_stack_on_sentinel_serves_again_after_its_primary_dies(
+    group: Group, models_dir: Path, tmp_path: Path
+) -> None:
+    env = {**stack_env(models_dir, tmp_path / "state", host="sentinelhost")}
+    settings = settings_from(env, group.url)
+    env["GGUFQ_REDIS_URL"] = group.url  # the children's
+    with LocalStack(settings, log_dir=tmp_path / "logs", extra_env=env) as stack:
+        with Client(group.url, settings=settings, timeout=60) as client:
+            assert client.generate("tiny", "before", options=SHORT).done
+            group.kill_primary()
+            assert wait_for(lambda: group.primary_port() == group.replica, timeout=60)
+
+            def serves() -> bool:
+                try:
+                    return client.generate("tiny", "after", options=SHORT).done
+                except Exception:
+                    return False
+
+            assert wait_for(serves, timeout=90), f"see {stack.log_dir}"
