@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from functools import lru_cache
 from pathlib import Path
@@ -373,13 +374,12 @@ _SECRETS = frozenset({"http_key_secret"})  # settings `ggufq config` never print
 def masked(url: str) -> str:
     """A URL with its password as ``****``: fit to print or log."""
     parts = urlsplit(url)
-    if not parts.password:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    netloc = f"{user}:****@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    query = re.sub(r"(?<![^&])(sentinel_password=)[^&]*", r"\1****", parts.query)
+    parts = parts._replace(query=query)
+    if parts.password:
+        hosts = parts.netloc.rpartition("@")[2]  # as given: several for redis+sentinel://
+        parts = parts._replace(netloc=f"{parts.username or ''}:****@{hosts}")
+    return urlunsplit(parts)
 
 
 def describe(settings: Settings) -> list[tuple[str, str, str]]:

@@ -13,7 +13,7 @@ import redis
 
 from api_client import Client
 from scheduler.local.stack import LocalStack
-from scheduler.settings import Settings
+from scheduler.settings import Settings, masked
 from scheduler.store.connection import connect, connect_typed_async
 from scheduler.store.sentinel import parse
 from tests.conftest import settings_from, stack_env, wait_for
@@ -38,6 +38,9 @@ def test_a_sentinel_url_names_its_sentinels_primary_and_credentials() -> None:
     assert found.transport_options == {"master_name": "main"}
     with pytest.raises(ValueError, match="master=NAME"):
         Settings(redis_url="redis+sentinel://h1:26379/0")
+    # `ggufq config` and every message show it without either password
+    shown = masked("redis+sentinel://w:p1@h1:1,h2:2/0?sentinel_password=p2&master=m")
+    assert shown == "redis+sentinel://w:****@h1:1,h2:2/0?sentinel_password=****&master=m"
 
 
 def answers(client: redis.Redis, value: str) -> bool:
