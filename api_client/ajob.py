@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -20,9 +21,12 @@ from api_client.results import result_key, result_ready, stored
 from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import GenerateResponse, JobRequest
 from scheduler.settings import Settings
+from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.hub import QUIET_S, Hub
 from scheduler.store.leases import Leases
 from scheduler.store.streams import aread_chunks
+
+log = logging.getLogger(__name__)
 
 
 class AsyncHost(Protocol):
@@ -92,11 +96,7 @@ class AsyncJob:
         if lease is not None:  # renewed with every other reader's: one round trip a second
             self.client.leases.hold(lease)
         try:
-            check = partial(self.job.acheck, self.client.r)
-            chunks = aread_chunks(
-                self.client.r, self.id, wait, after, check, self.client.hub, QUIET_S
-            )
-            async for chunk in chunks:
+            async for chunk in self._chunks(wait, after):
                 self.job.first_read_at = self.job.first_read_at or time.time()
                 if chunk.get("done"):
                     done = True
@@ -115,7 +115,7 @@ class AsyncJob:
                 # could itself be cancelled half-way
                 await asyncio.shield(self.cancel())
             raise
-        except redis.RedisError:  # Redis lost under a running job: nobody will read it
+        except redis.RedisError:  # Redis lost for longer than the lease: nobody reads it
             gave_up = True
             if cancel_on_close and not lapse_on_close:
                 self.cancel_once_back()
@@ -127,6 +127,30 @@ class AsyncJob:
                 # lease to lapse, which cancels the job as a reader that went away does (one
                 # that timed out lets go: its job is "still queued or running")
                 self.client.leases.let_go(lease, keep=gave_up and not done)
+
+    async def _chunks(self, wait: float, after: int) -> AsyncIterator[dict[str, Any]]:
+        """The job's chunks after ``after``, read again from the last one seen when Redis
+        goes away, for as long as the reader's lease lasts (see :meth:`Job._chunks`)."""
+        check = partial(self.job.acheck, self.client.r)
+        away_since: float | None = None
+        while True:
+            try:
+                async for chunk in aread_chunks(
+                    self.client.r, self.id, wait, after, check, self.client.hub, QUIET_S
+                ):
+                    away_since = None
+                    after = int(chunk.get("seq") or after)
+                    yield chunk
+                return
+            except REDIS_AWAY as exc:
+                now = time.monotonic()
+                away_since = away_since or now
+                if now - away_since >= self.client.settings.reader_lease_s:
+                    raise
+                log.warning(
+                    "job %s's stream lost Redis (%s): reading on after %d", self.id, exc, after
+                )
+                await asyncio.sleep(min(0.5, 0.1 + (now - away_since) / 4))
 
     def cancel_once_back(self) -> None:
         """Cancel the job as soon as Redis answers again (its reader lost Redis)."""

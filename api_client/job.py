@@ -28,6 +28,7 @@ from scheduler.protocol import GenerateResponse, JobRequest
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.cancel import ReaderLease
+from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.hops import ordered as ordered_hops
 from scheduler.store.hops import read as read_hops
 from scheduler.store.leases import ThreadLeases
@@ -122,10 +123,7 @@ class Job:
         if lease is not None:  # renewed by the client's thread, whatever this loop's pace
             self.client.leases.hold(lease)
         try:
-            chunks = read_chunks(
-                self.client.r, self.id, wait, after, self.check, self.client.subscriptions
-            )
-            for chunk in chunks:
+            for chunk in self._chunks(wait, after):
                 self.first_read_at = self.first_read_at or time.time()
                 if chunk.get("done"):
                     done = True
@@ -142,7 +140,7 @@ class Job:
             if cancel_on_close and not done:
                 self.cancel()
             raise
-        except redis.RedisError:  # Redis lost under a running job: its lease lapses
+        except redis.RedisError:  # Redis lost for longer than the lease: it lapses
             gave_up = True
             raise
         except TimeoutError:
@@ -151,6 +149,34 @@ class Job:
             if lease is not None:  # a reader that gave up before its job ended, its cancel
                 # perhaps lost with Redis, leaves its lease to lapse: the job is cancelled
                 self.client.leases.let_go(lease, keep=gave_up and not done)
+
+    def _chunks(self, wait: float, after: int) -> Iterator[dict[str, Any]]:
+        """The job's chunks after ``after``, read again from the last one seen when Redis
+        goes away (restarted, or a replica promoted by Sentinel), for as long as the
+        reader's lease lasts (GGUFQ_READER_LEASE_S): past that the job is cancelled as a
+        reader gone, and the error is raised. A failover is ridden out this way."""
+        away_since: float | None = None
+        while True:
+            try:
+                for chunk in read_chunks(
+                    self.client.r, self.id, wait, after, self.check, self.client.subscriptions
+                ):
+                    away_since = None
+                    after = int(chunk.get("seq") or after)
+                    yield chunk
+                return
+            except REDIS_AWAY as exc:
+                now = time.monotonic()
+                away_since = away_since or now
+                if now - away_since >= self.client.settings.reader_lease_s:
+                    raise
+                log.warning(
+                    "job %s's stream lost Redis (%s): reading on after chunk %d",
+                    self.id,
+                    exc,
+                    after,
+                )
+                time.sleep(min(0.5, 0.1 + (now - away_since) / 4))
 
     def silent_for(self, wait: float) -> JobTimeout:
         """The error of a stream that sent nothing for ``wait`` s (the job goes on)."""

@@ -20,6 +20,7 @@ from typing import Any
 import redis
 
 import workers.generation as generation
+from scheduler.store.connection import connect
 from workers.loadwatch import LoadWatch
 from workers.main import main
 
@@ -39,7 +40,7 @@ def let_loads_go(client: redis.Redis) -> None:
 
 def hold_loads_while_asked() -> None:
     progress = LoadWatch.progress
-    client = redis.Redis.from_url(os.environ["GGUFQ_REDIS_URL"])
+    client = connect(os.environ["GGUFQ_REDIS_URL"])  # plain, or behind Sentinel
 
     def held(watch: LoadWatch, fraction: float) -> bool:
         going_on = progress(watch, fraction)
@@ -63,6 +64,15 @@ def release(client: redis.Redis, job_id: str) -> None:
     client.set(release_key(job_id), 1, ex=600)
 
 
+def released(client: redis.Redis, job_id: str) -> bool:
+    """Whether the test let the job go on; not while Redis is away (a failover): the job
+    stays held, as a worker's own code rides an outage out, never failing the job."""
+    try:
+        return bool(client.exists(release_key(job_id)))
+    except redis.RedisError:
+        return False
+
+
 def hold_marked_jobs() -> None:
     generate = generation.generate
 
@@ -79,7 +89,7 @@ def hold_marked_jobs() -> None:
             first.set()
             publisher.flush()  # its first text is out for its reader before it holds
             # on the decode thread, so the runner's other sequences wait too
-            while not cancelled() and not publisher.r.exists(release_key(req.id)):
+            while not cancelled() and not released(publisher.r, req.id):
                 threading.Event().wait(0.02)
 
         publisher.publish = then_hold

@@ -6,8 +6,10 @@ and the same clients and the same stack serve again without a restart."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
@@ -19,6 +21,8 @@ from scheduler.settings import Settings, masked
 from scheduler.store.connection import connect, connect_typed, connect_typed_async
 from scheduler.store.sentinel import parse
 from tests.conftest import settings_from, stack_env, wait_for
+from tests.gateway_server import running_gateway
+from tests.held_worker import HOLD, release
 from tests.sentinels import Group, sentinel_group
 
 SHORT = {"temperature": 0, "num_predict": 4}
@@ -117,3 +121,52 @@ def test_a_stack_on_sentinel_serves_again_after_its_primary_dies(
                     return False
 
             assert wait_for(serves, timeout=90), f"see {stack.log_dir}"
+
+
+def test_a_stream_rides_out_a_failover_mid_answer(
+    group: Group, models_dir: Path, tmp_path: Path
+) -> None:
+    """The primary dies while a job streams (held running after its first text: the
+    event this test controls); the sentinels promote the replica; the job goes on, and
+    its reader, reading again from its last chunk, gets the whole answer, once."""
+    env = {**stack_env(models_dir, tmp_path / "state", host="failoverhost")}
+    settings = settings_from(env, group.url).model_copy(update={"reader_lease_s": 15.0})
+    env["GGUFQ_REDIS_URL"] = group.url
+    held = "tests.held_worker"
+    body = {"model": "tiny", "prompt": f"{HOLD} far away", "options": {**SHORT, "num_predict": 12}}
+    with (
+        LocalStack(settings, log_dir=tmp_path / "logs", extra_env=env, worker_module=held),
+        running_gateway(settings) as url,
+        httpx.Client(timeout=60) as http,
+        Client(group.url, settings=settings, timeout=60) as client,
+        http.stream("POST", f"{url}/api/generate", json=body) as answer,
+    ):
+        lines = answer.iter_lines()
+        over_http = [json.loads(next(lines))]  # its first text: held running too
+        job = client.submit("tiny", f"{HOLD} once upon", options={**SHORT, "num_predict": 12})
+        chunks = iter(job.stream())
+        first = next(chunks)  # its first text: the job is held running
+        group.kill_primary()
+        assert wait_for(lambda: group.primary_port() == group.replica, timeout=60)
+        on_new = connect(group.url)
+
+        def released() -> bool:  # as soon as the sentinels agree on the new primary
+            try:
+                release(on_new, job.id)
+                release(on_new, answer.headers["x-ggufq-job"])
+                return True
+            except redis.RedisError:
+                return False
+
+        assert wait_for(released, timeout=30)
+        rest = list(chunks)
+        over_http += [json.loads(line) for line in lines if line]
+        on_new.close()
+    seqs = [c.seq for c in [first, *rest] if c.seq is not None]
+    assert seqs == sorted(set(seqs)), seqs  # none twice
+    assert rest[-1].done and rest[-1].done_reason in ("length", "stop")
+    streamed = "".join(c.response for c in [first, *rest[:-1]])
+    assert streamed and streamed == rest[-1].response  # the whole answer, nothing twice
+    # the gateway's stream rode it out too: no error line, and its end
+    assert not [line for line in over_http if "error" in line], over_http
+    assert over_http[-1]["done"] and over_http[-1]["done_reason"] in ("length", "stop")
