@@ -21,7 +21,7 @@ from api_client.results import result_key, result_ready, stored
 from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import GenerateResponse, JobRequest
 from scheduler.settings import Settings
-from scheduler.store.connection import REDIS_AWAY
+from scheduler.store.connection import REDIS_AWAY, aride_out
 from scheduler.store.hub import QUIET_S, Hub
 from scheduler.store.leases import Leases
 from scheduler.store.streams import aread_chunks
@@ -111,9 +111,7 @@ class AsyncJob:
         except (GeneratorExit, asyncio.CancelledError):
             gave_up = True
             if cancel_on_close and not done and not lapse_on_close:
-                # the stream is being torn down: cancel without awaiting anything that
-                # could itself be cancelled half-way
-                await asyncio.shield(self.cancel())
+                await self._cancel_as_it_goes()
             raise
         except redis.RedisError:  # Redis lost for longer than the lease: nobody reads it
             gave_up = True
@@ -129,28 +127,30 @@ class AsyncJob:
                 self.client.leases.let_go(lease, keep=gave_up and not done)
 
     async def _chunks(self, wait: float, after: int) -> AsyncIterator[dict[str, Any]]:
-        """The job's chunks after ``after``, read again from the last one seen when Redis
-        goes away, for as long as the reader's lease lasts (see :meth:`Job._chunks`)."""
+        """The job's chunks after ``after``, read again from the last one seen once Redis
+        answers after going away, within the reader's lease (see :meth:`Job._chunks`)."""
         check = partial(self.job.acheck, self.client.r)
-        away_since: float | None = None
         while True:
             try:
                 async for chunk in aread_chunks(
                     self.client.r, self.id, wait, after, check, self.client.hub, QUIET_S
                 ):
-                    away_since = None
-                    after = int(chunk.get("seq") or after)
+                    after = chunk.get("seq") or after
                     yield chunk
                 return
             except REDIS_AWAY as exc:
-                now = time.monotonic()
-                away_since = away_since or now
-                if now - away_since >= self.client.settings.reader_lease_s:
-                    raise
                 log.warning(
-                    "job %s's stream lost Redis (%s): reading on after %d", self.id, exc, after
+                    "job %s's stream lost Redis (%s): reading on once it answers", self.id, exc
                 )
-                await asyncio.sleep(min(0.5, 0.1 + (now - away_since) / 4))
+                await aride_out(self.client.r.ping, self.client.settings.reader_lease_s, exc)
+
+    async def _cancel_as_it_goes(self) -> None:
+        """The stream is being torn down: cancel without awaiting anything that could itself
+        be cancelled half-way; with Redis away, once it is back."""
+        try:
+            await asyncio.shield(self.cancel())
+        except REDIS_AWAY:
+            self.cancel_once_back()
 
     def cancel_once_back(self) -> None:
         """Cancel the job as soon as Redis answers again (its reader lost Redis)."""

@@ -28,7 +28,7 @@ from scheduler.protocol import GenerateResponse, JobRequest
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.cancel import ReaderLease
-from scheduler.store.connection import REDIS_AWAY
+from scheduler.store.connection import REDIS_AWAY, ride_out
 from scheduler.store.hops import ordered as ordered_hops
 from scheduler.store.hops import read as read_hops
 from scheduler.store.leases import ThreadLeases
@@ -138,7 +138,8 @@ class Job:
         except (GeneratorExit, KeyboardInterrupt):  # Ctrl-C in the loop: the reader is gone
             gave_up = True
             if cancel_on_close and not done:
-                self.cancel()
+                with contextlib.suppress(*REDIS_AWAY):  # Redis away: its lease lapses
+                    self.cancel()
             raise
         except redis.RedisError:  # Redis lost for longer than the lease: it lapses
             gave_up = True
@@ -151,32 +152,23 @@ class Job:
                 self.client.leases.let_go(lease, keep=gave_up and not done)
 
     def _chunks(self, wait: float, after: int) -> Iterator[dict[str, Any]]:
-        """The job's chunks after ``after``, read again from the last one seen when Redis
-        goes away (restarted, or a replica promoted by Sentinel), for as long as the
-        reader's lease lasts (GGUFQ_READER_LEASE_S): past that the job is cancelled as a
-        reader gone, and the error is raised. A failover is ridden out this way."""
-        away_since: float | None = None
+        """The job's chunks after ``after``, read again from the last one seen once Redis
+        answers after going away (restarted, or a replica promoted by Sentinel), if it
+        does within the reader's lease (GGUFQ_READER_LEASE_S): past that the job is
+        cancelled as a reader gone, and the error is raised."""
         while True:
             try:
                 for chunk in read_chunks(
                     self.client.r, self.id, wait, after, self.check, self.client.subscriptions
                 ):
-                    away_since = None
-                    after = int(chunk.get("seq") or after)
+                    after = chunk.get("seq") or after
                     yield chunk
                 return
             except REDIS_AWAY as exc:
-                now = time.monotonic()
-                away_since = away_since or now
-                if now - away_since >= self.client.settings.reader_lease_s:
-                    raise
                 log.warning(
-                    "job %s's stream lost Redis (%s): reading on after chunk %d",
-                    self.id,
-                    exc,
-                    after,
+                    "job %s's stream lost Redis (%s): reading on once it answers", self.id, exc
                 )
-                time.sleep(min(0.5, 0.1 + (now - away_since) / 4))
+                ride_out(self.client.r.ping, self.client.settings.reader_lease_s, exc)
 
     def silent_for(self, wait: float) -> JobTimeout:
         """The error of a stream that sent nothing for ``wait`` s (the job goes on)."""

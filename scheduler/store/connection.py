@@ -3,9 +3,11 @@ finds it), and clients that fail fast on a half-open connection."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +39,35 @@ def again_if_lost(do: Callable[[], T], tries: int = 2) -> T:
         except REDIS_AWAY:
             pass
     return do()
+
+
+def ride_out(ping: Callable[[], object], budget_s: float, lost: Exception) -> None:
+    """Return once ``ping()`` answers (Redis back), asking 0.1 to 0.5 s apart; raise
+    ``lost`` when it has not within ``budget_s`` (a streaming reader's lease)."""
+    started = time.monotonic()
+    while (away := time.monotonic() - started) < budget_s:
+        time.sleep(min(0.5, 0.1 + away / 4))
+        try:
+            ping()
+            return
+        except REDIS_AWAY:
+            continue
+    raise lost
+
+
+async def aride_out(
+    ping: Callable[[], Awaitable[object]], budget_s: float, lost: Exception
+) -> None:
+    """:func:`ride_out` for asyncio."""
+    started = time.monotonic()
+    while (away := time.monotonic() - started) < budget_s:
+        await asyncio.sleep(min(0.5, 0.1 + away / 4))
+        try:
+            await ping()
+            return
+        except REDIS_AWAY:
+            continue
+    raise lost
 
 
 def runtime_file(settings: Settings) -> Path:
