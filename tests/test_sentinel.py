@@ -95,6 +95,26 @@ def test_no_sentinel_answering_is_a_typed_error_that_says_so() -> None:
     client.close()
 
 
+def test_a_bounded_pool_behind_sentinel_keeps_its_bound(group: Group) -> None:
+    """The gateway's client holds a few connections whatever the number of its waiting
+    requests: behind Sentinel too, a command waits for a free one."""
+
+    async def many() -> int:
+        bounded = connect_typed_async(group.url, max_connections=2)
+        try:
+            await asyncio.gather(*(bounded.incr("ggufq:test:bounded") for _ in range(50)))
+            assert await bounded.get("ggufq:test:bounded") == b"50"
+            pool = bounded.connection_pool
+            return len(pool._available_connections) + len(pool._in_use_connections)  # type: ignore[attr-defined]
+        finally:
+            await bounded.aclose()
+
+    assert 1 <= asyncio.run(many()) <= 2
+    sync = connect_typed(group.url, max_connections=2)
+    assert [sync.incr("ggufq:test:bounded") for _ in range(3)] == [51, 52, 53]
+    sync.close()
+
+
 def test_a_dead_sentinel_is_passed_over(group: Group) -> None:
     group.procs["sentinel-0"].kill()  # the first one the URL names
     client = connect_typed(group.url)

@@ -245,7 +245,6 @@ def _options(
 
 
 POOL_WAIT_S = 60  # the longest a command waits for a free connection of a bounded pool
-_UNBOUNDED = {"max_connections": CLIENT_OPTIONS["max_connections"]}
 _SENTINEL_TYPED = {"connection_class": _SentinelTcp}
 
 
@@ -270,8 +269,8 @@ def connect_typed(
     options = _options(redis_url, (_Tcp, _Tls, _Unix), max_connections)
     if socket_timeout is not None:
         options["socket_timeout"] = socket_timeout
-    if sentinel.is_sentinel(redis_url):  # its pool opens what it needs (not bounded yet)
-        return sentinel.client(redis_url, {**options, **_UNBOUNDED, **_SENTINEL_TYPED})
+    if sentinel.is_sentinel(redis_url):  # bounded as asked, as a plain URL's pool
+        return sentinel.client(redis_url, {**options, **_SENTINEL_TYPED})
     if max_connections is None:
         return redis.Redis.from_url(redis_url, **options)
     # from_pool: the client closes the pool with itself
@@ -287,7 +286,7 @@ def connect_typed_async(
         options["socket_timeout"] = socket_timeout
     if sentinel.is_sentinel(redis_url):
         typed = {"connection_class": _AsyncSentinelTcp}
-        return sentinel.async_client(redis_url, {**options, **_UNBOUNDED, **typed})
+        return sentinel.async_client(redis_url, {**options, **typed})
     if max_connections is None:
         return redis.asyncio.Redis.from_url(redis_url, **options)
     pool = redis.asyncio.BlockingConnectionPool.from_url(redis_url, **options)

@@ -31,10 +31,25 @@ def sentinel_kwargs(found: SentinelUrl, asynchronous: bool = False) -> dict[str,
 
 def _primary_options(found: SentinelUrl, options: dict[str, Any]) -> dict[str, Any]:
     """The primary's connections' options: ``options`` as for a plain URL (a connection
-    class given is kept: the typed ones of scheduler/store/connection.py)."""
-    out = {k: v for k, v in options.items() if k != "timeout"}
-    out.update(db=found.db, username=found.username, password=found.password)
+    class given is kept: the typed ones of scheduler/store/connection.py; ``timeout``,
+    a bounded pool's wait for a free connection, picks the blocking pool)."""
+    out = dict(options, db=found.db, username=found.username, password=found.password)
     return out
+
+
+class _BlockingPool(redis.sentinel.SentinelConnectionPool, redis.BlockingConnectionPool):
+    """The named primary's connections, at most ``max_connections``: a command waits up to
+    ``timeout`` for a free one (the gateway: connections stay few, whatever its clients)."""
+
+
+class _AsyncBlockingPool(
+    redis.asyncio.sentinel.SentinelConnectionPool, redis.asyncio.BlockingConnectionPool
+):
+    """:class:`_BlockingPool` for asyncio."""
+
+
+def _pool(options: dict[str, Any], blocking: type, plain: type) -> dict[str, Any]:
+    return {"connection_pool_class": blocking if "timeout" in options else plain}
 
 
 class _Primary(redis.Redis):
@@ -57,7 +72,8 @@ def client(url: str, options: dict[str, Any]) -> redis.Redis:
     """A client of the primary the sentinels name now, and after a failover, the next."""
     found = parse(url)
     manager = redis.sentinel.Sentinel(list(found.sentinels), sentinel_kwargs=sentinel_kwargs(found))
-    primary = manager.master_for(found.master, _Primary, **_primary_options(found, options))
+    pool = _pool(options, _BlockingPool, redis.sentinel.SentinelConnectionPool)
+    primary = manager.master_for(found.master, _Primary, **pool, **_primary_options(found, options))
     return cast(redis.Redis, primary)
 
 
@@ -66,5 +82,8 @@ def async_client(url: str, options: dict[str, Any]) -> redis.asyncio.Redis:
     manager = redis.asyncio.sentinel.Sentinel(
         list(found.sentinels), sentinel_kwargs=sentinel_kwargs(found, asynchronous=True)
     )
-    primary = manager.master_for(found.master, _AsyncPrimary, **_primary_options(found, options))
+    pool = _pool(options, _AsyncBlockingPool, redis.asyncio.sentinel.SentinelConnectionPool)
+    primary = manager.master_for(
+        found.master, _AsyncPrimary, **pool, **_primary_options(found, options)
+    )
     return cast(redis.asyncio.Redis, primary)
