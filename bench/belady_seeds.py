@@ -66,7 +66,7 @@ def rating(rate: Rating) -> Iterator[None]:
 
 
 def fewest(_key: fitting.VictimKey | None) -> fitting.VictimsCost:
-    return lambda chosen, _snap: fitting.fewest(chosen)
+    return fitting.by_count
 
 
 def latest_needed(key: fitting.VictimKey | None) -> fitting.VictimsCost:

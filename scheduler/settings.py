@@ -320,10 +320,10 @@ class Settings(BaseSettings):
     @classmethod
     def _redis_scheme(cls, url: str | None) -> str | None:
         """A URL of one Redis (or Valkey: the same protocol), said plainly otherwise."""
-        scheme = url.split("://", 1)[0].lower() if url and "://" in url else ""
         if not url:
             return url
-        url = scheme + url[len(scheme) :] if scheme else url  # redis-py reads lower case only
+        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+        url = scheme + url[len(scheme) :]  # redis-py reads the scheme in lower case only
         if scheme in ("redis", "rediss", "unix"):
             return url
         if scheme == "redis+sentinel":

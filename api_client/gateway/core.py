@@ -199,9 +199,13 @@ class Gateway:
         caller.check_model(model)
         caller.check_job(options or {}, keep_alive, self.settings)
         name = self.registry.first_name(model)  # names of one file share its runners
-        fields: dict[str, Any] = dict(options=options, keep_alive=keep_alive, format=format)
-        fields["extra"] = {"kind": kind, "tenant": caller.tenant, "weight": caller.weight}
-        fields["extra"].update(extra or {})
+        job = {"kind": kind, "tenant": caller.tenant, "weight": caller.weight, **(extra or {})}
+        fields: dict[str, Any] = {
+            "options": options,
+            "keep_alive": keep_alive,
+            "format": format,
+            "extra": job,
+        }
         if caller.resume is not None:  # GET /v1/stream/{id}: the job it made, not a new one
             return caller.resume.attach(self.client, name, prompt, **fields)
         return await self.client.submit(name, prompt, **fields)

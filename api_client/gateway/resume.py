@@ -33,7 +33,6 @@ from api_client.aio import AsyncClient
 from api_client.ajob import AsyncJob
 from scheduler.errors import InvalidRequest
 from scheduler.store import keys
-from scheduler.store.cancel import ReaderLease
 
 log = logging.getLogger(__name__)
 CONVERSATION = b"x-conversation-id"
@@ -54,8 +53,7 @@ class Resume:
 
     def attach(self, client: AsyncClient, model: str, prompt: str, **fields: Any) -> AsyncJob:
         """The handle of the job the kept request made (its arguments as then), not sent."""
-        extra = {**(fields.pop("extra", None) or {}), "id": self.job_id}
-        extra["submitted_at"] = self.submitted_at
+        extra = {**fields.pop("extra", {}), "id": self.job_id, "submitted_at": self.submitted_at}
         return client.attach(model, prompt, **fields, extra=extra)
 
 
@@ -147,16 +145,15 @@ async def keep(job: AsyncJob, path: str, body: bytes, tenant: str, name: str) ->
     """Keep the request beside the job's chunks, with its reader's lease: a client that
     leaves before its lease's first renewal still leaves a lease to lapse, and its job is
     cancelled unless the stream is picked up."""
-    settings = job.client.settings
-    r, ttl_s = job.client.r, settings.stream_ttl_s
-    record: dict[str, bytes | str] = {"path": path, "body": body, "tenant": tenant}
-    record["at"] = repr(job.submitted_at)
-    pipe = r.pipeline(transaction=False)
-    ReaderLease(job.id, ttl_s, settings.reader_lease_s).renew(pipe, time.monotonic())
+    ttl_s = job.client.settings.stream_ttl_s
+    record = {"path": path, "body": body, "tenant": tenant, "at": repr(job.submitted_at)}
+    pipe = job.client.r.pipeline(transaction=False)
+    lease = job.job.reader_lease(cancel_on_close=True)
+    assert lease is not None  # a reader that cancels on close has one
+    lease.renew(pipe, time.monotonic())
     pipe.hset(keys.job_http(job.id), mapping=record)  # type: ignore[arg-type]
     pipe.expire(keys.job_http(job.id), ttl_s)
-    if name:
-        pipe.set(keys.conversation(tenant, name), job.id, ex=ttl_s)
+    pipe.set(keys.conversation(tenant, name), job.id, ex=ttl_s)
     await pipe.execute()
 
 
@@ -166,12 +163,8 @@ async def find(r: Any, tenant: str, name: str) -> Kept | None:
     job_id = await r.get(keys.conversation(tenant, conversation_name(name)))
     job_id = job_id.decode() if job_id else name
     raw = await r.hgetall(keys.job_http(job_id))
-    if not raw or b"body" not in raw:
+    try:
+        path, tenant, at = raw[b"path"].decode(), raw[b"tenant"].decode(), float(raw[b"at"])
+        return Kept(job_id, path, raw[b"body"], tenant, at)
+    except (KeyError, ValueError):  # none kept (or not whole): nothing to pick up
         return None
-    return Kept(
-        job_id,
-        raw[b"path"].decode(),
-        raw[b"body"],
-        raw[b"tenant"].decode(),
-        float(raw[b"at"]),
-    )

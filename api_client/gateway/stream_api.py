@@ -11,7 +11,6 @@ Ollama NDJSON stream ...).
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from typing import Any
 
@@ -25,6 +24,7 @@ from api_client.gateway.core import Routes, gateway_of
 from api_client.gateway.resume import Resume, find
 from scheduler.errors import Conflict, InvalidRequest, NotFound
 from scheduler.store import keys
+from scheduler.store.streams import final_seq
 
 router = Routes(prefix="/v1")
 
@@ -68,12 +68,8 @@ async def stream(request: Request) -> Any:
 
 async def ended_before(r: Any, job_id: str, seq: int) -> bool:
     """Whether the job's stream ended with a chunk before ``seq``: there is nothing to send."""
-    last = await r.xrevrange(keys.job_chunks(job_id), count=1)
-    if not last:
-        return False
-    (entry, fields), *_ = last
-    final = json.loads(fields[b"c"]).get("done")
-    return bool(final) and int(entry.split(b"-")[1]) < seq
+    final = final_seq(await r.xrevrange(keys.job_chunks(job_id), count=1))
+    return final is not None and final < seq
 
 
 def first_seq(request: Request, job_id: str) -> int:

@@ -309,11 +309,9 @@ class JobStreamResponse(Response):
         sender.add(out)
         if feed is not None:
             feed.start()  # stopped in the finally below
-        lapse = self.ids is not None  # a client gone leaves it for another to pick up
-        stream = self.job.stream(self.timeout_s, lapse_on_close=True) if lapse else None
-        chunks = cast(
-            AsyncGenerator[GenerateResponse, None], stream or self.job.stream(self.timeout_s)
-        )
+        # a resumable stream's client gone leaves its job for another reader to pick up
+        stream = self.job.stream(self.timeout_s, lapse_on_close=self.ids is not None)
+        chunks = cast(AsyncGenerator[GenerateResponse, None], stream)
         try:
             error = await self._relay(chunks, out)
             if error is not None and not out.started:

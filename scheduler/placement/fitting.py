@@ -169,6 +169,7 @@ def cheapest_victims(
     that the job fits there whole; only runners ``allowed`` accepts. On each device they
     are taken in eviction order until the job fits; among devices the set that ``cost``
     rates lowest wins: :func:`victims_cost`, or with a ``key`` the fewest runners."""
+    rate = cost or (by_count if key else victims_cost)
     best: tuple[tuple[float, ...], list[str]] | None = None
     for device in sorted(snap.devices if devices is None else devices, key=device_order):
         if device.total < job.bytes:
@@ -183,15 +184,14 @@ def cheapest_victims(
             count -= 1
         if not (free >= job.bytes and count < max_loaded and chosen):
             continue
-        rated = (
-            cost(chosen, snap) if cost else fewest(chosen) if key else victims_cost(chosen, snap)
-        )
+        rated = rate(chosen, snap)
         if best is None or rated < best[0]:
             best = (rated, [r.id for r in chosen])
     return best[1] if best else []
 
 
-def fewest(chosen: list[RunnerState]) -> tuple[float, ...]:
+def by_count(chosen: list[RunnerState], _snap: Snapshot) -> tuple[float, ...]:
+    """The rating of a victim key's sets (bench/cache_sim.py's rules): the fewest runners."""
     return (float(len(chosen)),)
 
 

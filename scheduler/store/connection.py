@@ -245,7 +245,6 @@ def _options(
 
 
 POOL_WAIT_S = 60  # the longest a command waits for a free connection of a bounded pool
-_SENTINEL_TYPED = {"connection_class": _SentinelTcp}
 
 
 def connect(redis_url: str) -> redis.Redis:
@@ -270,7 +269,7 @@ def connect_typed(
     if socket_timeout is not None:
         options["socket_timeout"] = socket_timeout
     if sentinel.is_sentinel(redis_url):  # bounded as asked, as a plain URL's pool
-        return sentinel.client(redis_url, {**options, **_SENTINEL_TYPED})
+        return sentinel.client(redis_url, {**options, "connection_class": _SentinelTcp})
     if max_connections is None:
         return redis.Redis.from_url(redis_url, **options)
     # from_pool: the client closes the pool with itself
@@ -285,8 +284,7 @@ def connect_typed_async(
     if socket_timeout is not None:
         options["socket_timeout"] = socket_timeout
     if sentinel.is_sentinel(redis_url):
-        typed = {"connection_class": _AsyncSentinelTcp}
-        return sentinel.async_client(redis_url, {**options, **typed})
+        return sentinel.async_client(redis_url, {**options, "connection_class": _AsyncSentinelTcp})
     if max_connections is None:
         return redis.asyncio.Redis.from_url(redis_url, **options)
     pool = redis.asyncio.BlockingConnectionPool.from_url(redis_url, **options)

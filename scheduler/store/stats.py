@@ -129,9 +129,8 @@ class Histogram:
 
     def buckets(self) -> list[tuple[str, float]]:
         """Prometheus's cumulative buckets, ``+Inf`` last."""
-        bounds = [_bound(b) for b in TIMINGS[self.name].buckets] + ["+Inf"]
         running, out = 0, []
-        for bound, n in zip(bounds, self.counts, strict=True):
+        for bound, n in zip(_index(TIMINGS[self.name]), self.counts, strict=True):
             running += n
             out.append((bound, float(running)))
         return out

@@ -114,8 +114,15 @@ def progress(client: redis.Redis, job_id: str) -> tuple[int, bool]:
     pipe.xlen(keys.job_chunks(job_id))
     pipe.xrevrange(keys.job_chunks(job_id), count=1)
     count, last = pipe.execute()
-    finished = bool(last) and bool(json.loads(last[0][1][b"c"]).get("done"))
-    return int(count), finished
+    return int(count), final_seq(last) is not None
+
+
+def final_seq(last: Entries) -> int | None:
+    """The seq of the stream's final chunk, when its last entry (XREVRANGE COUNT 1) is one."""
+    if not last:
+        return None
+    entry, fields = last[0]
+    return int(entry.split(b"-")[1]) if json.loads(fields[b"c"]).get("done") else None
 
 
 def publish_final(client: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s: int) -> None:
