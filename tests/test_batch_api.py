@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from api_client import Client
-from api_client.batches import spool
+from api_client.batches import driver, spool
 from api_client.batches.handle import BatchHandle
 from api_client.batches.lines import read_lines, run_order
 from api_client.batches.spool import Spool
@@ -136,6 +136,41 @@ def test_a_batch_runs_on_the_cluster_through_openais_batch_api(api: openai.OpenA
     api.files.delete(upload.id)
     with pytest.raises(openai.NotFoundError):
         api.files.retrieve(upload.id)
+
+
+def test_a_line_whose_answer_cannot_be_made_ends_with_a_500_not_a_stuck_batch(
+    api: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A final record this gateway cannot read (an older worker's, say) fails its line
+    with what happened; it does not stop every driver that takes the batch up until the
+    window ends. The gateway runs in this process: its driver meets the patched reader."""
+
+    def unreadable(*_args: Any) -> Any:
+        raise ValueError("a final record this version cannot read")
+
+    monkeypatch.setattr(driver, "answer_of", unreadable)
+    upload = api.files.create(file=("u.jsonl", jsonl(line("u", "hello"))), purpose="batch")
+    batch = api.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="1h"
+    )
+    done = ended(api, batch.id)
+    assert done.status == "completed", done
+    (failed,) = rows(api, done.error_file_id)
+    assert failed["response"]["status_code"] == 500
+    assert "cannot read" in failed["response"]["body"]["error"]["message"]
+
+
+def test_a_batch_with_no_readable_record_is_dropped_not_driven_for_ever(
+    api: openai.OpenAI, held: Held
+) -> None:
+    """An id among the batches not ended whose record is gone (Redis lost it) or not whole:
+    the driver that takes it up drops it, instead of failing on it at every look."""
+    r = held[2]
+    gone, broken = "batch_" + "0" * 24, "batch_" + "1" * 24
+    r.hset(keys.batch(broken), mapping={"state": "nonsense", "doc": "{"})
+    r.sadd(keys.BATCHES_ACTIVE, gone, broken)
+    assert wait_for(lambda: not r.smembers(keys.BATCHES_ACTIVE) & {gone.encode(), broken.encode()})
+    r.delete(keys.batch(broken))
 
 
 def test_a_chat_batch_answers_as_the_endpoint_does(api: openai.OpenAI) -> None:

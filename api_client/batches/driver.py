@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from api_client.aio import AsyncClient
 from api_client.ajob import AsyncJob
 from api_client.batches import spool
-from api_client.batches.answers import answer_of, job_of
+from api_client.batches.answers import answer_of, job_of, line_error
 from api_client.batches.files import FileStore
 from api_client.batches.lines import (
     Line,
@@ -39,9 +39,7 @@ from api_client.batches.lines import (
 from api_client.batches.spool import Spool
 from api_client.batches.states import BatchState, Mover
 from api_client.batches.store import Batch, BatchStore, Moved, Written
-from api_client.gateway.errors import http_error, openai_body
 from scheduler.errors import (
-    GgufqError,
     InvalidRequest,
     NotFound,
     NoWorkers,
@@ -49,6 +47,7 @@ from scheduler.errors import (
     ServerBusy,
 )
 from scheduler.store import keys
+from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.records import text
 
 log = logging.getLogger("ggufq.batches")
@@ -136,7 +135,10 @@ class Driver:
             B.FINALIZING: self._finalize,
             B.CANCELLING: self._cancel,
         }
-        batch = await self.store.get(self.id)
+        try:
+            batch = await self.store.get(self.id)
+        except NotFound:  # its record gone (expired, Redis lost it) or not whole: no driver
+            return await self.store.drop_gone(self.id)  # can take it up: not looked at again
         while not batch.state.ended:
             await steps[batch.state](batch)
             batch = await self.store.get(self.id)
@@ -229,11 +231,10 @@ class Driver:
                     await asyncio.shield(job.cancel())
                 raise
             body = answer_of(endpoint, line.body, job_id, final)
-        except RedisUnavailable:
+        except (RedisUnavailable, LeaseLost, *REDIS_AWAY):
             raise  # not the line's outcome: this driver stops, the next one waits for the job
-        except GgufqError as exc:
-            status = http_error(exc).status
-            body = openai_body(exc, status)
+        except Exception as exc:  # the line's own, or a record of it this gateway cannot read
+            status, body = line_error(exc, job_id)
         answer = json.dumps(output_line(line, job_id, status, body)).encode()
         place = await self._keep(answer)
         counter = "completed" if status == 200 else "failed"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import time
 import uuid
@@ -21,6 +22,7 @@ from scheduler.store.records import decoded, text
 from scheduler.store.scripts import flatten, script
 
 _COUNTERS = ("total", "completed", "failed")
+log = logging.getLogger(__name__)
 _BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")
 
 
@@ -139,6 +141,12 @@ class BatchStore:
     async def active(self) -> list[str]:
         return sorted(text(i) for i in await self.r.smembers(keys.BATCHES_ACTIVE))
 
+    async def drop_gone(self, batch_id: str) -> None:
+        """Take a batch whose record is gone (or not whole) out of the batches not ended,
+        which drivers look through: nothing is left of it to drive."""
+        log.error("batch %s has no readable record left: no driver takes it up", batch_id)
+        await self.r.srem(keys.BATCHES_ACTIVE, batch_id)
+
     async def active_batches(self, tenant: str | None = None) -> list[Batch]:
         """The batches not ended (``tenant`` given: that tenant's), in one round trip."""
         ids = await self.active()
@@ -226,7 +234,10 @@ def batch_of(batch_id: str, raw: dict[Any, Any], tenant: str | None) -> Batch:
     if not raw or not _BATCH_ID.fullmatch(batch_id):
         raise _not_found(batch_id)
     fields = decoded(raw)
-    batch = Batch(batch_id, BatchState(fields["state"]), json.loads(fields["doc"]), fields)
+    try:
+        batch = Batch(batch_id, BatchState(fields["state"]), json.loads(fields["doc"]), fields)
+    except (KeyError, ValueError):  # not whole: as good as none
+        raise _not_found(batch_id) from None
     if tenant is not None and batch.tenant != tenant:
         raise _not_found(batch_id)
     return batch
