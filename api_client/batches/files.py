@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.errors import InvalidRequest, NotFound
+from scheduler.settings import Settings
 
 PURPOSES = frozenset({"batch", "batch_output"})
 
@@ -159,3 +160,8 @@ def _not_found(file_id: str) -> NotFound:
     return NotFound(
         f"no file {file_id[:80]!r} (it was deleted, it expired, or it is another key's)"
     )
+
+
+def file_store(settings: Settings) -> FileStore:
+    """The files of this host's data directory (GGUFQ_DATA_DIR), as the settings bound them."""
+    return FileStore(settings.data_dir, settings.batch_max_file_bytes)

@@ -14,19 +14,19 @@ from typing import Any, Protocol
 
 import redis
 
-from api_client.batches.files import FileStore
+from api_client.batches.files import file_store
 from api_client.batches.states import BatchState, Mover, batch_doc
 from api_client.batches.store import (
     Batch,
-    Moved,
     batch_of,
+    check_cancel,
     checked,
     move_call,
     moved_of,
     new_batch,
     queue_create,
 )
-from scheduler.errors import Conflict, InvalidRequest, JobTimeout, NotFound
+from scheduler.errors import InvalidRequest, JobTimeout, NotFound
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.scripts import script
@@ -56,7 +56,7 @@ def submit_batch(
     endpoint = endpoint or _endpoint_of(data)
     made = (endpoint, completion_window, metadata, client.tenant, client.weight)
     doc = batch_doc(*made, time.time())  # checked before the file is stored
-    files = FileStore(settings.data_dir, settings.batch_max_file_bytes)
+    files = file_store(settings)
     meta = files.create(data, Path(path).name, "batch", client.tenant, settings.batch_retention_s)
     batch = new_batch({**doc, "input_file_id": meta["id"]})
     pipe = client.r.pipeline(transaction=True)
@@ -128,17 +128,14 @@ class BatchHandle:
             fields,
         )
         moved, before = moved_of(script(r, "batch_move")(keys=names, args=args))
-        if moved is Moved.REFUSED and before is not BatchState.CANCELLED:
-            raise Conflict(
-                f"batch {self.id} is {before}: only a batch not yet ended can be cancelled"
-            )
+        check_cancel(self.id, moved, before)
         return self.status()
 
     def results(self) -> list[dict[str, Any]]:
         """Every line of its output and error files (each custom_id once), in input order."""
         batch = self._batch()
         settings = self.client.settings
-        files = FileStore(settings.data_dir, settings.batch_max_file_bytes)
+        files = file_store(settings)
         found: list[dict[str, Any]] = []
         for name in ("output_file_id", "error_file_id"):
             if batch.fields.get(name):

@@ -15,7 +15,7 @@ import uuid
 from api_client.aio import AsyncClient
 from api_client.batches import spool
 from api_client.batches.driver import LOOK_S, Driver, DriverSettings
-from api_client.batches.files import FileStore
+from api_client.batches.files import FileStore, file_store
 from api_client.batches.states import MAX_WINDOW_S
 from api_client.batches.store import BatchStore
 from scheduler.gguf.registry import Registry
@@ -25,20 +25,24 @@ log = logging.getLogger("ggufq.batches")
 EXPIRE_FILES_S = 300.0  # how often expired files are looked for
 
 
-def file_store(settings: Settings) -> FileStore:
-    return FileStore(settings.data_dir, settings.batch_max_file_bytes)
-
-
 def batch_store(client: AsyncClient) -> BatchStore:
     return BatchStore(client.r, client.settings.batch_retention_s)
 
 
 class BatchRunners:
-    def __init__(self, client: AsyncClient, settings: Settings) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        settings: Settings,
+        store: BatchStore | None = None,
+        files: FileStore | None = None,
+        registry: Registry | None = None,
+    ) -> None:
+        """``store``, ``files`` and ``registry``: a gateway's own, else made here."""
         self.client = client
-        self.store = batch_store(client)
-        self.files = file_store(settings)
-        self.registry = Registry(settings.models_dir)
+        self.store = store or batch_store(client)
+        self.files = files or file_store(settings)
+        self.registry = registry or Registry(settings.models_dir)
         self.most = settings.batch_drivers
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.driver_settings = DriverSettings(

@@ -16,7 +16,7 @@ from typing import Any, cast
 import redis.asyncio
 
 from api_client.batches.states import BatchState, Mover, sources
-from scheduler.errors import NotFound
+from scheduler.errors import Conflict, NotFound
 from scheduler.store import keys
 from scheduler.store.records import decoded, text
 from scheduler.store.scripts import flatten, script
@@ -241,6 +241,12 @@ def batch_of(batch_id: str, raw: dict[Any, Any], tenant: str | None) -> Batch:
     if tenant is not None and batch.tenant != tenant:
         raise _not_found(batch_id)
     return batch
+
+
+def check_cancel(batch_id: str, moved: Moved, before: BatchState | None) -> None:
+    """A cancel refused for a batch that ended otherwise (not already cancelled): Conflict."""
+    if moved is Moved.REFUSED and before is not BatchState.CANCELLED:
+        raise Conflict(f"batch {batch_id} is {before}: only a batch not yet ended can be cancelled")
 
 
 def move_call(

@@ -251,7 +251,8 @@ def make_app(
             with contextlib.suppress(Exception):  # alive before the first request is admitted
                 await _beat_once(limiter, cluster)
             beating = asyncio.create_task(_beat(limiter, cluster))
-        runners = BatchRunners(cluster, settings) if settings.batch_drivers else None
+        parts = (gateway.batches, gateway.files, gateway.registry)  # the gateway's own
+        runners = BatchRunners(cluster, settings, *parts) if settings.batch_drivers else None
         looking = asyncio.create_task(runners.run()) if runners else None
         yield
         await stop_task(looking)

@@ -20,8 +20,8 @@ from starlette.responses import Response
 from api_client.batches.files import FileStore, public
 from api_client.batches.lines import read_lines
 from api_client.batches.states import BatchState, Mover, batch_doc
-from api_client.batches.store import Batch, BatchStore, Moved
-from api_client.gateway.caller import Caller, caller_of
+from api_client.batches.store import Batch, BatchStore, check_cancel
+from api_client.gateway.caller import caller_of
 from api_client.gateway.core import Routes, gateway_of, json_body, parse_body
 from scheduler.errors import Conflict, InvalidRequest
 
@@ -35,11 +35,6 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = Field(None, max_length=16)
-
-
-def _tenant(caller: Caller) -> str | None:
-    """Whose files and batches the caller sees: None for all of them."""
-    return None if caller.sees_all else caller.tenant
 
 
 def _files(request: Request) -> FileStore:
@@ -75,26 +70,26 @@ async def create_file(request: Request) -> dict[str, Any]:
 
 @router.add("/files", "GET")
 async def list_files(request: Request) -> dict[str, Any]:
-    found = await asyncio.to_thread(_files(request).listing, _tenant(caller_of(request)))
+    found = await asyncio.to_thread(_files(request).listing, caller_of(request).only_tenant)
     return {"object": "list", "data": [public(meta) for meta in found], "has_more": False}
 
 
 @router.add("/files/{file_id}", "GET")
 async def get_file(request: Request) -> dict[str, Any]:
-    file_id, tenant = request.path_params["file_id"], _tenant(caller_of(request))
+    file_id, tenant = request.path_params["file_id"], caller_of(request).only_tenant
     return public(await asyncio.to_thread(_files(request).get, file_id, tenant))
 
 
 @router.add("/files/{file_id}/content", "GET")
 async def file_content(request: Request) -> Response:
-    file_id, tenant = request.path_params["file_id"], _tenant(caller_of(request))
+    file_id, tenant = request.path_params["file_id"], caller_of(request).only_tenant
     data = await asyncio.to_thread(_files(request).content, file_id, tenant)
     return Response(data, media_type="application/octet-stream")
 
 
 @router.add("/files/{file_id}", "DELETE")
 async def delete_file(request: Request) -> dict[str, Any]:
-    file_id, tenant = request.path_params["file_id"], _tenant(caller_of(request))
+    file_id, tenant = request.path_params["file_id"], caller_of(request).only_tenant
     for batch in await _batches(request).active_batches():
         if batch.doc["input_file_id"] == file_id:
             raise Conflict(f"file {file_id} is the input of {batch.id}, not ended yet")
@@ -109,7 +104,7 @@ async def create_batch(request: Request) -> dict[str, Any]:
     made = (body.endpoint, body.completion_window, body.metadata, caller.tenant, caller.weight)
     doc = batch_doc(*made, time.time())
     files = _files(request)
-    meta = await asyncio.to_thread(files.get, body.input_file_id, _tenant(caller))
+    meta = await asyncio.to_thread(files.get, body.input_file_id, caller.only_tenant)
     if meta["purpose"] != "batch":
         raise InvalidRequest(f"file {body.input_file_id} was not uploaded with purpose batch")
     if caller.key is not None:  # its key's models, for every line that parses
@@ -128,7 +123,7 @@ async def list_batches(request: Request) -> dict[str, Any]:
     except ValueError:
         raise InvalidRequest("limit must be a whole number from 1 to 100") from None
     after = request.query_params.get("after")
-    found = await _batches(request).listing(_tenant(caller_of(request)), limit + 1, after)
+    found = await _batches(request).listing(caller_of(request).only_tenant, limit + 1, after)
     data = [batch.as_openai() for batch in found[:limit]]
     return {
         "object": "list",
@@ -140,7 +135,9 @@ async def list_batches(request: Request) -> dict[str, Any]:
 
 
 async def _batch(request: Request) -> Batch:
-    return await _batches(request).get(request.path_params["batch_id"], _tenant(caller_of(request)))
+    return await _batches(request).get(
+        request.path_params["batch_id"], caller_of(request).only_tenant
+    )
 
 
 @router.add("/batches/{batch_id}", "GET")
@@ -152,6 +149,5 @@ async def get_batch(request: Request) -> dict[str, Any]:
 async def cancel_batch(request: Request) -> dict[str, Any]:
     batch, store = await _batch(request), _batches(request)
     moved, before = await store.move(batch.id, BatchState.CANCELLING, Mover.CALLER)
-    if moved is Moved.REFUSED and before is not BatchState.CANCELLED:
-        raise Conflict(f"batch {batch.id} is {before}: only a batch not yet ended can be cancelled")
+    check_cancel(batch.id, moved, before)
     return (await store.get(batch.id)).as_openai()

@@ -37,6 +37,11 @@ class Caller:
         """An admin key, or no key (a keyless gateway): every tenant's jobs and batches."""
         return self.key is None or self.key.admin
 
+    @property
+    def only_tenant(self) -> str | None:
+        """The one tenant whose jobs, batches and files the caller sees; None for all."""
+        return None if self.sees_all else self.tenant
+
     def sees(self, tenant: str) -> bool:
         """Whether the caller sees the jobs, batches and files of ``tenant``."""
         return self.sees_all or tenant == self.tenant

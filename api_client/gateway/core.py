@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from api_client.aio import AsyncClient
 from api_client.ajob import AsyncJob
-from api_client.batches.files import FileStore
+from api_client.batches.files import FileStore, file_store
 from api_client.batches.store import BatchStore
 from api_client.gateway.caller import Caller, caller_of
 from api_client.gateway.errors import ModelLoading
@@ -173,7 +173,7 @@ class Gateway:
     @cached_property
     def files(self) -> FileStore:
         """The Batch API's files."""
-        return FileStore(self.settings.data_dir, self.settings.batch_max_file_bytes)
+        return file_store(self.settings)
 
     def has_chat_template(self, model: str) -> bool:
         """Whether the model renders prompts with a chat template. A model this host cannot

@@ -36,7 +36,7 @@ async def pool(request: Request) -> dict[str, Any]:
     gateway, caller = gateway_of(request), caller_of(request)
     jobs = await visible_jobs(request)
     devices, runners = await gateway.client.devices(), await gateway.client.ps()
-    batches = await gateway.batches.active_batches(None if caller.sees_all else caller.tenant)
+    batches = await gateway.batches.active_batches(caller.only_tenant)
 
     def sees_model(model: str) -> bool:
         return caller.sees_all or gateway.may_see_runner(caller, model)
