@@ -45,7 +45,8 @@ from scheduler.errors import (
     RedisUnavailable,
     ServerBusy,
 )
-from scheduler.protocol import GenerateResponse, Options, check_model_name
+from scheduler.names import check_model_name
+from scheduler.protocol import GenerateResponse, Options
 from scheduler.store.streams import progress
 
 RETRY_BACKOFF_S = 0.5  # first retry after this, doubling per attempt

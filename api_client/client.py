@@ -16,6 +16,7 @@ from api_client.job import Job
 from scheduler.cluster import CustodyView, DeviceView, JobView, RunnerView, by_expiry
 from scheduler.errors import NoWorkers, job_id_taken
 from scheduler.gguf.registry import Registry
+from scheduler.names import check_job_id, check_model_name
 from scheduler.placement.needs import format_warning
 from scheduler.placement.parking import ParkedJobs
 from scheduler.protocol import (
@@ -25,11 +26,10 @@ from scheduler.protocol import (
     Message,
     Options,
     Placement,
-    check_job_id,
-    check_model_name,
 )
 from scheduler.protocol import parse_request as _parse
-from scheduler.settings import Settings, get_settings, masked
+from scheduler.redis_urls import masked
+from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
 from scheduler.store.celery_app import ask_unload, close_app, make_app, run_message, send_job

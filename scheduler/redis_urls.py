@@ -10,9 +10,10 @@ USER and PASSWORD are the primary's; PORT is 26379 where not given;
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
 
 SCHEME = "redis+sentinel"
 SENTINEL_PORT = 26379
@@ -76,3 +77,14 @@ def parse(url: str) -> SentinelUrl:
         unquote(parts.password) if parts.password is not None else None,
         next(iter(query.get("sentinel_password", [])), None),
     )
+
+
+def masked(url: str) -> str:
+    """A URL with its password as ``****``: fit to print or log."""
+    parts = urlsplit(url)
+    query = re.sub(r"(?<![^&])(sentinel_password=)[^&]*", r"\1****", parts.query)
+    parts = parts._replace(query=query)
+    if parts.password:
+        hosts = parts.netloc.rpartition("@")[2]  # as given: several for redis+sentinel://
+        parts = parts._replace(netloc=f"{parts.username or ''}:****@{hosts}")
+    return urlunsplit(parts)

@@ -5,17 +5,16 @@
 
 from __future__ import annotations
 
-import re
 import socket
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.errors import BadSettings
+from scheduler.redis_urls import masked
 from scheduler.redis_urls import parse as parse_redis_url
 from scheduler.units import parse_bytes, parse_duration_s
 
@@ -372,17 +371,6 @@ def get_settings() -> Settings:
 
 
 _SECRETS = frozenset({"http_key_secret"})  # settings `ggufq config` never prints
-
-
-def masked(url: str) -> str:
-    """A URL with its password as ``****``: fit to print or log."""
-    parts = urlsplit(url)
-    query = re.sub(r"(?<![^&])(sentinel_password=)[^&]*", r"\1****", parts.query)
-    parts = parts._replace(query=query)
-    if parts.password:
-        hosts = parts.netloc.rpartition("@")[2]  # as given: several for redis+sentinel://
-        parts = parts._replace(netloc=f"{parts.username or ''}:****@{hosts}")
-    return urlunsplit(parts)
 
 
 def describe(settings: Settings) -> list[tuple[str, str, str]]:

@@ -12,7 +12,8 @@ import redis
 from api_client import AsyncClient, Client
 from scheduler.errors import GgufqError, InvalidRequest, RedisUnavailable, ServerBusy, shown
 from scheduler.local.embedded import free_port
-from scheduler.protocol import JobRequest, check_model_name, parse_request
+from scheduler.names import check_model_name
+from scheduler.protocol import JobRequest, parse_request
 from scheduler.settings import Settings
 from scheduler.store import keys
 from tests.conftest import ggufq

@@ -17,7 +17,8 @@ from api_client import Client
 from scheduler.errors import RedisUnavailable
 from scheduler.local.embedded import free_port
 from scheduler.local.stack import LocalStack
-from scheduler.settings import Settings, masked
+from scheduler.redis_urls import masked
+from scheduler.settings import Settings
 from scheduler.store.connection import connect, connect_typed, connect_typed_async
 from scheduler.store.sentinel import parse
 from tests.conftest import settings_from, stack_env, wait_for

