@@ -96,6 +96,7 @@ class Fault:
 
 FAULTS = [
     Fault("worker-kill", "worker SIGKILL", "death"),
+    Fault("worker-kill-midstream", "worker SIGKILL as A streams: A goes on elsewhere", "death"),
     Fault("worker-stall", "worker SIGSTOP past the TTL, SIGCONT", "return"),
     Fault("worker-restart", "worker SIGKILL, restarted at once (same host)", "death"),
     Fault("placement-kill", "placement SIGKILL, another started", "death"),
@@ -114,10 +115,12 @@ BY_NAME = {f.name: f for f in FAULTS}
 # What the fault model says becomes of A (streamed when the fault came), B (waited for A's
 # slot, nothing streamed) and C (on the other host); any other job, and any job of a fault
 # not listed, may end in any defined outcome (completed, failed with an error, cancelled).
-_WORKER_DIES = {"A": {"failed"}, "B": {"completed"}, "C": {"completed"}}
+# A streamed when its worker died: it goes on elsewhere from its last token (GGUFQ_RESUME_MAX)
+_WORKER_DIES = {"A": {"completed"}, "B": {"completed"}, "C": {"completed"}}
 _CANCELLED = {"A": {"cancelled"}, "B": {"completed"}, "C": {"completed"}}
 EXPECT = {
     "worker-kill": _WORKER_DIES,
+    "worker-kill-midstream": _WORKER_DIES,
     "worker-stall": _WORKER_DIES,
     "worker-restart": _WORKER_DIES,
     "placement-kill": {"A": {"completed"}, "B": {"completed"}, "C": {"completed"}},
@@ -389,6 +392,7 @@ class Reader(threading.Thread):
         self.job = job
         self.deadline = time.monotonic() + bound_s
         self.seqs: list[int] = []
+        self.arrived: list[float] = []  # when each of ``seqs`` came (monotonic)
         self.end = "running"
         self.reconnects = 0
         self.problem = ""
@@ -420,6 +424,7 @@ class Reader(threading.Thread):
         wait = max(1.0, self.deadline - time.monotonic())
         for chunk in self.job.stream(timeout=wait, cancel_on_close=False, after=after):
             self.seqs.append(chunk.seq or -1)
+            self.arrived.append(time.monotonic())
             if chunk.done:
                 self.end = "done"
                 return
@@ -483,6 +488,10 @@ class TrialResult:
     probes: list[Tracked] = field(default_factory=list)
     serve_s: float | None = None
     a_outcome_s: float | None = None  # from the fault's end to A's outcome
+    # A gone on elsewhere: from the fault's end to its next chunk at its reader, and the
+    # bound on that (TTL + 2 heartbeats + its model's load where it went on)
+    a_resume_s: float | None = None
+    a_resume_bound_s: float | None = None
     twice: list[str] = field(default_factory=list)
     gaps: list[str] = field(default_factory=list)
     silent_gaps: list[str] = field(default_factory=list)
@@ -632,6 +641,10 @@ class Trial:
         self.fault_end = time.monotonic()
 
     def fault_worker_kill(self) -> None:
+        self.kill(self.victim())
+
+    def fault_worker_kill_midstream(self) -> None:
+        """As worker-kill; what is counted besides: A goes on elsewhere (Trial.went_on)."""
         self.kill(self.victim())
 
     def fault_worker_stall(self) -> None:
@@ -962,12 +975,31 @@ class Trial:
         a = self.jobs["A"]
         if a.outcome in DEFINED:
             self.res.a_outcome_s = round(a.ended - self.fault_end, 3)
+        if self.fault.name == "worker-kill-midstream":
+            self.went_on(a)
         self.check_outcomes()
         self.res.leaks += self.cl.heal()
         self.res.leaks += self.cl.unload_all()
         self.res.unhealthy = self.cl.health_problems()
         self.res.evidence = evidence(self.res, marks.new_text())
         return self.res
+
+    def went_on(self, a: Tracked) -> None:
+        """How soon A's reader had its next chunk after the kill, A having gone on elsewhere
+        (its final record's ``resumed``), against TTL + 2 heartbeats + its load there."""
+        reader = self.readers.get("A")
+        try:
+            final = a.job.final(timeout=5) if a.outcome == "completed" else {}
+        except (GgufqError, redis.RedisError):
+            final = {}
+        if not final.get("resumed"):
+            self.res.unexpected.append(f"A {a.job.id} {a.outcome}: it did not go on elsewhere")
+            return
+        after = [t for t in (reader.arrived if reader else []) if t > self.fault_end]
+        if after:
+            self.res.a_resume_s = round(after[0] - self.fault_end, 3)
+        load_s = (final.get("load_duration") or 0) / 1e9
+        self.res.a_resume_bound_s = round(self.cl.ttl_s + 2 * self.cl.hb_s + load_s, 3)
 
     def cancel_all(self) -> None:
         for tracked in self.jobs.values():
@@ -1200,6 +1232,12 @@ def figures(fault: Fault, results: list[TrialResult], hb_s: float, ttl_s: float)
         "serve_target_s": target,
         "a_outcome_s": [r.a_outcome_s for r in ran],
     }
+    if fault.name == "worker-kill-midstream":
+        resumed = [r.a_resume_s for r in ran if r.a_resume_s is not None]
+        out["a_resume_s"] = [r.a_resume_s for r in ran]
+        out["a_resume_bound_s"] = [r.a_resume_bound_s for r in ran]
+        out["a_resume_p50_s"] = round(statistics.median(resumed), 3) if resumed else None
+        out["a_resumed"] = len(resumed)
     out["targets"] = {
         "hung": out["hung"] + probes_hung == 0,
         "run_twice": out["run_twice"] == 0,
@@ -1211,6 +1249,9 @@ def figures(fault: Fault, results: list[TrialResult], hb_s: float, ttl_s: float)
         "outcomes": out["unexpected"] + out["unclear"] == 0,
         "alive": out["died"] + out["unhealthy"] + out["spinning"] == 0,
     }
+    if fault.name == "worker-kill-midstream":  # every A went on, each within its bound
+        over = [r for r in ran if (r.a_resume_s or 0) > (r.a_resume_bound_s or 0)]
+        out["targets"]["resume"] = out["a_resumed"] == len(ran) and not over
     out["met"] = all(out["targets"].values()) and not out["setup_failed"]
     return out
 
@@ -1330,6 +1371,16 @@ def main(argv: list[str] | None = None) -> None:
         f"{2 * hb_s:.1f} s (2 heartbeats) of Redis or a process returning, within "
         f"{ttl_s + 2 * hb_s:.1f} s (TTL + 2 heartbeats) of a worker's or placement's death"
     )
+    for name, row in rows.items():
+        if "a_resume_p50_s" in row:
+            bounds = [b for b in row["a_resume_bound_s"] if b is not None]
+            bound = statistics.median(bounds) if bounds else None
+            print(
+                f"{name}: A went on elsewhere in {row['a_resumed']} of {row['trials']} trials; "
+                f"kill -> its next chunk at the reader p50 {row['a_resume_p50_s']} s, max "
+                f"{max(filter(None, row['a_resume_s']), default=None)} s (bound: TTL + 2 "
+                f"heartbeats + its load there, p50 {bound} s)"
+            )
     print()
     targets = {name: serve_target_s(BY_NAME[name], hb_s, ttl_s) for name in rows}
     found = findings(all_results, targets)

@@ -153,7 +153,9 @@ LAPSES: tuple[Lapse, ...] = (
         S.RUNNING,
         "its device's worker",
         "the device's beats stop for GGUFQ_DEVICE_TTL_S (Redis's clock)",
-        "orphaned; re-placed once if nothing was streamed, else failed with what happened; "
+        "orphaned; re-placed once if nothing was streamed, else placed again to go on from "
+        "its last chunk (GGUFQ_RESUME_MAX times, scheduler/midstream.py), then failed with "
+        "what happened; "
         "the old run's chunks and result are fenced off by the job's owner (its custody "
         "record when Redis lost the owner). A live worker that holds no run of it (Redis "
         "lost its end) writes that end again, or, if it did not end it, hands it back the "

@@ -25,6 +25,7 @@ from pydantic import (
 
 from scheduler.bounds import MAX_STOP_CHARS, check_input, check_schema, input_chars
 from scheduler.errors import InvalidRequest, shown
+from scheduler.midstream import Resumed
 from scheduler.names import check_model_name
 from scheduler.thinking import Think
 from scheduler.tooluse import MAX_TOOLS, TOOL_NAME, MessageToolCall, Tool, ToolChoice, check_choice
@@ -199,6 +200,9 @@ class JobRequest(BaseModel):
     avoid: list[str] = Field(
         default_factory=list, max_length=16, description="devices its load failed on"
     )
+    resumed: list[Resumed] = Field(
+        default_factory=list, max_length=16, description="each time it went on elsewhere"
+    )
 
     @field_validator("model")
     @classmethod
@@ -301,6 +305,7 @@ class GenerateResponse(BaseModel):
     device: str | None = None
     message: Message | None = None  # chat: the assistant's answer (the final record)
     warnings: list[str] = Field(default_factory=list)
+    resumed: list[Resumed] = Field(default_factory=list)  # final record: where it went on
     error: dict[str, str] | None = None
     seq: int | None = None  # a streamed chunk's place in its job's stream (1, 2, ...)
 

@@ -132,6 +132,13 @@ class Settings(BaseSettings):
         10.0, gt=0, description="A device without a heartbeat for this long is dropped."
     )
     stream_ttl_s: int = Field(3600, gt=0, description="How long a job's chunk record is kept.")
+    resume_max: int = Field(
+        2,
+        ge=0,
+        le=16,
+        description="Times a job whose worker died mid-answer goes on elsewhere from its last "
+        "token streamed; then it fails saying so (0: it fails at once).",
+    )
     reader_lease_s: float = Field(
         4.0,
         ge=2,

@@ -1,8 +1,9 @@
 """``python -m tests.held_worker ARGS...``: the real worker (``ggufq worker ARGS...``), in which
-a job whose prompt starts with ``HOLD:`` stops after its first piece of text, still
-running, until it is cancelled or the test releases it (:func:`release`); and, while the
-test holds loads (:func:`hold_loads`), a model's load stops at its first progress, inside
-llama.cpp's own load, until the test lets it go on (:func:`let_loads_go`).
+a job whose prompt starts with ``HOLD:`` stops after its first piece of text (``HOLD@N:``
+after its Nth generated token, its text up to there in Redis), still running, until it is
+cancelled or the test releases it (:func:`release`); and, while the test holds loads
+(:func:`hold_loads`), a model's load stops at its first progress, inside llama.cpp's own
+load, until the test lets it go on (:func:`let_loads_go`).
 
 A test that acts on a running job (kills its reader, cancels it, kills its worker) must
 find it running: a job held here waits on the event the test controls instead of on the
@@ -19,12 +20,14 @@ from typing import Any
 
 import redis
 
+import workers.engine.loop as loop
 import workers.generation as generation
 from scheduler.store.connection import connect
 from workers.loadwatch import LoadWatch
 from workers.main import main
 
 HOLD = "HOLD:"
+HOLD_AFTER = "HOLD@"  # HOLD@N: held after its Nth generated token
 HOLD_LOADS = "ggufq:test:hold-loads"
 
 
@@ -64,6 +67,24 @@ def release(client: redis.Redis, job_id: str) -> None:
     client.set(release_key(job_id), 1, ex=600)
 
 
+def held_key(job_id: str) -> str:
+    return f"ggufq:test:held:{job_id}"
+
+
+def is_held(client: redis.Redis, job_id: str) -> bool:
+    """Whether the job is held now, all it published before in Redis."""
+    return bool(client.exists(held_key(job_id)))
+
+
+def _hold(publisher: Any, cancelled: Any) -> None:
+    """Hold a job here, on the decode thread (the runner's other sequences wait too),
+    once what it published is in Redis, until it is cancelled or released."""
+    publisher.flush()
+    publisher.r.set(held_key(publisher.job_id), 1, ex=600)
+    while not cancelled() and not released(publisher.r, publisher.job_id):
+        threading.Event().wait(0.02)
+
+
 def released(client: redis.Redis, job_id: str) -> bool:
     """Whether the test let the job go on; not while Redis is away (a failover): the job
     stays held, as a worker's own code rides an outage out, never failing the job."""
@@ -77,6 +98,13 @@ def hold_marked_jobs() -> None:
     generate = generation.generate
 
     def held(req: Any, runner: Any, publisher: Any, cancelled: Any, prompt: str, *rest: Any) -> Any:
+        if prompt.startswith(HOLD_AFTER):
+            after = int(prompt[len(HOLD_AFTER) :].split(":")[0])
+            _AFTER[id(publisher.tokens)] = (publisher, cancelled, after)
+            try:
+                return generate(req, runner, publisher, cancelled, prompt, *rest)
+            finally:
+                _AFTER.pop(id(publisher.tokens), None)
         if not prompt.startswith(HOLD):
             return generate(req, runner, publisher, cancelled, prompt, *rest)
         publish = publisher.publish
@@ -87,10 +115,7 @@ def hold_marked_jobs() -> None:
             if first.is_set() or not chunk.get("response"):
                 return
             first.set()
-            publisher.flush()  # its first text is out for its reader before it holds
-            # on the decode thread, so the runner's other sequences wait too
-            while not cancelled() and not released(publisher.r, req.id):
-                threading.Event().wait(0.02)
+            _hold(publisher, cancelled)  # its first text is out for its reader before
 
         publisher.publish = then_hold
         return generate(req, runner, publisher, cancelled, prompt, *rest)
@@ -98,7 +123,25 @@ def hold_marked_jobs() -> None:
     generation.generate = held  # type: ignore[assignment]
 
 
+# a HOLD@N: job's answer list (the one the decode loop appends its tokens to) -> (its
+# publisher, its cancelled(), N)
+_AFTER: dict[int, tuple[Any, Any, int]] = {}
+
+
+def hold_after_tokens() -> None:
+    advance = loop.Engine._advance
+
+    def advanced(self: Any, job: Any, token: int, now: int) -> None:
+        advance(self, job, token, now)
+        held = _AFTER.get(id(job.out))
+        if held is not None and len(job.out) == held[2]:
+            _hold(held[0], held[1])
+
+    loop.Engine._advance = advanced  # type: ignore[method-assign]
+
+
 if __name__ == "__main__":
     hold_marked_jobs()
+    hold_after_tokens()
     hold_loads_while_asked()
     main(sys.argv[1:])

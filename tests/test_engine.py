@@ -254,7 +254,7 @@ def test_plain_greedy_picks_the_tokens_of_llama_cpps_greedy_sampler(
     options = Options(num_predict=48, temperature=0, repeat_penalty=1.0)
     prompts = ["Write a short story about a cat.", "The capital of France is", "1, 2, 3,"]
     fast = [runner.generate(p, options, ignore).text for p in prompts]
-    monkeypatch.setattr("workers.engine.loop.sampler_plan", greedy_through_llama_cpp)
+    monkeypatch.setattr("workers.engine.prepare.sampler_plan", greedy_through_llama_cpp)
     chain = [runner.generate(p, options, ignore).text for p in prompts]
     assert fast == chain and all(fast)
 

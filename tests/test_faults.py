@@ -47,6 +47,9 @@ def two_hosts(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Hosts]
     env = stack_env(models, tmp_path / "state", host="h1")
     env["GGUFQ_DEVICE_TTL_S"] = str(getattr(request, "param", 5))
     env["GGUFQ_MAX_REPLICAS"] = "1"  # b waits behind a at a's runner: no replica elsewhere
+    # a job that streamed fails when its worker dies, as it does once its resumes are used
+    # up (tests/test_midstream.py has it go on elsewhere)
+    env["GGUFQ_RESUME_MAX"] = "0"
     settings = settings_from(env, None)
     with LocalStack(
         settings, worker_args=["--virtual-gpu", "2GiB"], log_dir=tmp_path / "logs", extra_env=env

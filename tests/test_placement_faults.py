@@ -15,6 +15,7 @@ import redis
 
 from scheduler.cluster import DeviceInfo
 from scheduler.local.embedded import EmbeddedRedis
+from scheduler.midstream import Resumed
 from scheduler.placement import recovery as recovery_module
 from scheduler.placement import service as service_module
 from scheduler.placement.service import MAX_PLACEMENT_ERRORS, PlacementService
@@ -229,8 +230,10 @@ def test_an_orphan_whose_run_redis_lost_fails_saying_so(
     service: PlacementService, db: redis.Redis
 ) -> None:
     """A worker gave back a job Redis held as running there without a run of it, after it
-    had streamed: its error says what happened, not that the worker went silent."""
-    job = JobRequest(model="tiny", prompt="hello", submitted_at=1.0)
+    had streamed, and had gone on elsewhere as often as it may: its error says what
+    happened, not that the worker went silent."""
+    went_on = Resumed(worker="w@fh", device="vgpu:fh:0", chunks=1, at=1.0)
+    job = JobRequest(model="tiny", prompt="hello", submitted_at=1.0, resumed=[went_on] * 2)
     config = RunnerConfig.for_generation(256, 1, False)
     placement = Placement(id="p1", runner_id="r1", device_id="vgpu:fh:0", config=config)
     why = "Redis holds it as running on vgpu:fh:0, whose worker has no run of it"
@@ -240,6 +243,30 @@ def test_an_orphan_whose_run_redis_lost_fails_saying_so(
     assert service.recover_orphans() == 1
     message = final_error(db, job.id)["message"]
     assert why in message and "stopped heartbeating" not in message
+    assert "gone on elsewhere 2 times already (GGUFQ_RESUME_MAX=2)" in message
+
+
+def test_an_orphan_that_streamed_goes_on_elsewhere_with_a_note(
+    service: PlacementService, db: redis.Redis
+) -> None:
+    """A job whose worker died after it streamed is placed again, to go on from its last
+    chunk: its request carries a note of the run that stopped."""
+    job = JobRequest(model="tiny", prompt="hello", submitted_at=1.0)
+    config = RunnerConfig.for_generation(256, 1, False)
+    placement = Placement(id="p1", runner_id="r1", device_id="vgpu:fh:0", config=config)
+    db.hset(
+        keys.ORPHANS, job.id, SentJob(job=job, placement=placement, worker="w@fh").model_dump_json()
+    )
+    for seq in (1, 2):
+        write_chunk(db, job.id, seq, {"response": "x", "tokens": [7]}, 60)
+    assert service.recover_orphans() == 1
+    (message,) = [
+        m for m in db.lrange(keys.device_queue("vgpu:fh:0"), 0, -1) if job.id.encode() in m
+    ]
+    sent = json.loads(base64.b64decode(json.loads(message)["body"]))[0][0]
+    (note,) = JobRequest.model_validate(sent).resumed
+    assert (note.worker, note.device, note.chunks) == ("w@fh", "vgpu:fh:0", 2)
+    assert db.xlen(keys.job_chunks(job.id)) == 2  # no final chunk: it goes on
 
 
 def test_a_message_lost_on_its_way_to_a_live_device_is_sent_again_once(

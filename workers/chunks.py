@@ -14,6 +14,7 @@ import redis
 import redis.sentinel
 
 from scheduler.local.procs import lower_thread_priority
+from scheduler.midstream import TOKENS, Skip, SoFar
 from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.scripts import execute
 from scheduler.store.streams import Appended, queue_chunk, write_chunk
@@ -109,16 +110,19 @@ class ChunkWriter:
         return True
 
     def extend(self, pending: Pending | None, chunk: dict[str, Any]) -> bool:
-        """Add a text-only chunk's text (answer or thinking) to ``pending`` if that is
-        text of the same kind only and still queued; False when it has to be a chunk of
-        its own."""
-        if pending is None or len(chunk) != 1 or not chunk.keys() & {"response", "thinking"}:
+        """Add a text-only chunk's text (answer or thinking) and its tokens to ``pending``
+        if that is text of the same kind only and still queued; False when it has to be a
+        chunk of its own."""
+        texts = chunk.keys() - {TOKENS}
+        if pending is None or len(texts) != 1 or not texts & {"response", "thinking"}:
             return False
-        (name,) = chunk  # answer text, or thinking text
+        (name,) = texts  # answer text, or thinking text
         with self._lock:
-            if pending.taken or pending.chunk.keys() != {name}:
+            if pending.taken or pending.chunk.keys() - {TOKENS} != {name}:
                 return False
             pending.chunk[name] += chunk[name]
+            if TOKENS in chunk:
+                pending.chunk[TOKENS] = [*pending.chunk.get(TOKENS, ()), *chunk[TOKENS]]
             return True
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -238,7 +242,11 @@ class ChunkPublisher:
     """Publishes the chunks of one job, in order: directly, or through a ChunkWriter.
 
     One that :meth:`holds` keeps what it is given until :meth:`release` (the job is this
-    run's: publish it all) or :meth:`discard` (it is not: publish nothing, ever)."""
+    run's: publish it all) or :meth:`discard` (it is not: publish nothing, ever).
+
+    ``tokens`` is the answer's token ids, to which the decode loop appends each one it
+    samples; each chunk carries those added since the previous chunk (scheduler/midstream.py).
+    A resumed run (:meth:`resume`) starts from what the stream holds."""
 
     def __init__(
         self,
@@ -262,6 +270,17 @@ class ChunkPublisher:
         self._lock = threading.Lock()  # the decode thread publishes, the job's thread too
         self._held: list[tuple[dict[str, Any], bool]] | None = None
         self._discarded = False
+        self.tokens: list[int] = []
+        self._sent = 0  # of ``tokens``, those a chunk carries already
+        self._skip: Skip | None = None
+
+    def resume(self, so_far: SoFar) -> None:
+        """Go on after what the job's stream holds: its seq, its tokens, and the text the
+        run replays of them dropped (:class:`scheduler.midstream.Skip`)."""
+        self.seq = so_far.seq
+        self.tokens = list(so_far.tokens)
+        self._sent = len(self.tokens)
+        self._skip = Skip(so_far)
 
     def hold(self) -> None:
         with self._lock:
@@ -279,6 +298,13 @@ class ChunkPublisher:
 
     def publish(self, chunk: dict[str, Any]) -> None:
         with self._lock:
+            if self._skip is not None:
+                trimmed = self._skip(chunk)
+                if trimmed is None:
+                    return  # streamed before: a resumed run replays it
+                chunk = trimmed
+            chunk = {**chunk, TOKENS: self.tokens[self._sent :]}
+            self._sent = len(self.tokens)
             first = not self.first_token_at and bool(chunk.get("response") or chunk.get("thinking"))
             if first:
                 self.first_token_at = time.time()

@@ -11,9 +11,11 @@ from scheduler.chat import chat_text
 from scheduler.errors import JobCancelled, JobFailed
 from scheduler.gguf.metadata import read_model_info
 from scheduler.gguf.registry import Registry
+from scheduler.midstream import SoFar
 from scheduler.protocol import JobRequest, Message, Placement
 from scheduler.settings import Settings
 from scheduler.store.hops import wall
+from scheduler.store.streams import so_far
 from scheduler.thinking import ThinkSplitter, can_think, opens_thinking
 from scheduler.tooluse import (
     call_schema,
@@ -71,17 +73,39 @@ def generate(
     which adds to ``warnings``)."""
     if not isinstance(runner, Runner):
         raise JobFailed(f"runner {runner.id} is loaded for embeddings; it cannot generate")
+    if req.resumed:  # its run elsewhere stopped mid-answer: it goes on from there
+        publisher.resume(_so_far(req, publisher))
     answer = Answer(req, publisher.publish, thinking, warnings)
     ticker = Ticker(progress, answer)
     share = (req.tenant, req.priority, req.weight)
     format = call_schema(req.tools, req.tool_choice, req.parallel_tool_calls) or req.format
-    stats = runner.generate(prompt, req.options, ticker, cancelled, format, share, meanwhile)
+    args = (prompt, req.options, ticker, cancelled, format, share, meanwhile, publisher.tokens)
+    stats = runner.generate(*args)
     if stats.admitted_ns:
         publisher.admitted_at = wall(stats.admitted_ns)
     if stats.done_reason == "cancel":
         raise JobCancelled(f"job {req.id} was cancelled after {stats.eval_count} generated tokens")
     cut = stats.done_reason == "length"
-    return {**stats.ollama_fields(), **answer.fields(stats.text, cut)}
+    out = {**stats.ollama_fields(), **answer.fields(stats.text, cut)}
+    if req.resumed:  # where it went on from, and how soon the next text came
+        went_on = (
+            publisher.first_token_at - req.resumed[-1].at if publisher.first_token_at else None
+        )
+        last = req.resumed[-1].model_copy(update={"went_on_s": went_on})
+        out["resumed"] = [r.model_dump() for r in [*req.resumed[:-1], last]]
+    return out
+
+
+def _so_far(req: JobRequest, publisher: ChunkPublisher) -> SoFar:
+    """What the stream of a resumed job holds of its answer."""
+    held = so_far(publisher.r, req.id)
+    if not held.complete:
+        raise JobFailed(
+            f"job {req.id} cannot go on from where its run on {req.resumed[-1].device} "
+            "stopped: its stream's chunks carry no token ids (written by an older ggufq "
+            "worker); submit it again"
+        )
+    return held
 
 
 def embed(req: JobRequest, runner: AnyRunner) -> dict[str, Any]:

@@ -57,15 +57,18 @@ class Runner(Resident):
         format: Format = None,
         share: Share = ("default", "interactive", 1.0),
         meanwhile: Callable[[], None] = lambda: None,
+        answer: list[int] | None = None,
     ) -> GenerationStats:
         """Run one job to its end; safe to call from many threads at once.
 
         ``on_text`` is called from the runner's decode thread with each new piece of
         text: it must be cheap and must not block. ``cancelled`` is polled every decode
         step; a cancelled job ends with done_reason "cancel". ``meanwhile()`` runs in this
-        thread once the job is queued (:meth:`Engine.generate`).
+        thread once the job is queued; ``answer`` gets each sampled token, and holds a
+        resumed job's answer so far (:meth:`Engine.generate`).
         """
-        return self.engine.generate(prompt, options, on_text, cancelled, format, share, meanwhile)
+        args = (prompt, options, on_text, cancelled, format, share, meanwhile, answer)
+        return self.engine.generate(*args)
 
     def close(self) -> None:
         """Unload: running and waiting jobs end with JobFailed."""

@@ -15,6 +15,7 @@ from celery import Celery
 from pydantic import ValidationError
 
 from scheduler.errors import GgufqError, JobFailed
+from scheduler.midstream import Resumed, why_not_resumed
 from scheduler.placement.parking import HeldJobs
 from scheduler.protocol import JobRequest, SentJob
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
@@ -33,10 +34,12 @@ MAX_LOOK_AGAIN_S = 30.0
 Fail = Callable[[str, str, GgufqError], None]
 
 
-def lost_job_message(job_id: str, where: str, streamed: int, why: str = "") -> str:
+def lost_job_message(
+    job_id: str, where: str, streamed: int, why: str = "", why_not_on: str = ""
+) -> str:
     what = (
         f"after it had streamed {streamed} chunks (its partial output stays in the job's "
-        "stream), so it was not re-run"
+        f"stream), and it could not go on elsewhere: {why_not_on}"
         if streamed
         else "after it had already been re-run once"
     )
@@ -55,6 +58,7 @@ class Recovery:
         replace: Callable[[JobRequest], object],
         hold_ttl_s: float,
         owner_ttl_s: int,
+        resume_max: int = 2,
     ) -> None:
         self.r, self.app, self.state, self.held = client, app, state, held
         # a placement process may hold a job that long (GGUFQ_DEVICE_TTL_S) before its
@@ -62,6 +66,7 @@ class Recovery:
         self.hold_ttl_s = hold_ttl_s
         self.fail, self.replace = fail, replace
         self.owner_ttl_s = owner_ttl_s  # a job's owner key lives as long as its stream
+        self.resume_max = resume_max  # times a job that streamed may go on elsewhere
         self.due = Deadlines(client)
         # sends due that the last look found nowhere: sent again if the next look does not
         # find them either (a process that starts again looks twice)
@@ -88,7 +93,9 @@ class Recovery:
         return handled
 
     def _orphaned(self, job_id: str, raw: bytes) -> None:
-        """Re-place one orphaned job (its record ``raw``) or end it with an error."""
+        """Re-place one orphaned job (its record ``raw``): once when it had streamed
+        nothing, to go on from its last token when it had (scheduler/midstream.py), or end
+        it with an error."""
         try:
             record = SentJob.model_validate_json(raw)
         except ValidationError as exc:
@@ -101,15 +108,33 @@ class Recovery:
             self.state.hands.let_go(job_id)
             return  # it ended before its device was dropped
         where = f"{record.worker} ({record.placement.device_id})"
+        why_not = self._why_not_on(req) if streamed else ""
         if is_cancelled(self.r, job_id):
             self.fail(job_id, req.model, cancelled_before_start(job_id))
         elif streamed == 0 and req.attempt == 0:
             log.warning("re-placing job %s from %s", job_id, where)
             avoid = req.avoid + record.avoid
             self.replace(req.model_copy(update={"attempt": 1, "avoid": avoid}))
+        elif streamed and not why_not:
+            log.warning(
+                "job %s goes on from chunk %d: its run on %s stopped", job_id, streamed, where
+            )
+            note = Resumed(
+                worker=record.worker,
+                device=record.placement.device_id,
+                chunks=streamed,
+                at=time.time(),
+            )
+            update = {"resumed": [*req.resumed, note], "avoid": req.avoid + record.avoid}
+            self.replace(req.model_copy(update=update))
         else:
-            lost = lost_job_message(job_id, where, streamed, record.lost)
+            lost = lost_job_message(job_id, where, streamed, record.lost, why_not)
             self.fail(job_id, req.model, JobFailed(lost))
+
+    def _why_not_on(self, req: JobRequest) -> str:
+        """Why a job that streamed cannot go on elsewhere ("" when it can)."""
+        logprobs = req.options.top_logprobs is not None
+        return why_not_resumed(req.kind, logprobs, len(req.resumed), self.resume_max)
 
     def dead_hands(self, now: float, ttl_s: float) -> int:
         """Put back the jobs that placement processes silent for ``ttl_s`` (killed, or

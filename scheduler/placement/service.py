@@ -110,6 +110,7 @@ class PlacementService:
             self._replace,
             settings.device_ttl_s,
             settings.stream_ttl_s,
+            settings.resume_max,
         )
         # until then (monotonic), "no device is alive" parks a job instead of failing it:
         # Redis, or this process, was away, and the workers have yet to beat again

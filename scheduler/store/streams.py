@@ -19,6 +19,7 @@ import redis.asyncio
 
 from scheduler.custody import JobState
 from scheduler.errors import ChunksLost, GgufqError, JobCancelled
+from scheduler.midstream import SoFar, for_readers
 from scheduler.store import keys
 from scheduler.store.hub import Hub
 from scheduler.store.scripts import queue, script
@@ -117,6 +118,12 @@ def progress(client: redis.Redis, job_id: str) -> tuple[int, bool]:
     return int(count), final_seq(last) is not None
 
 
+def so_far(client: redis.Redis, job_id: str) -> SoFar:
+    """What a job's stream holds of its answer (a resumed run goes on from there)."""
+    entries = cast(Entries, client.xrange(keys.job_chunks(job_id)))
+    return SoFar.of([json.loads(fields[b"c"]) for _id, fields in entries])
+
+
 def final_seq(last: Entries) -> int | None:
     """The seq of the stream's final chunk, when its last entry (XREVRANGE COUNT 1) is one."""
     if not last:
@@ -190,7 +197,7 @@ class ChunkOrder:
         self.quiet = False
         chunks = []
         for _id, fields in entries:
-            chunk = json.loads(fields[b"c"])
+            chunk = for_readers(json.loads(fields[b"c"]))
             if chunk["seq"] != self.last + 1:  # the record lost them too: say so
                 raise ChunksLost(
                     f"chunks {self.last + 1} to {chunk['seq'] - 1} of job {self.job_id} are "
@@ -241,7 +248,7 @@ class ChunkOrder:
         if self.timeout_s is not None:
             self.deadline = self.clock() + self.timeout_s
         self.done = bool(chunk.get("done"))
-        return chunk
+        return for_readers(chunk)
 
 
 def read_chunks(

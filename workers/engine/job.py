@@ -68,6 +68,11 @@ class Job:
     next_token: int = -1  # sampled, not yet decoded
     on_device: bool = False  # its tokens are sampled in llama_decode (device_sampling.py)
     generated: int = 0
+    # the answer's token ids, each appended as it is sampled (the job's chunks carry them);
+    # a resumed job's first ``forced`` are those of its answer so far, evaluated with its
+    # prompt (at the end of ``tokens``) and replayed through its text (:meth:`replay`)
+    out: list[int] = field(default_factory=list)
+    forced: int = 0
     parts: list[str] = field(default_factory=list)
     admitted_ns: int = 0
     first_ns: int = 0
@@ -80,6 +85,26 @@ class Job:
             self.parts.append(text)
             self.on_text(text)
 
+    def replay(self, piece: Callable[[int], tuple[bytes, bool]]) -> str | None:
+        """Feed a resumed job's answer so far through its sampler (grammar, penalties) and
+        its text (characters, stop strings, ``on_text``) as if just sampled, so that what
+        comes next continues it; the publisher drops the text its stream holds already.
+        Why it ended among those tokens, if it did ("stop", "length"), else None."""
+        for token in self.out[: self.forced]:
+            self.sampler.accept(token)
+            data, eog = piece(token)
+            if eog:
+                return "stop"
+            text, stopped = self.stops.feed(self.utf8.feed(data))
+            self.emit(text)
+            if stopped:
+                return "stop"
+        if self.generated >= self.budget:
+            tail, _ = self.stops.feed(self.utf8.flush())
+            self.emit(tail + self.stops.flush())
+            return "length"
+        return None
+
     def finished(self, reason: str, now: int) -> GenerationStats:
         """Its account, ending now (perf_counter_ns) for ``reason``."""
         first = self.first_ns or now
@@ -87,7 +112,7 @@ class Job:
         return GenerationStats(
             text="".join(self.parts),
             done_reason=reason,
-            prompt_eval_count=len(self.tokens),
+            prompt_eval_count=len(self.tokens) - self.forced,
             prompt_cached_count=self.cached,
             prompt_eval_duration_ns=first - self.admitted_ns if self.generated else 0,
             eval_count=self.generated,

@@ -27,15 +27,16 @@ import threading
 import time
 from collections.abc import Callable
 
-from scheduler.errors import InvalidRequest, JobFailed
+from scheduler.errors import JobFailed
 from scheduler.protocol import Options, RunnerConfig
 from workers.cpus import llama
 from workers.engine.batching import Admission, Feed, batch_rows, common_prefix, prompt_take
 from workers.engine.device_sampling import DeviceGreedy
 from workers.engine.job import Job, Share, StepTimes, always, is_cancelled
 from workers.engine.load import DECODE_ERRORS, ContextSize, _init_backend, _load
-from workers.engine.sampling import Format, Sampler, _penalty_history, grammar_for, sampler_plan
-from workers.engine.text import GenerationStats, StopMatcher, Tokenizer, token_budget
+from workers.engine.prepare import new_job
+from workers.engine.sampling import Format, grammar_for
+from workers.engine.text import GenerationStats, Tokenizer
 from workers.loadwatch import LoadWatch
 
 log = logging.getLogger(__name__)
@@ -98,17 +99,27 @@ class Engine:
         format: Format = None,
         share: Share = ("default", "interactive", 1.0),
         meanwhile: Callable[[], None] = lambda: None,
+        answer: list[int] | None = None,
     ) -> GenerationStats:
-        """Run one job to its end (blocking); raises JobFailed, InvalidRequest. Waiting
+        """Run one job to its end (blocking); raises JobFailed, InvalidRequest. ``answer``:
+        the list each sampled token is appended to, holding a resumed job's answer so far
+        (:func:`workers.engine.prepare.new_job`). Waiting
         jobs take free slots in fair order of their ``share`` (scheduler/fairness.py).
         ``meanwhile()`` runs in the caller's thread once the job is queued, while its first
         step may already run; if it raises, the job is cancelled, and the error raised
         once the job has ended."""
         grammar = grammar_for(format)
         with self._prep:  # close() waits for this: the model stays alive while in use here
-            job = self._prepare(prompt, options, on_text, cancelled, grammar)
+            self._check_open()
+            num_ctx, piece = self.config.num_ctx, self._tokenizer.piece
+            args = (prompt, options, on_text, cancelled, grammar, answer)
+            job = new_job(self._tokenizer, self.name, num_ctx, *args)
             job.share = share
-            queued = job.budget > 0
+            if job.forced:  # resumed: its answer so far is replayed first
+                ended = job.replay(piece)
+            else:
+                ended = None if job.budget > 0 else "length"
+            queued = ended is None
             if queued:
                 self._submit(job)
             else:
@@ -120,41 +131,13 @@ class Engine:
                 job.cancelled = always  # it ends at its next step
                 job.done.wait()
             raise
-        if not queued:
-            return GenerationStats("", "length", len(job.tokens), 0, 0, 0)
+        if ended is not None:
+            return job.finished(ended, time.perf_counter_ns())
         job.done.wait()
         if job.error is not None:
             raise job.error
         assert job.stats is not None
         return job.stats
-
-    def _prepare(
-        self,
-        prompt: str,
-        options: Options,
-        on_text: Callable[[str], None],
-        cancelled: Callable[[], bool],
-        grammar: str | None,
-    ) -> Job:
-        self._check_open()
-        tokens = self.tokenize(prompt)
-        num_ctx = self.config.num_ctx
-        if len(tokens) >= num_ctx:
-            raise InvalidRequest(
-                f"prompt is {len(tokens)} tokens but a slot of {self.name!r} holds "
-                f"{num_ctx} (options.num_ctx), leaving no room to generate; "
-                "shorten the prompt or raise options.num_ctx"
-            )
-        plan = sampler_plan(options, num_ctx)
-        sampler = Sampler(self._tokenizer, plan, grammar, _penalty_history(plan, tokens))
-        return Job(
-            tokens=tokens,
-            budget=token_budget(options.num_predict, num_ctx, len(tokens)),
-            sampler=sampler,
-            on_text=on_text,
-            cancelled=cancelled,
-            stops=StopMatcher(options.stop),
-        )
 
     def tokenize(self, text: str) -> list[int]:
         """The prompt's tokens (:meth:`workers.engine.text.Tokenizer.tokenize`)."""
@@ -303,6 +286,7 @@ class Engine:
         if eog:
             self._end(job, "stop", now)
             return
+        job.out.append(token)
         text, stopped = job.stops.feed(job.utf8.feed(piece))
         try:
             self._emit(job, text)

@@ -213,6 +213,16 @@ class Sampler:
         utf8.accept(token)
         return token
 
+    def accept(self, token: int) -> None:
+        """``token`` came next without being sampled here (a resumed job's answer so far):
+        the grammar advances over it, and penalties count it."""
+        if self.chain:
+            self._L.llama_sampler_accept(self.chain, token)
+        if self.grammar:
+            self._L.llama_sampler_accept(self.grammar, token)
+            assert self.utf8 is not None  # made with the grammar
+            self.utf8.accept(token)
+
     def free(self) -> None:
         if self.chain:
             self._L.llama_sampler_free(self.chain)
