@@ -895,18 +895,21 @@ class Trial:
             self.res.silent_gaps.append(what)
 
     def check_twice(self, texts: dict[str, str]) -> None:
-        """A job runs once, or once more when it was re-placed with nothing streamed."""
+        """A job runs once, once more when it was re-placed with nothing streamed, or once
+        more each time it went on elsewhere from its last token (GGUFQ_RESUME_MAX)."""
         for tracked in self.jobs.values():
             jid = re.escape(tracked.job.id)
             succeeded = count_in(texts, rf"ggufq\.run\[{jid}\] succeeded", only="worker")
             received = count_in(texts, rf"ggufq\.run\[{jid}\] received", only="worker")
             replaced = count_in(texts, rf"re-placing job {jid}", only="placement")
+            went_on = count_in(texts, rf"job {jid} goes on from chunk", only="placement")
             label = f"{tracked.name} {tracked.job.id}"
             if succeeded > 1:
                 self.res.twice.append(f"{label}: succeeded on workers {succeeded} times")
-            if received > 1 + replaced:
+            if received > 1 + replaced + went_on:
                 self.res.twice.append(
-                    f"{label}: delivered to workers {received}x, re-placed {replaced}x"
+                    f"{label}: delivered to workers {received}x, re-placed {replaced}x, "
+                    f"went on elsewhere {went_on}x"
                 )
             if replaced > 1:
                 self.res.twice.append(f"{label}: re-placed {replaced} times")

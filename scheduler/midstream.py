@@ -56,8 +56,9 @@ def why_not_resumed(kind: str, logprobs: bool, resumed: int, resume_max: int) ->
 @dataclass(frozen=True)
 class SoFar:
     """What a job's stream holds of its answer: its tokens, its text and thinking, and the
-    seq of its last chunk. ``complete``: every chunk with text carried its tokens (a chunk
-    an older worker wrote has none, and the answer cannot be resumed from it)."""
+    seq of its last chunk. ``complete``: the chunks run 1, 2, 3, ... with none missing
+    (Redis lost none, nor the writer), and every chunk with text carried its tokens (a
+    chunk an older worker wrote has none): else the answer cannot go on from it."""
 
     tokens: tuple[int, ...] = ()
     response: str = ""
@@ -73,6 +74,7 @@ class SoFar:
         for chunk in chunks:
             if chunk.get("done"):
                 break
+            complete = complete and int(chunk.get("seq", -1)) == seq + 1
             seq = int(chunk.get("seq", seq + 1))
             has_text = False
             for name in TEXTS:

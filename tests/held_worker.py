@@ -72,7 +72,9 @@ def held_key(job_id: str) -> str:
 
 
 def is_held(client: redis.Redis, job_id: str) -> bool:
-    """Whether the job is held now, all it published before in Redis."""
+    """Whether the job is held now, all it published before in Redis (unless its
+    publisher holds it back itself: a run on a resident runner whose start is not claimed
+    yet)."""
     return bool(client.exists(held_key(job_id)))
 
 
@@ -100,11 +102,11 @@ def hold_marked_jobs() -> None:
     def held(req: Any, runner: Any, publisher: Any, cancelled: Any, prompt: str, *rest: Any) -> Any:
         if prompt.startswith(HOLD_AFTER):
             after = int(prompt[len(HOLD_AFTER) :].split(":")[0])
-            _AFTER[id(publisher.tokens)] = (publisher, cancelled, after)
+            _AFTER[req.id] = (publisher, cancelled, after)
             try:
                 return generate(req, runner, publisher, cancelled, prompt, *rest)
             finally:
-                _AFTER.pop(id(publisher.tokens), None)
+                _AFTER.pop(req.id, None)
         if not prompt.startswith(HOLD):
             return generate(req, runner, publisher, cancelled, prompt, *rest)
         publish = publisher.publish
@@ -123,9 +125,8 @@ def hold_marked_jobs() -> None:
     generation.generate = held  # type: ignore[assignment]
 
 
-# a HOLD@N: job's answer list (the one the decode loop appends its tokens to) -> (its
-# publisher, its cancelled(), N)
-_AFTER: dict[int, tuple[Any, Any, int]] = {}
+# a HOLD@N: job's id -> (its publisher, its cancelled(), N)
+_AFTER: dict[str, tuple[Any, Any, int]] = {}
 
 
 def hold_after_tokens() -> None:
@@ -133,7 +134,7 @@ def hold_after_tokens() -> None:
 
     def advanced(self: Any, job: Any, token: int, now: int) -> None:
         advance(self, job, token, now)
-        held = _AFTER.get(id(job.out))
+        held = next((h for h in _AFTER.values() if h[0].tokens is job.out), None)
         if held is not None and len(job.out) == held[2]:
             _hold(held[0], held[1])
 

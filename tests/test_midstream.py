@@ -21,6 +21,7 @@ from scheduler.local.stack import LocalStack
 from scheduler.midstream import TOKENS, Skip, SoFar, for_readers, why_not_resumed
 from scheduler.settings import Settings
 from scheduler.store import keys
+from scheduler.store.stats import job_timings
 from tests.conftest import settings_from, stack_env, wait_for
 from tests.held_worker import is_held, release
 from tests.tinymodel import write_slow_model
@@ -169,6 +170,8 @@ def test_so_far_joins_tokens_and_text_up_to_the_final_chunk() -> None:
     assert held == SoFar((1, 2, 3), "hello", "hm", 3, True)
     older = SoFar.of([{"seq": 1, "response": "he"}])  # an older worker's chunk: no tokens
     assert not older.complete
+    holed = SoFar.of([{"seq": 1, "response": "a", TOKENS: [1]}, {"seq": 3, TOKENS: []}])
+    assert not holed.complete  # Redis lost chunk 2: nothing to go on from
 
 
 def test_skip_drops_what_the_stream_holds_across_chunks_and_kinds() -> None:
@@ -202,10 +205,10 @@ class RecordingSampler:
 
 
 def test_a_replayed_answer_keeps_a_character_and_a_stop_string_that_straddle_the_cut() -> None:
-    """The old run streamed "a" (token 1 also began "é", held back) and "x" of a stop
-    string "xyz" was held back too: the replay holds the same back, the skip drops "a",
-    and the tokens after the cut finish the character and meet the stop string."""
-    pieces = {1: b"a\xc3", 2: b"\xa9x", 3: b"yz tail"}
+    """The old run streamed "a"; its token 1 also began the stop string "xé!" and the
+    character "é", both held back. The replay holds the same back (the skip drops "a"), and
+    the token after the cut finishes the character and meets the stop string."""
+    pieces = {1: b"ax\xc3", 2: b"\xa9!"}
     said: list[str] = []
     skip = Skip(SoFar((1,), "a", "", 1))
     sampler = RecordingSampler()
@@ -217,16 +220,24 @@ def test_a_replayed_answer_keeps_a_character_and_a_stop_string_that_straddle_the
             c["response"] for c in [skip({"response": text})] if c is not None
         ),
         cancelled=lambda: False,
-        stops=StopMatcher(["xyz"]),
+        stops=StopMatcher(["xé!"]),
         out=[1],
         forced=1,
         generated=1,
     )
     assert job.replay(lambda token: (pieces[token], False)) is None
     assert sampler.accepted == [1] and said == []  # "a" was streamed: dropped
-    text, stopped = job.stops.feed(job.utf8.feed(pieces[2]))  # after the cut
-    job.emit(text)
-    assert (said, stopped) == (["é"], False)
-    text, stopped = job.stops.feed(job.utf8.feed(pieces[3]))
-    assert (text, stopped) == ("", True)
-    assert job.finished("stop", 0).text == "aé" and job.finished("stop", 0).eval_count == 1
+    text, stopped = job.stops.feed(job.utf8.feed(pieces[2]))  # the token after the cut
+    assert (text, stopped, said) == ("", True, [])
+    stats = job.finished("stop", 0)
+    assert (stats.text, stats.stop_sequence, stats.eval_count) == ("a", "xé!", 1)
+    assert stats.prompt_eval_count == 1 and stats.prompt_eval_duration_ns == 0
+
+
+def test_a_resumed_job_adds_no_timings_of_its_last_run_as_the_jobs() -> None:
+    """Its last run's first token and rate are not the job's (the answer so far came from
+    the run that stopped): the histograms leave it out."""
+    hops = {"admitted": 5.0, "first_token": 6.0}
+    final = {"eval_count": 100, "eval_duration": 10**9}
+    assert set(job_timings(1.0, hops, final)) == {"queue_wait", "ttft", "tokens_per_s"}
+    assert job_timings(1.0, hops, {**final, "resumed": [{"device": "d"}]}) == {}

@@ -21,6 +21,7 @@ from scheduler.tooluse import (
     call_schema,
 )
 from workers.answer import Answer
+from workers.backlog import patiently
 from workers.chunks import ChunkPublisher
 from workers.devices import tensor_split
 from workers.embedder import Embedder
@@ -88,8 +89,10 @@ def generate(
     cut = stats.done_reason == "length"
     out = {**stats.ollama_fields(), **answer.fields(stats.text, cut)}
     if req.resumed:  # where it went on from, and how soon the next text came
-        went_on = (
-            publisher.first_token_at - req.resumed[-1].at if publisher.first_token_at else None
+        went_on = (  # two hosts' clocks: clamped at 0 where they disagree
+            max(0.0, publisher.first_token_at - req.resumed[-1].at)
+            if publisher.first_token_at
+            else None
         )
         last = req.resumed[-1].model_copy(update={"went_on_s": went_on})
         out["resumed"] = [r.model_dump() for r in [*req.resumed[:-1], last]]
@@ -98,12 +101,14 @@ def generate(
 
 def _so_far(req: JobRequest, publisher: ChunkPublisher) -> SoFar:
     """What the stream of a resumed job holds of its answer."""
-    held = so_far(publisher.r, req.id)
-    if not held.complete:
+    note = req.resumed[-1]
+    held = patiently(lambda: so_far(publisher.r, req.id), f"resuming job {req.id}", 30.0)
+    if not held.complete or held.seq != note.chunks:
         raise JobFailed(
-            f"job {req.id} cannot go on from where its run on {req.resumed[-1].device} "
-            "stopped: its stream's chunks carry no token ids (written by an older ggufq "
-            "worker); submit it again"
+            f"job {req.id} cannot go on from where its run on {note.device} stopped: its "
+            f"stream holds {held.seq} whole chunks of the {note.chunks} it had (Redis lost "
+            "some, or they carry no token ids: written by an older ggufq worker); submit it "
+            "again"
         )
     return held
 

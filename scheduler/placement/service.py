@@ -379,7 +379,7 @@ class PlacementService:
         return self.recovery.orphans()
 
     def _replace(self, req: JobRequest) -> None:
-        score = park_score(req, time.time())
+        score = park_score(req, min(req.submitted_at, time.time()))  # its place kept
         if "device" in self._attempt(req, time.perf_counter_ns(), score, errors=0, new=True):
             self.hands.hand_over(req.id)  # its send let go of it
 

@@ -87,8 +87,12 @@ def job_timings(
     submitted_at: float, hops: Mapping[str, float], final: Mapping[str, Any]
 ) -> dict[str, float]:
     """A finished job's timings from its hops (scheduler/store/hops.py, wall-clock seconds
-    of the hosts that noted them: clamped at 0 where clocks disagree) and its final record."""
-    out = {}
+    of the hosts that noted them: clamped at 0 where clocks disagree) and its final record.
+    Nothing for a job that went on elsewhere mid-answer: its run's hops and rate are not the
+    job's."""
+    out: dict[str, float] = {}
+    if final.get("resumed"):
+        return out
     for name, hop in (("queue_wait", "admitted"), ("ttft", "first_token")):
         if hops.get(hop):
             out[name] = max(0.0, hops[hop] - submitted_at)

@@ -114,7 +114,7 @@ class Job:
             done_reason=reason,
             prompt_eval_count=len(self.tokens) - self.forced,
             prompt_cached_count=self.cached,
-            prompt_eval_duration_ns=first - self.admitted_ns if self.generated else 0,
+            prompt_eval_duration_ns=first - self.admitted_ns if self.first_ns else 0,
             eval_count=self.generated,
             eval_duration_ns=now - first,
             admitted_ns=self.admitted_ns,

@@ -115,10 +115,14 @@ class Engine:
             args = (prompt, options, on_text, cancelled, grammar, answer)
             job = new_job(self._tokenizer, self.name, num_ctx, *args)
             job.share = share
-            if job.forced:  # resumed: its answer so far is replayed first
-                ended = job.replay(piece)
-            else:
-                ended = None if job.budget > 0 else "length"
+            try:
+                if job.forced:  # resumed: its answer so far is replayed first
+                    ended = job.replay(piece)
+                else:
+                    ended = None if job.budget > 0 else "length"
+            except BaseException:
+                job.sampler.free()
+                raise
             queued = ended is None
             if queued:
                 self._submit(job)

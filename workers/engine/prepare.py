@@ -29,18 +29,16 @@ def new_job(
     loop samples what comes next. Within ``num_predict``, those tokens count as generated."""
     prompt_tokens = tokenizer.tokenize(prompt)
     out = [] if answer is None else answer
-    tokens = prompt_tokens + out
-    if len(tokens) >= num_ctx:
-        so_far = f" and its answer so far ({len(out)} tokens)" if out else ""
+    if len(prompt_tokens) >= num_ctx:  # an answer so far that fills the rest: replay ends it
         raise InvalidRequest(
-            f"prompt is {len(prompt_tokens)} tokens{so_far} but a slot of {name!r} holds "
+            f"prompt is {len(prompt_tokens)} tokens but a slot of {name!r} holds "
             f"{num_ctx} (options.num_ctx), leaving no room to generate; "
             "shorten the prompt or raise options.num_ctx"
         )
     plan = sampler_plan(options, num_ctx)
     sampler = Sampler(tokenizer, plan, grammar, _penalty_history(plan, prompt_tokens))
     return Job(
-        tokens=tokens,
+        tokens=prompt_tokens + out,
         budget=token_budget(options.num_predict, num_ctx, len(prompt_tokens)),
         sampler=sampler,
         on_text=on_text,
