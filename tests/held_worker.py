@@ -100,7 +100,7 @@ def hold_marked_jobs() -> None:
     generate = generation.generate
 
     def held(req: Any, runner: Any, publisher: Any, cancelled: Any, prompt: str, *rest: Any) -> Any:
-        if prompt.startswith(HOLD_AFTER):
+        if prompt.startswith(HOLD_AFTER) and not req.resumed:  # held on its first run only
             after = int(prompt[len(HOLD_AFTER) :].split(":")[0])
             _AFTER[req.id] = (publisher, cancelled, after)
             try:
