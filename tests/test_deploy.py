@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from scheduler.local.health import check
-from scheduler.settings import get_settings
+from scheduler.redis_urls import parse as parse_redis_url
+from scheduler.settings import Settings, get_settings
 from tests.conftest import needs_tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,3 +107,26 @@ def test_health_check_sees_the_stack(stack: Any, monkeypatch: pytest.MonkeyPatch
         assert check("worker") == "no device of host 'elsewhere' is registered and heartbeating"
     finally:
         get_settings.cache_clear()
+
+
+@needs_tool("docker-compose", "apt-get install docker-compose")
+def test_the_sentinel_override_puts_every_process_behind_three_sentinels(tmp_path: Path) -> None:
+    services = compose_config(tmp_path, "docker-compose.sentinel.yml")["services"]
+    replica = services["redis-replica"]["command"]
+    assert replica[replica.index("--replicaof") + 1 :][:2] == ["redis", "6379"]
+    for name in ("redis", "redis-replica"):  # either may be the primary after a failover
+        command = services[name]["command"]
+        assert command[command.index("--masterauth") + 1] == "change-me", name
+        assert "noeviction" in command and "--aclfile" in command, name
+    for n in (1, 2, 3):
+        script = " ".join(services[f"sentinel{n}"]["entrypoint"])
+        assert "sentinel monitor ggufq redis 6379 2" in script
+        assert "down-after-milliseconds ggufq 2000" in script
+        assert services[f"sentinel{n}"]["environment"]["REDIS_PASSWORD"] == "change-me"
+    for name, role in ROLES.items():
+        url = services[name]["environment"]["GGUFQ_REDIS_URL"]
+        parsed = parse_redis_url(url)
+        assert parsed.master == "ggufq" and parsed.username == role, name
+        assert parsed.password == f"change-me-{role}", name
+        assert parsed.sentinels == tuple((f"sentinel{n}", 26379) for n in (1, 2, 3)), name
+        assert Settings(redis_url=url).redis_url == url  # the settings take it as it is
