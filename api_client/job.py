@@ -82,9 +82,10 @@ class Job:
         self.id = request.id
         self.model, self.kind, self.priority = request.model, request.kind, request.priority
         self.submitted_at = request.submitted_at
-        # the whole request as JSON, parsed again only to send it again: a gateway holds
-        # thousands of waiting jobs, and the parsed request costs three times the bytes
-        self._request = request.model_dump_json().encode()
+        # the whole request as JSON (its defaults left out: parsing fills them in again),
+        # parsed again only to send it again: a gateway holds thousands of waiting jobs,
+        # and the parsed request costs three times the bytes
+        self._request = request.model_dump_json(exclude_defaults=True).encode()
         self.resend = resend  # False for a handle without the job's whole request
         self._sent_at = 0.0  # when check() last sent it to placement again
         self.first_read_at = 0.0  # when a reader here had its first chunk (hops.py)

@@ -15,7 +15,7 @@ import redis.asyncio
 from scheduler.local.embedded import EmbeddedRedis
 from scheduler.store import keys
 from scheduler.store.cancel import READER_STUCK_S, ReaderLease, cancelled_by, watch_keys
-from scheduler.store.hub import Hub
+from scheduler.store.hub import Alarms, Hub
 from scheduler.store.leases import Leases, ThreadLeases
 from scheduler.store.streams import aread_chunks, read_chunks
 from scheduler.store.subscriptions import Subscriptions
@@ -332,3 +332,28 @@ def test_a_sync_readers_lease_is_renewed_apart_from_its_consumers_pace(
     assert not db.exists(keys.job_reader_wanted("sync-0"))  # at once: a process may end
     assert soon(lambda: leases._thread is None, within_s=5)
     leases.close()
+
+
+def test_one_timer_ends_many_waits_each_in_its_time() -> None:
+    """The hub's alarms: waits end at their own times, in order, from one timer; a wait
+    that ended otherwise is forgotten at once."""
+
+    async def main() -> tuple[list[int], int, int]:
+        alarms, loop = Alarms(), asyncio.get_running_loop()
+        ended: list[int] = []
+        waiters = [loop.create_future() for _ in range(3)]
+        for n, waiter in enumerate(waiters):
+            waiter.add_done_callback(lambda _f, n=n: ended.append(n))
+        for timeout, waiter in zip((0.3, 0.1, 0.2), waiters, strict=True):
+            alarms.add(timeout, waiter)
+        other = loop.create_future()
+        gone = alarms.add(0.15, other)
+        other.set_result(None)  # a message came first
+        alarms.remove(gone, other)
+        held = sum(len(s) for s in alarms._due.values())
+        await asyncio.gather(*waiters)
+        return ended, held, len(alarms._due)
+
+    ended, held, left = asyncio.run(main())
+    assert ended == [1, 2, 0]  # 0.1 s, 0.2 s, 0.3 s
+    assert held == 3 and left == 0  # nothing due is left once all ended

@@ -16,11 +16,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
+from starlette.datastructures import State
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from api_client.aio import AsyncClient
 from api_client.batches.runners import BatchRunners
@@ -55,6 +55,14 @@ from scheduler.store.connection import resolve_redis_url
 log = logging.getLogger("ggufq.gateway")
 # answered without a key (the pool page holds no data: what it reads asks for one)
 _OPEN_PATHS = frozenset({"/", "/api/version", "/metrics", "/ui"})
+
+
+def unexpected_error(path: str, exc: Exception) -> GgufqError:
+    """What a client is told of an error the gateway did not expect (it is logged)."""
+    return GgufqError(
+        f"the gateway failed on {path} ({type(exc).__name__}: {exc}); see its log, and "
+        "report it if it persists"
+    )
 
 
 def error_response(path: str, exc: GgufqError) -> Response:
@@ -120,11 +128,13 @@ class Guard:
     from here: Starlette's router, route and exception layers would stay on the stack of
     every waiting request (about 4 KB each, and a gateway holds thousands), and they add
     nothing to an endpoint that answers its own errors (a GgufqError is answered here, and
-    anything else by Starlette's outermost handler, as before)."""
+    anything else is logged and answered here too). It is the app the server runs, around
+    Starlette's (routes with path parameters, lifespan): Starlette's own outer layers would
+    stay on every waiting request's stack as well."""
 
     def __init__(
         self,
-        app: ASGIApp,
+        app: Starlette,
         gateway: Gateway,
         require_keys: bool,
         metrics: GatewayMetrics,
@@ -144,6 +154,11 @@ class Guard:
             if "{" not in route.path
             for method in route.methods or ()
         }
+
+    @property
+    def state(self) -> State:
+        """The Starlette app's state (``state.gateway``)."""
+        return self.app.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -185,13 +200,12 @@ class Guard:
                 await self.app(scope, receive, counted)
             else:
                 scope["route"] = route  # as the router would: the metrics' label
+                scope["app"] = self.app  # as Starlette would: request.app.state
                 response = await route.endpoint(Request(scope, receive, counted))
                 # the body is read: the answer (which may wait long) needs no limit on it
                 await response(scope, unlimited, counted)
-        except GgufqError as exc:
-            if seen["started"]:  # too late for a status: the server closes the connection
-                raise
-            await error_response(scope["path"], exc)(scope, receive, counted)
+        except Exception as exc:
+            await _answer_error(scope, receive, counted, exc, seen["started"])
         finally:
             if ticket is not None and key is not None and self.limiter is not None:
                 await asyncio.to_thread(self.limiter.done, key, ticket)
@@ -213,6 +227,20 @@ class Guard:
         return await asyncio.to_thread(admit)
 
 
+async def _answer_error(
+    scope: Scope, receive: Receive, send: Send, exc: Exception, started: bool
+) -> None:
+    """Answer a request that failed with its error's status, in its API's shape (one not a
+    GgufqError is logged); re-raised once its answer had begun (too late for a status:
+    the server closes the connection)."""
+    if started:
+        raise exc
+    if not isinstance(exc, GgufqError):
+        log.exception("%s %s failed", scope["method"], scope["path"], exc_info=exc)
+        exc = unexpected_error(scope["path"], exc)
+    await error_response(scope["path"], exc)(scope, receive, send)
+
+
 async def _beat(limiter: Limiter, cluster: AsyncClient) -> None:
     """Say this gateway process is alive, so that its requests in flight count against
     their keys' limits (and stop counting soon after it dies): on the client's own side
@@ -231,8 +259,9 @@ async def _beat_once(limiter: Limiter, cluster: AsyncClient) -> None:
 
 def make_app(
     settings: Settings, client: AsyncClient | None = None, *, require_keys: bool = False
-) -> Starlette:
-    """The gateway app. ``client`` defaults to one made (and closed) with the app's life."""
+) -> Guard:
+    """The gateway app (its Starlette app inside the edge checks; ``.state.gateway``).
+    ``client`` defaults to one made (and closed) with the app's life."""
     own = client is None
     cluster = client or AsyncClient(
         resolve_redis_url(settings, Role.GATEWAY),  # the stack's gateway user, if it has one
@@ -273,11 +302,7 @@ def make_app(
 
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
-        error = GgufqError(
-            f"the gateway failed on {request.url.path} ({type(exc).__name__}: {exc}); "
-            "see its log, and report it if it persists"
-        )
-        return error_response(request.url.path, error)
+        return error_response(request.url.path, unexpected_error(request.url.path, exc))
 
     routes = [
         *ollama.router.routes,
@@ -291,19 +316,9 @@ def make_app(
     ]
     app = Starlette(
         routes=routes,
-        middleware=[
-            Middleware(
-                Guard,
-                gateway=gateway,
-                require_keys=require_keys,
-                metrics=counters,
-                rules=edge_rules(settings, require_keys),
-                limiter=limiter,
-                routes=routes,
-            )
-        ],
         exception_handlers={GgufqError: ggufq_error, Exception: unexpected},
         lifespan=lifespan,
     )
     app.state.gateway = gateway
-    return app
+    rules = edge_rules(settings, require_keys)
+    return Guard(app, gateway, require_keys, counters, rules, limiter, routes)

@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, cast
 
 from starlette.requests import Request
@@ -253,6 +254,19 @@ def keepalives() -> KeepAlives:
     return found
 
 
+@lru_cache(maxsize=64)
+def _header(name: str, value: str) -> tuple[bytes, bytes]:
+    """A constant header as a response's raw headers hold it, made once."""
+    return name.lower().encode("latin-1"), value.encode("latin-1")
+
+
+def _content_type(media_type: str) -> str:
+    """``media_type`` as Starlette sends it: text types with their charset."""
+    if media_type.startswith("text/") and "charset=" not in media_type.lower():
+        return media_type + "; charset=utf-8"
+    return media_type
+
+
 class JobStreamResponse(Response):
     """A job's chunks, each encoded by ``encode``; a ``beat`` after ``keepalive_s``
     without one, or when its model's load moved (``loads``); the job's error encoded by
@@ -277,7 +291,12 @@ class JobStreamResponse(Response):
         self.status_code = 200
         self.media_type = media_type
         self.background = None
-        self.init_headers(headers)
+        # a gateway holds thousands of these: the constant headers' bytes are shared
+        job_id, content_type = job.id, _content_type(media_type)
+        self.raw_headers = [
+            _header(k, v) if v != job_id else (k.lower().encode(), v.encode())
+            for k, v in headers.items()
+        ] + [_header("content-type", content_type)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         reading = asyncio.current_task()

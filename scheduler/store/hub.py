@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
+import math
 from typing import Any
 
 import redis
@@ -54,24 +56,73 @@ class Subscription:
         that ends the wait, not asyncio.wait_for's coroutine, future and task-like
         machinery for each of thousands of waiting readers)."""
         if not self._messages:
-            loop = asyncio.get_running_loop()
-            waiter = self._waiter = loop.create_future()
-            timer = None if timeout is None else loop.call_later(timeout, _time_up, waiter)
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            alarms = self.hub.alarms
+            tick = None if timeout is None else alarms.add(timeout, waiter)
             try:
                 await waiter
             finally:
                 self._waiter = None
-                if timer is not None:
-                    timer.cancel()
+                if tick is not None:
+                    alarms.remove(tick, waiter)
         return self._messages.pop(0) if self._messages else None
 
     async def aclose(self) -> None:
         await self.hub.leave(self)
 
 
-def _time_up(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+class Alarms:
+    """Ends waits whose time is up, with one timer for all of them: a timer a wait (a
+    libuv timer under uvloop, about 500 bytes) costs thousands of waiting readers more
+    than their subscriptions. Waits due in the same ``TICK_S`` share a set; a wait is
+    ended at most ``TICK_S`` late."""
+
+    TICK_S = 0.05
+    __slots__ = ("_due", "_ticks", "_timer", "_armed")
+
+    def __init__(self) -> None:
+        self._due: dict[int, set[asyncio.Future[None]]] = {}
+        self._ticks: list[int] = []  # a heap of the ticks in _due (and of emptied ones)
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed: int | None = None  # the tick the timer rings at
+
+    def add(self, timeout: float, waiter: asyncio.Future[None]) -> int:
+        """End ``waiter`` (set_result None) ``timeout`` seconds from now; its tick."""
+        loop = asyncio.get_running_loop()
+        tick = math.ceil((loop.time() + timeout) / self.TICK_S)
+        due = self._due.get(tick)
+        if due is None:
+            due = self._due[tick] = set()
+            heapq.heappush(self._ticks, tick)
+        due.add(waiter)
+        if self._armed is None or tick < self._armed:
+            self._arm(loop, tick)
+        return tick
+
+    def remove(self, tick: int, waiter: asyncio.Future[None]) -> None:
+        """Forget a wait that ended otherwise (its tick from :meth:`add`)."""
+        due = self._due.get(tick)
+        if due is not None:
+            due.discard(waiter)
+            if not due:
+                del self._due[tick]  # its tick leaves the heap when it comes up
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, tick: int) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._armed = tick
+        self._timer = loop.call_at(tick * self.TICK_S, self._ring, loop)
+
+    def _ring(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = self._armed = None
+        now = (loop.time() + 0.001) / self.TICK_S  # a timer may ring a little early
+        ticks = self._ticks
+        while ticks and (ticks[0] <= now or ticks[0] not in self._due):
+            for waiter in self._due.pop(heapq.heappop(ticks), ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+        if ticks:
+            self._arm(loop, ticks[0])
 
 
 class Hub:
@@ -88,6 +139,7 @@ class Hub:
         # commands on the connection one at a time: redis-py's PubSub takes a connection
         # from its pool on its first command, and commands sent at once would each take one
         self._sending = asyncio.Lock()
+        self.alarms = Alarms()  # the readers' waits' timeouts
 
     @property
     def channels(self) -> int:
