@@ -231,8 +231,9 @@ async def _answer_error(
     scope: Scope, receive: Receive, send: Send, exc: Exception, started: bool
 ) -> None:
     """Answer a request that failed with its error's status, in its API's shape (one not a
-    GgufqError is logged); re-raised once its answer had begun (too late for a status:
-    the server closes the connection)."""
+    GgufqError is logged, and answered without being raised again: Starlette's outer
+    handler raised it again, and the server then closed the connection); re-raised once
+    its answer had begun (too late for a status: the server closes the connection)."""
     if started:
         raise exc
     if not isinstance(exc, GgufqError):

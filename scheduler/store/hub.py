@@ -58,7 +58,9 @@ class Subscription:
         if not self._messages:
             waiter = self._waiter = asyncio.get_running_loop().create_future()
             alarms = self.hub.alarms
-            tick = None if timeout is None else alarms.add(timeout, waiter)
+            tick = None
+            if timeout is not None and math.isfinite(timeout):
+                tick = alarms.add(timeout, waiter)
             try:
                 await waiter
             finally:
@@ -78,17 +80,23 @@ class Alarms:
     ended at most ``TICK_S`` late."""
 
     TICK_S = 0.05
-    __slots__ = ("_due", "_ticks", "_timer", "_armed")
+    __slots__ = ("_due", "_ticks", "_timer", "_armed", "_loop")
 
     def __init__(self) -> None:
+        self._reset(None)
+
+    def _reset(self, loop: asyncio.AbstractEventLoop | None) -> None:
         self._due: dict[int, set[asyncio.Future[None]]] = {}
         self._ticks: list[int] = []  # a heap of the ticks in _due (and of emptied ones)
         self._timer: asyncio.TimerHandle | None = None
         self._armed: int | None = None  # the tick the timer rings at
+        self._loop = loop  # the loop the timer and the waits are on
 
     def add(self, timeout: float, waiter: asyncio.Future[None]) -> int:
         """End ``waiter`` (set_result None) ``timeout`` seconds from now; its tick."""
         loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # another loop (the last one closed): start afresh
+            self._reset(loop)
         tick = math.ceil((loop.time() + timeout) / self.TICK_S)
         due = self._due.get(tick)
         if due is None:
@@ -96,7 +104,7 @@ class Alarms:
             heapq.heappush(self._ticks, tick)
         due.add(waiter)
         if self._armed is None or tick < self._armed:
-            self._arm(loop, tick)
+            self._arm(loop, self._ticks[0])  # the earliest due, this one or before it
         return tick
 
     def remove(self, tick: int, waiter: asyncio.Future[None]) -> None:
