@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import redis
 
@@ -23,10 +24,12 @@ from scheduler.store.connection import connect, connect_typed, connect_typed_asy
 from scheduler.store.sentinel import parse
 from tests.conftest import settings_from, stack_env, wait_for
 from tests.gateway_server import running_gateway
-from tests.held_worker import HOLD, release
+from tests.held_worker import HOLD, is_held, release
 from tests.sentinels import Group, sentinel_group
+from tests.test_batch_api import ENDED, jsonl, line, rows
 
 SHORT = {"temperature": 0, "num_predict": 4}
+HELD = "tests.held_worker"
 
 
 @pytest.fixture()
@@ -191,3 +194,56 @@ def test_a_stream_rides_out_a_failover_mid_answer(
     # the gateway's stream rode it out too: no error line, and its end
     assert not [line for line in over_http if "error" in line], over_http
     assert over_http[-1]["done"] and over_http[-1]["done_reason"] in ("length", "stop")
+
+
+def test_a_batch_finishes_through_a_failover_of_its_primary(
+    group: Group, models_dir: Path, tmp_path: Path
+) -> None:
+    """The primary dies while a server-side batch runs (two of its lines held running:
+    the event this test controls); the sentinels promote the replica; the batch's driver
+    goes on on the new primary, and every line ends in a defined outcome, each once."""
+    env = {**stack_env(models_dir, tmp_path / "state", host="batchfailover")}
+    settings = settings_from(env, group.url).model_copy(update={"reader_lease_s": 15.0})
+    env["GGUFQ_REDIS_URL"] = group.url
+    requests = [line(f"q{i}", f"quick {i}") for i in range(3)]
+    requests += [line(f"h{i}", f"{HOLD} {i}") for i in range(2)]
+    with (
+        LocalStack(settings, log_dir=tmp_path / "logs", extra_env=env, worker_module=HELD),
+        running_gateway(settings) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api,
+    ):
+        upload = api.files.create(file=("f.jsonl", jsonl(*requests)), purpose="batch")
+        batch = api.batches.create(
+            input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+        )
+        held_jobs = [f"{batch.id}-{i}" for i in (3, 4)]
+        before = connect(group.url)
+        assert wait_for(lambda: any(is_held(before, j) for j in held_jobs), timeout=60)
+        before.close()
+        group.kill_primary()
+        assert wait_for(lambda: group.primary_port() == group.replica, timeout=60)
+        on_new = connect(group.url)
+
+        def released() -> bool:  # as soon as the sentinels agree on the new primary
+            try:
+                for job_id in held_jobs:
+                    release(on_new, job_id)
+                return True
+            except redis.RedisError:
+                return False
+
+        def status() -> str:
+            try:
+                return str(api.batches.retrieve(batch.id).status)
+            except openai.APIError:  # the gateway meets the failover too: asked again
+                return ""
+
+        assert wait_for(released, timeout=30)
+        assert wait_for(lambda: status() in ENDED, timeout=120)
+        done = api.batches.retrieve(batch.id)
+        answered = rows(api, done.output_file_id) + rows(api, done.error_file_id)
+        on_new.close()
+    assert done.status == "completed", done
+    custom_ids = sorted(a["custom_id"] for a in answered)
+    assert custom_ids == sorted([*(f"q{i}" for i in range(3)), "h0", "h1"])  # each once
+    assert all(a["response"] or a["error"] for a in answered)
