@@ -25,7 +25,7 @@ from tests.conftest import beat_forever, send
 from tests.test_state import GIB, vgpu
 from workers.chunks import ChunkPublisher
 from workers.runtime import WorkerRuntime
-from workers.start_claim import HandBack, NotOwned
+from workers.start_claim import HandBack, NotOwned, StartClaim
 
 DEVICE = vgpu(0)
 CONFIG = RunnerConfig.for_generation(256, 2, False)
@@ -360,8 +360,9 @@ def test_a_second_delivery_of_a_run_under_way_here_whose_claim_redis_lost_runs_n
     once = JobRequest(
         model="tiny", prompt="once", options={**OPTIONS, "num_predict": 200}, submitted_at=1.0
     )
-    publish = ChunkPublisher.publish
+    publish, make = ChunkPublisher.publish, StartClaim.make
     second: dict[str, Any] = {}
+    decided = threading.Event()  # the second delivery asked for its claim
 
     def again() -> None:
         try:
@@ -369,13 +370,24 @@ def test_a_second_delivery_of_a_run_under_way_here_whose_claim_redis_lost_runs_n
         except NotOwned as exc:
             second["refused"] = exc
 
+    def make_then_say(self: StartClaim) -> None:
+        try:
+            make(self)
+        finally:
+            if second.get("thread") is threading.current_thread():
+                decided.set()
+
     def then_delivered_again(self: ChunkPublisher, chunk: dict[str, Any]) -> None:
         publish(self, chunk)
         if self.job_id == once.id and self.fence == "p1" and not second:
             db.delete(keys.job_start(once.id, "p1"))  # lost with Redis's last writes
             second["thread"] = threading.Thread(target=again)  # off the decode loop's thread
             second["thread"].start()
+            # the first run stays under way (its decode loop waits here) until the
+            # second delivery asked for its claim, however slow the machine
+            decided.wait(timeout=60)
 
+    monkeypatch.setattr(StartClaim, "make", make_then_say)
     monkeypatch.setattr(ChunkPublisher, "publish", then_delivered_again)
     assert deliver(db, runtime, once)["done"]
     second["thread"].join(timeout=60)
