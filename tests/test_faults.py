@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -35,21 +36,18 @@ SHORT = {"temperature": 0, "num_predict": 4, "num_ctx": 8192}
 Hosts = tuple[LocalStack, subprocess.Popen[bytes], Settings]
 
 
-@pytest.fixture()
-def two_hosts(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Hosts]:
+@contextmanager
+def held_hosts(tmp_path: Path, **settings_env: str) -> Iterator[Hosts]:
     """A stack on host h1 (a 2 GiB virtual GPU) and a second worker, h2, with the smaller
     GPU: binpack sends the first job of the slow model there. h2 holds jobs whose prompt
-    starts with HOLD: after their first text (tests/held_worker.py). Device TTL 5 s (or the
-    test's ``ttl`` parameter), heartbeats every 0.5 s."""
+    starts with HOLD: (tests/held_worker.py). Device TTL 5 s, heartbeats every 0.5 s, one
+    runner of a model (b waits behind a at a's runner: no replica elsewhere);
+    ``settings_env`` sets more."""
     models = tmp_path / "models"
     models.mkdir()
     write_slow_model(models / "slow.gguf")
-    env = stack_env(models, tmp_path / "state", host="h1")
-    env["GGUFQ_DEVICE_TTL_S"] = str(getattr(request, "param", 5))
-    env["GGUFQ_MAX_REPLICAS"] = "1"  # b waits behind a at a's runner: no replica elsewhere
-    # a job that streamed fails when its worker dies, as it does once its resumes are used
-    # up (tests/test_midstream.py has it go on elsewhere)
-    env["GGUFQ_RESUME_MAX"] = "0"
+    env = {**stack_env(models, tmp_path / "state", host="h1"), "GGUFQ_MAX_REPLICAS": "1"}
+    env.update(settings_env)
     settings = settings_from(env, None)
     with LocalStack(
         settings, worker_args=["--virtual-gpu", "2GiB"], log_dir=tmp_path / "logs", extra_env=env
@@ -58,6 +56,16 @@ def two_hosts(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Hosts]
             "worker-h2", ["--virtual-gpu", "1GiB"], {"GGUFQ_HOST_ID": "h2"}, HELD_WORKER
         )
         yield st, h2, settings
+
+
+@pytest.fixture()
+def two_hosts(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Hosts]:
+    """:func:`held_hosts` with the device TTL of the test's ``ttl`` parameter (5 s); a job
+    that streamed fails when its worker dies, as it does once its resumes are used up
+    (tests/test_midstream.py has it go on elsewhere)."""
+    ttl = str(getattr(request, "param", 5))
+    with held_hosts(tmp_path, GGUFQ_DEVICE_TTL_S=ttl, GGUFQ_RESUME_MAX="0") as hosts:
+        yield hosts
 
 
 def stream_seqs(client: Client, job_id: str) -> list[int]:

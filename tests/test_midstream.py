@@ -17,42 +17,26 @@ from typing import Any
 import pytest
 
 from api_client import Client
-from scheduler.local.stack import LocalStack
 from scheduler.midstream import TOKENS, Skip, SoFar, for_readers, why_not_resumed
-from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.stats import job_timings
-from tests.conftest import settings_from, stack_env, wait_for
+from tests.conftest import wait_for
 from tests.held_worker import is_held, release
-from tests.tinymodel import write_slow_model
+from tests.test_faults import Hosts, held_hosts
 from workers.engine.job import Job
 from workers.engine.text import StopMatcher
 
-HELD_WORKER = "tests.held_worker"
 GREEDY = {"temperature": 0, "num_predict": 120, "num_ctx": 2048}
-
-Hosts = tuple[LocalStack, subprocess.Popen[bytes], Settings]
 
 
 @pytest.fixture()
 def two_hosts(tmp_path: Path) -> Iterator[Hosts]:
     """h1 (a 2 GiB virtual GPU) and h2 (1 GiB), whose worker holds HOLD@N: jobs after their
-    Nth token: binpack sends the slow model to h2 first. Flash attention off, so a
-    prefix evaluated in one batch gives the same logits as token by token."""
-    models = tmp_path / "models"
-    models.mkdir()
-    write_slow_model(models / "slow.gguf")
-    env = stack_env(models, tmp_path / "state", host="h1")
-    env["GGUFQ_FLASH_ATTENTION"] = "false"
-    env["GGUFQ_MAX_REPLICAS"] = "1"
-    settings = settings_from(env, None)
-    with LocalStack(
-        settings, worker_args=["--virtual-gpu", "2GiB"], log_dir=tmp_path / "logs", extra_env=env
-    ) as st:
-        h2 = st.add_worker(
-            "worker-h2", ["--virtual-gpu", "1GiB"], {"GGUFQ_HOST_ID": "h2"}, HELD_WORKER
-        )
-        yield st, h2, settings
+    Nth token: binpack sends the slow model to h2 first (tests/test_faults.py). Flash
+    attention off, so a prefix evaluated in one batch gives the same logits as token by
+    token."""
+    with held_hosts(tmp_path, GGUFQ_FLASH_ATTENTION="false") as hosts:
+        yield hosts
 
 
 def killed_mid_answer(

@@ -220,7 +220,6 @@ class Gateway:
     ) -> Response:
         """A streamed answer. An error before the first chunk is raised (it becomes the
         status); one after is sent in-stream by ``encode_error``."""
-        headers = {**_NO_BUFFERING, JOB_HEADER: job.id}
         settings = self.settings
         return JobStreamResponse(
             job,
@@ -230,7 +229,8 @@ class Gateway:
             settings.http_keepalive_s,
             settings.http_timeout_s,
             media_type=media_type,
-            headers=headers,
+            headers=_NO_BUFFERING,
+            job_header=JOB_HEADER,
             loads=self.loads,
         )
 

@@ -282,6 +282,7 @@ class JobStreamResponse(Response):
         timeout_s: float,
         media_type: str,
         headers: dict[str, str],
+        job_header: str,
         loads: LoadBoard | None = None,
     ) -> None:
         self.job, self.encode, self.encode_error = job, encode, encode_error
@@ -291,12 +292,13 @@ class JobStreamResponse(Response):
         self.status_code = 200
         self.media_type = media_type
         self.background = None
-        # a gateway holds thousands of these: the constant headers' bytes are shared
-        job_id, content_type = job.id, _content_type(media_type)
+        # a gateway holds thousands of these: the constant ``headers``' bytes are shared;
+        # ``job_header`` names the job, its own
         self.raw_headers = [
-            _header(k, v) if v != job_id else (k.lower().encode(), v.encode())
-            for k, v in headers.items()
-        ] + [_header("content-type", content_type)]
+            *(_header(k, v) for k, v in headers.items()),
+            (job_header.lower().encode("latin-1"), job.id.encode("latin-1")),
+            _header("content-type", _content_type(media_type)),
+        ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         reading = asyncio.current_task()

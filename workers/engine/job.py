@@ -100,10 +100,15 @@ class Job:
             if stopped:
                 return "stop"
         if self.generated >= self.budget:
-            tail, _ = self.stops.feed(self.utf8.flush())
-            self.emit(tail + self.stops.flush())
+            self.emit(self.tail())
             return "length"
         return None
+
+    def tail(self) -> str:
+        """The text held back at the end of a generation that met no stop string: a
+        character begun, and what could have begun a stop string."""
+        rest, _ = self.stops.feed(self.utf8.flush())
+        return rest + self.stops.flush()
 
     def finished(self, reason: str, now: int) -> GenerationStats:
         """Its account, ending now (perf_counter_ns) for ``reason``."""

@@ -317,8 +317,7 @@ class Engine:
     def _end(self, job: Job, reason: str, now: int, flush: bool = True) -> None:
         if flush and reason != "cancel":
             try:
-                tail, _ = job.stops.feed(job.utf8.flush())
-                self._emit(job, tail + job.stops.flush())
+                self._emit(job, job.tail())
             except Exception as exc:
                 self._fail(job, f"the consumer of its text failed ({exc!r})")
                 return
