@@ -20,7 +20,7 @@ whole step: the issue's target is at most 10 % on a GPU, where a step of a 1B mo
 a few milliseconds. Prints a table, then one JSON line.
 
     python bench/step_split.py [--parallel 1,4,8] [--tokens 32] [--seconds 5]
-                               [--model PATH] [--sampler greedy,greedy-device,default]
+                               [--model PATH|tiny] [--sampler greedy,greedy-device,default]
                                [--no-redis]
 
 ``--sampler`` takes several, a row each per P: ``greedy`` (plain greedy: numpy's argmax over
@@ -199,7 +199,11 @@ def main() -> None:
     parser.add_argument("--parallel", default="1,4,8", help="comma-separated slot counts")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per job")
     parser.add_argument("--seconds", type=float, default=5.0, help="time each row runs")
-    parser.add_argument("--model", help="a GGUF file (default: the demo model)")
+    parser.add_argument(
+        "--model",
+        help="a GGUF file, or tiny (a generated tiny llama: steps of 2-5 ms at 32-64 "
+        "sequences on a CPU); default: the demo model",
+    )
     parser.add_argument(
         "--sampler",
         default="greedy",
@@ -218,7 +222,12 @@ def main() -> None:
 
     from scheduler.local.embedded import EmbeddedRedis
 
-    if args.model:
+    if args.model == "tiny":  # the scale of a GPU step: a few ms at 32-64 sequences
+        from tinystack import tiny_state
+
+        state, tiny = tiny_state("ggufq-split-")
+        path = str(tiny.write_tiny_llama(state / "models" / "tiny.gguf", endless=True))
+    elif args.model:
         path = str(Path(args.model).resolve())
     else:
         from scheduler.gguf.registry import demo_model_path

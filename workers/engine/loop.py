@@ -35,7 +35,7 @@ from workers.engine.device_sampling import DeviceGreedy
 from workers.engine.job import Job, Share, StepTimes, always, is_cancelled
 from workers.engine.load import DECODE_ERRORS, ContextSize, _init_backend, _load
 from workers.engine.prepare import new_job
-from workers.engine.sampling import Format, grammar_for
+from workers.engine.sampling import Format, grammar_for, greedy_rows
 from workers.engine.text import GenerationStats, Tokenizer
 from workers.loadwatch import LoadWatch
 
@@ -231,15 +231,31 @@ class Engine:
         # sample every sequence before publishing any text: each ctypes call and numpy's
         # argmax lets go of the GIL, and a chunk handed over mid-loop wakes the chunk
         # writer, which then holds the GIL while llama.cpp's threads wait for this loop
-        device, ctx = self._device, self.ctx
-        sampled = [
-            device.token(idx) if job.on_device else job.sampler.sample(ctx, idx)
-            for job, idx in outputs
-        ]
+        sampled = self._sample(outputs)
         times.sample_ns += time.perf_counter_ns() - now
         times.tokens += len(sampled)
         for (job, _idx), token in zip(outputs, sampled, strict=True):
             self._advance(job, token, now)
+
+    def _sample(self, outputs: list[tuple[Job, int]]) -> list[int]:
+        """Every output row's next token: plain greedy rows from one argmax over the
+        step's logits (a call per sequence cost more than the argmax itself), the rest
+        by their job's sampler, or llama.cpp's in-graph argmax (device sampling)."""
+        device, ctx = self._device, self.ctx
+        if any(job.on_device for job, _ in outputs):
+            return [
+                device.token(idx) if job.on_device else job.sampler.sample(ctx, idx)
+                for job, idx in outputs
+            ]
+        greedy = None
+        if any(job.sampler.plain_greedy for job, _ in outputs):
+            greedy = greedy_rows(self._L, ctx, len(outputs), self.n_vocab).tolist()
+        return [
+            greedy[row]
+            if greedy is not None and job.sampler.plain_greedy
+            else job.sampler.sample(ctx, idx)
+            for row, (job, idx) in enumerate(outputs)
+        ]
 
     def _fill_batch(self) -> tuple[list[tuple[Job, int]], list[Job], int]:
         """The next token of every running sequence, then prompt tokens as :func:`prompt_take`

@@ -112,6 +112,13 @@ def _strict_strings() -> None:
 # -- llama.cpp parts ----------------------------------------------------------------------
 
 
+def greedy_rows(L: Any, ctx: Any, rows: int, n_vocab: int) -> np.ndarray:
+    """The argmax of each of the last step's ``rows`` output rows, in one call: llama.cpp
+    keeps the logits of the rows a batch asked for contiguously, in the batch's order."""
+    logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(rows, n_vocab))
+    return logits.argmax(axis=1)
+
+
 class Sampler:
     """One sequence's llama.cpp sampler chain, and its grammar when ``format`` asks.
 
