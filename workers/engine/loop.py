@@ -249,7 +249,7 @@ class Engine:
             ]
         greedy = None
         if any(job.sampler.plain_greedy for job, _ in outputs):
-            greedy = greedy_rows(self._L, ctx, len(outputs), self.n_vocab).tolist()
+            greedy = greedy_rows(self._L, ctx, len(outputs), self.n_vocab)
         return [
             greedy[row]
             if greedy is not None and job.sampler.plain_greedy

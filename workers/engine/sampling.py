@@ -112,11 +112,12 @@ def _strict_strings() -> None:
 # -- llama.cpp parts ----------------------------------------------------------------------
 
 
-def greedy_rows(L: Any, ctx: Any, rows: int, n_vocab: int) -> np.ndarray:
+def greedy_rows(L: Any, ctx: Any, rows: int, n_vocab: int) -> list[int]:
     """The argmax of each of the last step's ``rows`` output rows, in one call: llama.cpp
     keeps the logits of the rows a batch asked for contiguously, in the batch's order."""
     logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(rows, n_vocab))
-    return logits.argmax(axis=1)
+    tokens: list[int] = logits.argmax(axis=1).tolist()
+    return tokens
 
 
 class Sampler:
