@@ -26,7 +26,13 @@ def claimed_but_never_sent(client: Client, **fields: object) -> Job:
     """A job as a client holds it when Redis went away as placement took its message off
     the queue: its id is claimed, placement never saw it."""
     request = JobRequest.model_validate(
-        {"model": "tiny", "prompt": "Lost on the way", "options": {"num_predict": 3}, **fields}
+        {
+            "model": "tiny",
+            "prompt": "Lost on the way",
+            # greedy: a sampled token of the tiny model may end it before num_predict
+            "options": {"num_predict": 3, "temperature": 0},
+            **fields,
+        }
     )
     client._claim_id(request)
     return Job(client, request)
