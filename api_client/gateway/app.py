@@ -104,20 +104,44 @@ def _preflight(asked: bytes) -> Response:
     return Response(status_code=204, headers=headers)
 
 
-def _limited(receive: Receive, limit: int) -> Receive:
-    """``receive`` that stops a body at ``limit`` bytes: what is past it is never read."""
-    seen = 0
+class _Limited:
+    """``receive`` that stops a body at ``limit`` bytes: what is past it is never read.
+    An object with slots, not a closure: a gateway holds thousands of waiting requests."""
 
-    async def limited() -> Message:
-        nonlocal seen
-        message = await receive()
+    __slots__ = ("receive", "limit", "seen")
+
+    def __init__(self, receive: Receive, limit: int) -> None:
+        self.receive, self.limit, self.seen = receive, limit, 0
+
+    async def __call__(self) -> Message:
+        message = await self.receive()
         if message["type"] == "http.request":
-            seen += len(message.get("body", b""))
-            if seen > limit:
-                raise too_large(limit)
+            self.seen += len(message.get("body", b""))
+            if self.seen > self.limit:
+                raise too_large(self.limit)
         return message
 
-    return limited
+
+class _Counted:
+    """A request's ``send`` as the Guard sees it: the response's status, when its first
+    body part went (from ``started``, perf_counter), and the CORS headers an allowed
+    ``origin`` adds to its head. Slots, not a closure over a dict (thousands wait)."""
+
+    __slots__ = ("send", "origin", "started", "status", "ttfb", "begun")
+
+    def __init__(self, send: Send, origin: bytes | None, started: float) -> None:
+        self.send, self.origin, self.started = send, origin, started
+        self.status, self.begun = 500, False
+        self.ttfb: float | None = None
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status, self.begun = message["status"], True
+            if self.origin is not None:
+                message["headers"] = [*message.get("headers", []), *_cors(self.origin)]
+        elif message["type"] == "http.response.body" and self.ttfb is None:
+            self.ttfb = time.perf_counter() - self.started
+        await self.send(message)
 
 
 class Guard:
@@ -164,22 +188,11 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = time.perf_counter()
         scope.setdefault("state", {})["arrived"] = time.time()  # for Server-Timing
-        seen: dict[str, Any] = {"status": 500, "ttfb": None, "started": False}
         headers = dict(scope["headers"])
         refusal = self.rules.refusal(scope["method"], headers, scope["path"])
         origin = headers.get(b"origin") if refusal is None else None  # allowed: CORS headers
-
-        async def counted(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                seen["status"], seen["started"] = message["status"], True
-                if origin is not None:
-                    message["headers"] = [*message.get("headers", []), *_cors(origin)]
-            elif message["type"] == "http.response.body" and seen["ttfb"] is None:
-                seen["ttfb"] = time.perf_counter() - started
-            await send(message)
-
+        counted = _Counted(send, origin, time.perf_counter())
         key: ApiKey | None = None
         ticket: str | None = None
         try:
@@ -190,7 +203,7 @@ class Guard:
                 await _preflight(asked)(scope, receive, counted)
                 return
             limit = self.rules.body_limit(scope["path"])
-            unlimited, receive = receive, _limited(receive, limit)
+            unlimited, receive = receive, _Limited(receive, limit)
             if self.require_keys and scope["path"] not in _OPEN_PATHS:
                 key, ticket = await self._admit(headers)
             del headers  # not held while the answer waits (thousands of them)
@@ -205,13 +218,13 @@ class Guard:
                 # the body is read: the answer (which may wait long) needs no limit on it
                 await response(scope, unlimited, counted)
         except Exception as exc:
-            await _answer_error(scope, receive, counted, exc, seen["started"])
+            await _answer_error(scope, receive, counted, exc, counted.begun)
         finally:
             if ticket is not None and key is not None and self.limiter is not None:
                 await asyncio.to_thread(self.limiter.done, key, ticket)
             route = scope.get("route")
             label = getattr(route, "path", "other")
-            self.metrics.observe(label, seen["status"], key.id if key else "", seen["ttfb"])
+            self.metrics.observe(label, counted.status, key.id if key else "", counted.ttfb)
 
     async def _admit(self, headers: dict[bytes, bytes]) -> tuple[ApiKey, str | None]:
         token = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))

@@ -145,7 +145,21 @@ async def _answer(
         final = await gateway.result(request, job)
         return JSONResponse(generate_record(echo, final, chat=chat))
 
-    def encode(chunk: GenerateResponse) -> list[bytes]:
+    lines = _Lines(echo, chat)
+    return gateway.stream(job, lines.encode, error_line, lines.beat, NDJSON)
+
+
+class _Lines:
+    """A streamed answer's NDJSON lines: its chunks, and its keep-alives (with the load's
+    progress). Slots, not two closures: a gateway holds thousands of waiting answers."""
+
+    __slots__ = ("echo", "chat")
+
+    def __init__(self, echo: str, chat: bool) -> None:
+        self.echo, self.chat = echo, chat
+
+    def encode(self, chunk: GenerateResponse) -> list[bytes]:
+        echo, chat = self.echo, self.chat
         if not chunk.done:
             return [line(generate_record(echo, chunk, chat=chat))]
         # the chunks before the last carried the text; tool calls come on a line before it,
@@ -153,11 +167,9 @@ async def _answer(
         last = line(generate_record(echo, chunk, "", chat, calls=False))
         return [line(calls_record(echo, chunk)), last] if chat and made_calls(chunk) else [last]
 
-    def beat(progress: LoadProgress | None) -> bytes:
-        record = empty_record(echo, time.time(), chat, None)
+    def beat(self, progress: LoadProgress | None) -> bytes:
+        record = empty_record(self.echo, time.time(), self.chat, None)
         return line(record if progress is None else {**record, "load_progress": progress.body()})
-
-    return gateway.stream(job, encode, error_line, beat, NDJSON)
 
 
 async def _load_or_unload(

@@ -143,6 +143,8 @@ class _Output:
         "lock",
         "loop",
         "last",
+        "reading",
+        "gone",
     )  # one a waiting answer: no dict each
 
     def __init__(
@@ -160,6 +162,14 @@ class _Output:
         self.lock = asyncio.Lock()
         self.loop = asyncio.get_running_loop()
         self.last = self.loop.time()
+        self.reading = asyncio.current_task()  # the task that reads the job's stream
+        self.gone = False  # its client left before the response was complete
+
+    def left(self) -> None:
+        """The client went away: stop reading (which cancels the job)."""
+        if not self.ended and self.reading is not None:  # the server says so too once the
+            self.gone = True  # response is complete
+            self.reading.cancel()
 
     async def frames(self, frames: list[bytes], more: bool = True) -> None:
         async with self.lock:
@@ -301,10 +311,6 @@ class JobStreamResponse(Response):
         ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        reading = asyncio.current_task()
-        assert reading is not None
-        gone = False
-
         resumable = await opened(scope, self.job, self.media_type == SSE_TYPE)
         self.ids = None if resumable is None else resumable[0]
         named = [(b"x-conversation-id", resumable[1].encode())] if resumable else []
@@ -312,13 +318,7 @@ class JobStreamResponse(Response):
         timing = ServerTiming(scope.get("state", {}).get("arrived"), self.job.submitted_at)
         feed = None if self.loads is None else LoadFeed(self.loads, self.job.model)
         out = _Output(send, head, self.beat, self.keepalive_s, timing, feed)
-
-        def left() -> None:
-            nonlocal gone
-            if not out.ended:  # the server says so too once the response is complete
-                gone = True
-                reading.cancel()
-
+        left = out.left
         helpers = []
         on_gone = scope.get(ON_GONE)
         if on_gone is not None:  # the gateway's own server says when the client leaves
@@ -340,9 +340,9 @@ class JobStreamResponse(Response):
             if not out.ended:
                 await out.frames([self.encode_error(error)] if error else [], more=False)
         except asyncio.CancelledError:
-            if not gone:
+            if not out.gone or out.reading is None:
                 raise
-            reading.uncancel()  # the client left: not an error, and nobody to answer
+            out.reading.uncancel()  # the client left: not an error, and nobody to answer
         finally:
             if on_gone is not None:  # before any await: nothing may cancel what follows
                 with contextlib.suppress(ValueError):
