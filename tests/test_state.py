@@ -24,6 +24,7 @@ from scheduler.store.streams import publish_final, queue_chunk, read_chunks
 from scheduler.store.worker_state import WorkerState
 from tests.conftest import fall_silent, send
 from workers.chunks import ChunkPublisher, ChunkWriter, Pending
+from workers.first_chunk import FirstChunks
 
 GIB = 1 << 30
 
@@ -266,8 +267,8 @@ def test_writer_sends_every_jobs_first_chunk_at_once_while_others_stream(
         assert writer.flush(timeout_s=10)
         busy.publish({"response": "b"})  # waits out the interval...
         ChunkPublisher(db, "job5", ttl_s=60, writer=writer).publish({"response": "hi"})
-        # ...but a new job's first token does not: it is in Redis once publish returns
-        assert recorded(db, "job5") == ["hi"]
+        # ...but a new job's first token does not: sent as publish returns
+        assert recorded_soon(db, "job5") == ["hi"]
         assert recorded(db, "job4") == ["a"]
         assert writer.flush(timeout_s=10)
         assert recorded(db, "job4") == ["a", "b"]
@@ -279,14 +280,15 @@ def test_a_first_chunk_redis_does_not_take_at_once_goes_through_the_writer_threa
     db: redis.Redis,
 ) -> None:
     writer = ChunkWriter(db, interval_s=600.0)
+    writer.first.close()
     with socket.socket() as closed:  # a port nothing listens on: refused at once
         closed.bind(("127.0.0.1", 0))
-        writer._now = redis.Redis(port=closed.getsockname()[1], socket_connect_timeout=0.25)
+        writer.first = FirstChunks(redis.Redis(port=closed.getsockname()[1]))
     try:
         pub = ChunkPublisher(db, "job6", ttl_s=60, writer=writer)
         pub.publish({"response": "first"})
         assert recorded_soon(db, "job6") == ["first"]  # the thread wrote it, at once
-        assert writer._now_paused_until > time.monotonic()  # and takes the next jobs' too
+        assert writer.first.paused_until > time.monotonic()  # and takes the next jobs' too
         assert not writer.write_now(Pending("job7", 1, {"response": "x"}, 60))
     finally:
         writer.close()
@@ -374,20 +376,27 @@ def test_scripts_queued_by_hash_cost_no_round_trip_and_a_lost_one_runs_once_more
     assert spy.connection_pool._in_use_connections == set()  # none kept by a pipeline
 
 
-class LostReplies(redis.Redis):
-    """A client whose scripts run but whose answers never come (a reply lost on the way,
-    or later than the writer waits)."""
+class LostAnswers(redis.Connection):
+    """A connection whose commands run but whose answers never come (an answer lost on the
+    way, or later than the writer waits)."""
 
-    def evalsha(self, *args: Any, **kwargs: Any) -> Any:
-        super().evalsha(*args, **kwargs)
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        super().read_response(*args, **kwargs)
         raise redis.TimeoutError("the answer was lost")
+
+
+def first_chunks_over(db: redis.Redis, connection_class: type[redis.Connection]) -> FirstChunks:
+    kwargs = db.connection_pool.connection_kwargs
+    pool = redis.ConnectionPool(connection_class=connection_class, **kwargs)
+    return FirstChunks(redis.Redis(connection_pool=pool))
 
 
 def test_a_first_chunk_whose_answer_was_lost_keeps_the_text_after_it(db: redis.Redis) -> None:
     """The first chunk landed but its answer did not: the writer thread's copy is refused
     as a duplicate, so text published after it must not have joined it."""
     writer = ChunkWriter(db, interval_s=600.0)
-    writer._now = LostReplies(connection_pool=db.connection_pool)
+    writer.first.close()
+    writer.first = first_chunks_over(db, LostAnswers)
     try:
         pub = ChunkPublisher(db, "job8", ttl_s=60, writer=writer)
         pub.publish({"response": "first"})
@@ -399,6 +408,44 @@ def test_a_first_chunk_whose_answer_was_lost_keeps_the_text_after_it(db: redis.R
         assert "".join(c["response"] for c in chunks) == "first second third"
         assert [c["seq"] for c in chunks] == list(range(1, len(chunks) + 1))
         assert chunks[-1]["done"]
+    finally:
+        writer.close()
+
+
+def test_a_first_chunk_sent_when_redis_had_lost_the_script_is_written_by_the_thread(
+    db: redis.Redis,
+) -> None:
+    """The decode thread sends the script by its hash; Redis, restarted without it, answers
+    NOSCRIPT: the writer's thread loads it and writes the chunk, ahead of the next."""
+    writer = ChunkWriter(db, interval_s=600.0)
+    try:
+        pub = ChunkPublisher(db, "job9", ttl_s=60, writer=writer)
+        db.script_flush()
+        pub.publish({"response": "first"})
+        pub.publish({"response": " second"})
+        pub.publish({"response": "", "done": True})
+        assert writer.flush(timeout_s=10)
+        assert recorded(db, "job9") == ["first", " second", ""]
+        assert [c["seq"] for c in read_chunks(db, "job9", 5)] == [1, 2, 3]
+        assert writer.first.paused_until < time.monotonic()  # the connection was fine
+    finally:
+        writer.close()
+
+
+def test_a_first_chunk_refused_for_its_fence_tells_the_run_from_the_writer(
+    db: redis.Redis,
+) -> None:
+    """Sent from the decode thread, its answer (FENCED: the job's owner is another
+    placement now) is read on the writer's thread, which tells the run to stop."""
+    told: list[tuple[str, str]] = []
+    writer = ChunkWriter(db, interval_s=600.0, on_fenced=lambda *run: told.append(run))
+    try:
+        db.set(keys.job_owner("job10"), "placement-2")
+        pub = ChunkPublisher(db, "job10", ttl_s=60, writer=writer, fence="placement-1")
+        pub.publish({"response": "first"})
+        assert writer.flush(timeout_s=10)
+        assert told == [("job10", "placement-1")]
+        assert recorded(db, "job10") == []
     finally:
         writer.close()
 

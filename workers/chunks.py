@@ -17,23 +17,11 @@ from scheduler.local.procs import lower_thread_priority
 from scheduler.midstream import TOKENS, Skip, SoFar
 from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.scripts import execute
-from scheduler.store.streams import Appended, queue_chunk, write_chunk
+from scheduler.store.streams import queue_chunk, write_chunk
+from workers.first_chunk import FirstChunks, Sent
+from workers.pending import Pending
 
 log = logging.getLogger(__name__)
-
-
-class Pending:
-    """A chunk queued in a :class:`ChunkWriter`; text may join it until the writer takes it."""
-
-    __slots__ = ("job_id", "seq", "chunk", "ttl_s", "fence", "taken", "written_at")
-
-    def __init__(
-        self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
-    ) -> None:
-        self.job_id, self.seq, self.chunk, self.ttl_s = job_id, seq, chunk, ttl_s
-        self.fence = fence  # written only while the job's owner is this placement id
-        self.taken = False
-        self.written_at = 0.0  # wall-clock time the writer had it in Redis
 
 
 class ChunkWriter:
@@ -49,9 +37,6 @@ class ChunkWriter:
     wait short and returns once everything queued before it is in Redis.
     """
 
-    NOW_TIMEOUT_S = 0.25  # a write from a decode thread waits no longer for Redis
-    NOW_PAUSE_S = 5.0  # after one that failed, first chunks go through the thread this long
-
     def __init__(
         self,
         client: redis.Redis,
@@ -64,13 +49,12 @@ class ChunkWriter:
         # told (job id, placement id) of a run whose chunk was refused: another placement of
         # the job owns its stream now (placed again, or sent again), so that run stops
         self.on_fenced = on_fenced
-        self._now = _quick_client(client, self.NOW_TIMEOUT_S)
-        self._now_paused_until = 0.0
+        self.first = FirstChunks(client)  # first chunks, sent from the decode thread
         self._last_write = -float("inf")  # monotonic time of the last write
         self.outage_s = outage_s  # how long chunks wait for Redis to come back
         self.nice = nice  # added to the writer thread's niceness (see procs.py)
         self.interval_s = interval_s
-        self._queue: queue.SimpleQueue[Pending | threading.Event | None]
+        self._queue: queue.SimpleQueue[Pending | Sent | threading.Event | None]
         self._queue = queue.SimpleQueue()
         self._lock = threading.Lock()  # between extend and the writer taking a batch
         self._hurry = threading.Event()  # set by flush and close: write without waiting
@@ -87,26 +71,15 @@ class ChunkWriter:
         return pending
 
     def write_now(self, pending: Pending) -> bool:
-        """Write a job's first chunk from the caller's (decode) thread at once: the writer
-        thread runs at a lower priority and would wait out the decode step on a busy CPU
-        (10 ms of the demo model's time to first token on 2 cores). One round trip with a
-        short timeout; False when it failed (then :meth:`put` it: the thread tries again,
-        and a copy that did get through is skipped as a duplicate), and first chunks go
-        through the thread for a few seconds, so that a slow Redis never holds up decoding
-        more than once."""
-        if time.monotonic() < self._now_paused_until:
+        """Send a job's first chunk from the caller's (decode) thread at once, without
+        waiting for Redis's answer, which this writer's thread reads, at its next write,
+        before it writes anything queued after it (workers/first_chunk.py); False when it
+        was not sent (then :meth:`put` it)."""
+        if not self.first.send(pending, self._queue.put):
             return False
-        try:
-            args = (pending.job_id, pending.seq, pending.chunk, pending.ttl_s, pending.fence)
-            appended = write_chunk(self._now, *args)
-        except redis.RedisError as exc:
-            log.warning("writing a first chunk at once failed (%s); the writer takes it", exc)
-            self._now_paused_until = time.monotonic() + self.NOW_PAUSE_S
-            return False
-        pending.taken, pending.written_at = True, time.time()
-        self._last_write = time.monotonic()  # the next chunks wait out the interval from here
-        if appended is Appended.FENCED:
-            self.on_fenced(pending.job_id, pending.fence)
+        # its answer is read when the writer next writes: the next chunks (of every job)
+        # wait out the interval from here, as after any write
+        self._last_write = time.monotonic()
         return True
 
     def extend(self, pending: Pending | None, chunk: dict[str, Any]) -> bool:
@@ -135,13 +108,13 @@ class ChunkWriter:
         self._queue.put(None)
         self._hurry.set()
         self._thread.join(timeout=10)
-        self._now.close()
+        self.first.close()
 
     def _run(self) -> None:
         lower_thread_priority(self.nice)
         while True:
-            batch = [self._queue.get()]
-            if isinstance(batch[0], Pending):  # a chunk: wait out the interval (or a flush)
+            batch: list[Pending | Sent | threading.Event | None] = [self._queue.get()]
+            if isinstance(batch[0], (Pending, Sent)):  # wait out the interval (or a flush)
                 self._hurry.wait(self._last_write + self.interval_s - time.monotonic())
             self._hurry.clear()
             while True:
@@ -154,6 +127,12 @@ class ChunkWriter:
                 for chunk in chunks:
                     chunk.taken = True
             waiters = [item for item in batch if isinstance(item, threading.Event)]
+            sent = [item for item in batch if isinstance(item, Sent)]
+            if sent:  # first chunks sent from a decode thread: their answers come first
+                again, fenced = self.first.answers(sent)
+                chunks = again + chunks  # ahead of their jobs' later chunks
+                for pending in fenced:
+                    self.on_fenced(pending.job_id, pending.fence)
             try:
                 if chunks:
                     self._write(chunks)
@@ -221,21 +200,6 @@ class ChunkWriter:
         for c in chunks:
             queue_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
         return execute(pipe, raise_on_error=False)  # a script Redis lost: loaded, run again
-
-
-def _quick_client(client: redis.Redis, timeout_s: float) -> redis.Redis:
-    """A client of the same server as ``client`` (same connection settings, TLS included)
-    whose reads and connects give up after ``timeout_s``."""
-    pool = client.connection_pool
-    kwargs = dict(pool.connection_kwargs, socket_timeout=timeout_s)
-    kwargs["socket_connect_timeout"] = timeout_s
-    if isinstance(pool, redis.sentinel.SentinelConnectionPool):  # the primary it names
-        named = redis.sentinel.SentinelConnectionPool(
-            pool.service_name, pool.sentinel_manager, **kwargs
-        )
-        return redis.Redis(connection_pool=named)
-    quick = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
-    return redis.Redis(connection_pool=quick)
 
 
 class ChunkPublisher:

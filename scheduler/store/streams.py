@@ -76,6 +76,16 @@ def write_chunk(
     return Appended(int(_registered(client, "append")(keys=job_keys, args=args, client=client)))
 
 
+def append_command(
+    client: Any, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
+) -> tuple[Any, ...]:
+    """:func:`write_chunk` as one EVALSHA command's arguments, to send on a connection whose
+    answer is read later (workers/first_chunk.py): it is :class:`Appended`, or NOSCRIPT
+    when Redis lost the script (then write the chunk the usual way)."""
+    job_keys, args = _append_call(job_id, seq, chunk, ttl_s, fence)
+    return ("EVALSHA", _registered(client, "append").sha, len(job_keys), *job_keys, *args)
+
+
 def queue_chunk(
     pipe: Any, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
 ) -> None:
