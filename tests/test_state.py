@@ -450,6 +450,26 @@ def test_a_first_chunk_refused_for_its_fence_tells_the_run_from_the_writer(
         writer.close()
 
 
+def test_a_fenced_runs_callback_that_raises_stops_no_other_jobs_chunks(db: redis.Redis) -> None:
+    def fails(job_id: str, placement_id: str) -> None:
+        raise RuntimeError("the run's stop failed")
+
+    writer = ChunkWriter(db, interval_s=600.0, on_fenced=fails)
+    try:
+        db.set(keys.job_owner("job11"), "placement-2")
+        ChunkPublisher(db, "job11", 60, writer, fence="placement-1").publish({"response": "x"})
+        assert writer.flush(timeout_s=10)  # its answer read: the callback raised
+        other = ChunkPublisher(db, "job12", ttl_s=60, writer=writer)
+        other.publish({"response": "a"})
+        other.publish({"response": "b"})
+        assert writer.flush(timeout_s=10)  # the writer's thread is still there
+        assert recorded(db, "job12") == ["a", "b"] and recorded(db, "job11") == []
+        writer.first.stop()  # closing: no first chunk is sent past the writer's end
+        assert not writer.write_now(Pending("job13", 1, {"response": "y"}, 60))
+    finally:
+        writer.close()
+
+
 def test_final_from_another_process_continues_the_sequence(db: redis.Redis) -> None:
     pub = ChunkPublisher(db, "job2", ttl_s=60)
     pub.publish({"response": "x"})

@@ -105,6 +105,7 @@ class ChunkWriter:
         return done.wait(timeout_s)
 
     def close(self) -> None:
+        self.first.stop()  # every first chunk sent is queued before the end: answers read
         self._queue.put(None)
         self._hurry.set()
         self._thread.join(timeout=10)
@@ -132,7 +133,7 @@ class ChunkWriter:
                 again, fenced = self.first.answers(sent)
                 chunks = again + chunks  # ahead of their jobs' later chunks
                 for pending in fenced:
-                    self.on_fenced(pending.job_id, pending.fence)
+                    self._tell_fenced(pending.job_id, pending.fence)
             try:
                 if chunks:
                     self._write(chunks)
@@ -192,8 +193,14 @@ class ChunkWriter:
         if failed:
             return str(failed[0]), False
         for run in {(c.job_id, c.fence) for c, r in zip(chunks, results, strict=True) if r == 0}:
-            self.on_fenced(*run)  # Appended.FENCED: that run is not the job's now
+            self._tell_fenced(*run)  # Appended.FENCED: that run is not the job's now
         return None, False
+
+    def _tell_fenced(self, job_id: str, fence: str) -> None:
+        try:
+            self.on_fenced(job_id, fence)
+        except Exception:  # the writer's thread goes on for every other job
+            log.exception("telling job %s's run %s that it is fenced off failed", job_id, fence)
 
     def _pipeline(self, chunks: list[Pending]) -> list[Any]:
         pipe = self.r.pipeline(transaction=False)

@@ -53,6 +53,7 @@ class FirstChunks:
         self._lock = threading.Lock()  # a send, and the reading of answers, one at a time
         self._conn: Any = None
         self._generation = 0  # raised when the connection is dropped: its answers are lost
+        self._owed = 0  # answers of this connection not read yet
 
     def send(self, pending: Pending, then: Callable[[Sent], None]) -> bool:
         """Send ``pending`` (a job's first chunk) and call ``then`` with its :class:`Sent`
@@ -65,9 +66,11 @@ class FirstChunks:
                 self._conn = self.client.connection_pool.get_connection()
             p = pending
             command = append_command(self.client, p.job_id, p.seq, p.chunk, p.ttl_s, p.fence)
-            # no health check: its PING's answer would be read among the chunks' answers
-            self._conn.send_command(*command, check_health=False)
+            # redis-py's health check (a PING after an idle spell) reads its answer at once:
+            # only when no chunk's answer is owed, which it would read instead
+            self._conn.send_command(*command, check_health=self._owed == 0)
             pending.taken, pending.written_at = True, time.time()  # in Redis a moment later
+            self._owed += 1
             then(Sent(pending, self._generation))
             return True
         except (redis.RedisError, OSError) as exc:
@@ -87,20 +90,27 @@ class FirstChunks:
                 if item.generation != self._generation or self._conn is None:
                     again.append(item.pending)  # its connection was dropped: answer lost
                     continue
+                self._owed -= 1
                 try:
-                    reply = self._conn.read_response()
+                    appended = Appended(int(self._conn.read_response()))
                 except redis.ResponseError as exc:  # it did not run (NOSCRIPT): write it
                     log.info("a first chunk sent at once did not run (%s): written again", exc)
                     again.append(item.pending)
                     continue
-                except (redis.RedisError, OSError) as exc:  # late, or the connection lost
-                    log.warning("a first chunk's answer did not come (%s): written again", exc)
+                except Exception as exc:  # late, the connection lost, or not an answer of
+                    # append.lua's: this one and those after it on the connection are unknown
+                    log.warning("a first chunk's answer did not come (%r): written again", exc)
                     again.append(item.pending)
                     self._drop()
                     continue
-                if Appended(int(reply)) is Appended.FENCED:
+                if appended is Appended.FENCED:
                     fenced.append(item.pending)
         return again, fenced
+
+    def stop(self) -> None:
+        """Send no more (the writer is closing: it reads the answers owed, then ends)."""
+        with self._lock:
+            self.paused_until = float("inf")
 
     def close(self) -> None:
         with self._lock:
@@ -111,8 +121,9 @@ class FirstChunks:
     def _drop(self) -> None:
         """Forget the connection (and the answers it still owes): the next send opens
         another, after the pause."""
-        self.paused_until = time.monotonic() + self.PAUSE_S
+        self.paused_until = max(self.paused_until, time.monotonic() + self.PAUSE_S)
         self._generation += 1
+        self._owed = 0
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.disconnect()
