@@ -150,7 +150,7 @@ class _Output:
     def __init__(
         self,
         send: Send,
-        head: dict[str, Any],
+        head: list[tuple[bytes, bytes]],
         beat: Beat,
         every_s: float,
         timing: ServerTiming,
@@ -177,8 +177,8 @@ class _Output:
                 return
             if not self.started:
                 self.started = True
-                headers = [*self.head["headers"], self.timing.header(time.time())]
-                await self.send({**self.head, "headers": headers})
+                headers = [*self.head, self.timing.header(time.time())]
+                await self.send({"type": "http.response.start", "status": 200, "headers": headers})
             for frame in frames:
                 await self.send({"type": "http.response.body", "body": frame, "more_body": True})
             if not more:
@@ -314,7 +314,7 @@ class JobStreamResponse(Response):
         resumable = await opened(scope, self.job, self.media_type == SSE_TYPE)
         self.ids = None if resumable is None else resumable[0]
         named = [(b"x-conversation-id", resumable[1].encode())] if resumable else []
-        head = {"type": "http.response.start", "status": 200, "headers": self.raw_headers + named}
+        head = self.raw_headers + named if named else self.raw_headers  # a message once sent
         timing = ServerTiming(scope.get("state", {}).get("arrived"), self.job.submitted_at)
         feed = None if self.loads is None else LoadFeed(self.loads, self.job.model)
         out = _Output(send, head, self.beat, self.keepalive_s, timing, feed)
