@@ -15,9 +15,10 @@ resident memory (over its size before the clients came, per waiting client) and 
 the TCP connections the gateway process holds to Redis (with what each did last, as
 Redis's CLIENT LIST says). Then it cancels the hog's job and lets the worker go on
 (SIGCONT): the idle hog is evicted, and every client is served; each notes when its first
-real line came, and the bench reads when the worker had that job's first chunk in Redis
-(its ``first_chunk_written`` hop): the difference is the gateway's time to first byte once
-served. The clients stop themselves after ``--timeout`` seconds.
+real line came, and the bench reads when the worker sent that job's first chunk to Redis
+(its ``first_chunk_written`` hop): the difference is the time to first byte once served,
+Redis's own time to run the chunk's script and the gateway's. The clients stop themselves
+after ``--timeout`` seconds.
 
 Targets (issue 34): Redis connections of the gateway <= 8, resident memory per waiting
 client <= 20 KB, 0 errors. Prints a table, then one JSON line.

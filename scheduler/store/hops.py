@@ -25,7 +25,7 @@ HOPS = (
     "worker_received",  # the worker's task began
     "admitted",  # the runner gave it a slot
     "first_token",  # the runner produced its first text
-    "first_chunk_written",  # the worker's writer had that text in Redis
+    "first_chunk_written",  # the worker had that text in Redis (or sent it there at once)
     "first_chunk_read",  # the reader had it (noted in the reader's process only)
 )
 
