@@ -25,6 +25,7 @@ from tests.test_flower import answers, get
 
 SHORT = {"temperature": 0, "num_predict": 4}
 WORKER = "ggufq-cpu@flowersentinel"
+QUEUES = {"ggufq.cpu.flowersentinel", "ggufq.cpu.flowersentinel.batch"}
 
 
 @pytest.fixture()
@@ -74,11 +75,19 @@ def test_flower_behind_sentinel_shows_the_workers_through_a_failover(
             except (OSError, ValueError):  # Flower's inspection failed: not yet
                 return False
 
+        def queues() -> set[str]:  # the lengths of the queues the workers consume
+            try:
+                get(flower + "/api/workers?refresh=1")
+                return {q["name"] for q in get(flower + "/api/queues/length")["active_queues"]}
+            except (OSError, ValueError, KeyError):
+                return set()
+
         def seen(job_id: str) -> bool:  # its task events reached Flower: it ran there
             info = flower + f"/api/task/info/{job_id}"
             return answers(info) and get(info)["state"] == "SUCCESS"
 
         assert wait_for(listed, timeout=60), f"see {tmp_path}"
+        assert wait_for(lambda: QUEUES <= queues(), timeout=60)  # its broker page's data
         before = client.submit("tiny", "before", options=SHORT)
         assert before.result(timeout=60).done
         assert wait_for(lambda: seen(before.id), timeout=60)
@@ -105,3 +114,4 @@ def test_flower_behind_sentinel_shows_the_workers_through_a_failover(
         assert wait_for(a_new_job_is_seen, timeout=120), f"see {tmp_path / 'flower.log'}"
         assert wait_for(listed, timeout=60)
         assert get(flower + "/api/workers?status=true").get(WORKER) is True
+        assert wait_for(lambda: QUEUES <= queues(), timeout=60)  # read on the new primary
