@@ -166,9 +166,9 @@ class _Output:
         self.gone = False  # its client left before the response was complete
 
     def left(self) -> None:
-        """The client went away: stop reading (which cancels the job)."""
-        if not self.ended and self.reading is not None:  # the server says so too once the
-            self.gone = True  # response is complete
+        """The client went away before the response ended: stop reading (the job is cancelled)."""
+        if not self.ended and self.reading is not None:
+            self.gone = True
             self.reading.cancel()
 
     async def frames(self, frames: list[bytes], more: bool = True) -> None:
