@@ -86,16 +86,16 @@ class ChunkWriter:
         """Add a text-only chunk's text (answer or thinking) and its tokens to ``pending``
         if that is text of the same kind only and still queued; False when it has to be a
         chunk of its own."""
-        texts = chunk.keys() - {TOKENS}
-        if pending is None or len(texts) != 1 or not texts & {"response", "thinking"}:
+        name = _text_kind(chunk)  # answer text, or thinking text
+        if pending is None or name is None:
             return False
-        (name,) = texts  # answer text, or thinking text
         with self._lock:
-            if pending.taken or pending.chunk.keys() - {TOKENS} != {name}:
+            held = pending.chunk
+            if pending.taken or _text_kind(held) != name:
                 return False
-            pending.chunk[name] += chunk[name]
-            if TOKENS in chunk:
-                pending.chunk[TOKENS] = [*pending.chunk.get(TOKENS, ()), *chunk[TOKENS]]
+            held[name] += chunk[name]
+            if TOKENS in chunk:  # in place: a chunk that waits long does not cost its square
+                held.setdefault(TOKENS, []).extend(chunk[TOKENS])
             return True
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -207,6 +207,13 @@ class ChunkWriter:
         for c in chunks:
             queue_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
         return execute(pipe, raise_on_error=False)  # a script Redis lost: loaded, run again
+
+
+def _text_kind(chunk: dict[str, Any]) -> str | None:
+    """ "response" or "thinking" when that text is all ``chunk`` holds (with its tokens)."""
+    if len(chunk) - (TOKENS in chunk) != 1:
+        return None
+    return "response" if "response" in chunk else "thinking" if "thinking" in chunk else None
 
 
 class ChunkPublisher:
