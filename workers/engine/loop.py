@@ -7,7 +7,7 @@ room for, calls ``llama_decode`` once, and samples one token per sequence whose 
 the step produced. Sequences retire as they finish and their slots go to the next job.
 The batch is laid out so that llama.cpp's split into micro-batches (one pass over the
 weights each) stays at one for running sequences and adds at most an output-less one for
-a joining prompt (:func:`batch_rows`, :func:`prompt_take`).
+a joining prompt (:mod:`workers.engine.layout`).
 
 Callers (one thread per job) prepare their job in their own thread (tokenizing, building
 the sampler chain, parsing a grammar), hand it to the loop and block until it ends.
@@ -30,9 +30,10 @@ from collections.abc import Callable
 from scheduler.errors import JobFailed
 from scheduler.protocol import Options, RunnerConfig
 from workers.cpus import llama
-from workers.engine.batching import Admission, Feed, batch_rows, common_prefix, prompt_take
+from workers.engine.batching import Admission, common_prefix
 from workers.engine.device_sampling import DeviceGreedy
 from workers.engine.job import Job, Share, StepTimes, always, is_cancelled
+from workers.engine.layout import Layout
 from workers.engine.load import DECODE_ERRORS, ContextSize, _init_backend, _load
 from workers.engine.prepare import new_job
 from workers.engine.sampling import Format, grammar_for, greedy_rows
@@ -76,15 +77,13 @@ class Engine:
         self._batch = L.llama_batch_init(self.size.n_batch, 0, 1)
         for i in range(self.size.n_batch):
             self._batch.n_seq_id[i] = 1
-        self._tokens, self._pos = self._batch.token, self._batch.pos
-        self._seq_ids, self._logits = self._batch.seq_id, self._batch.logits
+        self._layout = Layout(self._batch, self.size.n_batch)  # each step's rows
         self._tokenizer = Tokenizer(L, self.vocab)
         self._admission: Admission[Job] = Admission(config.num_parallel, lambda job: job.share)
         self._active: list[Job] = []
         self._cond = threading.Condition()
         self._prep = threading.Lock()  # held while a caller uses the model outside the loop
         self._closing = False
-        self._step_no = 0
         self.times = StepTimes()
         self._thread = threading.Thread(target=self._run, name=f"decode-{self.name}", daemon=True)
         self._thread.start()
@@ -213,7 +212,7 @@ class Engine:
         now = time.perf_counter_ns()
         for job in [j for j in self._active if is_cancelled(j)]:
             self._end(job, "cancel", now)
-        outputs, in_batch, n = self._fill_batch()
+        outputs, in_batch, n = self._layout.fill(self._active)
         if n == 0:
             return
         self._batch.n_tokens = n
@@ -256,47 +255,6 @@ class Engine:
             else job.sampler.sample(ctx, idx)
             for row, (job, idx) in enumerate(outputs)
         ]
-
-    def _fill_batch(self) -> tuple[list[tuple[Job, int]], list[Job], int]:
-        """The next token of every running sequence, then prompt tokens as :func:`prompt_take`
-        allows in the room n_batch leaves, laid out by :func:`batch_rows`."""
-        decoding = self._decoding(self.size.n_batch)
-        feeds = [(job, Feed(job.seq, [job.next_token], job.pos, True)) for job in decoding]
-        room = self.size.n_batch - len(decoding)
-        for job in self._active:
-            left = len(job.tokens) - job.fed
-            if left <= 0 or room <= 0:
-                continue
-            take, output = prompt_take(left, room, bool(decoding))
-            chunk = job.tokens[job.fed : job.fed + take]
-            feeds.append((job, Feed(job.seq, chunk, job.fed, output)))
-            room -= take
-        tokens, pos, seq_ids, logits = self._tokens, self._pos, self._seq_ids, self._logits
-        outputs: list[tuple[Job, int]] = []
-        rows = batch_rows([feed for _, feed in feeds])
-        for n, (i, token, position, seq, output) in enumerate(rows):
-            tokens[n], pos[n], seq_ids[n][0], logits[n] = token, position, seq, output
-            if output:
-                outputs.append((feeds[i][0], n))
-        for job, feed in feeds:
-            job.decoded += feed.tokens
-            if job.next_token >= 0:
-                job.pos += 1
-                job.next_token = -1
-            else:
-                job.fed += len(feed.tokens)
-                job.pos = job.fed
-        return outputs, [job for job, _ in feeds], len(rows)
-
-    def _decoding(self, limit: int) -> list[Job]:
-        """Sequences with a token to decode, in slot order: llama.cpp reuses the previous
-        step's graph only for the same layout (a rotating order made steps 1.5x slower)."""
-        ready = sorted((j for j in self._active if j.next_token >= 0), key=lambda j: j.seq)
-        if len(ready) > limit:  # n_batch below num_parallel: take turns
-            self._step_no += 1
-            start = self._step_no % len(ready)
-            ready = sorted((ready[start:] + ready[:start])[:limit], key=lambda j: j.seq)
-        return ready
 
     def _advance(self, job: Job, token: int, now: int) -> None:
         job.generated += 1
