@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tinystack import tiny_state
+from tinystack import tiny_llama_state
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -80,20 +80,17 @@ def main() -> None:
     from scheduler.store import keys
     from scheduler.store.acl import Role
 
-    state, tiny = tiny_state("ggufq-batch-chaos-")
-    tiny.write_tiny_llama(state / "models" / f"{MODEL}.gguf")
-    env = {
-        "GGUFQ_MODELS_DIR": str(state / "models"),
-        "GGUFQ_STATE_DIR": str(state),
-        "GGUFQ_DATA_DIR": str(state / "data"),
-        "GGUFQ_HOST_ID": "chaos",
-        "GGUFQ_HEARTBEAT_INTERVAL_S": "0.5",
-        "GGUFQ_DEVICE_TTL_S": "5",
-        "GGUFQ_NUM_PARALLEL": "4",
-        "GGUFQ_METRICS_PORT": "0",
-        "GGUFQ_BATCH_LEASE_S": "3",
-        "GGUFQ_HTTP_PORT": str(free_port()),
-    }
+    state, env = tiny_llama_state(
+        "ggufq-batch-chaos-",
+        MODEL,
+        GGUFQ_HOST_ID="chaos",
+        GGUFQ_HEARTBEAT_INTERVAL_S="0.5",
+        GGUFQ_DEVICE_TTL_S="5",
+        GGUFQ_NUM_PARALLEL="4",
+        GGUFQ_BATCH_LEASE_S="3",
+        GGUFQ_HTTP_PORT=str(free_port()),
+    )
+    env["GGUFQ_DATA_DIR"] = str(state / "data")
     os.environ.update(env)
     settings = Settings(redis_url=None, state_dir=state, models_dir=state / "models")
     settings = settings.model_copy(update={"data_dir": state / "data"})

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tinystack import tiny_state
+from tinystack import tiny_llama_state
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -62,14 +62,8 @@ def main() -> None:
     from scheduler.local.stack import LocalStack
     from scheduler.settings import Settings
 
-    state, tiny = tiny_state("ggufq-redis-per-job-")
-    tiny.write_tiny_llama(state / "models" / f"{MODEL}.gguf")
-    env = {
-        "GGUFQ_STATE_DIR": str(state),
-        "GGUFQ_MODELS_DIR": str(state / "models"),
-        "GGUFQ_NUM_PARALLEL": str(args.concurrency),
-        "GGUFQ_METRICS_PORT": "0",
-    }
+    parallel = str(args.concurrency)
+    state, env = tiny_llama_state("ggufq-redis-per-job-", MODEL, GGUFQ_NUM_PARALLEL=parallel)
     settings = Settings(redis_url=None, state_dir=state, models_dir=state / "models")
     options = {"temperature": 0, "num_predict": args.tokens}
     with LocalStack(settings, ["--virtual-gpu", "2GiB"], state / "logs", env) as stack:

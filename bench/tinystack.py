@@ -18,6 +18,20 @@ def tiny_state(prefix: str) -> tuple[Path, Any]:
     return state, importlib.import_module("tests.tinymodel")
 
 
+def tiny_llama_state(prefix: str, model: str, **env: str) -> tuple[Path, dict[str, str]]:
+    """A fresh state directory holding one tiny llama, ``models/<model>.gguf``, and a
+    stack's environment on it: its state and models folders, no metrics port, and ``env``
+    (``GGUFQ_*`` names, values as strings)."""
+    state, tiny = tiny_state(prefix)
+    tiny.write_tiny_llama(state / "models" / f"{model}.gguf")
+    base = {
+        "GGUFQ_STATE_DIR": str(state),
+        "GGUFQ_MODELS_DIR": str(state / "models"),
+        "GGUFQ_METRICS_PORT": "0",
+    }
+    return state, {**base, **env}
+
+
 def wait_answering(base: str, seconds: float = 30.0) -> None:
     """Return once the gateway at ``base`` answers (or ``seconds`` passed)."""
     import httpx

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,33 +53,38 @@ def slow_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]
         yield st
 
 
+@contextmanager
+def flower_on(url: str, env: dict[str, str], log_path: Path) -> Iterator[str]:
+    """``ggufq flower`` on ``url`` (with ``env``, its API open); its base URL once it
+    answers."""
+    port = free_port()
+    flower_env = {**os.environ, **env, "GGUFQ_REDIS_URL": url}
+    flower_env["FLOWER_UNAUTHENTICATED_API"] = "true"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "api_client.cli", "flower", "--port", str(port)],
+            env=flower_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            started = wait_for(lambda: answers(base + "/api/workers"), timeout=60)
+            assert started, f"flower did not start: see {log_path}"
+            yield base
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+
+
 @pytest.fixture(scope="module")
 def flower(slow_stack: LocalStack) -> Iterator[str]:
-    port = free_port()
-    env = {
-        **os.environ,
-        **slow_stack.extra_env,
-        "GGUFQ_REDIS_URL": slow_stack.role_urls[Role.MONITOR],  # Flower's read-only user
-        "FLOWER_UNAUTHENTICATED_API": "true",
-    }
     assert slow_stack.log_dir is not None
-    log = open(slow_stack.log_dir / "flower.log", "ab")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api_client.cli", "flower", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_for(lambda: answers(base + "/api/workers"), timeout=60), "flower did not start"
-        said = (slow_stack.log_dir / "flower.log").read_text(errors="replace")
-        assert "/ui" in said  # it tells where the pool page is
+    log = slow_stack.log_dir / "flower.log"
+    monitor = slow_stack.role_urls[Role.MONITOR]  # Flower's read-only user
+    with flower_on(monitor, slow_stack.extra_env, log) as base:
+        assert "/ui" in log.read_text(errors="replace")  # it tells where the pool page is
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        log.close()
 
 
 def test_flower_shows_workers_queues_and_jobs(flower: str, slow_stack: LocalStack) -> None:

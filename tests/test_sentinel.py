@@ -126,6 +126,14 @@ def test_a_dead_sentinel_is_passed_over(group: Group) -> None:
     client.close()
 
 
+def serves(client: Client) -> bool:
+    """Whether the stack answers a short job now (after a failover: once it serves again)."""
+    try:
+        return client.generate("tiny", "after", options=SHORT).done
+    except Exception:
+        return False
+
+
 def test_a_stack_on_sentinel_serves_again_after_its_primary_dies(
     group: Group, models_dir: Path, tmp_path: Path
 ) -> None:
@@ -138,13 +146,7 @@ def test_a_stack_on_sentinel_serves_again_after_its_primary_dies(
             group.kill_primary()
             assert wait_for(lambda: group.primary_port() == group.replica, timeout=60)
 
-            def serves() -> bool:
-                try:
-                    return client.generate("tiny", "after", options=SHORT).done
-                except Exception:
-                    return False
-
-            assert wait_for(serves, timeout=90), f"see {stack.log_dir}"
+            assert wait_for(lambda: serves(client), timeout=90), f"see {stack.log_dir}"
 
 
 def test_a_stream_rides_out_a_failover_mid_answer(

@@ -7,23 +7,18 @@ window stays unknown to Flower (its stream and result are not lost)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from api_client import Client
-from scheduler.local.embedded import free_port
 from scheduler.local.stack import LocalStack
 from tests.conftest import settings_from, stack_env, wait_for
 from tests.sentinels import Group, sentinel_group
-from tests.test_flower import answers, get
+from tests.test_flower import answers, flower_on, get
+from tests.test_sentinel import SHORT, serves
 
-SHORT = {"temperature": 0, "num_predict": 4}
 WORKER = "ggufq-cpu@flowersentinel"
 QUEUES = {"ggufq.cpu.flowersentinel", "ggufq.cpu.flowersentinel.batch"}
 
@@ -32,28 +27,6 @@ QUEUES = {"ggufq.cpu.flowersentinel", "ggufq.cpu.flowersentinel.batch"}
 def group(tmp_path: Path) -> Iterator[Group]:
     with sentinel_group(tmp_path / "redis") as found:
         yield found
-
-
-@contextmanager
-def flower_on(url: str, env: dict[str, str], log_path: Path) -> Iterator[str]:
-    """``ggufq flower`` on ``url``; its base URL once it answers."""
-    port = free_port()
-    flower_env = {**os.environ, **env, "GGUFQ_REDIS_URL": url}
-    flower_env["FLOWER_UNAUTHENTICATED_API"] = "true"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "api_client.cli", "flower", "--port", str(port)],
-            env=flower_env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        base = f"http://127.0.0.1:{port}"
-        try:
-            assert wait_for(lambda: answers(base + "/api/workers"), timeout=60), log_path
-            yield base
-        finally:
-            proc.terminate()
-            proc.wait(timeout=20)
 
 
 def test_flower_behind_sentinel_shows_the_workers_through_a_failover(
@@ -95,13 +68,7 @@ def test_flower_behind_sentinel_shows_the_workers_through_a_failover(
         group.kill_primary()
         assert wait_for(lambda: group.primary_port() == group.replica, timeout=60)
 
-        def served() -> bool:
-            try:
-                return client.generate("tiny", "after", options=SHORT).done
-            except Exception:
-                return False
-
-        assert wait_for(served, timeout=90), f"see {logs}"
+        assert wait_for(lambda: serves(client), timeout=90), f"see {logs}"
 
         def a_new_job_is_seen() -> bool:
             # events are pub/sub: those sent while Flower reconnects are lost, so a job
