@@ -73,7 +73,7 @@ class AsyncClient:
         self.fast = (
             None
             if fast is None
-            else AsyncFastPath(self.r, fast.device_ttl_s, fast.claim_ttl_s, fast.owner_ttl_s)
+            else AsyncFastPath(self.r, fast.device_ttl_s, fast.claim_ttl_s, fast.stream_ttl_s)
         )
 
     async def close(self) -> None:

@@ -1112,9 +1112,9 @@ def whereabouts(client: Client, job_id: str) -> str:
         where += [f"in flight on {d}" for d in devices if r.hexists(keys.inflight(d), job_id)]
         if r.hexists(keys.RUNNING, job_id):
             where.append("running")
-        owner = r.get(keys.job_owner(job_id))
-        if owner:
-            where.append(f"owner {owner.decode()}")
+        custody = r.hmget(keys.job_custody(job_id), "state", "holder")
+        if custody[0]:
+            where.append(f"custody {custody[0].decode()} held by {custody[1].decode() or '-'}")
         last = r.xrevrange(keys.job_chunks(job_id), count=1)
         where.append(f"stream up to {last[0][0].decode()}" if last else "no stream record")
     except redis.RedisError as exc:

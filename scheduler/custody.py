@@ -27,7 +27,7 @@ class JobState(StrEnum):
     SUBMITTED = "submitted"  # job:<id>:submitted; its message on a placement queue
     PLACING = "placing"  # in_hand under a placement process (a claim or a take)
     PARKED = "parked"  # ggufq:parked + parked:<id>: waiting for capacity
-    SENT = "sent"  # inflight:<device> + job:<id>:owner; its message on the device's queue
+    SENT = "sent"  # inflight:<device>, held by its placement id; its message on the queue
     RUNNING = "running"  # also ggufq:running and its start claim: a worker runs it
     ORPHANED = "orphaned"  # ggufq:orphans: its device was dropped, or its load handed back
     DONE = "done"  # the stream's final chunk (and the result) with no error
@@ -156,11 +156,12 @@ LAPSES: tuple[Lapse, ...] = (
         "orphaned; re-placed once if nothing was streamed, else placed again to go on from "
         "its last chunk (GGUFQ_RESUME_MAX times, scheduler/midstream.py), then failed with "
         "what happened; "
-        "the old run's chunks and result are fenced off by the job's owner (its custody "
-        "record when Redis lost the owner). A live worker that holds no run of it (Redis "
-        "lost its end) writes that end again, or, if it did not end it, hands it back the "
-        "same way; a job it ran to its end lately that comes to it again (Redis came back "
-        "from before that end) gets that end written again, not a second run",
+        "the old run's chunks and result are fenced off by the job's custody record (its "
+        "holder is no longer the old run's placement id). A live worker that holds no run "
+        "of it (Redis lost its end) writes that end again, or, if it did not end it, hands "
+        "it back the same way; a job it ran to its end lately that comes to it again "
+        "(Redis came back from before that end) gets that end written again, not a second "
+        "run",
     ),
     Lapse(
         S.ORPHANED,

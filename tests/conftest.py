@@ -180,10 +180,10 @@ def placement_on_db1(
         close_app(app)
 
 
-def send(state: PlacementState, record: SentJob, ttl_s: int = 60) -> bool:
+def send(state: PlacementState, record: SentJob) -> bool:
     """``state.sent`` with a stand-in message that names the job (no worker reads it)."""
     queue = keys.device_queue(record.placement.device_id, record.job.priority)
-    return state.sent(record, ttl_s, queue, json.dumps({"task_id": record.job.id}))
+    return state.sent(record, queue, json.dumps({"task_id": record.job.id}))
 
 
 def beat_forever(client: redis.Redis, device_id: str) -> None:

@@ -137,7 +137,7 @@ class RestoredFromSnapshot:
         runner_id = f"r-{uuid.uuid4().hex[:8]}"
         placement = Placement(id="stale", runner_id=runner_id, device_id=DEVICE, config=CONFIG)
         stale = SentJob(job=held.request, placement=placement, worker="w@h")
-        assert not send(self.state[held.holder], stale, 600), f"job {job_id} sent by a stale hold"
+        assert not send(self.state[held.holder], stale), f"job {job_id} sent by a stale hold"
         assert not hands.token(job_id)  # refused, the thread lets go of it
 
     def _own_look(self, p: str) -> None:

@@ -87,10 +87,10 @@ def test_fsck_finds_what_breaks_an_invariant(db: redis.Redis) -> None:
     db.zadd(keys.PARKED, {job.id: 1.0})  # parked as well as sent: run twice, in time
     db.hdel(keys.runner_jobs("r"), "p1")  # a job it does not count: unloaded mid-job
     db.hset(keys.reservations("vgpu:h:0"), "gone", GIB)  # memory held for nobody
-    db.set(keys.job_owner(job.id), "p9")  # re-placed, its old record left behind
+    db.hset(keys.job_custody(job.id), "holder", "p9")  # re-placed, its old record left behind
     found = [str(p) for p in fsck.problems(fsck.read(db))]
     assert found == [
-        f"job {job.id}: in flight on vgpu:h:0 as placement p1, but its owner is p9",
+        f"job {job.id}: in flight on vgpu:h:0 as placement p1, but its custody record names p9",
         f"job {job.id}: in two states at once: parked, in flight on vgpu:h:0",
         f"job {job.id}: parked without its record",
         f"job {job.id}: missing from its model's index of parked jobs",

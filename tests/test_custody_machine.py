@@ -120,9 +120,9 @@ class Custody(RestoredFromSnapshot, RuleBasedStateMachine):
         placement = Placement(id=placement_id, runner_id=runner_id, device_id=DEVICE, config=CONFIG)
         self.runners[runner_id] = {placement_id}
         record = SentJob(job=job.request, placement=placement, worker="w@h")
-        assert send(state, record, 600)
+        assert send(state, record)
         if again:
-            assert send(state, record, 600)  # the same record written twice is there once
+            assert send(state, record)  # the same record written twice is there once
         self.hands[job.holder].hand_over(job_id)  # off this thread's path
         job.holder = ""
         self.move(job, JobState.SENT)
@@ -133,9 +133,9 @@ class Custody(RestoredFromSnapshot, RuleBasedStateMachine):
         assert job.placement is not None
         pid = job.placement.id
         now = self.clock["w"]
-        assert self.worker.start(DEVICE, job_id, pid, "delivery", 600, now) is False
+        assert self.worker.start(DEVICE, job_id, pid, "delivery", now) is False
         if again:  # a second delivery of its message does not run it again
-            assert self.worker.start(DEVICE, job_id, pid, "another", 600, now) is None
+            assert self.worker.start(DEVICE, job_id, pid, "another", now) is None
         self.worker.update_runner(job.placement.runner_id, {"state": "ready"})  # it loaded
         self.move(job, JobState.RUNNING)
         if any(ended == job_id for ended, _placement in self.ended_here):
@@ -199,14 +199,14 @@ class Custody(RestoredFromSnapshot, RuleBasedStateMachine):
         placement = first.model_copy(update={"id": uuid.uuid4().hex[:12]})
         moved = SentJob(job=job.request, placement=placement, worker="w@h")
         queue, message = keys.device_queue(DEVICE), json.dumps({"task_id": job.request.id})
-        assert self.state[P[0]].resend(record, moved, 600, queue, message)
+        assert self.state[P[0]].resend(record, moved, queue, message)
         if again:  # its reply was lost: asked again, it finds the job moved already
-            assert not self.state[P[0]].resend(record, moved, 600, queue, message)
+            assert not self.state[P[0]].resend(record, moved, queue, message)
         self.runners[first.runner_id] = self.runners[first.runner_id] - {first.id} | {placement.id}
         job.placement = placement
         self.move(job, JobState.SENT)
         now = self.clock["w"]
-        assert self.worker.start(DEVICE, job.request.id, first.id, "first", 600, now) is None
+        assert self.worker.start(DEVICE, job.request.id, first.id, "first", now) is None
 
     @precondition(lambda self: self.in_state(JobState.RUNNING))
     @rule(data=st.data(), again=st.booleans())
@@ -236,7 +236,7 @@ class Custody(RestoredFromSnapshot, RuleBasedStateMachine):
             runner_id = f"r-{uuid.uuid4().hex[:8]}"
             placement = Placement(id="stale", runner_id=runner_id, device_id=DEVICE, config=CONFIG)
             stale = SentJob(job=job.request, placement=placement, worker="w@h")
-            assert not send(self.state[silent], stale, 600)
+            assert not send(self.state[silent], stale)
         self.r.zadd(keys.PLACEMENT_ALIVE, {silent: FOREVER})
 
     @precondition(lambda self: self.in_state(JobState.SENT, JobState.RUNNING))

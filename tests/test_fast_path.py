@@ -43,7 +43,7 @@ def service(
 
 
 def fast_send(service: PlacementService, db: redis.Redis, req: JobRequest) -> Placement | None:
-    fast = FastPath(db, device_ttl_s=60, claim_ttl_s=60, owner_ttl_s=60)
+    fast = FastPath(db, device_ttl_s=60, claim_ttl_s=60, stream_ttl_s=60)
 
     message = partial(run_message, service.app, req)
 
@@ -78,7 +78,7 @@ def test_a_job_for_a_ready_runner_with_a_free_slot_is_sent_at_once_as_placement_
     assert db.hget(keys.runner(runner_id), "in_flight") == b"2"
     record = json.loads(db.hget(keys.inflight(DEVICE), req.id))
     assert record["placement"]["id"] == placement.id and record["worker"] == "w@fp"
-    assert db.get(keys.job_owner(req.id)) == placement.id.encode()
+    assert db.hget(keys.job_custody(req.id), "holder") == placement.id.encode()
     assert db.get(keys.job_placed(req.id)) == f"fast:{placement.id}".encode()
     assert db.exists(keys.job_submitted(req.id))
     # the queue holds a Celery message of the run task, as send_job would have pushed
@@ -101,7 +101,7 @@ def test_the_same_attempt_run_again_after_a_lost_reply_is_sent_once(
     changes nothing."""
     runner_id = placed_first(service, db)
     req = JobRequest(model="tiny", prompt="second", options={"num_parallel": 2})
-    fast = FastPath(db, device_ttl_s=60, claim_ttl_s=60, owner_ttl_s=60)
+    fast = FastPath(db, device_ttl_s=60, claim_ttl_s=60, stream_ttl_s=60)
     name = shape(req)
     assert name is not None
     raw = fast.route(name)

@@ -255,7 +255,7 @@ def test_a_send_asked_again_after_its_device_was_reaped_finds_it_sent(db: redis.
     assert db.hlen(keys.IN_HAND) == 0  # let go of in the send's own step
     db.zadd(keys.HEARTBEATS, {"vgpu:h:0": 0.0})
     db.hset(keys.device("vgpu:h:0"), "heartbeat", 0.0)
-    assert state.reap(10) == ["vgpu:h:0"]  # its owner is "orphaned" now
+    assert state.reap(10) == ["vgpu:h:0"]  # held by nobody now
     assert send(state, record)  # asked again with the same token: it was sent
     assert db.hget(keys.job_custody(job.id), "state") == b"orphaned"
     assert db.llen(keys.device_queue("vgpu:h:0")) == 0  # the reap took its queue; none again
@@ -282,11 +282,10 @@ def test_a_put_back_asked_again_after_its_job_was_taken_again_parks_nothing(
     assert db.hget(keys.job_custody(job.id), "state") == b"placing"
 
 
-def test_an_end_with_no_owner_key_is_fenced_by_the_jobs_custody_record(db: redis.Redis) -> None:
-    """The job's owner key is gone (Redis came back from before it was written, or it
-    expired under a long run): the custody record names the placement that runs the job,
-    so an earlier placement's end writes no chunk and leaves the running mark of the job's
-    run alone, while the run's own end goes through."""
+def test_an_earlier_placements_end_is_fenced_by_the_jobs_custody_record(db: redis.Redis) -> None:
+    """The custody record names the placement that runs the job, so an earlier placement's
+    end writes no chunk and leaves the running mark of the job's run alone, while the run's
+    own end goes through."""
     workers = WorkerState(db)
     workers.register_device(vgpu(0))
     state = PlacementState(db)
@@ -295,8 +294,7 @@ def test_an_end_with_no_owner_key_is_fenced_by_the_jobs_custody_record(db: redis
     assert state.reserve("r1", "p2", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
     placed = Placement(id="p2", runner_id="r1", device_id="vgpu:h:0", config=RunnerConfig(512))
     assert send(state, SentJob(job=job, placement=placed, worker="w@h"))
-    assert workers.start("vgpu:h:0", job.id, "p2", "delivery", 60, 100.0) is False
-    db.delete(keys.job_owner(job.id))
+    assert workers.start("vgpu:h:0", job.id, "p2", "delivery", 100.0) is False
     final = (1, {"done": True, "response": ""})
     stale = placed.model_copy(update={"id": "p1"})
     appended, _left = workers.end(stale, job.id, final, 100.0, None, 60)

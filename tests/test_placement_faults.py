@@ -286,7 +286,8 @@ def test_a_message_lost_on_its_way_to_a_live_device_is_sent_again_once(
     # started's was taken and started by a worker thread
     db.lrem(queue, 1, next(m for m in messages if started.id.encode() in m))
     placement_id = json.loads(db.hget(keys.inflight("vgpu:fh:0"), started.id) or b"")
-    db.set(keys.job_start(started.id, placement_id["placement"]["id"]), "delivery")
+    claim = f"{placement_id['placement']['id']}|delivery"
+    db.hset(keys.job_custody(started.id), "run", claim)
     recovery, later = service.recovery, 1e12  # every record counts as sent long ago
     assert recovery.lost_sends(later) == 0  # first look: not yet
     assert recovery.lost_sends(later) == 1  # still nowhere: sent again
@@ -294,8 +295,8 @@ def test_a_message_lost_on_its_way_to_a_live_device_is_sent_again_once(
     assert sum(lost.id.encode() in m for m in again) == 1
     assert not any(started.id.encode() in m for m in again)
     assert recovery.lost_sends(later) == 0  # it is queued again now
-    # a job running longer than its start claim lives is still running, not lost
-    db.delete(keys.job_start(started.id, placement_id["placement"]["id"]))
+    # a job whose start claim Redis lost, still marked running, is not lost
+    db.hdel(keys.job_custody(started.id), "run")
     db.hset(keys.RUNNING, started.id, 1.0)
     assert recovery.lost_sends(later) == 0
     assert recovery.lost_sends(later) == 0
@@ -339,19 +340,19 @@ def test_a_job_sent_again_is_a_new_placement_that_fences_the_first(
     (message,) = db.lrange(queue, 0, -1)
     args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(message)["body"]))
     assert args[1]["id"] == again.placement.id  # the placement the worker gets with it
-    assert db.get(keys.job_owner(job.id)) == again.placement.id.encode()
+    assert db.hget(keys.job_custody(job.id), "holder") == again.placement.id.encode()
     assert db.hkeys(keys.runner_jobs(runner_id)) == [again.placement.id.encode()]
     assert db.hget(keys.runner(runner_id), "in_flight") == b"1"
     dues = [m.decode() for m in db.zrange(keys.DUE_SENT, 0, -1)]
     assert dues == [f"{job.id}|{again.placement.id}|{device}"]
     # the first run: its start (a redelivery of its message), chunks and end are refused
     state = WorkerState(db)
-    assert state.start(device, job.id, first.placement.id, "first", 60, time.time()) is None
+    assert state.start(device, job.id, first.placement.id, "first", time.time()) is None
     chunk = {"response": "stale"}
     assert write_chunk(db, job.id, 1, chunk, 60, first.placement.id) is Appended.FENCED
     assert not db.exists(keys.job_chunks(job.id))
     # the new one starts and writes
-    assert state.start(device, job.id, again.placement.id, "again", 60, time.time()) is False
+    assert state.start(device, job.id, again.placement.id, "again", time.time()) is False
     assert write_chunk(db, job.id, 1, chunk, 60, again.placement.id) is Appended.WRITTEN
     assert recovery.lost_sends(1e12) == 0  # started: not sent a third time
     # the first run's end, as it stops: refused, and the new run stays running and counted

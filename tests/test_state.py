@@ -100,13 +100,13 @@ def test_stale_device_refuses_reservations_and_is_reaped(db: redis.Redis) -> Non
     job = JobRequest(model="m", prompt="p")
     placed = Placement(id="p1", runner_id="r0", device_id="vgpu:h:0", config=RunnerConfig(512))
     send(state, SentJob(job=job, placement=placed, worker="w@h"))
-    assert state.start("vgpu:h:0", job.id, "p1", "delivery", ttl_s=60, now=110.0) is False
+    assert state.start("vgpu:h:0", job.id, "p1", "delivery", now=110.0) is False
     db.lpush(keys.device_queue("vgpu:h:0"), b"its message")
     assert state.reap(device_ttl_s=10) == ["vgpu:h:0"]
     # the job is an orphan for placement, no longer "running" nor owned by its placement,
     # and the dead device's queue is gone
     assert db.hexists(keys.ORPHANS, job.id) and not db.hexists(keys.RUNNING, job.id)
-    assert db.get(keys.job_owner(job.id)) == b"orphaned"
+    assert db.hget(keys.job_custody(job.id), "holder") == b""
     assert not db.exists(keys.device_queue("vgpu:h:0"))
     assert not db.exists(keys.runner("r0")) and not db.exists(keys.reservations("vgpu:h:0"))
     assert db.smembers(keys.RUNNERS) == {b"r1"}
@@ -121,19 +121,19 @@ def test_a_job_starts_once_and_only_on_its_placement(db: redis.Redis) -> None:
     job = JobRequest(model="m", prompt="p")
     placed = Placement(id="p1", runner_id="r0", device_id="vgpu:h:0", config=RunnerConfig(512))
     send(state, SentJob(job=job, placement=placed, worker="w@h"))
-    assert state.start("vgpu:h:0", job.id, "p0", "d1", ttl_s=60, now=101.0) is None  # re-placed
+    assert state.start("vgpu:h:0", job.id, "p0", "d1", now=101.0) is None  # re-placed
     assert not db.hexists(keys.RUNNING, job.id)
-    assert state.start("vgpu:h:0", job.id, "p1", "d1", ttl_s=60, now=101.0) is False
+    assert state.start("vgpu:h:0", job.id, "p1", "d1", now=101.0) is False
     assert db.hget(keys.RUNNING, job.id) == b"101.0"
     # the same delivery asking again (its reply was lost) still runs it; another does not
-    assert state.start("vgpu:h:0", job.id, "p1", "d1", ttl_s=60, now=101.5) is False
-    assert state.start("vgpu:h:0", job.id, "p1", "d2", ttl_s=60, now=102.0) is None
+    assert state.start("vgpu:h:0", job.id, "p1", "d1", now=101.5) is False
+    assert state.start("vgpu:h:0", job.id, "p1", "d2", now=102.0) is None
     # a cancel asked while it waited in the queue comes back with the start
     db.set(keys.cancel_flag(job.id), 1)
-    assert state.start("vgpu:h:0", job.id, "p1", "d1", ttl_s=60, now=103.0) is True
+    assert state.start("vgpu:h:0", job.id, "p1", "d1", now=103.0) is True
     # a record that does not parse is nobody's: the job is not run here
     db.hset(keys.inflight("vgpu:h:0"), "other", b"{not json")
-    assert state.start("vgpu:h:0", "other", "p1", "d1", ttl_s=60, now=104.0) is None
+    assert state.start("vgpu:h:0", "other", "p1", "d1", now=104.0) is None
 
 
 def ended(state: WorkerState, job_id: str, placement_id: str = "p1", runner_id: str = "r") -> int:
@@ -184,7 +184,7 @@ def test_a_job_handed_back_is_orphaned_in_the_step_that_ends_its_run(db: redis.R
     assert {"event": "handed_back", "job": job.id} in heard
     # placed again meanwhile: its old run's hand-back is fenced off
     db.hdel(keys.ORPHANS, job.id)
-    db.set(keys.job_owner(job.id), "p2")
+    db.hset(keys.job_custody(job.id), "holder", "p2")
     state.end(placed, job.id, (0, None), 102.0, 300, 60, orphan)
     assert not db.hexists(keys.ORPHANS, job.id)
     events.close()
@@ -435,12 +435,12 @@ def test_a_first_chunk_sent_when_redis_had_lost_the_script_is_written_by_the_thr
 def test_a_first_chunk_refused_for_its_fence_tells_the_run_from_the_writer(
     db: redis.Redis,
 ) -> None:
-    """Sent from the decode thread, its answer (FENCED: the job's owner is another
+    """Sent from the decode thread, its answer (FENCED: the job's holder is another
     placement now) is read on the writer's thread, which tells the run to stop."""
     told: list[tuple[str, str]] = []
     writer = ChunkWriter(db, interval_s=600.0, on_fenced=lambda *run: told.append(run))
     try:
-        db.set(keys.job_owner("job10"), "placement-2")
+        db.hset(keys.job_custody("job10"), "holder", "placement-2")
         pub = ChunkPublisher(db, "job10", ttl_s=60, writer=writer, fence="placement-1")
         pub.publish({"response": "first"})
         assert writer.flush(timeout_s=10)
@@ -456,7 +456,7 @@ def test_a_fenced_runs_callback_that_raises_stops_no_other_jobs_chunks(db: redis
 
     writer = ChunkWriter(db, interval_s=600.0, on_fenced=fails)
     try:
-        db.set(keys.job_owner("job11"), "placement-2")
+        db.hset(keys.job_custody("job11"), "holder", "placement-2")
         ChunkPublisher(db, "job11", 60, writer, fence="placement-1").publish({"response": "x"})
         assert writer.flush(timeout_s=10)  # its answer read: the callback raised
         other = ChunkPublisher(db, "job12", ttl_s=60, writer=writer)
@@ -580,7 +580,7 @@ def test_each_step_that_moves_a_job_keeps_its_deadlines_with_it(db: redis.Redis)
     sends = {DueSend(a.id, "pa", "vgpu:h:0"), DueSend(b.id, "pb", "vgpu:h:0")}
     assert set(due.sends(1e12)) == sends
     assert due.sends(0.0) == []  # sent after that
-    assert state.start("vgpu:h:0", a.id, "pa", "d1", ttl_s=60, now=101.0) is False
+    assert state.start("vgpu:h:0", a.id, "pa", "d1", now=101.0) is False
     assert due.sends(1e12) == [DueSend(b.id, "pb", "vgpu:h:0")]  # a started
     assert fsck.problems(fsck.read(db)) == []
     db.zrem(keys.DUE_SENT, DueSend(b.id, "pb", "vgpu:h:0").member)  # as if never written

@@ -123,7 +123,7 @@ def test_a_job_on_a_resident_runner_starts_while_another_runner_loads(
         thread.start()
         thread.join(timeout=30)
         assert not thread.is_alive() and ended[0]["eval_count"] == 4
-    assert db.exists(keys.job_start(quick.id, "p1"))
+    assert (db.hget(keys.job_custody(quick.id), "run") or b"").startswith(b"p1|")
 
 
 def test_a_job_failing_before_its_first_step_still_sets_its_runners_keep_alive(
@@ -141,7 +141,7 @@ def test_a_run_fenced_off_mid_stream_stores_no_outcome(
     db: redis.Redis, runtime: WorkerRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Placement took the job back while this worker ran it (the worker had stalled or
-    been cut off past the TTL): its later chunks are refused by the owner fence, and its
+    been cut off past the TTL): its later chunks are refused by the custody fence, and its
     result, which would overwrite the outcome placement gave the job, is never stored."""
     deliver(db, runtime, job("load it"))
     long = {**OPTIONS, "num_predict": 64}
@@ -159,7 +159,7 @@ def test_a_run_fenced_off_mid_stream_stores_no_outcome(
         self.flush()
         if n := db.xlen(keys.job_chunks(taken.id)):
             written.append(n)
-            db.set(keys.job_owner(taken.id), "orphaned")  # as the reap of its device does
+            db.hset(keys.job_custody(taken.id), "holder", "")  # as the reap of its device does
 
     monkeypatch.setattr(ChunkPublisher, "publish", then_taken_back)
     with pytest.raises(NotOwned):
@@ -174,7 +174,7 @@ def test_a_run_whose_chunks_are_refused_stops_at_its_next_step(
     db: redis.Redis, runtime: WorkerRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its job was sent again as a new placement (its message seemed lost: a Redis crash
-    had lost this run's start claim): the owner fence refuses this run's chunks, and the run
+    had lost this run's start claim): the custody fence refuses this run's chunks, and the run
     stops at its next step instead of decoding on for nobody."""
     deliver(db, runtime, job("load it"))
     taken = JobRequest(
@@ -188,8 +188,8 @@ def test_a_run_whose_chunks_are_refused_stops_at_its_next_step(
         publish(self, chunk)
         if self.job_id != taken.id:
             return
-        if not db.get(keys.job_owner(taken.id)) == b"p2":
-            db.set(keys.job_owner(taken.id), "p2")  # as lua/resend.lua does
+        if not db.hget(keys.job_custody(taken.id), "holder") == b"p2":
+            db.hset(keys.job_custody(taken.id), "holder", "p2")  # as lua/resend.lua does
             return
         after.append(chunk)
         for _ in range(1000 if len(after) == 1 else 0):  # until the writer hears its chunk
@@ -227,7 +227,7 @@ def test_a_job_sent_again_to_this_worker_runs_beside_its_fenced_first_run(
             placement = first.placement.model_copy(update={"id": "p2"})
             moved = first.model_copy(update={"placement": placement})
             db.hset(keys.inflight(DEVICE.id), twice.id, moved.model_dump_json())
-            db.set(keys.job_owner(twice.id), "p2")  # as lua/resend.lua does
+            db.hset(keys.job_custody(twice.id), "holder", "p2")  # as lua/resend.lua does
 
             def run_again() -> None:
                 second["final"] = deliver(db, runtime, twice, "p2")
@@ -277,7 +277,7 @@ def test_a_job_whose_end_redis_lost_is_ended_again_not_left_running(
         db.hset(keys.inflight(DEVICE.id), sent.job.id, sent.model_dump_json())
         db.hset(keys.RUNNING, sent.job.id, 1.0)
         db.hset(keys.runner_jobs("r"), sent.placement.id, 1.0)
-        db.set(keys.job_owner(sent.job.id), sent.placement.id)
+        db.hset(keys.job_custody(sent.job.id), "holder", sent.placement.id)
     db.hset(keys.runner("r"), "in_flight", 4)
     runtime._running[("runs-here", "p7")] = others[0].placement
     runtime._ending.add(("ending-now", "p9"))
@@ -330,8 +330,6 @@ def test_a_job_that_ran_here_and_comes_again_after_redis_lost_its_run_is_not_run
     def as_before_the_run(placement_id: str) -> dict[str, Any]:
         db.delete(
             keys.job_chunks(ran.id),
-            keys.job_start(ran.id, "p1"),
-            keys.job_owner(ran.id),
             keys.job_custody(ran.id),
         )
         placement = Placement(id=placement_id, runner_id="r", device_id=DEVICE.id, config=CONFIG)
@@ -380,7 +378,7 @@ def test_a_second_delivery_of_a_run_under_way_here_whose_claim_redis_lost_runs_n
     def then_delivered_again(self: ChunkPublisher, chunk: dict[str, Any]) -> None:
         publish(self, chunk)
         if self.job_id == once.id and self.fence == "p1" and not second:
-            db.delete(keys.job_start(once.id, "p1"))  # lost with Redis's last writes
+            db.hdel(keys.job_custody(once.id), "run")  # lost with Redis's last writes
             second["thread"] = threading.Thread(target=again)  # off the decode loop's thread
             second["thread"].start()
             # the first run stays under way (its decode loop waits here) until the

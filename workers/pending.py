@@ -14,6 +14,6 @@ class Pending:
         self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
     ) -> None:
         self.job_id, self.seq, self.chunk, self.ttl_s = job_id, seq, chunk, ttl_s
-        self.fence = fence  # written only while the job's owner is this placement id
+        self.fence = fence  # written only while the job's holder is this placement id
         self.taken = False
         self.written_at = 0.0  # wall-clock time it was in Redis (or sent there: first_chunk.py)

@@ -98,7 +98,6 @@ class StartClaim:
                 req.id,
                 placement.id,
                 self.delivery,
-                rt.settings.stream_ttl_s,
                 rt.clock(),
             ),
             f"starting job {req.id}",

@@ -73,7 +73,7 @@ class Strays:
 
     def keep(self, run: Run, done: Last, orphan: SentJob | None, fenced: bool = False) -> None:
         """Remember an end this process wrote (its last chunk, or its hand-back); one the
-        owner fence refused (the job was taken from this run) is not its job's end."""
+        custody fence refused (the job was taken from this run) is not its job's end."""
         now = self.clock()
         with self._lock:
             self._kept[run] = (now, (done, orphan))

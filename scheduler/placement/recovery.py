@@ -57,7 +57,7 @@ class Recovery:
         fail: Fail,
         replace: Callable[[JobRequest], object],
         hold_ttl_s: float,
-        owner_ttl_s: int,
+        stream_ttl_s: int,
         resume_max: int = 2,
     ) -> None:
         self.r, self.app, self.state, self.held = client, app, state, held
@@ -65,7 +65,7 @@ class Recovery:
         # hold is swept: a runner's job counted longer ago with no record is never coming
         self.hold_ttl_s = hold_ttl_s
         self.fail, self.replace = fail, replace
-        self.owner_ttl_s = owner_ttl_s  # a job's owner key lives as long as its stream
+        self.stream_ttl_s = stream_ttl_s  # what a job leaves in Redis lives as long as its stream
         self.resume_max = resume_max  # times a job that streamed may go on elsewhere
         self.due = Deadlines(client)
         # sends due that the last look found nowhere: sent again if the next look does not
@@ -149,7 +149,7 @@ class Recovery:
             _streamed, finished = progress(self.r, held.job_id)
             lost = {why: _lost_in_hand(held, why) for why in (Swept.ENDING, Swept.UNREADABLE)}
             ends = (_final(held, lost[Swept.ENDING]), _final(held, lost[Swept.UNREADABLE]))
-            outcome = hands.sweep(held, dead_before, finished, ends, self.owner_ttl_s)
+            outcome = hands.sweep(held, dead_before, finished, ends, self.stream_ttl_s)
             if outcome is Swept.PUT_BACK:
                 what = "among the orphans" if held.what == "orphan" else "in the parked queue"
                 why = (
@@ -224,7 +224,7 @@ class Recovery:
         placement = record.placement.model_copy(update={"id": uuid.uuid4().hex[:12]})
         moved = record.model_copy(update={"placement": placement, "sent_at": now})
         queue, message = run_message(self.app, req, placement)
-        if not self.state.resend(record, moved, self.owner_ttl_s, queue, message):
+        if not self.state.resend(record, moved, queue, message):
             return False
         log.warning(
             "job %s's message to %s was lost (a broken broker connection); sending it again "

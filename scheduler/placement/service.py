@@ -334,7 +334,7 @@ class PlacementService:
         outcome = {"device": placement.device_id, "runner": placement.runner_id}
         try:
             queue, message = run_message(self.app, req, placement)
-            if self.state.sent(record, self.settings.stream_ttl_s, queue, message):
+            if self.state.sent(record, queue, message):
                 return outcome
         except Exception:
             if not self.state.undone(record):

@@ -4,10 +4,10 @@
 reservation lives; :func:`problems` is pure and says what is wrong with it:
 
 - always: each job is in one state (scheduler/custody.py) and its in-flight record names
-  the job's owner; no device reserves memory for a runner that is gone, and each runner's
-  reservations are its sizes; no runner sits on a device that is gone; each in-flight
-  record's placement is in its runner's jobs (else the runner would be unloaded
-  mid-job), and the runner's in_flight is their number; each device has a beat to be
+  the holder its custody record names; no device reserves memory for a runner that is
+  gone, and each runner's reservations are its sizes; no runner sits on a device that is
+  gone; each in-flight record's placement is in its runner's jobs (else the runner would
+  be unloaded mid-job), and the runner's in_flight is their number; each device has a beat to be
   judged by, each job sent and not started a deadline for the lost-send look, and each
   placement a runner counts without a record a deadline for the recount (else a lost
   message, or a count with no job, would never be found: scheduler/store/due.py);
@@ -57,7 +57,7 @@ class Census:
     reservations: dict[str, dict[str, int]] = field(default_factory=dict)  # device → runner
     runners: dict[str, Runner] = field(default_factory=dict)
     sent: dict[str, dict[str, SentJob | None]] = field(default_factory=dict)  # device → job
-    owners: dict[str, str | None] = field(default_factory=dict)  # sent job → owner key
+    holders: dict[str, str | None] = field(default_factory=dict)  # sent job → its holder
     running: set[str] = field(default_factory=set)
     parked: set[str] = field(default_factory=set)
     parked_records: set[str] = field(default_factory=set)
@@ -99,7 +99,7 @@ class Census:
 def read(client: redis.Redis) -> Census:
     """One atomic look at the cluster's state (lua/census.lua: one round trip)."""
     reply = script(client, "census")()
-    (devices, running, parked, orphans, held, recorded, runners, per_device, owners, indexed) = (
+    (devices, running, parked, orphans, held, recorded, runners, per_device, holders, indexed) = (
         reply[:10]
     )
     beating, due_sent, due_counted, custody, unexpected = reply[10:]
@@ -132,7 +132,7 @@ def read(client: redis.Redis) -> Census:
         device = text(device_id)
         census.reservations[device] = {text(r): int(n) for r, n in _pairs(resv)}
         census.sent[device] = {text(j): _sent(raw) for j, raw in _pairs(sent)}
-    census.owners = {text(j): text(o) or None for j, o in _pairs(owners)}
+    census.holders = {text(j): text(h) or None for j, h in _pairs(holders)}
     return census
 
 
@@ -163,13 +163,13 @@ def _jobs(census: Census) -> list[Problem]:
             subject = f"job {job_id}"
             if record is None:
                 found.append(Problem(subject, f"its in-flight record on {device_id} is unreadable"))
-            elif census.owners.get(job_id) not in (record.placement.id, None):
-                owner = census.owners.get(job_id)
+            elif census.holders.get(job_id) not in (record.placement.id, None):
+                holder = census.holders.get(job_id)
                 found.append(
                     Problem(
                         subject,
                         f"in flight on {device_id} as placement {record.placement.id}, but its "
-                        f"owner is {owner}",
+                        f"custody record names {holder}",
                     )
                 )
     ids = census.job_ids()

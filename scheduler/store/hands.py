@@ -227,7 +227,7 @@ class Hands:
         return cast(bytes, raw), values
 
     # -- letting go -------------------------------------------------------------------------
-    def sent(self, record: SentJob, ttl_s: int, queue: str, message: str) -> bool:
+    def sent(self, record: SentJob, queue: str, message: str) -> bool:
         """Send a job to its device: its record and its Celery ``message`` on ``queue``,
         and let go of it, in one step (lua/sent.lua); False when another placement process
         swept it back from this one (it had stalled): it is not to be sent."""
@@ -237,7 +237,6 @@ class Hands:
             lambda: self._sent(
                 keys=[
                     keys.inflight(placement.device_id),
-                    keys.job_owner(job_id),
                     keys.IN_HAND,
                     keys.job_custody(job_id),
                     queue,
@@ -246,7 +245,6 @@ class Hands:
                     job_id,
                     raw,
                     placement.id,
-                    ttl_s,
                     self.field(job_id),
                     token,
                     placement.runner_id,

@@ -102,16 +102,6 @@ def job_placed(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:placed"
 
 
-def job_start(job_id: str, placement_id: str) -> str:
-    # string: set by the one worker thread that runs this placement of the job
-    return f"{PREFIX}:job:{job_id}:start:{placement_id}"
-
-
-def job_owner(job_id: str) -> str:
-    # string: the placement id that runs the job now; "orphaned" once its device was dropped
-    return f"{PREFIX}:job:{job_id}:owner"
-
-
 def job_reader(job_id: str) -> str:
     # string with a short expiry, renewed by a reader that cancels the job if it goes away;
     # "gone" once renewed and then expired (the reader process died)

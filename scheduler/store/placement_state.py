@@ -155,19 +155,19 @@ class PlacementState:
         return reap(self._reap, device_ttl_s)
 
     # -- jobs sent to devices ----------------------------------------------------------------
-    def sent(self, record: SentJob, ttl_s: int, queue: str, message: str) -> bool:
+    def sent(self, record: SentJob, queue: str, message: str) -> bool:
         """Send a job to its device: its record and its Celery ``message`` on ``queue`` in
         one step, which lets go of it (:meth:`Hands.sent`). If the device is dropped,
-        placement finds the job among the orphans. The job's owner key names this
-        placement, so that a worker that stalled and came back knows it was re-placed.
-        False when the job was swept from this process (it had stalled)."""
-        return self.hands.sent(record, ttl_s, queue, message)
+        placement finds the job among the orphans. The job's custody record names this
+        placement as its holder, so that a worker that stalled and came back knows it was
+        re-placed. False when the job was swept from this process (it had stalled)."""
+        return self.hands.sent(record, queue, message)
 
     def unsend(self, record: SentJob) -> bool:
         """Undo the commit before :meth:`sent` for a job that was not sent (swept from this
         process, or its send step failed): its runner forgets it, and a runner created for
         it goes. False, and nothing undone, when the job was sent after all (the step ran
-        and its reply was lost: its owner is this placement)."""
+        and its reply was lost: its custody record's holder is this placement)."""
         placement, created = record.placement, bool(record.placement.device_ids)
         held = [keys.reservations(d) for d in placement.device_ids] if created else []
         undone = again_if_lost(  # the runner's job set forgets the placement once
@@ -192,10 +192,10 @@ class PlacementState:
         except redis.RedisError:
             return True
 
-    def resend(self, record: SentJob, moved: SentJob, ttl_s: int, queue: str, message: str) -> bool:
+    def resend(self, record: SentJob, moved: SentJob, queue: str, message: str) -> bool:
         """Put ``moved`` (the same job under a new placement id: its epoch raised) in place
         of ``record``, a send whose message was lost, and its ``message`` on ``queue``, in
-        one step (lua/resend.lua): the job's owner, its send deadline and its runner's count
+        one step (lua/resend.lua): the job's holder, its send deadline and its runner's count
         move to the new id, so that the first message, if it turns up, or a run of it a
         Redis crash forgot, is fenced off. False when the job no longer waits under
         ``record``'s id."""
@@ -204,9 +204,7 @@ class PlacementState:
             self._resend(
                 keys=[
                     keys.inflight(old.device_id),
-                    keys.job_owner(job_id),
                     keys.RUNNING,
-                    keys.job_start(job_id, old.id),
                     keys.job_chunks(job_id),
                     keys.runner(old.runner_id),
                     queue,
@@ -216,7 +214,6 @@ class PlacementState:
                     old.id,
                     moved.model_dump_json(),
                     moved.placement.id,
-                    ttl_s,
                     old.device_id,
                     message,
                 ],
@@ -259,13 +256,18 @@ class PlacementState:
             return []
         pipe = self.r.pipeline(transaction=False)
         for record in records:
-            # its start claim expires with the stream's TTL: a job running longer than that
-            # is still in the running hash, which only its end clears
-            pipe.exists(keys.job_start(record.job.id, record.placement.id))
+            pipe.hget(keys.job_custody(record.job.id), "run")  # its start claim
             pipe.hexists(keys.RUNNING, record.job.id)
             pipe.exists(keys.job_chunks(record.job.id))
         seen = pipe.execute()
-        return [r for n, r in enumerate(records) if not any(seen[3 * n : 3 * n + 3])]
+        return [
+            r
+            for n, r in enumerate(records)
+            if not (
+                text(seen[3 * n] or b"").startswith(f"{r.placement.id}|")
+                or any(seen[3 * n + 1 : 3 * n + 3])
+            )
+        ]
 
     def in_broker(self, sends: list[DueSend]) -> set[DueSend]:
         """Which of ``sends`` have a message waiting in their device's queues (a Celery

@@ -97,15 +97,15 @@ class _Routes:
         client: Any,
         device_ttl_s: float,
         claim_ttl_s: int,
-        owner_ttl_s: int,
+        stream_ttl_s: int,
         clock: Any = time.monotonic,
     ) -> None:
         self.r = client
         self._send = script(client, "fast_send")
-        self.device_ttl_s, self.claim_ttl_s, self.owner_ttl_s = (
+        self.device_ttl_s, self.claim_ttl_s, self.stream_ttl_s = (
             device_ttl_s,
             claim_ttl_s,
-            owner_ttl_s,
+            stream_ttl_s,
         )
         self.clock = clock
         self._routes: dict[str, tuple[float, bytes]] = {}  # shape → (until, route)
@@ -163,7 +163,7 @@ class _Routes:
             req.id,
             record.model_dump_json(),
             placement.id,
-            self.owner_ttl_s,
+            self.stream_ttl_s,
             sending,
             ROUTE_TTL_S,
             req.model,
@@ -179,7 +179,6 @@ class _Routes:
             keys.job_submitted(req.id),
             keys.job_placed(req.id),
             keys.inflight(route.device_id),
-            keys.job_owner(req.id),
             queue,
             keys.DEMAND,
             keys.job_hops(req.id),
@@ -258,7 +257,7 @@ class AsyncFastPath(_Routes):
         try:
             if await self.r.get(keys.job_placed(job_id)) == claim:
                 pipe = self.r.pipeline(transaction=False)
-                queue_cancel(pipe, job_id, self.owner_ttl_s)
+                queue_cancel(pipe, job_id, self.stream_ttl_s)
                 await pipe.execute()
         except redis.RedisError as exc:
             log.warning("could not cancel job %s, sent as its submitter left: %s", job_id, exc)

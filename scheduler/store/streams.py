@@ -33,7 +33,7 @@ class Appended(IntEnum):
     """What lua/append.lua did with a chunk (its header cites these values)."""
 
     WRITTEN = 1
-    FENCED = 0  # not written: the job's owner is another placement id now
+    FENCED = 0  # not written: the job's custody record names another holder now
     DUPLICATE = -1  # not written again: the stream has this seq already
 
 
@@ -52,7 +52,7 @@ def _append_call(
     job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str
 ) -> tuple[list[str], list[Any]]:
     """lua/append.lua's keys and arguments for one chunk: written only while the job's
-    owner is ``fence`` (a placement id; "" always writes)."""
+    custody record's holder is ``fence`` (a placement id; "" always writes)."""
     keys_, args = chunk_call(job_id, seq, chunk, ttl_s, fence)
     return [*keys_, keys.job_custody(job_id)], [*args, outcome_of(chunk)]
 
@@ -60,11 +60,11 @@ def _append_call(
 def chunk_call(
     job_id: str, seq: int, chunk: dict[str, Any] | None, ttl_s: int, fence: str
 ) -> tuple[list[str], list[Any]]:
-    """The owner, stream and channel keys and the fence, seq, payload and ttl arguments of a
+    """The stream and channel keys and the fence, seq, payload and ttl arguments of a
     script that writes a job's chunk among other things (lua/end.lua); ``chunk`` None
     writes none."""
     payload = "" if chunk is None else json.dumps(dict(chunk, seq=seq))
-    job_keys = [keys.job_owner(job_id), keys.job_chunks(job_id), keys.job_channel(job_id)]
+    job_keys = [keys.job_chunks(job_id), keys.job_channel(job_id)]
     return job_keys, [fence, seq, payload, ttl_s]
 
 

@@ -108,7 +108,7 @@ class WorkerState:
 
     # -- jobs ------------------------------------------------------------------------------
     def start(
-        self, device_id: str, job_id: str, placement_id: str, delivery: str, ttl_s: int, now: float
+        self, device_id: str, job_id: str, placement_id: str, delivery: str, now: float
     ) -> bool | None:
         """Start a delivered job in one round trip (lua/start.lua): None when it is not this
         delivery's to run (re-placed after its device was dropped, or another delivery of the
@@ -118,11 +118,11 @@ class WorkerState:
         answer = self._start(
             keys=[
                 keys.inflight(device_id),
-                keys.job_start(job_id, placement_id),
+                keys.job_custody(job_id),
                 keys.RUNNING,
                 *watch_keys(job_id),
             ],
-            args=[job_id, placement_id, delivery, ttl_s, now],
+            args=[job_id, placement_id, delivery, now],
         )
         if not int(answer[0]):
             return None
@@ -131,7 +131,7 @@ class WorkerState:
 
     def started(self, device_ids: list[str]) -> list[SentJob]:
         """The jobs recorded in flight on ``device_ids`` that are marked running (start.lua
-        marks a job running with its start claim, in one step), in three round trips that
+        marks a job running and claims its run, in one step), in three round trips that
         read and parse only those records, not the queued ones' prompts; unreadable records
         are left to the device's reaping."""
         pipe = self.r.pipeline(transaction=False)
@@ -153,9 +153,10 @@ class WorkerState:
         return records
 
     def job_owner(self, job_id: str) -> str | None:
-        """The placement id that runs the job now, "orphaned", or None (the key is gone:
-        Redis lost its data, or the job ended long ago)."""
-        raw = self.r.get(keys.job_owner(job_id))
+        """Who holds the job now, as its custody record names it: the placement id it runs
+        under, "" (orphaned, or ended unrun), a placement process (placing), or None (no
+        record: Redis lost its data, or the job ended long ago)."""
+        raw = self.r.hget(keys.job_custody(job_id), "holder")
         return None if raw is None else text(raw)
 
     def end(
@@ -169,8 +170,8 @@ class WorkerState:
         orphan: SentJob | None = None,
     ) -> tuple[Appended, int]:
         """A job's end in one round trip (lua/end.lua): its ``last`` chunk (seq, chunk; None
-        writes none) fenced by its owner, its in-flight record and running mark gone (the
-        mark stays when the job is another placement's now), its
+        writes none) fenced by its custody record's holder, its in-flight record and
+        running mark gone (the mark stays when the job is another placement's now), its
         runner counting this placement off (``keep_alive_s`` None keeps the runner's), and
         a job handed back among the orphans as ``orphan`` (placement hears of it). Returns
         what became of the chunk and how many jobs the runner still counts (-1: gone)."""

@@ -2,22 +2,22 @@
 -- other chunks with the first).
 -- Touches, by name: nothing; the keys are the callers'.
 
--- Whose a job is: its owner key, or, when Redis lost that (it came back from before the
--- job was sent, or the key expired under a long run), its custody record's holder.
-local function owner_of(owner_key, custody)
-  return redis.call('GET', owner_key) or redis.call('HGET', custody, 'holder')
+-- Whose a job is: the holder its custody record ``custody`` names (the placement id it was
+-- sent under, '' once it was orphaned or ended unrun), nil when Redis has no record of it
+-- (it lost the job whole: a restart without its data).
+local function owner_of(custody)
+  return redis.call('HGET', custody, 'holder')
 end
 
--- Append one chunk to a job's stream and publish it, unless the job's owner is another
--- placement id than ``fence`` ('' writes whatever the owner). With no owner (Redis came
--- back from before the job was sent), its custody record ``custody`` names it: a record
--- held by another (parked, placing, orphaned, or sent under another placement) fences the
--- chunk too; only a job Redis forgot whole is written by whoever runs it. Returns
--- streams.Appended: 1 WRITTEN, 0 FENCED, -1 DUPLICATE (this seq is there already). A final
--- chunk written moves the record to ``outcome`` (done, failed, cancelled; '' for a chunk
--- that is not final).
-local function append_chunk(owner_key, chunks, channel, fence, seq, payload, ttl, custody, outcome)
-  local owner = owner_of(owner_key, custody)
+-- Append one chunk to a job's stream and publish it, unless the job's custody record
+-- ``custody`` names another holder than ``fence``, the placement id of the run that writes
+-- it ('' writes whatever the holder): a job taken from that run (orphaned, parked, placing,
+-- sent under another placement id, or ended by placement) refuses its chunks; only a job
+-- Redis forgot whole is written by whoever runs it. Returns streams.Appended: 1 WRITTEN,
+-- 0 FENCED, -1 DUPLICATE (this seq is there already). A final chunk written moves the
+-- record to ``outcome`` (done, failed, cancelled; '' for a chunk that is not final).
+local function append_chunk(chunks, channel, fence, seq, payload, ttl, custody, outcome)
+  local owner = owner_of(custody)
   local id = '0-' .. seq
   if fence ~= '' and owner and owner ~= fence then
     -- this very chunk, written before the job was taken from this run (its answer was
@@ -39,7 +39,7 @@ end
 -- there, and its final chunk ``chunk`` (a JSON object with keys and no seq) after whatever
 -- its stream holds, unfenced; its custody record moves to ``outcome``. Touches, by name,
 -- the job's keys: ggufq:parked, ggufq:parked:<id> and its model's index, and
--- ggufq:job:<id>:owner, :chunks, :custody and its channel. Returns streams.Appended.
+-- ggufq:job:<id>:chunks, :custody and its channel. Returns streams.Appended.
 local function end_unrun(job_id, chunk, ttl, outcome)
   local job = 'ggufq:job:' .. job_id
   redis.call('ZREM', 'ggufq:parked', job_id)
@@ -51,17 +51,16 @@ local function end_unrun(job_id, chunk, ttl, outcome)
   -- the seq goes in front of the chunk's other keys as text: a decode and encode here
   -- would turn its empty lists into objects
   local payload = string.format('{"seq": %d, ', seq) .. string.sub(chunk, 2)
-  return append_chunk(job .. ':owner', job .. ':chunks', job, '', seq, payload, ttl,
-    job .. ':custody', outcome)
+  return append_chunk(job .. ':chunks', job, '', seq, payload, ttl, job .. ':custody', outcome)
 end
 
 -- The job is no longer running, nor in flight on its device, unless it was placed again
--- meanwhile (its record, or its owner, then names another placement id: the new run's
--- running mark stays; with no owner, its custody record ``custody`` names it, as for
--- append_chunk). Returns 1 when the record was this placement's and is gone, else 0.
-local function done_with(owner_key, running, inflight, job_id, placement_id, custody)
-  local owner = owner_of(owner_key, custody)
-  if not owner or owner == '' or owner == placement_id or owner == 'orphaned' then
+-- meanwhile (its in-flight record, or its custody record ``custody``, then names another
+-- placement id: the new run's running mark stays). Returns 1 when the in-flight record was
+-- this placement's and is gone, else 0.
+local function done_with(running, inflight, job_id, placement_id, custody)
+  local owner = owner_of(custody)
+  if not owner or owner == '' or owner == placement_id then
     redis.call('HDEL', running, job_id)
   end
   local raw = redis.call('HGET', inflight, job_id)

@@ -36,7 +36,7 @@ end
 -- go of the hold in the same step: its custody ``record`` says this hold ended with its
 -- send, or a sweep let go of it because it was sent (swept '2'; also for a job that had
 -- ended), or its entry is marked sent (as a version before the send let go wrote it).
--- Each outlives a reap of its device, which rewrites its owner.
+-- Each outlives a reap of its device, which rewrites its holder.
 local function sent_from_us(in_hand, field, token, record)
   if token == '' then return false end
   local last = redis.call('HMGET', record, 'token', 'swept', 'sent')

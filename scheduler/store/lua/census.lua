@@ -4,13 +4,13 @@
 -- Touches, by name: ggufq:devices, ggufq:runners, ggufq:running, ggufq:parked,
 -- ggufq:orphans, ggufq:in_hand (their members), ggufq:resv:<dev>, ggufq:inflight:<dev>,
 -- ggufq:runner:<id> (model, in_flight, devices) and its :jobs, ggufq:parked:<id>,
--- ggufq:job:<id>:owner, ggufq:parked:model_of (the parked jobs' index by model),
+-- ggufq:job:<id>:custody (holder), ggufq:parked:model_of (the parked jobs' index by model),
 -- ggufq:heartbeats, ggufq:due:sent and ggufq:due:counted (their members),
 -- ggufq:custody:live (its members' ggufq:job:<id>:custody state), ggufq:custody:unexpected
 -- Returns {devices, running, parked, orphans, held (the fields: who holds each job), parked ids that
 -- have their record, {runner id, model, in_flight, devices JSON, its jobs' placement
 -- ids}..., {device id, reservations (flat runner, bytes), in-flight records (flat job,
--- record)}..., owners (flat job, owner or ''), the job ids in the parked jobs' index,
+-- record)}..., holders (flat job, custody holder or ''), the job ids in the parked jobs' index,
 -- the devices that have a beat, the sends due, the counts due, the custody records of the
 -- jobs not ended (flat job, state), the unexpected moves (flat move, count)}
 local devices = redis.call('SMEMBERS', 'ggufq:devices')
@@ -27,12 +27,12 @@ for _, id in ipairs(redis.call('SMEMBERS', 'ggufq:runners')) do
     table.insert(runners, {id, r[1], r[2] or '0', r[3] or '{}', jobs})
   end
 end
-local per_device, owners = {}, {}
+local per_device, holders = {}, {}
 for _, dev in ipairs(devices) do
   local sent = redis.call('HGETALL', 'ggufq:inflight:' .. dev)
   for i = 1, #sent, 2 do
-    table.insert(owners, sent[i])
-    table.insert(owners, redis.call('GET', 'ggufq:job:' .. sent[i] .. ':owner') or '')
+    table.insert(holders, sent[i])
+    table.insert(holders, redis.call('HGET', 'ggufq:job:' .. sent[i] .. ':custody', 'holder') or '')
   end
   table.insert(per_device, {dev, redis.call('HGETALL', 'ggufq:resv:' .. dev), sent})
 end
@@ -50,7 +50,7 @@ return {
   recorded,
   runners,
   per_device,
-  owners,
+  holders,
   redis.call('HKEYS', 'ggufq:parked:model_of'),
   redis.call('ZRANGE', 'ggufq:heartbeats', 0, -1),
   redis.call('ZRANGE', 'ggufq:due:sent', 0, -1),

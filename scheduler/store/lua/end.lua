@@ -1,5 +1,5 @@
 -- A job's end on its worker, in one step: its last chunk (unless there is none to write:
--- handed back), fenced by its owner as append.lua's are; its running mark (unless the job
+-- handed back), fenced by its custody record's holder as append.lua's are; its running mark (unless the job
 -- is another placement's now: a new run's mark stays) and in-flight record gone; and its runner counting this placement off (its job set: an end written
 -- again after a lost answer changes nothing), with its expiry if now idle. A reader that
 -- sees the last chunk finds the slot free and `ps` shows the runner idle; a worker that
@@ -10,16 +10,15 @@
 -- Moves a job (scheduler/custody.py): running -> done, running -> failed, running -> cancelled
 -- Moves a job (scheduler/custody.py): running -> orphaned
 -- Moves a job (scheduler/custody.py): sent -> done, sent -> failed, sent -> cancelled
--- KEYS[1] ggufq:job:<id>:owner                     (string) placement id, or "orphaned"
--- KEYS[2] ggufq:job:<id>:chunks                    (stream) entry ids 0-<seq>
--- KEYS[3] ggufq:job:<id>                           (pub/sub channel)
--- KEYS[4] ggufq:running                            (hash) job id -> time it started
--- KEYS[5] ggufq:inflight:<dev>                     (hash) job id -> in-flight record
--- KEYS[6] ggufq:runner:<id>                        (hash)
--- KEYS[7] ggufq:events                             (pub/sub channel) job_finished, with
+-- KEYS[1] ggufq:job:<id>:chunks                    (stream) entry ids 0-<seq>
+-- KEYS[2] ggufq:job:<id>                           (pub/sub channel)
+-- KEYS[3] ggufq:running                            (hash) job id -> time it started
+-- KEYS[4] ggufq:inflight:<dev>                     (hash) job id -> in-flight record
+-- KEYS[5] ggufq:runner:<id>                        (hash)
+-- KEYS[6] ggufq:events                             (pub/sub channel) job_finished, with
 --                                                  the runner's model: wakes parked jobs
--- KEYS[8] ggufq:orphans                            (hash) job id -> in-flight record
--- KEYS[9] ggufq:job:<id>:custody                   (hash) its custody record
+-- KEYS[7] ggufq:orphans                            (hash) job id -> in-flight record
+-- KEYS[8] ggufq:job:<id>:custody                   (hash) its custody record: the fence
 -- ARGV: placement id (the fence), seq, payload ('' for no chunk), stream ttl_s, job id,
 --       now, keep_alive_s ('' keeps the runner's), runner id, the orphan record of a job
 --       handed back ('' for none), the final chunk's outcome (done, failed, cancelled)
@@ -27,21 +26,21 @@
 -- (-1: it is gone)}.
 local appended = 1
 if ARGV[3] ~= '' then
-  appended = append_chunk(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4],
-    KEYS[9], ARGV[10])
+  appended = append_chunk(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], KEYS[8],
+    ARGV[10])
 end
-local was_recorded = done_with(KEYS[1], KEYS[4], KEYS[5], ARGV[5], ARGV[1], KEYS[9])
-local left = count_off(KEYS[6], ARGV[1], ARGV[6], ARGV[7])
+local was_recorded = done_with(KEYS[3], KEYS[4], ARGV[5], ARGV[1], KEYS[8])
+local left = count_off(KEYS[5], ARGV[1], ARGV[6], ARGV[7])
 if left >= 0 then
-  local model = redis.call('HGET', KEYS[6], 'model') or ''
+  local model = redis.call('HGET', KEYS[5], 'model') or ''
   local event = {event = 'job_finished', runner = ARGV[8], model = model, in_flight = left}
-  redis.call('PUBLISH', KEYS[7], cjson.encode(event))
+  redis.call('PUBLISH', KEYS[6], cjson.encode(event))
 end
 -- only with its record: an end run again after a lost answer, or of a job reaped or
 -- placed again meanwhile, finds none and hands nothing back a second time
 if ARGV[9] ~= '' and was_recorded == 1 then
-  redis.call('HSET', KEYS[8], ARGV[5], ARGV[9])
+  redis.call('HSET', KEYS[7], ARGV[5], ARGV[9])
   move(ARGV[5], 'orphaned', '')
-  redis.call('PUBLISH', KEYS[7], cjson.encode({event = 'handed_back', job = ARGV[5]}))
+  redis.call('PUBLISH', KEYS[6], cjson.encode({event = 'handed_back', job = ARGV[5]}))
 end
 return {appended, left}

@@ -11,16 +11,16 @@
 -- KEYS[7]  ggufq:job:<id>:submitted   (string) the job id's claim
 -- KEYS[8]  ggufq:job:<id>:placed      (string) the job's placement claim
 -- KEYS[9]  ggufq:inflight:<dev>       (hash)
--- KEYS[10] ggufq:job:<id>:owner       (string)
--- KEYS[11] the device's Celery queue  (list)
--- KEYS[12] ggufq:demand               (hash) counted as placement counts a job it sends
--- KEYS[13] ggufq:job:<id>:hops        (hash) the client's hops: submitted, sent
--- Also touches, by name: ggufq:runner:<id>:jobs, ggufq:due:sent, ggufq:due:counted
+-- KEYS[10] the device's Celery queue  (list)
+-- KEYS[11] ggufq:demand               (hash) counted as placement counts a job it sends
+-- KEYS[12] ggufq:job:<id>:hops        (hash) the client's hops: submitted, sent
+-- Also touches, by name: ggufq:runner:<id>:jobs, ggufq:due:sent, ggufq:due:counted, and
+-- ggufq:job:<id>:custody (its holder: the placement id, the fence of the run's writes)
 -- ARGV: route (as the client read it), device id, now (the client's: last use, demand and
 --       hops), device ttl (the device's last beat must be that recent on Redis's clock),
 --       claim ttl, submitted at, placement claim, job id, in-flight record (its
 --       "sent_at":0.0 stamped here on Redis's clock), placement id,
---       owner ttl (also the hops'), message, route ttl, model, demand tau
+--       the hops' ttl, message, route ttl, model, demand tau
 -- Returns 1 when sent (also when this attempt's claim is there already: it ran, and its
 -- reply was lost); 0 when the normal path must place it (the route changed, the runner
 -- is not ready or has no free slot, its device is silent, or jobs wait); -1 when the job
@@ -52,11 +52,10 @@ local stamped = string.gsub(ARGV[9], '"sent_at":0%.0', '"sent_at":' .. string.fo
 redis.call('HSET', KEYS[9], ARGV[8], stamped)
 redis.call('ZADD', DUE_SENT, now_s(), sent_due(ARGV[8], ARGV[10], ARGV[2]))
 no_longer_due(KEYS[2], ARGV[10])
-redis.call('SET', KEYS[10], ARGV[10], 'EX', ARGV[11])
-redis.call('LPUSH', KEYS[11], ARGV[12])
+redis.call('LPUSH', KEYS[10], ARGV[12])
 move(ARGV[8], 'sent', ARGV[10])
 redis.call('EXPIRE', KEYS[1], ARGV[13])
-count_demand(KEYS[12], ARGV[14], ARGV[3], ARGV[15])
-redis.call('HSET', KEYS[13], 'submitted', ARGV[6], 'sent', ARGV[3])
-redis.call('EXPIRE', KEYS[13], ARGV[11])
+count_demand(KEYS[11], ARGV[14], ARGV[3], ARGV[15])
+redis.call('HSET', KEYS[12], 'submitted', ARGV[6], 'sent', ARGV[3])
+redis.call('EXPIRE', KEYS[12], ARGV[11])
 return 1

@@ -7,7 +7,7 @@
 -- KEYS[3] ggufq:heartbeats (sorted set) device id -> last heartbeat
 -- KEYS[4] ggufq:orphans   (hash) job id -> in-flight record
 -- Also touches, by name: ggufq:device:<dev>, ggufq:resv:<dev>, ggufq:runner:<id>[:jobs],
--- ggufq:inflight:<dev> (hash) job id -> in-flight record, ggufq:job:<id>:owner (string),
+-- ggufq:inflight:<dev> (hash) job id -> in-flight record, ggufq:job:<id>:custody,
 -- ggufq:running (hash) job id -> start time, ggufq:due:sent, and the device's Celery
 -- queues (lists)
 -- ggufq.<dev with '.' for ':'> and ggufq.<...>.batch
@@ -27,14 +27,9 @@ for _, dev in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - 
     for i = 1, #sent, 2 do
       redis.call('HSET', KEYS[4], sent[i], sent[i + 1])
       redis.call('ZREM', DUE_SENT, sent_due_of(sent[i], sent[i + 1]) or '')
-      -- a worker that comes back must not go on running it (placement re-places or fails it)
-      local owner = 'ggufq:job:' .. sent[i] .. ':owner'
-      if redis.call('EXISTS', owner) == 1 then
-        redis.call('SET', owner, 'orphaned', 'KEEPTTL')
-      else
-        redis.call('SET', owner, 'orphaned', 'EX', 86400)
-      end
       redis.call('HDEL', 'ggufq:running', sent[i])
+      -- held by nobody now: a worker that comes back finds its writes fenced and does not
+      -- go on running it (placement re-places or fails it)
       move(sent[i], 'orphaned', '')
     end
     redis.call('DEL', 'ggufq:resv:' .. dev, 'ggufq:device:' .. dev, 'ggufq:inflight:' .. dev)

@@ -1,5 +1,5 @@
 -- A job whose message to a live device was lost, sent again as a new placement of it (its
--- epoch raised): its in-flight record, owner, send deadline and its runner's count move
+-- epoch raised): its in-flight record, holder, send deadline and its runner's count move
 -- from the old placement id to the new one, and its new message goes on the device's
 -- queue, in one step. A first message that turns up
 -- after all, or a run of it that a Redis crash forgot (its start claim lost), is then
@@ -8,33 +8,31 @@
 -- claimed, no chunk written.
 -- Moves a job (scheduler/custody.py): sent -> sent
 -- KEYS[1] ggufq:inflight:<dev>               (hash) job id -> in-flight record
--- KEYS[2] ggufq:job:<id>:owner               (string) placement id
--- KEYS[3] ggufq:running                      (hash) job id -> time it started
--- KEYS[4] ggufq:job:<id>:start:<old id>      the old placement's start claim
--- KEYS[5] ggufq:job:<id>:chunks              (stream)
--- KEYS[6] ggufq:runner:<id>                  (hash) the runner it was sent to
--- KEYS[7] the device's Celery queue           (list)
--- Also touches, by name: ggufq:runner:<id>:jobs, ggufq:due:sent, ggufq:due:counted
--- ARGV: job id, old placement id, the new in-flight record, new placement id, owner ttl
---       (s), device id, the new Celery message
+-- KEYS[2] ggufq:running                      (hash) job id -> time it started
+-- KEYS[3] ggufq:job:<id>:chunks              (stream)
+-- KEYS[4] ggufq:runner:<id>                  (hash) the runner it was sent to
+-- KEYS[5] the device's Celery queue           (list)
+-- Also touches, by name: ggufq:runner:<id>:jobs, ggufq:due:sent, ggufq:due:counted, and
+-- ggufq:job:<id>:custody (the old placement's start claim; its holder: the new id)
+-- ARGV: job id, old placement id, the new in-flight record, new placement id, device id,
+--       the new Celery message
 -- Returns 1 when the job moved to the new placement, 0 when it no longer waits under the
 -- old one.
 local recorded = placement_of(redis.call('HGET', KEYS[1], ARGV[1]))
 if not recorded or tostring(recorded['id']) ~= ARGV[2]
-    or redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1
-    or redis.call('EXISTS', KEYS[4]) == 1 or redis.call('EXISTS', KEYS[5]) == 1 then
+    or redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1
+    or started_under(ARGV[1], ARGV[2]) or redis.call('EXISTS', KEYS[3]) == 1 then
   return 0
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-redis.call('SET', KEYS[2], ARGV[4], 'EX', ARGV[5])
-redis.call('ZREM', DUE_SENT, sent_due(ARGV[1], ARGV[2], ARGV[6]))
-redis.call('ZADD', DUE_SENT, now_s(), sent_due(ARGV[1], ARGV[4], ARGV[6]))
-if redis.call('EXISTS', KEYS[6]) == 1 then
-  count_out(KEYS[6], ARGV[2])
-  count_on(KEYS[6], ARGV[4])
-  no_longer_due(KEYS[6], ARGV[4])  -- recorded in flight in this step
-  changed(KEYS[6])
+redis.call('ZREM', DUE_SENT, sent_due(ARGV[1], ARGV[2], ARGV[5]))
+redis.call('ZADD', DUE_SENT, now_s(), sent_due(ARGV[1], ARGV[4], ARGV[5]))
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  count_out(KEYS[4], ARGV[2])
+  count_on(KEYS[4], ARGV[4])
+  no_longer_due(KEYS[4], ARGV[4])  -- recorded in flight in this step
+  changed(KEYS[4])
 end
-redis.call('LPUSH', KEYS[7], ARGV[7])
+redis.call('LPUSH', KEYS[5], ARGV[6])
 move(ARGV[1], 'sent', ARGV[4])
 return 1

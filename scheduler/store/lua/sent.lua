@@ -6,30 +6,30 @@
 -- holder that dies right after cannot have it put back to run twice. Nothing when another
 -- placement process swept the job back from this one (it had stalled): it is someone
 -- else's now. Asked again after a lost reply, it finds the job sent already (its record
--- says so, or its owner is this placement) and sends nothing more.
+-- says so, or its custody record's holder is this placement) and sends nothing more.
 -- Moves a job (scheduler/custody.py): placing -> sent
 -- KEYS[1] ggufq:inflight:<dev> (hash: job id -> SentJob JSON)
--- KEYS[2] ggufq:job:<id>:owner (string: the placement's id)
--- KEYS[3] ggufq:in_hand (hash)
--- KEYS[4] ggufq:job:<id>:custody (hash) the job's record: its hold's token, sweep and send
--- KEYS[5] the device's Celery queue (list)
+-- KEYS[2] ggufq:in_hand (hash)
+-- KEYS[3] ggufq:job:<id>:custody (hash) the job's record: its holder (the placement id from
+--         here on: the fence of the run's writes), its hold's token, sweep and send
+-- KEYS[4] the device's Celery queue (list)
 -- Also touches, by name: ggufq:due:sent (due for the lost-send look from now) and
 -- ggufq:due:counted (its runner's count is accounted for)
--- ARGV: job id, record, placement id, owner ttl (s), field "<placement>|<job id>", token,
---       runner id, device id (the record's), the Celery message
+-- ARGV: job id, record, placement id, field "<placement>|<job id>", token, runner id,
+--       device id (the record's), the Celery message
 -- Returns 1 when it was sent (now or by an earlier ask), 0 when it was swept.
-if redis.call('GET', KEYS[2]) == ARGV[3] or sent_from_us(KEYS[3], ARGV[5], ARGV[6], KEYS[4]) then
+if redis.call('HGET', KEYS[3], 'holder') == ARGV[3]
+    or sent_from_us(KEYS[2], ARGV[4], ARGV[5], KEYS[3]) then
   return 1
 end
-if ARGV[6] ~= '' and (put_back_from_us(KEYS[4], ARGV[6]) or moved_on(KEYS[4])) then
+if ARGV[5] ~= '' and (put_back_from_us(KEYS[3], ARGV[5]) or moved_on(KEYS[3])) then
   return 0
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('ZADD', DUE_SENT, now_s(), sent_due(ARGV[1], ARGV[3], ARGV[8]))
-no_longer_due('ggufq:runner:' .. ARGV[7], ARGV[3])
-redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
-let_go(KEYS[3], ARGV[5], ARGV[6])
-redis.call('LPUSH', KEYS[5], ARGV[9])
+redis.call('ZADD', DUE_SENT, now_s(), sent_due(ARGV[1], ARGV[3], ARGV[7]))
+no_longer_due('ggufq:runner:' .. ARGV[6], ARGV[3])
+let_go(KEYS[2], ARGV[4], ARGV[5])
+redis.call('LPUSH', KEYS[4], ARGV[8])
 move(ARGV[1], 'sent', ARGV[3])
-if ARGV[6] ~= '' then redis.call('HSET', KEYS[4], 'sent', '1') end
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], 'sent', '1') end
 return 1

@@ -6,7 +6,7 @@
 -- moves it on.
 -- KEYS[1] ggufq:due:sent (sorted set)
 -- KEYS[2] ggufq:running  (hash) job id -> time it started
--- Also touches, by name: ggufq:inflight:<dev> and ggufq:job:<id>:start:<pid> (read)
+-- Also touches, by name: ggufq:inflight:<dev> and ggufq:job:<id>:custody (read)
 -- ARGV: the members "<job>|<placement>|<device>" to forget if so
 -- Returns how many were forgotten.
 local forgotten = 0
@@ -17,7 +17,7 @@ for _, member in ipairs(ARGV) do
     local recorded = placement_of(redis.call('HGET', 'ggufq:inflight:' .. dev, job))
     forget = not recorded or tostring(recorded['id']) ~= placement
       or redis.call('HEXISTS', KEYS[2], job) == 1
-      or redis.call('EXISTS', 'ggufq:job:' .. job .. ':start:' .. placement) == 1
+      or started_under(job, placement)
   end
   if forget then forgotten = forgotten + redis.call('ZREM', KEYS[1], member) end
 end

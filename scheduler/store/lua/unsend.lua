@@ -2,14 +2,15 @@
 -- send, or its send step failed): the runner it was given forgets it (a runner created for
 -- it is removed with its reservations, unless placement routed other jobs to it
 -- meanwhile: it stays for them). Nothing when the job was sent after all (the send step
--- ran and its reply was lost): its owner, or its in-flight record, is this placement's
--- (the owner outlives the job's end, which takes the record). Moves no job: it is still
+-- ran and its reply was lost): its custody record's holder, or its in-flight record, is
+-- this placement's (the holder outlives the job's end, which takes the in-flight record).
+-- Moves no job: it is still
 -- in its placement process's hands.
 -- KEYS[1] ggufq:inflight:<dev>   (hash)
 -- KEYS[2] ggufq:runners          (set)
 -- KEYS[3] ggufq:runner:<id>      (hash)
 -- KEYS[4..] ggufq:resv:<dev>     (hash) each device a created runner holds memory on
--- Also touches, by name: ggufq:job:<id>:owner (read), ggufq:runner:<id>:jobs,
+-- Also touches, by name: ggufq:job:<id>:custody (read), ggufq:runner:<id>:jobs,
 -- ggufq:due:counted
 -- ARGV: job id, runner id, created (1: the runner was created for this job), the job's
 --       placement id
@@ -17,7 +18,7 @@
 -- the runner's job set forgets this placement of the job once.
 local recorded = placement_of(redis.call('HGET', KEYS[1], ARGV[1]))
 if (recorded and tostring(recorded['id']) == ARGV[4])
-    or redis.call('GET', 'ggufq:job:' .. ARGV[1] .. ':owner') == ARGV[4] then
+    or redis.call('HGET', 'ggufq:job:' .. ARGV[1] .. ':custody', 'holder') == ARGV[4] then
   return 0
 end
 local others = 0
