@@ -72,15 +72,17 @@ def held_key(job_id: str) -> str:
 
 
 def is_held(client: redis.Redis, job_id: str) -> bool:
-    """Whether the job is held now, all it published before in Redis (unless its
-    publisher holds it back itself: a run on a resident runner whose start is not claimed
-    yet)."""
+    """Whether the job is held now, all it published before in Redis."""
     return bool(client.exists(held_key(job_id)))
 
 
 def _hold(publisher: Any, cancelled: Any) -> None:
     """Hold a job here, on the decode thread (the runner's other sequences wait too),
-    once what it published is in Redis, until it is cancelled or released."""
+    once what it published is in Redis, until it is cancelled or released. A run on a
+    resident runner holds its chunks back until its start is claimed, beside its first
+    steps, on the job's thread: under load that can come after the hold's token."""
+    while publisher.holding and not cancelled():
+        threading.Event().wait(0.01)
     publisher.flush()
     try:  # a sign for the test; Redis may be going away (a failover the test makes)
         publisher.r.set(held_key(publisher.job_id), 1, ex=600)

@@ -264,6 +264,11 @@ class ChunkPublisher:
         with self._lock:
             self._held = []
 
+    @property
+    def holding(self) -> bool:
+        """Whether it holds its chunks back (its run's start is not claimed yet)."""
+        return self._held is not None
+
     def release(self, publish_held: bool = True) -> None:
         with self._lock:
             held, self._held = self._held or [], None
