@@ -140,6 +140,29 @@ def test_a_job_whose_send_ran_is_not_undone(db: redis.Redis) -> None:
     assert db.hexists(keys.inflight("vgpu:h:0"), record.job.id)
 
 
+def test_a_send_asked_again_after_its_run_handed_the_job_back_finds_it_sent(
+    db: redis.Redis,
+) -> None:
+    """Its send step ran and its answer was lost; before it is asked again, the job's run
+    starts, cannot load its model and hands the job back (its record's holder is '' now):
+    the run claimed under this placement says it was sent, so nothing is undone (the
+    runner made for it stays) and a send asked again sends nothing more."""
+    workers = WorkerState(db)
+    workers.register_device(vgpu(0))
+    state = PlacementState(db)
+    assert state.reserve("r1", "p1", {"vgpu:h:0": GIB}, {"model": "m"}, now=100.0, device_ttl_s=10)
+    record = sent_job("vgpu:h:0", "r1", device_ids=["vgpu:h:0"])
+    assert send(state, record)
+    assert workers.start("vgpu:h:0", record.job.id, "p1", "delivery", 100.0) is False
+    orphan = record.model_copy(update={"avoid": ["vgpu:h:0"]})
+    workers.end(record.placement, record.job.id, (0, None), 101.0, 300, 60, orphan)
+    assert db.hget(keys.job_custody(record.job.id), "state") == b"orphaned"
+    assert not state.unsend(record)
+    assert db.hget(keys.reservations("vgpu:h:0"), "r1") == str(GIB).encode()
+    assert send(state, record)
+    assert db.llen(keys.device_queue("vgpu:h:0")) == 1
+
+
 def test_a_runner_made_for_a_job_that_could_not_be_sent_stays_for_jobs_routed_to_it(
     db: redis.Redis,
 ) -> None:

@@ -17,8 +17,9 @@
 -- ggufq:due:counted (its runner's count is accounted for)
 -- ARGV: job id, record, placement id, field "<placement>|<job id>", token, runner id,
 --       device id (the record's), the Celery message
--- Returns 1 when it was sent (now or by an earlier ask), 0 when it was swept.
-if redis.call('HGET', KEYS[3], 'holder') == ARGV[3]
+-- Returns 1 when it was sent (now or by an earlier ask: its record names this placement,
+-- or a run of it, which may have ended or handed it back since), 0 when it was swept.
+if redis.call('HGET', KEYS[3], 'holder') == ARGV[3] or started_under(ARGV[1], ARGV[3])
     or sent_from_us(KEYS[2], ARGV[4], ARGV[5], KEYS[3]) then
   return 1
 end

@@ -3,7 +3,8 @@
 -- it is removed with its reservations, unless placement routed other jobs to it
 -- meanwhile: it stays for them). Nothing when the job was sent after all (the send step
 -- ran and its reply was lost): its custody record's holder, or its in-flight record, is
--- this placement's (the holder outlives the job's end, which takes the in-flight record).
+-- this placement's (the holder outlives the job's end, which takes the in-flight record),
+-- or a run of this placement was claimed (it may have handed the job back since).
 -- Moves no job: it is still
 -- in its placement process's hands.
 -- KEYS[1] ggufq:inflight:<dev>   (hash)
@@ -18,7 +19,8 @@
 -- the runner's job set forgets this placement of the job once.
 local recorded = placement_of(redis.call('HGET', KEYS[1], ARGV[1]))
 if (recorded and tostring(recorded['id']) == ARGV[4])
-    or redis.call('HGET', 'ggufq:job:' .. ARGV[1] .. ':custody', 'holder') == ARGV[4] then
+    or redis.call('HGET', 'ggufq:job:' .. ARGV[1] .. ':custody', 'holder') == ARGV[4]
+    or started_under(ARGV[1], ARGV[4]) then
   return 0
 end
 local others = 0
