@@ -91,7 +91,8 @@ def long_options(tokens: int, num_ctx: int = 8192) -> dict[str, Any]:
 class Fault:
     name: str
     what: str
-    serve: str  # "return": 2 heartbeats after the fault ends; "death": TTL + 2 heartbeats
+    serve: str  # "return": 2 heartbeats after the fault ends; "death": TTL + 2 heartbeats;
+    # "failover": FAILOVER_SERVE_S after the sentinels promoted a replica
 
 
 FAULTS = [
@@ -1151,10 +1152,17 @@ def evidence(res: TrialResult, texts: dict[str, str]) -> list[str]:
 
 
 # -- a fault's trials ----------------------------------------------------------------------
-def run_fault(fault: Fault, args: Any, models: Path, work: Path) -> list[TrialResult]:
+def run_fault(
+    fault: Fault,
+    args: Any,
+    models: Path,
+    work: Path,
+    cluster_of: type[Cluster] = Cluster,
+    trial_of: type[Trial] = Trial,
+) -> list[TrialResult]:
     rng = random.Random(f"{args.seed}-{fault.name}")
     results: list[TrialResult] = []
-    cluster = Cluster(work / fault.name, models, CLOCK_BEHIND_S.get(fault.name))
+    cluster = cluster_of(work / fault.name, models, CLOCK_BEHIND_S.get(fault.name))
     try:
         cluster.start()
         ready = wait_for(cluster.ready, timeout=60)
@@ -1163,7 +1171,7 @@ def run_fault(fault: Fault, args: Any, models: Path, work: Path) -> list[TrialRe
                 results.append(TrialResult(fault.name, number, setup_failed="stack not ready"))
                 continue
             started = time.monotonic()
-            res = Trial(cluster, fault, number, rng, args).run()
+            res = trial_of(cluster, fault, number, rng, args).run()
             results.append(res)
             took = time.monotonic() - started
             print(f"  {fault.name} trial {number}: {summary(res)} ({took:.0f} s)")
@@ -1202,7 +1210,12 @@ def jobs_in(problems: list[str]) -> int:
     return len({p.split(":", 1)[0] for p in problems})
 
 
+FAILOVER_SERVE_S = 10.0  # issue 38: served again within 10 s of the promotion
+
+
 def serve_target_s(fault: Fault, hb_s: float, ttl_s: float) -> float:
+    if fault.serve == "failover":
+        return FAILOVER_SERVE_S
     return ttl_s + 2 * hb_s if fault.serve == "death" else 2 * hb_s
 
 
@@ -1332,39 +1345,49 @@ def errors_seen(results: Iterable[TrialResult]) -> list[str]:
     return list(seen.values())
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(
+    argv: list[str] | None, faults: dict[str, Fault], doc: str | None = __doc__
+) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=3, help="trials per fault (issue: 20)")
-    parser.add_argument("--faults", default=",".join(BY_NAME), help="comma-separated subset")
+    parser.add_argument("--faults", default=",".join(faults), help="comma-separated subset")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--outage-s", type=float, default=8.0, help="redis-outage: seconds down")
     parser.add_argument("--bound-s", type=float, default=90.0, help="after it, a job is hung")
     parser.add_argument("--long-tokens", type=int, default=1000, help="tokens of job A")
     parser.add_argument("--workdir", type=Path, default=None, help="kept; default a temp dir")
     args = parser.parse_args(argv)
-    unknown = set(args.faults.split(",")) - set(BY_NAME)
+    unknown = set(args.faults.split(",")) - set(faults)
     if unknown:
-        parser.error(f"unknown faults {sorted(unknown)}; known: {', '.join(BY_NAME)}")
+        parser.error(f"unknown faults {sorted(unknown)}; known: {', '.join(faults)}")
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def main(
+    argv: list[str] | None = None,
+    faults: dict[str, Fault] = BY_NAME,
+    cluster_of: type[Cluster] = Cluster,
+    trial_of: type[Trial] = Trial,
+    doc: str | None = __doc__,
+    bench: str = "chaos",
+) -> None:
+    """Run ``faults`` (by name) on stacks made by ``cluster_of``, trials by ``trial_of``."""
+    args = parse_args(argv, faults, doc)
     started = time.monotonic()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="ggufq-chaos-"))
     models = work / "models"
     models.mkdir(parents=True, exist_ok=True)
     write_slow_model(models / "slow.gguf")
     write_tiny_llama(models / "tiny.gguf")
-    print(f"chaos: {args.trials} trials per fault, seed {args.seed}, logs under {work}")
+    print(f"{bench}: {args.trials} trials per fault, seed {args.seed}, logs under {work}")
     settings = Cluster(work / "probe-settings", models).settings
     hb_s, ttl_s = settings.heartbeat_interval_s, settings.device_ttl_s
     all_results: list[TrialResult] = []
     rows: dict[str, dict[str, Any]] = {}
     for name in args.faults.split(","):
-        fault = BY_NAME[name]
+        fault = faults[name]
         print(f"{fault.name}: {fault.what}")
-        results = run_fault(fault, args, models, work)
+        results = run_fault(fault, args, models, work, cluster_of, trial_of)
         all_results += results
         rows[name] = figures(fault, results, hb_s, ttl_s)
     print()
@@ -1385,7 +1408,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"heartbeats + its load there, p50 {bound} s)"
             )
     print()
-    targets = {name: serve_target_s(BY_NAME[name], hb_s, ttl_s) for name in rows}
+    targets = {name: serve_target_s(faults[name], hb_s, ttl_s) for name in rows}
     found = findings(all_results, targets)
     print("failures found:" if found else "failures found: none")
     for line in found:
@@ -1397,7 +1420,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"took {seconds:.0f} s; logs under {work}")
     loads = [r.load for r in all_results if not r.setup_failed]
     report = {
-        "bench": "chaos",
+        "bench": bench,
         "trials": args.trials,
         "seed": args.seed,
         "heartbeat_interval_s": hb_s,

@@ -24,6 +24,8 @@ class Group:
     replica: int
     sentinels: list[int]
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # how each was started: name -> (argv, its directory), to start it again
+    started: dict[str, tuple[list[str], Path]] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -45,6 +47,34 @@ class Group:
         self.procs["primary"].kill()
         self.procs["primary"].wait(timeout=10)
 
+    def server_on(self, port: int) -> str:
+        """The name of the Redis server on ``port``: "primary" or "replica" as started."""
+        return "primary" if port == self.primary else "replica"
+
+    def start_again(self, name: str) -> None:
+        """Start ``name`` again, as it was started (on its port, in its directory); a
+        primary the sentinels replaced comes back as the new primary's replica."""
+        argv, home = self.started[name]
+        with open(home / "log", "ab") as log:
+            self.procs[name] = subprocess.Popen(
+                argv, cwd=home, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def replicated(self) -> bool:
+        """Whether the primary the sentinels name has a replica whose link is up."""
+        port = self.primary_port()
+        if port is None:
+            return False
+        try:
+            info = redis.Redis(port=port, socket_timeout=2).info("replication")
+        except redis.RedisError:
+            return False
+        return any(
+            isinstance(v, dict) and v.get("state") == "online"
+            for k, v in info.items()
+            if k.startswith("slave")
+        )
+
 
 @contextmanager
 def sentinel_group(root: Path) -> Iterator[Group]:
@@ -57,6 +87,7 @@ def sentinel_group(root: Path) -> Iterator[Group]:
         home.mkdir(parents=True)
         log = open(home / "log", "ab")  # noqa: SIM115 - closed at the end
         logs.append(log)
+        group.started[name] = ([binary, *args], home)
         group.procs[name] = subprocess.Popen(
             [binary, *args], cwd=home, stdout=log, stderr=subprocess.STDOUT
         )
