@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 import simworkers  # noqa: E402
-from simworkers import TALLY  # noqa: E402
+from simworkers import HB_S, TALLY, TTL_S  # noqa: E402
 
 from api_client import Client  # noqa: E402
 from scheduler.cluster import DeviceInfo  # noqa: E402
@@ -62,7 +62,6 @@ from scheduler.store.records import text  # noqa: E402
 from scheduler.store.worker_state import WorkerState  # noqa: E402
 
 write_tiny_llama = importlib.import_module("tests.tinymodel").write_tiny_llama
-HB_S, TTL_S = 1.0, 10.0
 P99_MS = 10.0
 
 

@@ -32,7 +32,7 @@ from scheduler.store.streams import queue_chunk
 from scheduler.store.worker_state import WorkerState
 
 CHUNK_S = 0.1  # a worker's writer batches a job's tokens this long
-HB_S = 1.0
+HB_S, TTL_S = 1.0, 10.0  # the bench's placement processes run with these
 TALLY = "ggufq:bench:workers"  # the simulated workers' counts, for the bench to read
 
 
@@ -84,7 +84,7 @@ class Workers:
         last = {h: time.monotonic() for h in self.hosts}
         while not self.stop.wait(HB_S):
             for host, devices in self.hosts.items():
-                gone = self.state.heartbeat({d: self.size for d in devices})
+                gone = self.state.heartbeat({d: self.size for d in devices}, "", TTL_S / 3)
                 now = time.monotonic()
                 self.beat_gap_s, last[host] = max(self.beat_gap_s, now - last[host]), now
                 self.reaped += len(gone)

@@ -166,3 +166,32 @@ def test_a_clock_set_back_finds_a_device_that_had_just_lapsed(db: redis.Redis) -
     now = beat + 28.5  # Redis's clock, resynced, is a second behind the last look's
     assert view(cache.snapshot(now, 30)) == view(state.snapshot(now, 30))
     assert vgpu(1).id in cache.snapshot(now, 30).device_by_id
+
+
+def test_a_beat_that_changes_nothing_is_logged_once_its_last_logged_one_is_quiet_s_old(
+    db: redis.Redis,
+) -> None:
+    """1,000 devices beating every second must not each log every beat: a beat goes in the
+    change log when the device's free memory changed, or when the last one logged is
+    quiet_s old; every beat is written all the same, and the cache sees the device alive."""
+    state, cache = ClusterState(db), SnapshotCache(db)
+    state.register_device(vgpu(0))
+
+    def logged() -> int:
+        return int(db.get(keys.CHANGES_N) or 0)
+
+    state.heartbeat({vgpu(0).id: 4 * GIB}, "", 60.0)  # its first beat: logged
+    first = float(db.hget(keys.device(vgpu(0).id), "heartbeat") or 0)
+    before = logged()
+    state.heartbeat({vgpu(0).id: 4 * GIB}, "", 60.0)  # nothing changed, 0 s after
+    assert logged() == before
+    assert float(db.hget(keys.device(vgpu(0).id), "heartbeat") or 0) >= first
+    assert db.zscore(keys.HEARTBEATS, vgpu(0).id) == float(
+        db.hget(keys.device(vgpu(0).id), "heartbeat") or 0
+    )
+    state.heartbeat({vgpu(0).id: 5 * GIB}, "", 60.0)  # its free memory changed
+    assert logged() == before + 1
+    state.heartbeat({vgpu(0).id: 5 * GIB}, "", 0.0)  # quiet 0: every beat is logged
+    assert logged() == before + 2
+    assert view(cache.snapshot(first, 30)) == view(state.snapshot(first, 30))
+    assert [d.id for d in cache.snapshot(first, 30).devices] == [vgpu(0).id]

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from scheduler.cluster import DeviceInfo
 from scheduler.loops import LoopHealth
+from scheduler.settings import Settings
 from scheduler.store.worker_state import WorkerState
 from workers.devices import reported_free
 
@@ -23,11 +24,13 @@ class Membership:
         state: WorkerState,
         devices: list[DeviceInfo],
         health: LoopHealth,
-        heartbeat_interval_s: float,
+        settings: Settings,
         on_dropped: Callable[[set[str]], None],
     ) -> None:
         self.state, self.devices, self.health = state, devices, health
-        self.interval_s = heartbeat_interval_s
+        self.interval_s = settings.heartbeat_interval_s
+        # placement's view of a beat that changed nothing may be this old: well inside the TTL
+        self.quiet_s = settings.device_ttl_s / 3
         self.on_dropped = on_dropped  # let go of what placement took back with the devices
 
     def join(self) -> None:
@@ -40,7 +43,7 @@ class Membership:
     def beat(self) -> None:
         # a loop counts as failing after three heartbeats without a success
         failing = self.health.describe(time.monotonic(), 3 * self.interval_s, "heartbeat")
-        missing = set(self.state.heartbeat(reported_free(self.devices), failing))
+        missing = set(self.state.heartbeat(reported_free(self.devices), failing, self.quiet_s))
         if missing:
             log.warning(
                 "devices %s are no longer registered (this worker stalled past "

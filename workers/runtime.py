@@ -78,9 +78,7 @@ class WorkerRuntime(Residency):
             client, settings.helper_nice, settings.stream_interval_s, on_fenced=self._fenced
         )
         self.cancels = CancelWatcher(client, self.health)
-        self.membership = Membership(
-            self.state, devices, self.health, settings.heartbeat_interval_s, self._let_go
-        )
+        self.membership = Membership(self.state, devices, self.health, settings, self._let_go)
         self.strays = Strays(
             self.state,
             [d.id for d in devices],

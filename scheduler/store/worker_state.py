@@ -49,17 +49,20 @@ class WorkerState:
         pipe.hset(keys.device(dev.id), mapping=cast(Any, fields))
         pipe.sadd(keys.DEVICES, dev.id)
         self._heartbeat(
-            keys=[keys.DEVICES, keys.HEARTBEATS], args=["", dev.id, dev.free], client=pipe
+            keys=[keys.DEVICES, keys.HEARTBEATS], args=[0, "", dev.id, dev.free], client=pipe
         )
         self._touch(keys=[keys.device(dev.id), keys.reservations(dev.id)], client=pipe)
         pipe.publish(keys.EVENTS, json.dumps({"event": "device_joined", "device": dev.id}))
         pipe.execute()
 
-    def heartbeat(self, free_by_device: dict[str, int], failing: str = "") -> list[str]:
+    def heartbeat(
+        self, free_by_device: dict[str, int], failing: str = "", quiet_s: float = 0.0
+    ) -> list[str]:
         """Beat for each device still registered, on Redis's clock, with the worker's
         failing loops ("" when healthy); returns the devices that are not registered
-        (dropped)."""
-        flat: list[Any] = [failing]
+        (dropped). A beat that changes nothing else goes in the change log once its last
+        logged beat is ``quiet_s`` old (lua/heartbeat.lua)."""
+        flat: list[Any] = [quiet_s, failing]
         for device_id, free in free_by_device.items():
             flat += [device_id, free]
         missing = self._heartbeat(keys=[keys.DEVICES, keys.HEARTBEATS], args=flat)
