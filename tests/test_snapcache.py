@@ -195,3 +195,27 @@ def test_a_beat_that_changes_nothing_is_logged_once_its_last_logged_one_is_quiet
     assert logged() == before + 2
     assert view(cache.snapshot(first, 30)) == view(state.snapshot(first, 30))
     assert [d.id for d in cache.snapshot(first, 30).devices] == [vgpu(0).id]
+
+
+def test_a_device_whose_last_beats_went_unlogged_is_alive_as_its_beats_say(
+    db: redis.Redis,
+) -> None:
+    """The cache took in a logged beat; the device's later beats changed nothing and were
+    not logged. Judged on the cached beat alone it would be dead while the reap (which
+    reads ggufq:heartbeats) counts it alive: the cache reads its beat there first."""
+    state, cache = ClusterState(db), SnapshotCache(db)
+    state.register_device(vgpu(0))
+    device = keys.device(vgpu(0).id)
+    state.heartbeat({vgpu(0).id: 4 * GIB}, "", 60.0)
+    cached = float(db.hget(device, "heartbeat") or 0)
+    assert [d.id for d in cache.snapshot(cached, 30).devices] == [vgpu(0).id]
+    before = int(db.get(keys.CHANGES_N) or 0)
+    state.heartbeat({vgpu(0).id: 4 * GIB}, "", 60.0)  # written, not logged
+    assert int(db.get(keys.CHANGES_N) or 0) == before
+    later = cached + 20  # as a beat 20 s on would stamp it, unlogged too
+    db.zadd(keys.HEARTBEATS, {vgpu(0).id: later})
+    db.hset(device, "heartbeat", later)
+    now = cached + 35  # the cached beat is 35 s old, the device's 15 s: TTL 30
+    assert [d.id for d in cache.snapshot(now, 30).devices] == [vgpu(0).id]
+    assert view(cache.snapshot(now, 30)) == view(state.snapshot(now, 30))
+    assert cache.snapshot(later + 31, 30).devices == []  # beats that stopped: dead

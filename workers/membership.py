@@ -29,7 +29,8 @@ class Membership:
     ) -> None:
         self.state, self.devices, self.health = state, devices, health
         self.interval_s = settings.heartbeat_interval_s
-        # placement's view of a beat that changed nothing may be this old: well inside the TTL
+        # a beat that changed nothing reaches placement's cached view this far apart (it
+        # reads ggufq:heartbeats before it judges a device dead on that view)
         self.quiet_s = settings.device_ttl_s / 3
         self.on_dropped = on_dropped  # let go of what placement took back with the devices
 

@@ -59,6 +59,10 @@ class AliveDevices:
                 bisect.insort(self._keys, new_key)
                 self._key_of[device_id] = new_key
 
+    def lapses_by(self, now: float) -> bool:
+        """Whether an alive device's beat, as last known, may have lapsed by ``now``."""
+        return now > self._until
+
     def _recompute(self, now: float, ttl_s: float) -> None:
         beats = self._beats
         alive = {

@@ -67,6 +67,8 @@ class SnapshotCache:
             self._n = -1  # the log was read past what this failed to fetch: reload next time
             raise
         alive = self._alive
+        if touched is not None and alive.lapses_by(now):
+            touched |= self._beats_now(now, device_ttl_s)
         alive.update(now, device_ttl_s, touched)
         demand = DecayedDemand(self.r, now)
         runners = list(self._runners.values())
@@ -83,6 +85,21 @@ class SnapshotCache:
             largest_total=alive.largest_total,
         )
         return snap
+
+    def _beats_now(self, now: float, ttl_s: float) -> set[str]:
+        """A beat that changed nothing reaches this cache a third of the TTL apart at most
+        (lua/heartbeat.lua), so a cached beat may be older than the device's: before a
+        device is judged dead on it, its beat is read from ggufq:heartbeats, where every
+        beat goes and the reap judges it. The devices whose beat was newer."""
+        lapsed = [d for d in self._devices if now - self._beats.get(d, -float("inf")) > ttl_s]
+        if not lapsed:
+            return set()
+        fresh = set()
+        for device_id, beat in zip(lapsed, self.r.zmscore(keys.HEARTBEATS, lapsed), strict=True):
+            if beat is not None and float(beat) > self._beats.get(device_id, -float("inf")):
+                self._beats[device_id] = float(beat)
+                fresh.add(device_id)
+        return fresh
 
     # -- change log ------------------------------------------------------------------------
     def _catch_up(self) -> tuple[int, set[str] | None]:

@@ -4,8 +4,10 @@
 -- back in part: its id is returned, and the worker registers it again in full. A beat
 -- goes in the change log (placement's snapshot cache reads the device again) when the
 -- free memory or the failing loops changed, or when the last beat logged (``logged``) is
--- ``quiet_s`` old: a cache's view of a beat is then at most that old, and 1,000 devices
--- that beat every second and change nothing log a fraction of their beats.
+-- ``quiet_s`` old (or in the future: Redis's clock was set back), so that 1,000 devices
+-- that beat every second and change nothing log a fraction of their beats. A cache's beat
+-- may then be older than the device's: the cache reads the beats of ggufq:heartbeats
+-- before it judges a device dead (scheduler/placement/snapcache.py).
 -- KEYS[1] ggufq:devices    (set)
 -- KEYS[2] ggufq:heartbeats (sorted set) device id -> last heartbeat
 -- Also touches, by name: ggufq:device:<dev> (hash)
@@ -23,7 +25,8 @@ for i = 3, #ARGV, 2 do
   end
   if was[1] then
     local logged = tonumber(was[4])
-    if was[2] ~= ARGV[i + 1] or was[3] ~= failing or not logged or now - logged >= quiet then
+    if was[2] ~= ARGV[i + 1] or was[3] ~= failing or not logged or now < logged
+        or now - logged >= quiet then
       redis.call('HSET', key, 'free', ARGV[i + 1], 'heartbeat', now, 'failing', failing,
         'logged', now)
       changed(key)
