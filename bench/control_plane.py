@@ -248,7 +248,12 @@ def main() -> None:
             client.close()
         for proc in procs:
             proc.terminate()
-            proc.wait(timeout=30)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         r.close()
         server.stop()
     report(args, rows, idle_per_s)

@@ -65,10 +65,13 @@ class Group:
         port = self.primary_port()
         if port is None:
             return False
+        client = redis.Redis(port=port, socket_timeout=2)
         try:
-            info = redis.Redis(port=port, socket_timeout=2).info("replication")
+            info = client.info("replication")
         except redis.RedisError:
             return False
+        finally:
+            client.close()
         return any(
             isinstance(v, dict) and v.get("state") == "online"
             for k, v in info.items()
