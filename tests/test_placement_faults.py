@@ -286,8 +286,8 @@ def test_a_message_lost_on_its_way_to_a_live_device_is_sent_again_once(
     # started's was taken and started by a worker thread
     db.lrem(queue, 1, next(m for m in messages if started.id.encode() in m))
     placement_id = json.loads(db.hget(keys.inflight("vgpu:fh:0"), started.id) or b"")
-    claim = f"{placement_id['placement']['id']}|delivery"
-    db.hset(keys.job_custody(started.id), "run", claim)
+    claim = {"run": placement_id["placement"]["id"], "delivery": "delivery"}
+    db.hset(keys.job_custody(started.id), mapping=claim)
     recovery, later = service.recovery, 1e12  # every record counts as sent long ago
     assert recovery.lost_sends(later) == 0  # first look: not yet
     assert recovery.lost_sends(later) == 1  # still nowhere: sent again

@@ -263,10 +263,7 @@ class PlacementState:
         return [
             r
             for n, r in enumerate(records)
-            if not (
-                text(seen[3 * n] or b"").startswith(f"{r.placement.id}|")
-                or any(seen[3 * n + 1 : 3 * n + 3])
-            )
+            if not (text(seen[3 * n] or b"") == r.placement.id or any(seen[3 * n + 1 : 3 * n + 3]))
         ]
 
     def in_broker(self, sends: list[DueSend]) -> set[DueSend]:

@@ -6,8 +6,8 @@
 -- table does not allow from the recorded state is counted in ggufq:custody:unexpected
 -- (``ggufq fsck`` reports it for a day), and a job recorded ended stays so. Its holder
 -- fences the writes of a run (lua/_ends.lua: a placement id that is no longer the holder
--- writes no chunk and no end), and ``run`` ("<placement id>|<delivery id>") claims the one
--- run of each placement (lua/start.lua). The record also fences a job's holds
+-- writes no chunk and no end), and ``run`` (a placement id) with ``delivery`` (the id of the
+-- delivery that runs it) claims the one run of that placement (lua/start.lua). The record also fences a job's holds
 -- (lua/_hands.lua): the token of its last hold, whether that hold ended with its send
 -- (``sent``), and '1' (put back or ended) or '2' (let go only) once a sweep took that hold
 -- from a silent holder. ggufq:custody:live holds the ids of jobs not
@@ -57,8 +57,7 @@ end
 
 -- Whether a run of the job under ``placement_id`` was claimed (lua/start.lua).
 local function started_under(job_id, placement_id)
-  local run = redis.call('HGET', custody_key(job_id), 'run')
-  return run ~= false and string.sub(run, 1, #placement_id + 1) == placement_id .. '|'
+  return redis.call('HGET', custody_key(job_id), 'run') == placement_id
 end
 
 -- A job taken in hand under ``field`` ("<placement>|<job id>") and ``token``: placing,
