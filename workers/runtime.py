@@ -124,8 +124,8 @@ class WorkerRuntime(Residency):
         with self._jobs_lock:
             running = [run for run, p in self._running.items() if gone & set(p.devices)]
         for job_id, placement_id in running:
-            owner = self.state.job_owner(job_id)
-            if owner is not None and owner != placement_id:
+            holder = self.state.job_holder(job_id)
+            if holder is not None and holder != placement_id:
                 log.warning("job %s was taken back by placement; stopping it here", job_id)
                 with self._jobs_lock:  # unless it ended meanwhile: nothing left to stop
                     if (job_id, placement_id) in self._running:

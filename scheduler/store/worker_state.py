@@ -155,7 +155,7 @@ class WorkerState:
                 continue
         return records
 
-    def job_owner(self, job_id: str) -> str | None:
+    def job_holder(self, job_id: str) -> str | None:
         """Who holds the job now, as its custody record names it: the placement id it runs
         under, "" (orphaned, or ended unrun), a placement process (placing), or None (no
         record: Redis lost its data, or the job ended long ago)."""

@@ -2,10 +2,10 @@
 -- other chunks with the first).
 -- Touches, by name: nothing; the keys are the callers'.
 
--- Whose a job is: the holder its custody record ``custody`` names (the placement id it was
+-- Who holds a job: the holder its custody record ``custody`` names (the placement id it was
 -- sent under, '' once it was orphaned or ended unrun), nil when Redis has no record of it
 -- (it lost the job whole: a restart without its data).
-local function owner_of(custody)
+local function holder_of(custody)
   return redis.call('HGET', custody, 'holder')
 end
 
@@ -17,9 +17,9 @@ end
 -- 0 FENCED, -1 DUPLICATE (this seq is there already). A final chunk written moves the
 -- record to ``outcome`` (done, failed, cancelled; '' for a chunk that is not final).
 local function append_chunk(chunks, channel, fence, seq, payload, ttl, custody, outcome)
-  local owner = owner_of(custody)
+  local holder = holder_of(custody)
   local id = '0-' .. seq
-  if fence ~= '' and owner and owner ~= fence then
+  if fence ~= '' and holder and holder ~= fence then
     -- this very chunk, written before the job was taken from this run (its answer was
     -- lost and it is asked again): not fenced. Another run's chunk of the seq is not it.
     local there = redis.call('XRANGE', chunks, id, id)
@@ -59,8 +59,8 @@ end
 -- placement id: the new run's running mark stays). Returns 1 when the in-flight record was
 -- this placement's and is gone, else 0.
 local function done_with(running, inflight, job_id, placement_id, custody)
-  local owner = owner_of(custody)
-  if not owner or owner == '' or owner == placement_id then
+  local holder = holder_of(custody)
+  if not holder or holder == '' or holder == placement_id then
     redis.call('HDEL', running, job_id)
   end
   local raw = redis.call('HGET', inflight, job_id)
