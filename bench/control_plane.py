@@ -31,7 +31,6 @@ the bench reports the highest that holds. Streams live on the one Redis
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import random
@@ -48,21 +47,18 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 import simworkers  # noqa: E402
+from custody_scale import calibrate  # noqa: E402
 from simworkers import HB_S, TALLY, TTL_S  # noqa: E402
+from tinystack import tiny_models  # noqa: E402
 
 from api_client import Client  # noqa: E402
-from scheduler.cluster import DeviceInfo  # noqa: E402
 from scheduler.local.embedded import EmbeddedRedis  # noqa: E402
-from scheduler.placement.service import PlacementService  # noqa: E402
-from scheduler.protocol import JobRequest  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from scheduler.store import keys  # noqa: E402
-from scheduler.store.celery_app import close_app, make_app  # noqa: E402
 from scheduler.store.records import text  # noqa: E402
-from scheduler.store.worker_state import WorkerState  # noqa: E402
 
-write_tiny_llama = importlib.import_module("tests.tinymodel").write_tiny_llama
 P99_MS = 10.0
+SLOTS = 8  # a runner's parallel slots
 
 
 def pct(values: list[float], q: float) -> float:
@@ -162,30 +158,8 @@ def placement_env(url: str, models: Path, state: Path) -> dict[str, str]:
         "GGUFQ_HEARTBEAT_INTERVAL_S": str(HB_S),
         "GGUFQ_DEVICE_TTL_S": str(TTL_S),
         "GGUFQ_METRICS_PORT": "0",
-        "GGUFQ_NUM_PARALLEL": "8",
+        "GGUFQ_NUM_PARALLEL": str(SLOTS),
     }
-
-
-def runner_bytes(url: str, models: Path) -> int:
-    """Bytes one runner of the tiny model takes: a placement on a device far too large."""
-    r = redis.Redis.from_url(url)
-    settings = Settings(redis_url=url, models_dir=models, num_parallel=8)
-    app = make_app(url, settings)
-    try:
-        state = WorkerState(r)
-        big = 1 << 40
-        state.register_device(DeviceInfo("vgpu:probe:0", "probe", "w", "v", "vgpu", big, big, True))
-        r.hset(keys.device("vgpu:probe:0"), "heartbeat", 1e12)
-        r.zadd(keys.HEARTBEATS, {"vgpu:probe:0": 1e12})
-        job = JobRequest(model="m0000", prompt="x").model_dump(mode="json")
-        PlacementService(settings, r, app).place(job)
-        (runner,) = r.smembers(keys.RUNNERS)
-        size = int(r.hget(keys.runner(text(runner)), "bytes") or 0)
-        r.flushall()
-        return size
-    finally:
-        close_app(app)
-        r.close()
 
 
 def main() -> None:
@@ -199,16 +173,14 @@ def main() -> None:
     parser.add_argument("--token-rate", type=float, default=640.0, help="tokens a second a job")
     parser.add_argument("--placements", type=int, default=2, help="placement processes")
     parser.add_argument("--submitters", type=int, default=4, help="client threads")
-    parser.add_argument("--as-workers", nargs=3, help=argparse.SUPPRESS)  # url, models, size
+    parser.add_argument("--as-workers", nargs=2, help=argparse.SUPPRESS)  # url, device bytes
     args = parser.parse_args()
     if args.as_workers:
         return simworkers.play(args)
     root = Path(tempfile.mkdtemp(prefix="ggufq-control-"))
     models = root / "models"
     models.mkdir()
-    first = write_tiny_llama(models / "m0000.gguf")
-    for i in range(1, args.models):
-        os.link(first, models / f"m{i:04d}.gguf")
+    tiny_models(models, args.models)
     server = EmbeddedRedis(root / "redis")
     url = server.start()
     r = redis.Redis.from_url(url)
@@ -218,10 +190,10 @@ def main() -> None:
     idle_per_s = 0.0
     logs = root / "processes.log"
     try:
-        size = runner_bytes(url, models) * 3 // 2  # one runner a device
+        size = calibrate(models, SLOTS) * 3 // 2  # one runner a device
         env = placement_env(url, models, root / "state")
         with open(logs, "ab") as log:
-            workers = [sys.executable, __file__, "--as-workers", url, str(models), str(size)]
+            workers = [sys.executable, __file__, "--as-workers", url, str(size)]
             argv = [*workers, *sys.argv[1:]]
             procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=log))
             started = lambda: bool(r.exists(TALLY)) or procs[0].poll() is not None  # noqa: E731

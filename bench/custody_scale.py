@@ -25,10 +25,8 @@ smallest's. Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -40,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
+from tinystack import tiny_models  # noqa: E402
 
 from scheduler.cluster import DeviceInfo  # noqa: E402
 from scheduler.local.embedded import EmbeddedRedis  # noqa: E402
@@ -54,7 +53,6 @@ from scheduler.store.hands import Hands, parked_record  # noqa: E402
 from scheduler.store.records import text  # noqa: E402
 from scheduler.store.worker_state import WorkerState  # noqa: E402
 
-write_tiny_llama = importlib.import_module("tests.tinymodel").write_tiny_llama
 FOREVER = 1e12  # a beat far in the future of Redis's clock: no worker needs to beat
 
 
@@ -72,11 +70,14 @@ def ms(values: list[float]) -> dict[str, float]:
 class Cluster:
     """A fresh Redis, ``n`` devices beating for ever, and a placement service."""
 
-    def __init__(self, root: Path, models: Path, n_devices: int, device_bytes: int) -> None:
+    def __init__(
+        self, root: Path, models: Path, n_devices: int, device_bytes: int, num_parallel: int = 1
+    ) -> None:
         self.server = EmbeddedRedis(root / "redis")
         url = self.server.start()
         self.r = redis.Redis.from_url(url)
-        env = {"models_dir": str(models), "num_parallel": 1, "max_replicas": 1, "max_queue": 10**6}
+        env = {"models_dir": str(models), "num_parallel": num_parallel, "max_replicas": 1}
+        env["max_queue"] = 10**6
         self.settings = Settings(redis_url=url, **env)  # type: ignore[arg-type]
         self.app = make_app(url, self.settings)
         workers = WorkerState(self.r)
@@ -203,10 +204,11 @@ def run(args: argparse.Namespace, total: int, models: Path, device_bytes: int) -
         cluster.close()
 
 
-def calibrate(models: Path) -> int:
-    """Bytes one runner of the tiny model takes (one placement on a big device)."""
+def calibrate(models: Path, num_parallel: int = 1) -> int:
+    """Bytes one runner of the tiny model with ``num_parallel`` slots takes (one placement
+    on a big device)."""
     root = Path(tempfile.mkdtemp(prefix="ggufq-custody-"))
-    cluster = Cluster(root, models, 1, 1 << 40)
+    cluster = Cluster(root, models, 1, 1 << 40, num_parallel)
     try:
         cluster.service.place(job("m0000", 0))
         (runner,) = cluster.r.smembers(keys.RUNNERS)
@@ -224,9 +226,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the sweep's "put back" warnings, 100 of them
     models = Path(tempfile.mkdtemp(prefix="ggufq-custody-models-"))
-    first = write_tiny_llama(models / "m0000.gguf")
-    for i in range(1, args.devices):
-        os.link(first, models / f"m{i:04d}.gguf")
+    tiny_models(models, args.devices)
     one = calibrate(models)
     device_bytes = one + one // 2  # one runner each, not two
     rows = [run(args, int(total), models, device_bytes) for total in args.jobs.split(",")]

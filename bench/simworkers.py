@@ -17,7 +17,6 @@ import json
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import redis
@@ -40,7 +39,7 @@ class Workers:
     """Every host's worker, played: beats, takes, and runs jobs on a clock of events."""
 
     def __init__(self, url: str, args: Any, size: int) -> None:
-        settings = Settings(redis_url=url, models_dir=Path(args.as_workers[1]), num_parallel=8)
+        settings = Settings(redis_url=url)  # its stream TTL, and the Celery app's
         self.url, self.settings, self.stop = url, settings, threading.Event()
         self.tokens, self.token_rate = args.tokens, args.token_rate
         hosts, per_host = args.hosts, args.devices
@@ -150,7 +149,7 @@ class Workers:
 
 def play(args: Any) -> None:
     """The simulated workers' process: until SIGTERM."""
-    url, _models, size = args.as_workers
+    url, size = args.as_workers
     work = Workers(url, args, int(size))
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

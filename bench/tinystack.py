@@ -4,6 +4,7 @@ directory with its models, and waiting for a gateway to answer."""
 from __future__ import annotations
 
 import importlib
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -16,6 +17,14 @@ def tiny_state(prefix: str) -> tuple[Path, Any]:
     state = Path(tempfile.mkdtemp(prefix=prefix))
     (state / "models").mkdir()
     return state, importlib.import_module("tests.tinymodel")
+
+
+def tiny_models(models: Path, n: int) -> None:
+    """``n`` tiny llamas in ``models``, m0000.gguf on: one file written, the others hard
+    links to it (each a model of its own to placement)."""
+    first = importlib.import_module("tests.tinymodel").write_tiny_llama(models / "m0000.gguf")
+    for i in range(1, n):
+        os.link(first, models / f"m{i:04d}.gguf")
 
 
 def tiny_llama_state(prefix: str, model: str, **env: str) -> tuple[Path, dict[str, str]]:
