@@ -12,7 +12,9 @@ from pathlib import Path
 import redis
 import redis.asyncio
 
+from api_client import Client
 from scheduler.local.embedded import EmbeddedRedis
+from scheduler.protocol import JobRequest
 from scheduler.store import keys
 from scheduler.store.cancel import READER_STUCK_S, ReaderLease, cancelled_by, watch_keys
 from scheduler.store.hub import Alarms, Hub
@@ -50,6 +52,21 @@ def finished_job(client: redis.Redis, job_id: str, words: list[str]) -> None:
 
 def texts(client: redis.Redis, job_id: str, pool: Subscriptions) -> list[str]:
     return [c["response"] for c in read_chunks(client, job_id, 20, subscriptions=pool)]
+
+
+def test_a_job_sent_to_placement_leaves_its_sender_subscribed_to_nothing(
+    redis_server: EmbeddedRedis, db: redis.Redis
+) -> None:
+    # Celery subscribes a task's sender to its result channel unless told no result is
+    # wanted; nobody read that subscription, so a gateway kept one per job it ever sent
+    url = redis_server.url.rsplit("/", 1)[0] + "/1"
+    with Client(url) as client:
+        for n in range(3):
+            client.place(JobRequest(model="tiny", prompt=f"job {n}"))
+        assert db.llen(keys.placement_queue()) == 3  # sent...
+        assert db.pubsub_channels("celery-task-meta-*") == []  # ...and nothing to hear
+        consumer = client.app.backend.result_consumer
+        assert consumer._pubsub is None or not consumer._pubsub.channels
 
 
 def test_readers_one_after_another_use_one_connection(

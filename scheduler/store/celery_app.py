@@ -98,7 +98,10 @@ def send_job(
     app: Celery, task: str, req: JobRequest, task_id: str, queue: str, *extra: Any
 ) -> None:
     """Send a job's task with a short readable repr (Flower shows it; Celery's own repr of a
-    large prompt costs milliseconds per send)."""
+    large prompt costs milliseconds per send), and no result to wait for: Celery's result
+    consumer would otherwise subscribe the sender to the task's result channel, a
+    subscription nobody reads, whose channel name and unread replies it then keeps for the
+    process's life (a gateway or client leaked them for every job it sent to placement)."""
     app.send_task(
         task,
         args=[req.model_dump(mode="json"), *extra],
@@ -106,6 +109,7 @@ def send_job(
         queue=queue,
         argsrepr=_argsrepr(req),
         kwargsrepr="{}",
+        ignore_result=True,
     )
 
 
