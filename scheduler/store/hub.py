@@ -138,7 +138,8 @@ class Hub:
 
     def __init__(self, client: redis.asyncio.Redis) -> None:
         self.client = client
-        self._readers: dict[bytes, set[Subscription]] = {}
+        # a list, not a set: a channel mostly has one reader, and a gateway thousands
+        self._readers: dict[bytes, list[Subscription]] = {}
         self._confirmed: set[bytes] = set()  # channels Redis confirmed on this connection
         self._pubsub: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -158,8 +159,8 @@ class Hub:
         Raises redis.RedisError when Redis is away."""
         name = channel.encode()
         sub = Subscription(self, name)
-        readers = self._readers.setdefault(name, set())
-        readers.add(sub)
+        readers = self._readers.setdefault(name, [])
+        readers.append(sub)
         if name in self._confirmed:
             sub.put(_confirmation(name))
         elif len(readers) == 1:
@@ -167,7 +168,7 @@ class Hub:
                 async with self._sending:
                     await self._connected().subscribe(name)
             except BaseException:
-                readers.discard(sub)
+                readers.remove(sub)
                 if readers:  # others joined it meanwhile: subscribed by the next look
                     self._stale = True
                     self._start()
@@ -181,7 +182,7 @@ class Hub:
         readers = self._readers.get(sub.channel)
         if readers is None or sub not in readers:
             return
-        readers.discard(sub)
+        readers.remove(sub)
         if readers:
             return
         del self._readers[sub.channel]
