@@ -9,7 +9,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any, Protocol
 
 import redis
@@ -21,10 +20,11 @@ from api_client.results import result_key, result_ready, stored
 from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import GenerateResponse, JobRequest
 from scheduler.settings import Settings
-from scheduler.store.connection import REDIS_AWAY, aride_out
+from scheduler.store.cancel import ReaderLease
+from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.hub import QUIET_S, Hub
 from scheduler.store.leases import Leases
-from scheduler.store.streams import aread_chunks
+from scheduler.store.streams import ChunkFollower
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,20 @@ class AsyncJob:
         """Whether ``chunk`` ends what :meth:`stream` gives (its final chunk)."""
         return chunk.done
 
+    def reader(
+        self,
+        timeout: float | None = None,
+        cancel_on_close: bool = True,
+        after: int = 0,
+        lapse_on_close: bool = False,
+    ) -> JobReader:
+        """What :meth:`stream` reads, as an async iterator to close (``aclose()``) when
+        done with: leaving it early cancels the job as :meth:`stream` says. One coroutine
+        waits in it, where :meth:`stream` adds an async generator around it (the gateway,
+        which holds one for each waiting client, reads this)."""
+        wait = self.client.timeout if timeout is None else timeout
+        return JobReader(self, wait, cancel_on_close, after, lapse_on_close)
+
     async def stream(
         self,
         timeout: float | None = None,
@@ -90,59 +104,12 @@ class AsyncJob:
         reader's lease has lapsed with no other reader (a stream another reader may pick
         up: api_client/gateway/resume.py); ``after`` resumes after that ``seq``.
         """
-        wait = self.client.timeout if timeout is None else timeout
-        done = gave_up = False
-        lease = self.job.reader_lease(cancel_on_close)
-        if lease is not None:  # renewed with every other reader's: one round trip a second
-            self.client.leases.hold(lease)
+        chunks = self.reader(timeout, cancel_on_close, after, lapse_on_close)
         try:
-            async for chunk in self._chunks(wait, after):
-                self.job.first_read_at = self.job.first_read_at or time.time()
-                if chunk.get("done"):
-                    done = True
-                    error = chunk.get("error")
-                    if error:
-                        raise error_from_code(error["code"], error["message"])
-                if lease is not None:
-                    lease.handed_at = time.monotonic()
-                yield self.job._response(chunk)
-                if lease is not None:
-                    lease.handed_at = None
-        except (GeneratorExit, asyncio.CancelledError):
-            gave_up = True
-            if cancel_on_close and not done and not lapse_on_close:
-                await self._cancel_as_it_goes()
-            raise
-        except redis.RedisError:  # Redis lost for longer than the lease: nobody reads it
-            gave_up = True
-            if cancel_on_close and not lapse_on_close:
-                self.cancel_once_back()
-            raise
-        except TimeoutError:
-            raise self.job.silent_for(wait) from None
+            async for chunk in chunks:
+                yield chunk
         finally:
-            if lease is not None:  # a reader that gave up before its job ended leaves its
-                # lease to lapse, which cancels the job as a reader that went away does (one
-                # that timed out lets go: its job is "still queued or running")
-                self.client.leases.let_go(lease, keep=gave_up and not done)
-
-    async def _chunks(self, wait: float, after: int) -> AsyncIterator[dict[str, Any]]:
-        """The job's chunks after ``after``, read again from the last one seen once Redis
-        answers after going away, within the reader's lease (see :meth:`Job._chunks`)."""
-        check = partial(self.job.acheck, self.client.r)
-        while True:
-            try:
-                async for chunk in aread_chunks(
-                    self.client.r, self.id, wait, after, check, self.client.hub, QUIET_S
-                ):
-                    after = chunk.get("seq") or after
-                    yield chunk
-                return
-            except REDIS_AWAY as exc:
-                log.warning(
-                    "job %s's stream lost Redis (%s): reading on once it answers", self.id, exc
-                )
-                await aride_out(self.client.r.ping, self.client.settings.reader_lease_s, exc)
+            await chunks.aclose()
 
     async def _cancel_as_it_goes(self) -> None:
         """The stream is being torn down: cancel without awaiting anything that could itself
@@ -199,3 +166,122 @@ class AsyncJob:
             return None, raw
         finally:
             await sub.aclose()
+
+
+class JobReader:
+    """:meth:`AsyncJob.stream`'s chunks as an async iterator (:meth:`AsyncJob.reader`):
+    followed through the client's shared connection, read again from the last one seen
+    once Redis answers after going away (within the reader's lease, see
+    :meth:`Job._chunks`), the reader's lease held while it reads, and the job cancelled
+    when it is closed (``aclose()``) or its task cancelled before the job's end."""
+
+    __slots__ = (  # one a waiting client: no dict each
+        "job",
+        "wait",
+        "after",
+        "cancel_on_close",
+        "lapse_on_close",
+        "lease",
+        "follower",
+        "done",
+        "ended",
+    )
+
+    def __init__(
+        self, job: AsyncJob, wait: float, cancel_on_close: bool, after: int, lapse_on_close: bool
+    ) -> None:
+        self.job, self.wait, self.after = job, wait, after
+        self.cancel_on_close, self.lapse_on_close = cancel_on_close, lapse_on_close
+        self.lease: ReaderLease | None = None
+        self.follower: ChunkFollower | None = None
+        self.done = self.ended = False
+
+    def __aiter__(self) -> JobReader:
+        return self
+
+    async def __anext__(self) -> GenerateResponse:
+        if self.ended:
+            raise StopAsyncIteration
+        follower = self._follower()
+        try:
+            chunk = await follower.__anext__()
+        except StopAsyncIteration:
+            self._end(gave_up=False)
+            raise
+        except asyncio.CancelledError:
+            if self._cancels():
+                await self.job._cancel_as_it_goes()
+            self._end(gave_up=True)
+            raise
+        except redis.RedisError:  # Redis lost for longer than the lease: nobody reads it
+            if self.cancel_on_close and not self.lapse_on_close:
+                self.job.cancel_once_back()
+            self._end(gave_up=True)
+            raise
+        except TimeoutError:
+            self._end(gave_up=False)
+            raise self.job.job.silent_for(self.wait) from None
+        except BaseException:
+            self._end(gave_up=False)
+            raise
+        return self._handed(chunk)
+
+    def _follower(self) -> ChunkFollower:
+        """What follows the job's chunks: made, with the reader's lease, at the first read."""
+        if self.follower is not None:
+            if self.lease is not None:
+                self.lease.handed_at = None  # the last chunk was taken
+            return self.follower
+        job, host = self.job, self.job.client
+        self.lease = job.job.reader_lease(self.cancel_on_close)
+        if self.lease is not None:  # renewed with every other reader's: one round trip a second
+            host.leases.hold(self.lease)
+        ride_out_s = host.settings.reader_lease_s
+        self.follower = ChunkFollower(
+            host.r, job.id, self.wait, self.after, self, host.hub, QUIET_S, ride_out_s
+        )
+        return self.follower
+
+    async def __call__(self) -> None:
+        """Its follower's look at the job after a quiet spell (:meth:`Job.acheck`): the
+        reader itself, not a callable made for each of a gateway's waiting clients."""
+        await self.job.job.acheck(self.job.client.r)
+
+    def _handed(self, chunk: dict[str, Any]) -> GenerateResponse:
+        """``chunk`` as handed out (its error raised)."""
+        job = self.job.job
+        job.first_read_at = job.first_read_at or time.time()
+        if chunk.get("done"):
+            self.done = True
+            error = chunk.get("error")
+            if error:
+                self._end(gave_up=False)
+                raise error_from_code(error["code"], error["message"])
+        if self.lease is not None:
+            self.lease.handed_at = time.monotonic()
+        return job._response(chunk)
+
+    def _cancels(self) -> bool:
+        """Whether leaving now cancels the job."""
+        return self.cancel_on_close and not self.done and not self.lapse_on_close
+
+    async def aclose(self) -> None:
+        """Stop reading: before the job's end, this cancels it as :meth:`AsyncJob.stream`
+        says."""
+        follower = self.follower
+        if self.ended or follower is None:  # ended, or nothing read and nothing held
+            self.ended = True
+            return
+        try:
+            if self._cancels():
+                await self.job._cancel_as_it_goes()
+        finally:
+            self._end(gave_up=True)
+            await follower.aclose()
+
+    def _end(self, gave_up: bool) -> None:
+        self.ended = True
+        if self.lease is not None:  # a reader that gave up before its job ended leaves its
+            # lease to lapse, which cancels the job as a reader that went away does (one
+            # that timed out lets go: its job is "still queued or running")
+            self.job.client.leases.let_go(self.lease, keep=gave_up and not self.done)

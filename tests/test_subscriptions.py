@@ -19,7 +19,7 @@ from scheduler.store import keys
 from scheduler.store.cancel import READER_STUCK_S, ReaderLease, cancelled_by, watch_keys
 from scheduler.store.hub import Alarms, Hub
 from scheduler.store.leases import Leases, ThreadLeases
-from scheduler.store.streams import aread_chunks, read_chunks
+from scheduler.store.streams import ChunkFollower, read_chunks
 from scheduler.store.subscriptions import Subscriptions
 from workers.chunks import ChunkPublisher
 
@@ -190,7 +190,7 @@ def test_async_readers_at_once_share_one_connection_and_get_only_their_chunks(
         try:
 
             async def texts(job_id: str) -> list[str]:
-                chunks = aread_chunks(client, job_id, 20, subscriptions=hub)
+                chunks = ChunkFollower(client, job_id, 20, subscriptions=hub)
                 return [c["response"] async for c in chunks]
 
             ids = [f"hub-{n}" for n in range(49)] + ["hub-0"]

@@ -27,7 +27,7 @@ from api_client.gateway.core import (
     parse_body,
     submit_chat,
 )
-from api_client.gateway.streaming import sse_beat
+from api_client.gateway.output import sse_beat
 from scheduler.chat import chat_text
 from scheduler.protocol import parse_request
 

@@ -20,9 +20,9 @@ from api_client.batches.store import BatchStore
 from api_client.gateway.caller import Caller, caller_of
 from api_client.gateway.errors import ModelLoading
 from api_client.gateway.loads import LoadBoard
+from api_client.gateway.output import Beat
 from api_client.gateway.resume import asked
 from api_client.gateway.streaming import (
-    Beat,
     Encode,
     JobStreamResponse,
     lost,

@@ -47,8 +47,8 @@ from api_client.gateway.openai_schema import (
     text_logprobs,
     usage,
 )
+from api_client.gateway.output import sse_beat
 from api_client.gateway.responses_schema import ResponsesRequest, ResponseStream, response_object
-from api_client.gateway.streaming import sse_beat
 from scheduler.errors import ModelNotFound
 from scheduler.protocol import GenerateResponse
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from enum import IntEnum
 from typing import Any, cast
 
@@ -21,6 +21,7 @@ from scheduler.custody import JobState
 from scheduler.errors import ChunksLost, GgufqError, JobCancelled
 from scheduler.midstream import SoFar, for_readers
 from scheduler.store import keys
+from scheduler.store.connection import REDIS_AWAY, aride_out
 from scheduler.store.hub import Hub
 from scheduler.store.scripts import queue, script
 from scheduler.store.subscriptions import Subscriptions
@@ -198,6 +199,10 @@ class ChunkOrder:
         self.quiet_s = 1.0
         self.deadline = None if timeout_s is None else self.clock() + timeout_s
 
+    def again(self) -> ChunkOrder:
+        """The order of a new subscription, after the last chunk this one saw."""
+        return ChunkOrder(self.job_id, self.timeout_s, self.last, self.clock, self.quiet_max_s)
+
     @property
     def backfill_from(self) -> str:
         return f"0-{self.last + 1}"
@@ -299,40 +304,93 @@ def read_chunks(
         pubsub.close()
 
 
-async def aread_chunks(
-    client: redis.asyncio.Redis,
-    job_id: str,
-    timeout_s: float | None,
-    after_seq: int = 0,
-    on_quiet: Callable[[], Awaitable[object]] | None = None,
-    subscriptions: Hub | None = None,
-    quiet_max_s: float = QUIET_MAX_S,
-) -> AsyncIterator[dict[str, Any]]:
-    """:func:`read_chunks` on redis.asyncio: subscribe, backfill with XRANGE, then follow.
-    ``quiet_max_s``: the longest quiet spell before a look at the record (a reader of the
-    shared connection, which loses a message only with the connection, looks seldom).
+class ChunkFollower:
+    """:func:`read_chunks` on redis.asyncio, as an async iterator: subscribe, backfill with
+    XRANGE, then follow. ``quiet_max_s``: the longest quiet spell before a look at the
+    record (a reader of the shared connection, which loses a message only with the
+    connection, looks seldom).
 
-    Raises TimeoutError when no chunk arrives for ``timeout_s`` seconds.
+    Raises TimeoutError when no chunk arrives for ``timeout_s`` seconds. With a
+    ``ride_out_s``, Redis going away is ridden out: it follows again from the last chunk
+    seen once Redis answers within that many seconds. It lets go of its subscription when
+    it ends or raises, or when closed (:meth:`aclose`). Not an async
+    generator: a gateway holds one for each waiting client, and one coroutine waiting here
+    costs less than a generator's object, its ``asend`` and the event loop's weak
+    reference to it.
     """
-    order = ChunkOrder(job_id, timeout_s, after_seq, quiet_max_s=quiet_max_s)
-    pubsub: Any
-    if subscriptions is not None:
-        pubsub = await subscriptions.open(keys.job_channel(job_id))
-    else:
-        pubsub = client.pubsub()
-        await pubsub.subscribe(keys.job_channel(job_id))
-    try:
-        while not order.done:
-            if order.backfill:
-                if order.quiet and on_quiet is not None:
-                    await on_quiet()
-                entries = await client.xrange(keys.job_chunks(job_id), min=order.backfill_from)
-                for backfilled in order.from_record(cast(Entries, entries)):
-                    yield backfilled
-                continue
-            message = await pubsub.get_message(timeout=order.wait_s())
-            chunk = order.from_message(message)
-            if chunk is not None:
-                yield chunk
-    finally:
-        await pubsub.aclose()
+
+    __slots__ = ("client", "job_id", "order", "on_quiet", "hub", "ride_out_s", "sub", "ready")
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        job_id: str,
+        timeout_s: float | None,
+        after_seq: int = 0,
+        on_quiet: Callable[[], Awaitable[object]] | None = None,
+        subscriptions: Hub | None = None,
+        quiet_max_s: float = QUIET_MAX_S,
+        ride_out_s: float = 0.0,
+    ) -> None:
+        self.client, self.job_id, self.on_quiet, self.hub = client, job_id, on_quiet, subscriptions
+        self.ride_out_s = ride_out_s
+        self.order = ChunkOrder(job_id, timeout_s, after_seq, quiet_max_s=quiet_max_s)
+        self.sub: Any = None  # a Hub's Subscription, or a PubSub of its own
+        self.ready: list[dict[str, Any]] = []  # backfilled chunks not handed out yet
+
+    def __aiter__(self) -> ChunkFollower:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        order = self.order
+        try:
+            while not self.ready:
+                if order.done:
+                    raise StopAsyncIteration
+                try:
+                    if self.sub is None:
+                        self.sub = await self._subscribe()
+                    if order.backfill:
+                        if order.quiet and self.on_quiet is not None:
+                            await self.on_quiet()
+                        key = keys.job_chunks(self.job_id)
+                        entries = await self.client.xrange(key, min=order.backfill_from)
+                        self.ready = order.from_record(cast(Entries, entries))
+                        continue
+                    message = await self.sub.get_message(timeout=order.wait_s())
+                except REDIS_AWAY as exc:
+                    if self.ride_out_s <= 0:
+                        raise
+                    await self.aclose()
+                    log.warning(
+                        "job %s's stream lost Redis (%s): reading on once it answers",
+                        self.job_id,
+                        exc,
+                    )
+                    await aride_out(self.client.ping, self.ride_out_s, exc)
+                    self.order = order = order.again()
+                    continue
+                chunk = order.from_message(message)
+                if chunk is not None:
+                    self.ready.append(chunk)
+            chunk = self.ready.pop(0)
+            if order.done and not self.ready:  # its last: nothing more to hear
+                await self.aclose()
+            return chunk
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _subscribe(self) -> Any:
+        channel = keys.job_channel(self.job_id)
+        if self.hub is not None:
+            return await self.hub.open(channel)
+        pubsub = self.client.pubsub()
+        await pubsub.subscribe(channel)
+        return pubsub
+
+    async def aclose(self) -> None:
+        """Let go of the subscription (done already once it ended or raised)."""
+        sub, self.sub = self.sub, None
+        if sub is not None:
+            await sub.aclose()
