@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol
 
 import redis
@@ -40,6 +40,16 @@ class AsyncHost(Protocol):
     timeout: float
 
     async def cancel(self, job_id: str) -> None: ...
+
+
+class Reader(Protocol):
+    """What :meth:`AsyncJob.reader` gives: chunks, and ``aclose()`` once done with them."""
+
+    def __aiter__(self) -> AsyncIterator[GenerateResponse]: ...
+
+    def __anext__(self) -> Awaitable[GenerateResponse]: ...
+
+    def aclose(self) -> Awaitable[None]: ...
 
 
 class AsyncJob:
@@ -82,11 +92,12 @@ class AsyncJob:
         cancel_on_close: bool = True,
         after: int = 0,
         lapse_on_close: bool = False,
-    ) -> JobReader:
-        """What :meth:`stream` reads, as an async iterator to close (``aclose()``) when
+    ) -> Reader:
+        """What :meth:`stream` gives, as an async iterator to close (``aclose()``) when
         done with: leaving it early cancels the job as :meth:`stream` says. One coroutine
         waits in it, where :meth:`stream` adds an async generator around it (the gateway,
-        which holds one for each waiting client, reads this)."""
+        which holds one for each waiting client, reads this). A subclass that gives its
+        chunks otherwise overrides both."""
         wait = self.client.timeout if timeout is None else timeout
         return JobReader(self, wait, cancel_on_close, after, lapse_on_close)
 

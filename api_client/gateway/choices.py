@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
-from api_client.ajob import AsyncJob
+from api_client.ajob import AsyncJob, Reader
 from api_client.gateway.caller import Caller
 from api_client.gateway.errors import NotPermitted
 from scheduler.errors import InvalidRequest, JobTimeout
@@ -50,6 +50,16 @@ class Choices(AsyncJob):
     async def cancel(self) -> None:
         await asyncio.gather(*(job.cancel() for job in self.jobs))
 
+    def reader(
+        self,
+        timeout: float | None = None,
+        cancel_on_close: bool = True,
+        after: int = 0,
+        lapse_on_close: bool = False,
+    ) -> Reader:
+        stream = self.stream(timeout, cancel_on_close, after, lapse_on_close)
+        return cast(AsyncGenerator[GenerateResponse, None], stream)
+
     async def stream(
         self,
         timeout: float | None = None,
@@ -66,7 +76,7 @@ class Choices(AsyncJob):
         ended: set[int] = set()
 
         async def read(index: int, job: AsyncJob) -> None:
-            chunks = cast(AsyncGenerator[GenerateResponse, None], job.stream(wait * len(self.jobs)))
+            chunks = job.reader(wait * len(self.jobs))
             try:
                 async for chunk in chunks:
                     await came.put((index, chunk))
