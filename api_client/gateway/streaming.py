@@ -110,6 +110,7 @@ class JobStreamResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         resumable = await opened(scope, self.job, self.media_type == SSE_TYPE)
+        _forget_headers(scope)
         self.ids = None if resumable is None else resumable[0]
         named = [(b"x-conversation-id", resumable[1].encode())] if resumable else []
         head = self.raw_headers + named if named else self.raw_headers  # a message once sent
@@ -183,6 +184,14 @@ class JobStreamResponse(Response):
 
     def _lost(self, exc: Exception) -> JobFailed:
         return lost(self.job.id, "stream", exc)
+
+
+def _forget_headers(scope: Scope) -> None:
+    """Let go of the request's headers, all read by now (the Guard, the endpoint, and
+    :func:`opened`): thousands of answers wait, and a client sends a dozen headers."""
+    headers = scope.get("headers")
+    if isinstance(headers, list):  # the server's own list, which it holds too
+        headers.clear()
 
 
 async def _watch(receive: Receive, left: Callable[[], None]) -> None:

@@ -12,9 +12,12 @@ turn ends (a response that starts and waits), whichever comes first. Nothing els
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
@@ -116,23 +119,64 @@ def _lean(event: asyncio.Event) -> None:
 
 # a request's scope: callbacks for when its client goes away (None once it has gone)
 ON_GONE = "ggufq.on_gone"
+# what every connection or request has alike, kept once: a listening address, the scope's
+# "asgi" dict of an ASGI version
+_SHARED: dict[Any, Any] = {}
+
+
+def _parser(protocol: HttpToolsProtocol) -> httptools.HttpRequestParser:
+    """A request parser for ``protocol``, as uvicorn makes one."""
+    parser = httptools.HttpRequestParser(protocol)
+    with contextlib.suppress(AttributeError):  # httptools < 0.6.3
+        parser.set_dangerous_leniencies(lenient_data_after_close=True)
+    return parser
 
 
 class GatewayProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol whose responses' heads wait for their first body part
     (:class:`HeldHead`), and which calls a request's :data:`ON_GONE` callbacks when its
     connection is lost before its response is complete: a waiting answer learns that its
-    client left without a task of its own reading for the disconnect (thousands wait)."""
+    client left without a task of its own reading for the disconnect (thousands wait).
+    What every connection has alike is kept once, and a connection between two requests
+    holds no parser."""
 
     transport: HeldHead
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.pipeline = _Pipeline()  # type: ignore[assignment]
+        self.reading = False  # a request's bytes are under way: its parser holds its state
+
+    def data_received(self, data: bytes) -> None:
+        # The parser (with its nine bound callbacks, about 1 KB) is let go once a request
+        # has come whole and its answer is under way, and made again when the client sends
+        # more: a gateway holds thousands of answers waiting, their clients sending nothing.
+        if self.parser is None:
+            self.parser = _parser(self)
+        super().data_received(data)
+        cycle = self.cycle
+        if not self.reading and cycle is not None and cycle.keep_alive and self.parser is not None:
+            # between two requests of a keep-alive connection a new parser is the same
+            # (after a request that closes it, the old one ignores what comes: kept)
+            self.parser = None  # type: ignore[assignment]
+
+    def on_message_begin(self) -> None:
+        self.reading = True
+        super().on_message_begin()
+        asgi = self.scope["asgi"]  # the same for every request: not a dict each
+        self.scope["asgi"] = _SHARED.setdefault(("asgi", asgi["version"]), asgi)
+
+    def on_message_complete(self) -> None:
+        self.reading = False
+        super().on_message_complete()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(HeldHead(transport, asyncio.get_running_loop()))
         _lean(self.flow._is_writable_event)
+        # the addresses every connection has alike, shared: the listening one, a client's host
+        self.server = _SHARED.setdefault(self.server, self.server)
+        if self.client is not None:
+            self.client = (sys.intern(self.client[0]), self.client[1])
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         # a request begins to be answered (a pipelined one too, once the one before it is
