@@ -96,8 +96,9 @@ class AsyncJob:
         """What :meth:`stream` gives, as an async iterator to close (``aclose()``) when
         done with: leaving it early cancels the job as :meth:`stream` says. One coroutine
         waits in it, where :meth:`stream` adds an async generator around it (the gateway,
-        which holds one for each waiting client, reads this). A subclass that gives its
-        chunks otherwise overrides both."""
+        which holds one for each waiting client, reads this). Unlike :meth:`stream`'s
+        generator, it is not closed when dropped: its reader closes it. A subclass that
+        gives its chunks otherwise overrides both."""
         wait = self.client.timeout if timeout is None else timeout
         return JobReader(self, wait, cancel_on_close, after, lapse_on_close)
 
@@ -215,14 +216,16 @@ class JobReader:
             raise StopAsyncIteration
         follower = self._follower()
         try:
-            chunk = await follower.__anext__()
+            return self._handed(await follower.__anext__())
         except StopAsyncIteration:
             self._end(gave_up=False)
             raise
         except asyncio.CancelledError:
-            if self._cancels():
-                await self.job._cancel_as_it_goes()
-            self._end(gave_up=True)
+            try:
+                if self._cancels():
+                    await self.job._cancel_as_it_goes()
+            finally:
+                self._end(gave_up=True)
             raise
         except redis.RedisError:  # Redis lost for longer than the lease: nobody reads it
             if self.cancel_on_close and not self.lapse_on_close:
@@ -235,7 +238,6 @@ class JobReader:
         except BaseException:
             self._end(gave_up=False)
             raise
-        return self._handed(chunk)
 
     def _follower(self) -> ChunkFollower:
         """What follows the job's chunks: made, with the reader's lease, at the first read."""
@@ -266,7 +268,6 @@ class JobReader:
             self.done = True
             error = chunk.get("error")
             if error:
-                self._end(gave_up=False)
                 raise error_from_code(error["code"], error["message"])
         if self.lease is not None:
             self.lease.handed_at = time.monotonic()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+import redis
 
 from api_client import (
     AsyncClient,
@@ -19,6 +20,7 @@ from api_client import (
     JobCancelled,
     ModelNotFound,
 )
+from api_client.ajob import AsyncJob
 from api_client.job import Job
 from scheduler.local.stack import LocalStack
 from scheduler.protocol import JobRequest
@@ -221,6 +223,41 @@ def test_async_cancel_and_leaving_a_stream(stack: LocalStack, settings: Settings
         assert (await kept.result()).done and not await c.r.exists(keys.cancel_flag(kept.id))
         with pytest.raises(ModelNotFound, match="'nope' not found"):
             await c.generate("nope", "hi")
+
+    run(stack, settings, body)
+
+
+def test_a_reader_cancelled_whose_cancel_fails_lets_go_once(
+    stack: LocalStack, settings: Settings
+) -> None:
+    """The reading task is cancelled (its client left), and the job's cancel is refused
+    (a replica during a failover): the reader still lets its lease go, once, to lapse, and
+    its close afterwards asks nothing more."""
+
+    async def body(c: AsyncClient) -> None:
+        cancels: list[str] = []
+        kept: list[bool] = []
+
+        async def refused(job_id: str) -> None:
+            cancels.append(job_id)
+            raise redis.ReadOnlyError("You can't write against a read only replica.")
+
+        let_go = c.leases.let_go
+        c.cancel = refused  # type: ignore[method-assign]
+        c.leases.let_go = lambda lease, keep=False: (kept.append(keep), let_go(lease, keep))  # type: ignore[method-assign]
+        job = AsyncJob(c, Job(c.sync, JobRequest(model="tiny", prompt="never sent"), False))
+        reader = job.reader(timeout=30)
+        reading = asyncio.ensure_future(reader.__anext__())
+
+        async def subscribed() -> bool:
+            return bool((await c.r.pubsub_numsub(keys.job_channel(job.id)))[0][1])
+
+        assert await until(subscribed)  # it waits for a chunk
+        reading.cancel()
+        with pytest.raises(redis.ReadOnlyError):
+            await reading
+        await reader.aclose()
+        assert cancels == [job.id] and kept == [True]
 
     run(stack, settings, body)
 
