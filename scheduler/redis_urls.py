@@ -5,18 +5,25 @@ of it for Celery.
     redis+sentinel://[USER:PASSWORD@]HOST[:PORT][,HOST[:PORT]...]/DB?master=NAME
 
 USER and PASSWORD are the primary's; PORT is 26379 where not given;
-``&sentinel_password=`` is the sentinels' own, if they ask for one.
+``&sentinel_password=`` is the sentinels' own, if they ask for one. ``rediss+sentinel://``
+speaks TLS to the sentinels and the primary alike, with a plain ``rediss://`` URL's
+options: ``&ssl_ca_certs=PATH`` (the CA that signed their certificates),
+``&ssl_cert_reqs=required`` (the default; ``none`` checks nothing), ``&ssl_certfile=`` and
+``&ssl_keyfile=`` (a client certificate, where Redis asks for one).
 """
 
 from __future__ import annotations
 
 import re
+import ssl
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
 
 SCHEME = "redis+sentinel"
+TLS_SCHEME = "rediss+sentinel"
 SENTINEL_PORT = 26379
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile")
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,16 @@ class SentinelUrl:
     username: str | None = None
     password: str | None = None
     sentinel_password: str | None = None
+    tls: tuple[tuple[str, str], ...] | None = None  # TLS options (rediss+sentinel), else None
+
+    @property
+    def tls_options(self) -> dict[str, Any]:
+        """redis-py's (and kombu's, Celery's) connection options for TLS; {} without."""
+        if self.tls is None:
+            return {}
+        options: dict[str, Any] = dict(self.tls)
+        options["ssl_cert_reqs"] = _cert_reqs(options.get("ssl_cert_reqs", "required"))
+        return options
 
     @property
     def kombu_url(self) -> str:
@@ -46,8 +63,20 @@ class SentinelUrl:
         return {"master_name": self.master, "sentinel_kwargs": kwargs}
 
 
+_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
+
+
+def _cert_reqs(value: str) -> ssl.VerifyMode:
+    """``ssl_cert_reqs`` as given in a URL (required, optional, none; CERT_REQUIRED ...)."""
+    found = _CERT_REQS.get(value.lower().removeprefix("cert_"))
+    if found is None:
+        raise ValueError(f"ssl_cert_reqs={value!r}: give required, optional or none")
+    return found
+
+
 def is_sentinel(url: str | None) -> bool:
-    return bool(url) and str(url).lower().startswith(f"{SCHEME}://")
+    scheme = str(url or "").split("://", 1)[0].lower()
+    return bool(url) and "://" in str(url) and scheme in (SCHEME, TLS_SCHEME)
 
 
 def parse(url: str) -> SentinelUrl:
@@ -69,6 +98,10 @@ def parse(url: str) -> SentinelUrl:
     if not sentinels:
         raise ValueError("a redis+sentinel:// URL names at least one sentinel: HOST:PORT")
     db = parts.path.strip("/")
+    tls = None
+    if parts.scheme.lower() == TLS_SCHEME:
+        tls = tuple((name, query[name][0]) for name in TLS_OPTIONS if query.get(name))
+        _cert_reqs(dict(tls).get("ssl_cert_reqs", "required"))  # a wrong one named here
     return SentinelUrl(
         tuple(sentinels),
         master,
@@ -76,6 +109,7 @@ def parse(url: str) -> SentinelUrl:
         unquote(parts.username) if parts.username else None,
         unquote(parts.password) if parts.password is not None else None,
         next(iter(query.get("sentinel_password", [])), None),
+        tls,
     )
 
 

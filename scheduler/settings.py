@@ -332,7 +332,7 @@ class Settings(BaseSettings):
         url = scheme + url[len(scheme) :]  # redis-py reads the scheme in lower case only
         if scheme in ("redis", "rediss", "unix"):
             return url
-        if scheme == "redis+sentinel":
+        if scheme in ("redis+sentinel", "rediss+sentinel"):  # rediss: TLS, sentinels too
             parse_redis_url(url)  # ValueError: what is missing
             return url
         if "cluster" in scheme:
@@ -343,7 +343,7 @@ class Settings(BaseSettings):
         if "sentinel" in scheme:
             raise ValueError(
                 "give Sentinel as redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]"
-                "/DB?master=NAME"
+                "/DB?master=NAME (rediss+sentinel:// for TLS)"
             )
         raise ValueError(
             f"{scheme or 'no scheme'}: give redis://[USER:PASSWORD@]HOST:PORT/DB, rediss:// "

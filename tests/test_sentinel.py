@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import ssl
 from pathlib import Path
 
 import httpx
@@ -25,7 +27,7 @@ from scheduler.store.sentinel import parse
 from tests.conftest import settings_from, stack_env, wait_for
 from tests.gateway_server import running_gateway
 from tests.held_worker import HOLD, is_held, release
-from tests.sentinels import Group, sentinel_group
+from tests.sentinels import Group, sentinel_group, tls_server
 from tests.test_batch_api import ENDED, jsonl, line, rows
 
 SHORT = {"temperature": 0, "num_predict": 4}
@@ -59,6 +61,13 @@ def test_a_sentinel_url_names_its_sentinels_primary_and_credentials() -> None:
     assert v6.sentinels == (("::1", 26379), ("h2", 26379))
     assert v6.kombu_url == "sentinel://[::1]:26379/0;sentinel://h2:26379/0"
     assert Settings(redis_url="REDIS://h:1/0").redis_url == "redis://h:1/0"  # as redis-py reads
+    # over TLS: a rediss:// URL's options, to the sentinels and the primary alike
+    tls = parse("rediss+sentinel://h1/0?master=m&ssl_ca_certs=/ca.pem&ssl_cert_reqs=none")
+    assert tls.tls_options == {"ssl_ca_certs": "/ca.pem", "ssl_cert_reqs": ssl.CERT_NONE}
+    assert tls.kombu_url == "sentinel://h1:26379/0" and found.tls_options == {}
+    assert parse("rediss+sentinel://h1/0?master=m").tls_options == {
+        "ssl_cert_reqs": ssl.CERT_REQUIRED  # checked by default, as rediss://
+    }
     # `ggufq config` and every message show it without either password
     shown = masked("redis+sentinel://w:p1@h1:1,h2:2/0?sentinel_password=p2&master=m")
     assert shown == "redis+sentinel://w:****@h1:1,h2:2/0?sentinel_password=****&master=m"
@@ -147,6 +156,37 @@ def test_a_stack_on_sentinel_serves_again_after_its_primary_dies(
             assert wait_for(lambda: group.primary_port() == group.replica, timeout=60)
 
             assert wait_for(lambda: serves(client), timeout=90), f"see {stack.log_dir}"
+
+
+@pytest.fixture()
+def tls_group(tmp_path: Path) -> Group:  # type: ignore[misc]
+    if tls_server() is None:
+        if os.environ.get("CI"):
+            pytest.fail("no redis-server with TLS on PATH (CI installs one: redis-server 7)")
+        pytest.skip("needs a redis-server with TLS on PATH: apt-get install redis-server")
+    with sentinel_group(tmp_path / "redis", tls=True) as found:
+        yield found
+
+
+def test_a_stack_behind_sentinel_over_tls_serves_and_follows_a_failover(
+    tls_group: Group, models_dir: Path, tmp_path: Path
+) -> None:
+    """rediss+sentinel://: the sentinels and the primary speak TLS only; every process of
+    the stack (Celery's broker and results, redis-py's clients) finds the primary through
+    them, and after its death the promoted replica, with no restart."""
+    url = tls_group.url
+    assert url.startswith("rediss+sentinel://") and parse(url).tls_options
+    env = {**stack_env(models_dir, tmp_path / "state", host="tlshost")}
+    settings = settings_from(env, url)
+    env["GGUFQ_REDIS_URL"] = url  # the children's
+    with LocalStack(settings, log_dir=tmp_path / "logs", extra_env=env) as stack:
+        with Client(url, settings=settings, timeout=60) as client:
+            assert client.generate("tiny", "before", options=SHORT).done
+            tls_group.kill_primary()
+            assert wait_for(lambda: tls_group.primary_port() == tls_group.replica, timeout=60)
+            assert wait_for(lambda: serves(client), timeout=90), f"see {stack.log_dir}"
+    with pytest.raises(ValueError, match="required, optional or none"):
+        Settings(redis_url=url + "&ssl_cert_reqs=maybe")
 
 
 def test_a_stream_rides_out_a_failover_mid_answer(

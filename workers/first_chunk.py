@@ -137,8 +137,11 @@ def quick_client(client: redis.Redis, timeout_s: float) -> redis.Redis:
     kwargs = dict(pool.connection_kwargs, socket_timeout=timeout_s)
     kwargs["socket_connect_timeout"] = timeout_s
     if isinstance(pool, redis.sentinel.SentinelConnectionPool):  # the primary it names
-        named = redis.sentinel.SentinelConnectionPool(
-            pool.service_name, pool.sentinel_manager, **kwargs
+        named = redis.sentinel.SentinelConnectionPool(  # its class: TLS's behind rediss
+            pool.service_name,
+            pool.sentinel_manager,
+            connection_class=pool.connection_class,
+            **kwargs,
         )
         return redis.Redis(connection_pool=named)
     quick = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)

@@ -24,12 +24,15 @@ def make_app(redis_url: str, settings: Settings, *, stash_unacked: bool = True) 
     again, ``Recovery.orphans`` re-places the jobs of a dropped device), and the start
     claim runs it once however often it is delivered. The placement queue keeps the
     record: it is all that brings back a submission whose placement process died."""
-    url, transport, options = redis_url, Transport, {}
+    url, transport, options, tls = redis_url, Transport, {}, None
     if sentinel.is_sentinel(redis_url):  # kombu's form, and its transport for it
         found = sentinel.parse(redis_url)
         options = found.transport_options(sentinel.sentinel_kwargs(found))
         url, transport = found.kombu_url, SentinelTransport
+        tls = found.tls_options or None  # kombu's form has no TLS of its own: told apart
     app = Celery("ggufq", broker=url, backend=url, set_as_current=False)
+    if tls is not None:
+        app.conf.update(broker_use_ssl=tls, redis_backend_use_ssl=tls)
     app.conf.update(
         task_serializer="json",
         result_serializer="json",

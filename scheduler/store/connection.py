@@ -223,6 +223,9 @@ class _SentinelTcp(redis.sentinel.SentinelManagedConnection):
             raise unreachable(_behind(self), exc) from exc
 
 
+class _SentinelTls(_SentinelTcp, redis.sentinel.SentinelManagedSSLConnection): ...
+
+
 class _AsyncSentinelTcp(redis.asyncio.sentinel.SentinelManagedConnection):
     async def connect(self) -> None:
         try:
@@ -231,6 +234,15 @@ class _AsyncSentinelTcp(redis.asyncio.sentinel.SentinelManagedConnection):
             if not _typed(exc):
                 raise
             raise unreachable(_behind(self), exc) from exc
+
+
+class _AsyncSentinelTls(_AsyncSentinelTcp, redis.asyncio.sentinel.SentinelManagedSSLConnection): ...
+
+
+def _behind_sentinels(redis_url: str, classes: tuple[type, type]) -> type:
+    """The connection class of a ``redis+sentinel://`` URL's primary: TLS's for
+    ``rediss+sentinel://``."""
+    return classes[sentinel.parse(redis_url).tls is not None]
 
 
 def _options(
@@ -269,7 +281,8 @@ def connect_typed(
     if socket_timeout is not None:
         options["socket_timeout"] = socket_timeout
     if sentinel.is_sentinel(redis_url):  # bounded as asked, as a plain URL's pool
-        return sentinel.client(redis_url, {**options, "connection_class": _SentinelTcp})
+        typed = _behind_sentinels(redis_url, (_SentinelTcp, _SentinelTls))
+        return sentinel.client(redis_url, {**options, "connection_class": typed})
     if max_connections is None:
         return redis.Redis.from_url(redis_url, **options)
     # from_pool: the client closes the pool with itself
@@ -284,7 +297,8 @@ def connect_typed_async(
     if socket_timeout is not None:
         options["socket_timeout"] = socket_timeout
     if sentinel.is_sentinel(redis_url):
-        return sentinel.async_client(redis_url, {**options, "connection_class": _AsyncSentinelTcp})
+        typed = _behind_sentinels(redis_url, (_AsyncSentinelTcp, _AsyncSentinelTls))
+        return sentinel.async_client(redis_url, {**options, "connection_class": typed})
     if max_connections is None:
         return redis.asyncio.Redis.from_url(redis_url, **options)
     pool = redis.asyncio.BlockingConnectionPool.from_url(redis_url, **options)

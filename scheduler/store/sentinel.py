@@ -1,8 +1,9 @@
 """Redis behind Sentinel: one URL (scheduler/redis_urls.py) names the sentinels and the
-primary's name, and every client of ggufq's (redis-py's, asyncio's, Celery's broker and
-result backend) asks the sentinels where the primary is, and asks again when a connection
-to it fails, so that a process follows a failover by itself. A sentinel that does not
-answer is passed over at once (5 s timeouts, no retries), as a primary's connection is.
+primary's name (``rediss+sentinel://``: both over TLS), and every client of ggufq's
+(redis-py's, asyncio's, Celery's broker and result backend) asks the sentinels where the
+primary is, and asks again when a connection to it fails, so that a process follows a
+failover by itself. A sentinel that does not answer is passed over at once (5 s timeouts,
+no retries), as a primary's connection is.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def sentinel_kwargs(found: SentinelUrl, asynchronous: bool = False) -> dict[str,
     """How the sentinels are asked: a dead or unreachable one costs at most 5 s, once."""
     retry = AsyncRetry(NoBackoff(), 0) if asynchronous else Retry(NoBackoff(), 0)
     kwargs: dict[str, Any] = {"socket_timeout": 5, "socket_connect_timeout": 5, "retry": retry}
-    return {**kwargs, "password": found.sentinel_password}
+    tls = {"ssl": True, **found.tls_options} if found.tls is not None else {}
+    return {**kwargs, **tls, "password": found.sentinel_password}
 
 
 def _primary_options(found: SentinelUrl, options: dict[str, Any]) -> dict[str, Any]:
@@ -34,6 +36,8 @@ def _primary_options(found: SentinelUrl, options: dict[str, Any]) -> dict[str, A
     class given is kept: the typed ones of scheduler/store/connection.py; ``timeout``,
     a bounded pool's wait for a free connection, picks the blocking pool)."""
     out = dict(options, db=found.db, username=found.username, password=found.password)
+    if found.tls is not None:  # TLS to the primary too (its connection class: TLS's)
+        out.update(ssl=True, **found.tls_options)
     return out
 
 
