@@ -176,6 +176,17 @@ def test_a_stack_behind_sentinel_over_tls_serves_and_follows_a_failover(
     them, and after its death the promoted replica, with no restart."""
     url = tls_group.url
     assert url.startswith("rediss+sentinel://") and parse(url).tls_options
+
+    async def answers_async() -> bool:  # the gateway's kind of client, bounded
+        client = connect_typed_async(url, max_connections=2)
+        try:
+            return bool(await client.ping())
+        finally:
+            await client.aclose()
+
+    sync = connect_typed(url, max_connections=2)
+    assert asyncio.run(answers_async()) and answers(sync, "tls")
+    sync.close()
     env = {**stack_env(models_dir, tmp_path / "state", host="tlshost")}
     settings = settings_from(env, url)
     env["GGUFQ_REDIS_URL"] = url  # the children's
