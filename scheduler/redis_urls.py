@@ -9,7 +9,9 @@ USER and PASSWORD are the primary's; PORT is 26379 where not given;
 speaks TLS to the sentinels and the primary alike, with a plain ``rediss://`` URL's
 options: ``&ssl_ca_certs=PATH`` (the CA that signed their certificates),
 ``&ssl_cert_reqs=required`` (the default; ``none`` checks nothing), ``&ssl_certfile=`` and
-``&ssl_keyfile=`` (a client certificate, where Redis asks for one).
+``&ssl_keyfile=`` (a client certificate, where Redis asks for one), and
+``&ssl_check_hostname=false`` where a server's certificate does not name the address the
+sentinels announce for it (checked by default).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
 SCHEME = "redis+sentinel"
 TLS_SCHEME = "rediss+sentinel"
 SENTINEL_PORT = 26379
-TLS_OPTIONS = ("ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile")
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
 
 
 @dataclass(frozen=True)
@@ -39,11 +41,7 @@ class SentinelUrl:
     @property
     def tls_options(self) -> dict[str, Any]:
         """redis-py's (and kombu's, Celery's) connection options for TLS; {} without."""
-        if self.tls is None:
-            return {}
-        options: dict[str, Any] = dict(self.tls)
-        options["ssl_cert_reqs"] = _cert_reqs(options.get("ssl_cert_reqs", "required"))
-        return options
+        return {} if self.tls is None else _tls_options(self.tls)
 
     @property
     def kombu_url(self) -> str:
@@ -74,6 +72,22 @@ def _cert_reqs(value: str) -> ssl.VerifyMode:
     return found
 
 
+def _tls_options(given: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """A URL's TLS options as redis-py takes them; ValueError names a wrong one."""
+    options: dict[str, Any] = dict(given)
+    options["ssl_cert_reqs"] = _cert_reqs(options.get("ssl_cert_reqs", "required"))
+    if "ssl_check_hostname" in options:
+        options["ssl_check_hostname"] = _yes(options["ssl_check_hostname"])
+    return options
+
+
+def _yes(value: str) -> bool:
+    """A URL's true or false (``ssl_check_hostname``)."""
+    if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"ssl_check_hostname={value!r}: give true or false")
+    return value.lower() in ("true", "1", "yes")
+
+
 def is_sentinel(url: str | None) -> bool:
     scheme = str(url or "").split("://", 1)[0].lower()
     return bool(url) and "://" in str(url) and scheme in (SCHEME, TLS_SCHEME)
@@ -98,10 +112,16 @@ def parse(url: str) -> SentinelUrl:
     if not sentinels:
         raise ValueError("a redis+sentinel:// URL names at least one sentinel: HOST:PORT")
     db = parts.path.strip("/")
-    tls = None
-    if parts.scheme.lower() == TLS_SCHEME:
-        tls = tuple((name, query[name][0]) for name in TLS_OPTIONS if query.get(name))
-        _cert_reqs(dict(tls).get("ssl_cert_reqs", "required"))  # a wrong one named here
+    tls: tuple[tuple[str, str], ...] | None
+    tls = tuple((name, query[name][0]) for name in TLS_OPTIONS if query.get(name))
+    if parts.scheme.lower() != TLS_SCHEME:
+        if tls:
+            raise ValueError(
+                f"{tls[0][0]} is a TLS option: give the URL as rediss+sentinel:// for TLS"
+            )
+        tls = None
+    else:
+        _tls_options(tls)  # a wrong value is named here, not at the first connection
     return SentinelUrl(
         tuple(sentinels),
         master,

@@ -68,6 +68,10 @@ def test_a_sentinel_url_names_its_sentinels_primary_and_credentials() -> None:
     assert parse("rediss+sentinel://h1/0?master=m").tls_options == {
         "ssl_cert_reqs": ssl.CERT_REQUIRED  # checked by default, as rediss://
     }
+    unnamed = parse("rediss+sentinel://h1/0?master=m&ssl_check_hostname=false")
+    assert unnamed.tls_options["ssl_check_hostname"] is False
+    with pytest.raises(ValueError, match="give the URL as rediss"):  # not TLS in silence
+        Settings(redis_url="redis+sentinel://h1/0?master=m&ssl_ca_certs=/ca.pem")
     # `ggufq config` and every message show it without either password
     shown = masked("redis+sentinel://w:p1@h1:1,h2:2/0?sentinel_password=p2&master=m")
     assert shown == "redis+sentinel://w:****@h1:1,h2:2/0?sentinel_password=****&master=m"
@@ -162,7 +166,7 @@ def test_a_stack_on_sentinel_serves_again_after_its_primary_dies(
 def tls_group(tmp_path: Path) -> Group:  # type: ignore[misc]
     if tls_server() is None:
         if os.environ.get("CI"):
-            pytest.fail("no redis-server with TLS on PATH (CI installs one: redis-server 7)")
+            pytest.fail("no redis-server with TLS on PATH (CI's image has redis-server 7)")
         pytest.skip("needs a redis-server with TLS on PATH: apt-get install redis-server")
     with sentinel_group(tmp_path / "redis", tls=True) as found:
         yield found
