@@ -162,12 +162,17 @@ def test_a_stack_on_sentinel_serves_again_after_its_primary_dies(
             assert wait_for(lambda: serves(client), timeout=90), f"see {stack.log_dir}"
 
 
-@pytest.fixture()
-def tls_group(tmp_path: Path) -> Group:  # type: ignore[misc]
+def needs_tls_server() -> None:
+    """Skip (fail under CI) where no redis-server on PATH has TLS."""
     if tls_server() is None:
         if os.environ.get("CI"):
             pytest.fail("no redis-server with TLS on PATH (CI's image has redis-server 7)")
         pytest.skip("needs a redis-server with TLS on PATH: apt-get install redis-server")
+
+
+@pytest.fixture()
+def tls_group(tmp_path: Path) -> Group:  # type: ignore[misc]
+    needs_tls_server()
     with sentinel_group(tmp_path / "redis", tls=True) as found:
         yield found
 

@@ -17,15 +17,18 @@ from scheduler.local.stack import LocalStack
 from tests.conftest import settings_from, stack_env, wait_for
 from tests.sentinels import Group, sentinel_group
 from tests.test_flower import answers, flower_on, get
-from tests.test_sentinel import SHORT, serves
+from tests.test_sentinel import SHORT, needs_tls_server, serves
 
 WORKER = "ggufq-cpu@flowersentinel"
 QUEUES = {"ggufq.cpu.flowersentinel", "ggufq.cpu.flowersentinel.batch"}
 
 
-@pytest.fixture()
-def group(tmp_path: Path) -> Iterator[Group]:
-    with sentinel_group(tmp_path / "redis") as found:
+@pytest.fixture(params=[False, True], ids=["plain", "tls"])
+def group(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Group]:
+    """The sentinels and their primary over TCP, and over TLS only (rediss+sentinel://)."""
+    if request.param:
+        needs_tls_server()
+    with sentinel_group(tmp_path / "redis", tls=request.param) as found:
         yield found
 
 
