@@ -9,8 +9,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import redis
 import redis.asyncio
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
 
 from api_client import Client
 from scheduler.local.embedded import EmbeddedRedis
@@ -374,3 +377,49 @@ def test_one_timer_ends_many_waits_each_in_its_time() -> None:
     ended, held, left = asyncio.run(main())
     assert ended == [1, 2, 0]  # 0.1 s, 0.2 s, 0.3 s
     assert held == 3 and left == 0  # nothing due is left once all ended
+
+
+def test_a_follower_rides_out_redis_restarting_and_gives_up_past_its_budget(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A follower on a connection of its own: Redis restarted under it, it follows again
+    after the last chunk it saw once Redis answers (none lost, none twice); Redis away
+    past its budget, it raises Redis's error and lets go of its subscription."""
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+
+    async def main() -> tuple[list[str], ChunkFollower]:
+        client = redis.asyncio.Redis.from_url(  # no retry of its own: the follower's
+            server.url, socket_timeout=5, retry=AsyncRetry(NoBackoff(), 0)
+        )
+        sync = redis.Redis.from_url(server.url)
+        try:
+            pub = ChunkPublisher(sync, "ride", ttl_s=60)
+            pub.publish({"response": "a"})
+            follower = ChunkFollower(client, "ride", 30, ride_out_s=30)
+            texts = [(await follower.__anext__())["response"]]
+            await asyncio.to_thread(server.stop)
+            reading = asyncio.ensure_future(follower.__anext__())
+            await asyncio.to_thread(server.start)
+            pub.publish({"response": "b"})
+            pub.publish({"response": "", "done": True})
+            texts.append((await reading)["response"])
+            texts += [chunk["response"] async for chunk in follower]
+            ChunkPublisher(sync, "away", ttl_s=60).publish({"response": "x"})  # and no more
+            gives_up = ChunkFollower(client, "away", 30, ride_out_s=0.3)
+            assert (await gives_up.__anext__())["seq"] == 1
+            await asyncio.to_thread(server.stop)
+            with pytest.raises(redis.ConnectionError):
+                await gives_up.__anext__()
+            return texts, gives_up
+        finally:
+            await client.aclose()
+            sync.close()
+
+    try:
+        texts, gave_up = asyncio.run(main())
+    finally:
+        server.stop()
+    assert texts == ["a", "b", ""]
+    assert "reading on once it answers" in caplog.text  # it rode the restart out
+    assert gave_up.sub is None
