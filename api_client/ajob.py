@@ -98,7 +98,7 @@ class AsyncJob:
         waits in it, where :meth:`stream` adds an async generator around it (the gateway,
         which holds one for each waiting client, reads this). Unlike :meth:`stream`'s
         generator, it is not closed when dropped: its reader closes it. A subclass that
-        gives its chunks otherwise overrides both."""
+        gives its chunks otherwise overrides this (:meth:`stream` gives what it gives)."""
         wait = self.client.timeout if timeout is None else timeout
         return JobReader(self, wait, cancel_on_close, after, lapse_on_close)
 

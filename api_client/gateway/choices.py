@@ -57,20 +57,14 @@ class Choices(AsyncJob):
         after: int = 0,
         lapse_on_close: bool = False,
     ) -> Reader:
-        stream = self.stream(timeout, cancel_on_close, after, lapse_on_close)
-        return cast(AsyncGenerator[GenerateResponse, None], stream)
+        """The choices' chunks as they come (:meth:`AsyncJob.stream` gives them too).
+        ``timeout`` bounds the silence of the answer, not of each choice: with one slot, a
+        choice is silent while those ahead of it run. Always cancelled when left early,
+        never picked up again by another reader (resume.py), never resumed: the other
+        arguments are not theirs."""
+        return cast(AsyncGenerator[GenerateResponse, None], self._interleaved(timeout))
 
-    async def stream(
-        self,
-        timeout: float | None = None,
-        cancel_on_close: bool = True,
-        after: int = 0,
-        lapse_on_close: bool = False,
-    ) -> AsyncIterator[GenerateResponse]:
-        """The choices' chunks as they come. ``timeout`` bounds the silence of the answer,
-        not of each choice: with one slot, a choice is silent while those ahead of it run.
-        Never picked up again by another reader (resume.py): ``lapse_on_close`` is not
-        theirs."""
+    async def _interleaved(self, timeout: float | None) -> AsyncIterator[GenerateResponse]:
         came: asyncio.Queue[tuple[int, GenerateResponse | Exception]] = asyncio.Queue()
         wait = self.client.timeout if timeout is None else timeout
         ended: set[int] = set()
