@@ -164,12 +164,12 @@ class JobStreamResponse(Response):
             await chunks.aclose()  # cancels the job unless it had ended
 
     def _error_of(self, exc: Exception) -> GgufqError:
-        """The error the job's stream ended with."""
-        if isinstance(exc, RedisUnavailable):  # the job was made: not a "try again" (503)
-            return self._lost(exc)
-        if isinstance(exc, GgufqError):
+        """The error the job's stream ended with: its own, or that Redis was lost (the job
+        was made: not the "try again" of RedisUnavailable, 503), an error the caller can
+        read."""
+        if isinstance(exc, GgufqError) and not isinstance(exc, RedisUnavailable):
             return exc
-        return self._lost(exc)  # Redis gone mid-stream: an error the caller can read
+        return self._lost(exc)
 
     def _frames(self, chunk: GenerateResponse, out: Output) -> list[bytes]:
         """What goes out for ``chunk``."""

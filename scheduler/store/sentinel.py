@@ -27,18 +27,22 @@ def sentinel_kwargs(found: SentinelUrl, asynchronous: bool = False) -> dict[str,
     """How the sentinels are asked: a dead or unreachable one costs at most 5 s, once."""
     retry = AsyncRetry(NoBackoff(), 0) if asynchronous else Retry(NoBackoff(), 0)
     kwargs: dict[str, Any] = {"socket_timeout": 5, "socket_connect_timeout": 5, "retry": retry}
-    tls = {"ssl": True, **found.tls_options} if found.tls is not None else {}
-    return {**kwargs, **tls, "password": found.sentinel_password}
+    return {**kwargs, **_tls(found), "password": found.sentinel_password}
+
+
+def _tls(found: SentinelUrl) -> dict[str, Any]:
+    """redis-py's options of a connection to a sentinel or the primary: TLS, with the
+    URL's options, for ``rediss+sentinel://`` (where the primary's connection class is
+    TLS's)."""
+    return {"ssl": True, **found.tls_options} if found.tls is not None else {}
 
 
 def _primary_options(found: SentinelUrl, options: dict[str, Any]) -> dict[str, Any]:
     """The primary's connections' options: ``options`` as for a plain URL (a connection
     class given is kept: the typed ones of scheduler/store/connection.py; ``timeout``,
     a bounded pool's wait for a free connection, picks the blocking pool)."""
-    out = dict(options, db=found.db, username=found.username, password=found.password)
-    if found.tls is not None:  # TLS to the primary too (its connection class: TLS's)
-        out.update(ssl=True, **found.tls_options)
-    return out
+    own = {"db": found.db, "username": found.username, "password": found.password}
+    return {**options, **own, **_tls(found)}
 
 
 class _BlockingPool(redis.sentinel.SentinelConnectionPool, redis.BlockingConnectionPool):

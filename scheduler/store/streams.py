@@ -361,14 +361,7 @@ class ChunkFollower:
                 except REDIS_AWAY as exc:
                     if self.ride_out_s <= 0:
                         raise
-                    await self.aclose()
-                    log.warning(
-                        "job %s's stream lost Redis (%s): reading on once it answers",
-                        self.job_id,
-                        exc,
-                    )
-                    await aride_out(self.client.ping, self.ride_out_s, exc)
-                    self.order = order = order.again()
+                    order = await self._ride_out(exc)
                     continue
                 chunk = order.from_message(message)
                 if chunk is not None:
@@ -380,6 +373,15 @@ class ChunkFollower:
         except BaseException:
             await self.aclose()
             raise
+
+    async def _ride_out(self, exc: Exception) -> ChunkOrder:
+        """Wait for Redis to answer again (raise ``exc`` past ``ride_out_s``); the order
+        of the next subscription, after the last chunk seen."""
+        await self.aclose()
+        log.warning("job %s's stream lost Redis (%s): reading on once it answers", self.job_id, exc)
+        await aride_out(self.client.ping, self.ride_out_s, exc)
+        self.order = self.order.again()
+        return self.order
 
     async def _subscribe(self) -> Any:
         channel = keys.job_channel(self.job_id)
