@@ -36,7 +36,7 @@ from workers.engine.job import Job, Share, StepTimes, always, is_cancelled
 from workers.engine.layout import Layout
 from workers.engine.load import DECODE_ERRORS, ContextSize, _init_backend, _load
 from workers.engine.prepare import new_job
-from workers.engine.sampling import Format, grammar_for, greedy_rows
+from workers.engine.sampling import Format, GreedyRows, grammar_for
 from workers.engine.text import GenerationStats, Tokenizer
 from workers.loadwatch import LoadWatch
 
@@ -71,6 +71,7 @@ class Engine:
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._mem = L.llama_get_memory(self.ctx)
         self._device = DeviceGreedy(L, self.ctx, device_sampling)  # greedy's argmax
+        self._greedy = GreedyRows(L, self.ctx, self.n_vocab)  # or numpy's, on the host
         self._cached: dict[int, list[int]] = {}  # slot → tokens whose KV it still holds
         self._n_swa = L.llama_model_n_swa(self.model)
         self.reused_tokens = 0  # prompt tokens not evaluated again, thanks to the slot caches
@@ -248,7 +249,7 @@ class Engine:
             ]
         greedy = None
         if any(job.sampler.plain_greedy for job, _ in outputs):
-            greedy = greedy_rows(self._L, ctx, len(outputs), self.n_vocab)
+            greedy = self._greedy(len(outputs))
         return [
             greedy[row]
             if greedy is not None and job.sampler.plain_greedy
