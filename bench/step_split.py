@@ -10,10 +10,13 @@ into nothing). The engine's own counters (``Engine.times``, ``StepTimes``) give 
 
   decode       llama_decode and the wait for its result (the model's own cost)
   sample       picking every sequence's next token
-  stream       handing text to the jobs' on_text: the chunk publisher, and a job's first
-               chunk written to Redis from the decode thread
-  bookkeeping  the rest: admission, cancellation checks, batch layout, detokenizing,
-               stop strings, retiring jobs
+  stream       handing the step's tokens to the text relay (one put; it waits when the
+               relay is workers/engine/relay.LAG steps behind)
+  bookkeeping  the rest: admission, cancellation checks, batch layout, each token's piece,
+               retiring jobs
+  relay        not a step's: the text relay's own thread, beside the steps, making the
+               jobs' text (characters, stop strings, on_text: the chunk publisher, a job's
+               first chunk written to Redis), per step
 
 "python" is a step's time outside llama_decode (sample + stream + bookkeeping) over the
 whole step: the issue's target is at most 10 % on a GPU, where a step of a 1B model takes
@@ -98,6 +101,7 @@ class Row:
             "sample_ms": self.ms(t.sample_ns),
             "stream_ms": self.ms(t.emit_ns),
             "bookkeeping_ms": self.ms(t.bookkeeping_ns),
+            "relay_ms": self.ms(t.relay_ns),
             "python_share": self.python_share,
         }
 
@@ -180,10 +184,10 @@ def fresh(*args: Any) -> Row:
 
 def print_table(rows: list[Row]) -> None:
     head = ["P", "jobs", "steps", "tok/step", "tok/s", "step ms", "decode", "sample"]
-    head += ["stream", "bookkeeping", "python"]
+    head += ["stream", "bookkeeping", "python", "relay"]
     print(
         f"{'sampler':<12}{head[0]:>3}{head[1]:>6}{head[2]:>7}{head[3]:>9}{head[4]:>8}{head[5]:>9}"
-        f"{head[6]:>9}{head[7]:>8}{head[8]:>8}{head[9]:>12}{head[10]:>8}"
+        f"{head[6]:>9}{head[7]:>8}{head[8]:>8}{head[9]:>12}{head[10]:>8}{head[11]:>8}"
     )
     for row in rows:
         s = row.summary()
@@ -191,6 +195,7 @@ def print_table(rows: list[Row]) -> None:
             f"{row.sampler:<12}{row.parallel:3d}{row.jobs:6d}{row.steps:7d}{s['tokens_per_step']:9.2f}"
             f"{s['tok_s']:8.1f}{s['step_ms']:9.3f}{s['decode_ms']:9.3f}{s['sample_ms']:8.3f}"
             f"{s['stream_ms']:8.3f}{s['bookkeeping_ms']:12.3f}{row.python_share:8.1%}"
+            f"{s['relay_ms']:8.3f}"
         )
 
 
@@ -255,7 +260,8 @@ def main() -> None:
     print(
         f"\n{Path(path).name}, {args.tokens} new tokens a job, {args.sampler} sampling, "
         f"streams {'into Redis' if url else 'into nothing'}, {os.cpu_count()} cores; "
-        "ms are per step (means), python = a step's time outside llama_decode"
+        "ms are per step (means), python = a step's time outside llama_decode, "
+        "relay = the text relay's thread beside the steps"
     )
     print_table(rows)
     targets = {f"{r.sampler} P={r.parallel}": r.python_share <= 0.10 for r in rows}

@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-import workers.engine.loop as loop
+import workers.engine.relay as relay
 import workers.generation as generation
 from scheduler.store.connection import connect
 from workers.loadwatch import LoadWatch
@@ -77,7 +77,8 @@ def is_held(client: redis.Redis, job_id: str) -> bool:
 
 
 def _hold(publisher: Any, cancelled: Any) -> None:
-    """Hold a job here, on the decode thread (the runner's other sequences wait too),
+    """Hold a job here, on its runner's text relay (its decode loop, and the runner's
+    other sequences, wait too once the relay is workers/engine/relay.LAG steps behind),
     once what it published is in Redis, until it is cancelled or released. A run on a
     resident runner holds its chunks back until its start is claimed, beside its first
     steps, on the job's thread: under load that can come after the hold's token."""
@@ -135,15 +136,16 @@ _AFTER: dict[str, tuple[Any, Any, int]] = {}
 
 
 def hold_after_tokens() -> None:
-    advance = loop.Engine._advance
+    made = relay.TextRelay._token
 
-    def advanced(self: Any, job: Any, token: int, now: int) -> None:
-        advance(self, job, token, now)
+    def text_made(self: Any, job: Any, token: int, piece: bytes) -> None:
+        before = len(job.out)
+        made(self, job, token, piece)
         held = next((h for h in _AFTER.values() if h[0].tokens is job.out), None)
-        if held is not None and len(job.out) == held[2]:
+        if held is not None and before < len(job.out) == held[2]:  # its Nth token, once
             _hold(held[0], held[1])
 
-    loop.Engine._advance = advanced  # type: ignore[method-assign]
+    relay.TextRelay._token = text_made  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ import pytest
 
 from scheduler.errors import InvalidRequest, JobFailed, LoadFailed
 from scheduler.protocol import Options, RunnerConfig
-from tests.conftest import needs_demo
+from tests.conftest import needs_demo, wait_for
 from tests.tinymodel import write_tiny_model
 from workers.engine.batching import Admission, Feed, batch_rows, common_prefix, prompt_take
+from workers.engine.job import Job, StepTimes
+from workers.engine.relay import TextRelay
 from workers.engine.sampling import sampler_plan
 from workers.engine.text import GenerationStats, StopMatcher, Utf8Stream, token_budget
 from workers.runner import Runner
@@ -320,7 +322,9 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(
 
 
 class Gate:
-    """Holds the decode loop inside a job's on_text until released (tests only)."""
+    """Holds a job's text inside its on_text until released, and so the decode loop once
+    its text relay is LAG steps behind (tests only): a gated job needs more than LAG + 1
+    tokens to keep its slot."""
 
     def __init__(self) -> None:
         self.entered = threading.Event()
@@ -366,7 +370,7 @@ def test_jobs_beyond_the_slots_are_served_in_arrival_order(
     runner = runner_factory(1)
     gate = Gate()
     order: list[int] = []
-    first, _ = start(runner, "a", Options(num_predict=3, **GREEDY), gate)
+    first, _ = start(runner, "a", Options(num_predict=8, **GREEDY), gate)
     assert gate.entered.wait(30)
     threads = []
     for i in range(4):
@@ -388,16 +392,16 @@ def test_cancel_while_running_frees_the_slot_for_the_next_job(
     runner_factory: Callable[..., Runner],
 ) -> None:
     runner = runner_factory(1, num_ctx=2048)
-    stop = threading.Event()
     at_cancel: list[int] = []
 
-    def on_text(_text: str) -> None:
-        if not stop.is_set():  # runs in the decode loop: the job's count is settled here
-            at_cancel.append(runner.engine._active[0].generated)
-            stop.set()
+    def cancelled() -> bool:  # polled by the decode loop before each step: the count is settled
+        active = runner.engine._active
+        if not at_cancel and active and active[0].generated >= 2:
+            at_cancel.append(active[0].generated)
+        return bool(at_cancel)
 
     running, box = start(
-        runner, "the", Options(num_predict=-1, **GREEDY), on_text, cancelled=stop.is_set
+        runner, "the", Options(num_predict=-1, **GREEDY), lambda _t: None, cancelled=cancelled
     )
     later, later_box = start(runner, "a", Options(num_predict=5, **GREEDY))
     running.join(30)
@@ -441,7 +445,7 @@ def test_cancel_during_a_long_prompts_processing_stops_it_there(
 def test_cancel_while_waiting_never_starts(runner_factory: Callable[..., Runner]) -> None:
     runner = runner_factory(1)
     gate = Gate()
-    first, first_box = start(runner, "a", Options(num_predict=3, **GREEDY), gate)
+    first, first_box = start(runner, "a", Options(num_predict=8, **GREEDY), gate)
     assert gate.entered.wait(30)
     called: list[str] = []
     cancel = threading.Event()
@@ -490,13 +494,17 @@ def test_a_job_whose_start_fails_fails_alone_beside_a_running_one(
     running, box = start(runner, "a", Options(num_predict=8, **GREEDY), gate)
     assert gate.entered.wait(30)  # it runs, held in its first piece of text
 
+    tried = threading.Event()
+
     def broken(*_a: Any) -> bool:
+        tried.set()
         raise RuntimeError("llama.cpp refused the sampler")
 
     with monkeypatch.context() as patch:
         patch.setattr(runner.engine._device, "take", broken)
         failing, failed = start(runner, "b", Options(num_predict=4, **GREEDY))
-        wait_queued(runner, 1)
+        # queued behind the held loop, or started (and failed) before the loop waited
+        assert wait_for(lambda: runner.engine._admission.waiting or tried.is_set())
         gate.release.set()
         failing.join(30)
     running.join(30)
@@ -515,6 +523,28 @@ def test_stop_string_ends_the_job_before_it(runner_factory: Callable[..., Runner
     stats = runner.generate("the sky", options, streamed.append)
     assert stats.done_reason == "stop"
     assert stats.text == full[: full.index(stop)] == "".join(streamed)
+
+
+def test_a_stop_string_found_off_the_decode_thread_counts_the_tokens_up_to_it(
+    runner_factory: Callable[..., Runner],
+) -> None:
+    """The text relay finds a stop string a step or more after the token that made it was
+    decoded: the answer still ends before it, and its account counts the tokens up to that
+    one, not those the loop decoded meanwhile."""
+    runner = runner_factory(2)
+    tokens: list[int] = []
+    full = runner.generate("the sky", Options(num_predict=60, **GREEDY), ignore, answer=tokens).text
+    at = next(k for k in range(4, len(full) - 3) if full[k : k + 3].replace(" ", "a").isalpha())
+    stop = full[at : at + 3]
+    piece = runner.engine._tokenizer.piece
+
+    def text_of(n: int) -> str:  # the first n tokens' text
+        return b"".join(piece(t)[0] for t in tokens[:n]).decode(errors="replace")
+
+    made = next(n for n in range(1, len(tokens) + 1) if stop in text_of(n))
+    stats = runner.generate("the sky", Options(num_predict=60, stop=[stop], **GREEDY), ignore)
+    assert (stats.done_reason, stats.text) == ("stop", full[: full.index(stop)])
+    assert stats.eval_count == made
 
 
 def test_num_predict_bounds_the_output(runner_factory: Callable[..., Runner]) -> None:
@@ -569,7 +599,7 @@ def test_a_failing_consumer_fails_only_its_job(runner_factory: Callable[..., Run
 def test_close_ends_running_and_waiting_jobs(tiny_dir: Path) -> None:
     runner = make_runner(tiny(tiny_dir), 1)
     gate = Gate()
-    jobs = [start(runner, "a", Options(num_predict=5, **GREEDY), gate)]
+    jobs = [start(runner, "a", Options(num_predict=8, **GREEDY), gate)]
     assert gate.entered.wait(30)
     jobs += [start(runner, p, Options(num_predict=5, **GREEDY)) for p in PROMPTS[:2]]
     wait_queued(runner, 2)
@@ -771,3 +801,59 @@ def test_the_loop_accounts_for_its_steps(runner_factory: Callable[..., Runner]) 
     assert spent.decode_ns > 0 and spent.sample_ns > 0 and spent.emit_ns > 0 and emitted
     assert spent.decode_ns + spent.sample_ns + spent.emit_ns <= spent.step_ns
     assert spent.bookkeeping_ns >= 0
+
+
+class ListSampler:
+    """A job's sampler as the text relay sees it: what it recorded of each sampled token."""
+
+    top_logprobs = None
+
+    def __init__(self, logprobs: list[dict[str, Any]]) -> None:
+        self.logprobs = logprobs
+
+
+def relayed(stops: list[str], on_text: Callable[[str], None], *items: Any) -> Job:
+    """A job whose tokens (token, piece) and end (reason, error) go through a text relay,
+    as the decode loop hands them over; once the relay is closed."""
+    job = Job(
+        tokens=[9],
+        budget=10,
+        sampler=ListSampler([{"token": n} for n in range(len(items))]),  # type: ignore[arg-type]
+        on_text=on_text,
+        cancelled=lambda: False,
+        stops=StopMatcher(stops),
+        first_ns=5,
+    )
+    relay = TextRelay("t", StepTimes())
+    for item in items:
+        if isinstance(item[0], int):
+            relay.put([7, (job, *item)])
+        else:
+            job.error = item[1]  # the decode loop's, set before it hands the end over
+            relay.put([(job, item[0], 9, True)])
+    relay.close()
+    assert job.done.is_set() and not relay._thread.is_alive()
+    return job
+
+
+def test_the_text_relay_keeps_an_answer_that_ended_at_its_stop_string_whole() -> None:
+    """The loop decoded a token past the stop string, then met an error before it saw the
+    relay's halt: the answer up to the stop is whole, and is the job's outcome."""
+    said: list[str] = []
+    error = JobFailed("llama_decode returned -1")
+    job = relayed(["!"], said.append, (1, b"ab"), (2, b"c!d"), (3, b"zz"), ("error", error))
+    assert job.error is None and job.stats is not None
+    assert (job.stats.text, job.stats.done_reason, job.stats.eval_count) == ("abc", "stop", 2)
+    assert said == ["ab", "c"] and job.out == [1, 2]
+    assert job.stats.eval_duration_ns == 7 - 5  # to its stop's step, not to its end's
+    assert job.sampler.logprobs == [{"token": 0}, {"token": 1}]
+
+
+@pytest.mark.parametrize("raised", [ConnectionError("redis went away"), SystemExit(3)])
+def test_a_consumer_that_raises_fails_its_job_and_the_relay_goes_on(raised: BaseException) -> None:
+    def broken(text: str) -> None:
+        if text == "b":
+            raise raised
+
+    job = relayed([], broken, (1, b"a"), (2, b"b"), (3, b"c"), ("length", None))
+    assert isinstance(job.error, JobFailed) and job.stats is None and job.out == [1, 2]

@@ -415,7 +415,7 @@ def test_a_first_chunk_whose_answer_was_lost_keeps_the_text_after_it(db: redis.R
 def test_a_first_chunk_sent_when_redis_had_lost_the_script_is_written_by_the_thread(
     db: redis.Redis,
 ) -> None:
-    """The decode thread sends the script by its hash; Redis, restarted without it, answers
+    """The text relay sends the script by its hash; Redis, restarted without it, answers
     NOSCRIPT: the writer's thread loads it and writes the chunk, ahead of the next."""
     writer = ChunkWriter(db, interval_s=600.0)
     try:
@@ -435,7 +435,7 @@ def test_a_first_chunk_sent_when_redis_had_lost_the_script_is_written_by_the_thr
 def test_a_first_chunk_refused_for_its_fence_tells_the_run_from_the_writer(
     db: redis.Redis,
 ) -> None:
-    """Sent from the decode thread, its answer (FENCED: the job's holder is another
+    """Sent from the text relay, its answer (FENCED: the job's holder is another
     placement now) is read on the writer's thread, which tells the run to stop."""
     told: list[tuple[str, str]] = []
     writer = ChunkWriter(db, interval_s=600.0, on_fenced=lambda *run: told.append(run))

@@ -49,7 +49,7 @@ class ChunkWriter:
         # told (job id, placement id) of a run whose chunk was refused: another placement of
         # the job owns its stream now (placed again, or sent again), so that run stops
         self.on_fenced = on_fenced
-        self.first = FirstChunks(client)  # first chunks, sent from the decode thread
+        self.first = FirstChunks(client)  # first chunks, sent from the text relay
         self._last_write = -float("inf")  # monotonic time of the last write
         self.outage_s = outage_s  # how long chunks wait for Redis to come back
         self.nice = nice  # added to the writer thread's niceness (see procs.py)
@@ -129,7 +129,7 @@ class ChunkWriter:
                     chunk.taken = True
             waiters = [item for item in batch if isinstance(item, threading.Event)]
             sent = [item for item in batch if isinstance(item, Sent)]
-            if sent:  # first chunks sent from a decode thread: their answers come first
+            if sent:  # first chunks sent from a text relay: their answers come first
                 again, fenced = self.first.answers(sent)
                 chunks = again + chunks  # ahead of their jobs' later chunks
                 for pending in fenced:
@@ -222,9 +222,10 @@ class ChunkPublisher:
     One that :meth:`holds` keeps what it is given until :meth:`release` (the job is this
     run's: publish it all) or :meth:`discard` (it is not: publish nothing, ever).
 
-    ``tokens`` is the answer's token ids, to which the decode loop appends each one it
-    samples; each chunk carries those added since the previous chunk (scheduler/midstream.py).
-    A resumed run (:meth:`resume`) starts from what the stream holds."""
+    ``tokens`` is the answer's token ids, to which the text relay appends each one the
+    decode loop samples; each chunk carries those added since the previous chunk
+    (scheduler/midstream.py). A resumed run (:meth:`resume`) starts from what the stream
+    holds."""
 
     def __init__(
         self,
@@ -245,7 +246,7 @@ class ChunkPublisher:
         # when the job got its slot, when its first text was published, and when that was
         # in Redis (scheduler/store/hops.py)
         self.admitted_at = self.first_token_at = self.first_written_at = 0.0
-        self._lock = threading.Lock()  # the decode thread publishes, the job's thread too
+        self._lock = threading.Lock()  # the text relay publishes, the job's thread too
         self._held: list[tuple[dict[str, Any], bool]] | None = None
         self._discarded = False
         self.tokens: list[int] = []

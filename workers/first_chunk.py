@@ -1,17 +1,18 @@
-"""A job's first chunk: sent from the decode thread, its answer read on the writer's.
+"""A job's first chunk: sent from the text relay's thread, its answer read on the writer's.
 
 A job's first chunk carries its time to first token, so it goes to Redis from the thread
-that made it, at once: the chunk writer's thread runs at a lower priority and would wait
-out a decode step on a busy CPU (10 ms of the demo model's time to first token on 2 cores).
-Waiting there for Redis's answer, though, cost the decode step a round trip (0.3-0.5 ms of
-a 2 ms step at 32 sequences of a tiny model: bench/step_split.py). So the decode thread
-only sends the command, on a connection of its own, and queues a :class:`Sent` for the
-writer; the writer reads the answers in the order they were sent, before it writes
-anything queued after them (:meth:`FirstChunks.answers`). A chunk whose answer says it did
-not run (Redis lost the script), or whose answer did not come in time, is written again by
-the writer ahead of the job's later chunks; append.lua skips a copy that had landed. After
-a send or an answer that failed, first chunks go through the writer's thread for a while,
-so that a slow Redis holds up decoding at most once.
+that made it, at once: the chunk writer's thread runs at a lower priority and would wait out
+a decode step on a busy CPU (10 ms of the demo model's time to first token on 2 cores).
+Waiting there for Redis's answer, though, cost the decode step a round trip (0.3-0.5 ms of a
+2 ms step at 32 sequences of a tiny model: bench/step_split.py, when the decode thread made
+the text; now the text relay does, workers/engine/relay.py). So that thread only sends the
+command, on a connection of its own, and queues a :class:`Sent` for the writer; the writer
+reads the answers in the order they were sent, before it writes anything queued after them
+(:meth:`FirstChunks.answers`). A chunk whose answer says it did not run (Redis lost the
+script), or whose answer did not come in time, is written again by the writer ahead of the
+job's later chunks; append.lua skips a copy that had landed. After a send or an answer that
+failed, first chunks go through the writer's thread for a while, so that a slow Redis holds
+up the text relay (and decoding, once the relay is LAG steps behind) at most once.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class Sent:
-    """A first chunk sent from a decode thread whose answer the writer has yet to read."""
+    """A first chunk sent from a text relay whose answer the writer has yet to read."""
 
     __slots__ = ("pending", "generation")
 

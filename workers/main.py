@@ -46,7 +46,7 @@ def run_worker(settings: Settings, virtual_sizes: list[int], use_gpus: bool = Tr
     events = ProgressEvents(app, worker_name) if settings.task_events else None
 
     def run(self: Any, job: dict[str, Any], placement: dict[str, Any]) -> dict[str, Any]:
-        # the decode loop reports from its own thread, where self.request is empty
+        # the text relay reports from its own thread, where self.request is empty
         task_id = self.request.id
 
         def progress(state: str, **fields: Any) -> None:

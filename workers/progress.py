@@ -1,9 +1,10 @@
 """Task events for Flower's live job states, sent from a thread of their own.
 
-The decode loop reports GENERATING from its thread; opening an event dispatcher there (a
-Redis connection and a publish) held up every sequence of the runner, about 12 % of the
-throughput of 8 busy slots on 2 cores. Reports go on a queue instead; one thread with one
-dispatcher sends them, and drops the oldest when it falls behind (a state is only news).
+The text relay (workers/engine/relay.py) reports GENERATING from its thread; opening an
+event dispatcher there (a Redis connection and a publish) held up every sequence of the
+runner, about 12 % of the throughput of 8 busy slots on 2 cores. Reports go on a queue
+instead; one thread with one dispatcher sends them, and drops the oldest when it falls
+behind (a state is only news).
 """
 
 from __future__ import annotations

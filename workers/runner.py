@@ -61,11 +61,11 @@ class Runner(Resident):
     ) -> GenerationStats:
         """Run one job to its end; safe to call from many threads at once.
 
-        ``on_text`` is called from the runner's decode thread with each new piece of
-        text: it must be cheap and must not block. ``cancelled`` is polled every decode
-        step; a cancelled job ends with done_reason "cancel". ``meanwhile()`` runs in this
-        thread once the job is queued; ``answer`` gets each sampled token, and holds a
-        resumed job's answer so far (:meth:`Engine.generate`).
+        ``on_text`` is called from the runner's text relay thread with each new piece of
+        text: it must be cheap and must not block (workers/engine/relay.py). ``cancelled``
+        is polled every decode step; a cancelled job ends with done_reason "cancel".
+        ``meanwhile()`` runs in this thread once the job is queued; ``answer`` gets each
+        sampled token, and holds a resumed job's answer so far (:meth:`Engine.generate`).
         """
         args = (prompt, options, on_text, cancelled, format, share, meanwhile, answer)
         return self.engine.generate(*args)

@@ -1,6 +1,8 @@
-"""The runner's engine: continuous batching on one llama.cpp context, in six parts.
+"""The runner's engine: continuous batching on one llama.cpp context, in seven parts.
 
 - :mod:`workers.engine.loop`: the decode loop (:class:`~workers.engine.loop.Engine`).
+- :mod:`workers.engine.relay`: each step's tokens made into their jobs' text, off the
+  decode thread, while the next step decodes.
 - :mod:`workers.engine.job`: the state of one job in the loop, and the account of the
   loop's time.
 - :mod:`workers.engine.batching`: batch layout: admission into sequence slots, prompt

@@ -1,5 +1,5 @@
 """One job's state in the decode loop (:class:`Job`), and the account of the loop's time
-(:class:`StepTimes`: llama_decode, sampling, the stream writes and the rest, for
+(:class:`StepTimes`: llama_decode, sampling, the hand-over to the text relay and the rest, for
 ``bench/step_split.py`` and whoever asks ``Engine.times``). Pure: no llama.cpp."""
 
 from __future__ import annotations
@@ -24,10 +24,13 @@ class StepTimes:
 
     A step runs from the loop's wake-up to the end of its batch: ``decode_ns`` is
     llama_decode and the wait for its result (a GPU computes asynchronously),
-    ``sample_ns`` picking every sequence's next token, ``emit_ns`` handing text to the
-    jobs' ``on_text`` (the stream writes), and :attr:`bookkeeping_ns` the rest: admission,
-    cancellation checks, the batch layout, detokenizing, stop strings, retiring jobs.
-    Only the decode thread adds to it: plain ints, no allocation per token."""
+    ``sample_ns`` picking every sequence's next token, ``emit_ns`` handing the step's
+    tokens to the text relay, and :attr:`bookkeeping_ns` the rest: admission,
+    cancellation checks, the batch layout, each token's piece, retiring jobs. ``relay_ns``
+    is not a step's: it is the text relay's own thread (workers/engine/relay.py) making
+    the jobs' text (characters, stop strings, ``on_text``: the stream writes) while the
+    next steps decode. Each field has one thread that adds to it: plain ints, no
+    allocation per token."""
 
     steps: int = 0
     tokens: int = 0  # tokens sampled
@@ -35,6 +38,7 @@ class StepTimes:
     decode_ns: int = 0
     sample_ns: int = 0
     emit_ns: int = 0
+    relay_ns: int = 0  # the text relay's thread, beside the steps
 
     @property
     def bookkeeping_ns(self) -> int:
@@ -68,7 +72,13 @@ class Job:
     next_token: int = -1  # sampled, not yet decoded
     on_device: bool = False  # its tokens are sampled in llama_decode (device_sampling.py)
     generated: int = 0
-    # the answer's token ids, each appended as it is sampled (the job's chunks carry them);
+    # set by the text relay: a stop string was found, or its on_text failed (error); the
+    # loop retires it at its next step. stop_at: its tokens up to the stop string's
+    halted: bool = False
+    stop_at: int = 0
+    stop_ns: int = 0  # when the token that ended it in a stop string was decoded
+    # the answer's token ids, each appended by the text relay with its text (the job's chunks
+    # carry them; none after a stop string);
     # a resumed job's first ``forced`` are those of its answer so far, evaluated with its
     # prompt (at the end of ``tokens``) and replayed through its text (:meth:`replay`)
     out: list[int] = field(default_factory=list)

@@ -11,7 +11,9 @@ a joining prompt (:mod:`workers.engine.layout`).
 
 Callers (one thread per job) prepare their job in their own thread (tokenizing, building
 the sampler chain, parsing a grammar), hand it to the loop and block until it ends.
-``on_text`` is called from the decode thread: it must be cheap and must not block.
+Each step's tokens become text on the engine's text relay thread
+(:mod:`workers.engine.relay`), while the next step decodes: ``on_text`` is called there,
+and must be cheap and must not block.
 ``cancelled`` is polled at the start of every step, so a cancelled job leaves its slot
 before the next decode; one cancelled while waiting never starts.
 
@@ -26,6 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from scheduler.errors import JobFailed
 from scheduler.protocol import Options, RunnerConfig
@@ -36,6 +39,7 @@ from workers.engine.job import Job, Share, StepTimes, always, is_cancelled
 from workers.engine.layout import Layout
 from workers.engine.load import DECODE_ERRORS, ContextSize, _init_backend, _load
 from workers.engine.prepare import new_job
+from workers.engine.relay import TextRelay
 from workers.engine.sampling import Format, GreedyRows, grammar_for
 from workers.engine.text import GenerationStats, Tokenizer
 from workers.loadwatch import LoadWatch
@@ -86,6 +90,8 @@ class Engine:
         self._prep = threading.Lock()  # held while a caller uses the model outside the loop
         self._closing = False
         self.times = StepTimes()
+        self._relay = TextRelay(self.name, self.times)
+        self._outbox: list[Any] = []  # this step's tokens and ends, for the relay
         self._thread = threading.Thread(target=self._run, name=f"decode-{self.name}", daemon=True)
         self._thread.start()
 
@@ -102,9 +108,9 @@ class Engine:
         answer: list[int] | None = None,
     ) -> GenerationStats:
         """Run one job to its end (blocking); raises JobFailed, InvalidRequest. ``answer``:
-        the list each sampled token is appended to, holding a resumed job's answer so far
-        (:func:`workers.engine.prepare.new_job`). Waiting
-        jobs take free slots in fair order of their ``share`` (scheduler/fairness.py).
+        the list each sampled token is appended to (with its text), holding a resumed job's
+        answer so far (:func:`workers.engine.prepare.new_job`). Waiting jobs take free slots
+        in fair order of their ``share`` (scheduler/fairness.py).
         ``meanwhile()`` runs in the caller's thread once the job is queued, while its first
         step may already run; if it raises, the job is cancelled, and the error raised
         once the job has ended."""
@@ -168,6 +174,7 @@ class Engine:
                 self._closing = True
                 self._cond.notify()
             self._thread.join()
+            self._relay.close()  # every job's text made and its done set
             L = self._L
             L.llama_batch_free(self._batch)
             L.llama_free(self.ctx)
@@ -176,6 +183,15 @@ class Engine:
 
     # -- the decode loop ------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._steps()
+        finally:  # closed, or a bug ended the loop: no job is left waiting, none comes in
+            with self._cond:
+                self._closing = True
+            self._shutdown()
+            self._hand_over()
+
+    def _steps(self) -> None:
         times = self.times
         while True:
             with self._cond:
@@ -205,15 +221,28 @@ class Engine:
                 log.exception("decode step failed on %s", self.name)
                 for job in list(self._active):
                     self._fail(job, f"the decode loop failed ({exc!r})")
+            if not self._active:  # no next step to hand them over before
+                self._hand_over()
             times.step_ns += time.perf_counter_ns() - started
             times.steps += 1
-        self._shutdown()
+
+    def _hand_over(self) -> None:
+        """The last step's tokens and ends to the text relay, in one put, just before the
+        next llama_decode: the relay makes their text while the step decodes (the GIL is
+        free then), not while this thread admits jobs and lays the batch out (each ctypes
+        call there would wait for the relay to let go of the GIL)."""
+        if self._outbox:
+            started = time.perf_counter_ns()
+            self._relay.put(self._outbox)
+            self._outbox = []
+            self.times.emit_ns += time.perf_counter_ns() - started
 
     def _step(self) -> None:
         now = time.perf_counter_ns()
-        for job in [j for j in self._active if is_cancelled(j)]:
-            self._end(job, "cancel", now)
+        for job in [j for j in self._active if j.halted or is_cancelled(j)]:
+            self._end(job, "stop" if job.halted else "cancel", now)  # the relay says why
         outputs, in_batch, n = self._layout.fill(self._active)
+        self._hand_over()
         if n == 0:
             return
         self._batch.n_tokens = n
@@ -228,12 +257,10 @@ class Engine:
             self._decode_failed(rc, n, in_batch)
             return
         self._device.decoded()
-        # sample every sequence before publishing any text: each ctypes call and numpy's
-        # argmax lets go of the GIL, and a chunk handed over mid-loop wakes the chunk
-        # writer, which then holds the GIL while llama.cpp's threads wait for this loop
         sampled = self._sample(outputs)
         times.sample_ns += time.perf_counter_ns() - now
         times.tokens += len(sampled)
+        self._outbox.append(now)  # when these tokens were decoded, for the relay
         for (job, _idx), token in zip(outputs, sampled, strict=True):
             self._advance(job, token, now)
 
@@ -265,46 +292,24 @@ class Engine:
         if eog:
             self._end(job, "stop", now)
             return
-        job.out.append(token)
-        text, stopped = job.stops.feed(job.utf8.feed(piece))
-        try:
-            self._emit(job, text)
-        except Exception as exc:
-            self._fail(job, f"the consumer of its text failed ({exc!r})")
-            return
-        if stopped:
-            self._end(job, "stop", now, flush=False)
-        elif job.generated >= job.budget:
+        self._outbox.append((job, token, piece))  # its text: the relay's
+        if job.generated >= job.budget:
             self._end(job, "length", now)
         else:
             job.next_token = token
 
-    def _emit(self, job: Job, text: str) -> None:
-        """``job.emit``, its time counted as the stream writes' (:class:`StepTimes`)."""
-        if not text:
-            return
-        started = time.perf_counter_ns()
-        try:
-            job.emit(text)
-        finally:
-            self.times.emit_ns += time.perf_counter_ns() - started
-
-    def _end(self, job: Job, reason: str, now: int, flush: bool = True) -> None:
-        if flush and reason != "cancel":
-            try:
-                self._emit(job, job.tail())
-            except Exception as exc:
-                self._fail(job, f"the consumer of its text failed ({exc!r})")
-                return
-        job.stats = job.finished(reason, now)
-        self._retire(job)
+    def _end(self, job: Job, reason: str, now: int) -> None:
+        """Retire ``job`` now; the relay makes its end after its text (its held-back text,
+        unless cancelled or failed, its account, ``done``)."""
+        self._outbox.append((job, reason, now, reason != "cancel"))
+        self._retire(job, keep=job.error is None)
 
     def _fail(self, job: Job, why: str) -> None:
         job.error = JobFailed(
             f"job on {self.name!r} failed after {job.generated} generated tokens: {why}; "
             "submit it again"
         )
-        self._retire(job, keep=False)  # its KV may be half written
+        self._end(job, "error", 0)  # its KV may be half written: not kept
 
     def _reusable(self, job: Job, seq: int) -> int:
         """Prompt tokens of ``job`` in slot ``seq``'s cache, bar the last (it starts the answer)."""
@@ -338,7 +343,6 @@ class Engine:
         if job in self._active:
             self._active.remove(job)
         job.sampler.free()
-        job.done.set()
 
     def _decode_failed(self, rc: int, n: int, jobs: list[Job]) -> None:
         meaning = DECODE_ERRORS.get(rc, "fatal error in llama.cpp")
