@@ -857,3 +857,23 @@ def test_a_consumer_that_raises_fails_its_job_and_the_relay_goes_on(raised: Base
 
     job = relayed([], broken, (1, b"a"), (2, b"b"), (3, b"c"), ("length", None))
     assert isinstance(job.error, JobFailed) and job.stats is None and job.out == [1, 2]
+
+
+def test_a_decode_loop_that_stops_on_a_bug_fails_its_jobs_and_takes_no_more(
+    runner_factory: Callable[..., Runner], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug outside a step (here, in admission) ends the loop: it says so, the job that
+    waited fails with what happened instead of waiting for ever, a later job is refused,
+    and the runner still closes (its relay too)."""
+    runner = runner_factory(1)
+
+    def broken(*_a: Any) -> list[Any]:
+        raise RuntimeError("admission lost its slots")
+
+    monkeypatch.setattr(runner.engine._admission, "admit", broken)
+    with pytest.raises(JobFailed, match="decode loop of 'tiny' stopped.*lost its slots"):
+        runner.generate("the sky", Options(num_predict=4, **GREEDY), ignore)
+    with pytest.raises(JobFailed, match="takes no more jobs"):
+        runner.generate("the sky", Options(num_predict=4, **GREEDY), ignore)
+    runner.close()
+    assert not runner.engine._relay._thread.is_alive()

@@ -88,7 +88,8 @@ class Engine:
         self._active: list[Job] = []
         self._cond = threading.Condition()
         self._prep = threading.Lock()  # held while a caller uses the model outside the loop
-        self._closing = False
+        self._closing = False  # no job comes in: closed, or the loop ended
+        self._closed = False
         self.times = StepTimes()
         self._relay = TextRelay(self.name, self.times)
         self._outbox: list[Any] = []  # this step's tokens and ends, for the relay
@@ -126,13 +127,13 @@ class Engine:
                     ended = job.replay(piece)
                 else:
                     ended = None if job.budget > 0 else "length"
+                queued = ended is None
+                if queued:
+                    self._submit(job)
             except BaseException:
                 job.sampler.free()
                 raise
-            queued = ended is None
-            if queued:
-                self._submit(job)
-            else:
+            if not queued:
                 job.sampler.free()
         try:
             meanwhile()
@@ -155,6 +156,7 @@ class Engine:
 
     def _submit(self, job: Job) -> None:
         with self._cond:
+            self._check_open()  # again: a loop that stopped on a bug drained its queue
             self._admission.push(job)
             self._cond.notify()
 
@@ -169,9 +171,9 @@ class Engine:
         """Stop the loop, end running and waiting jobs with JobFailed, free llama.cpp."""
         with self._prep:
             with self._cond:
-                if self._closing:
+                if self._closed:
                     return
-                self._closing = True
+                self._closed = self._closing = True
                 self._cond.notify()
             self._thread.join()
             self._relay.close()  # every job's text made and its done set
@@ -183,12 +185,16 @@ class Engine:
 
     # -- the decode loop ------------------------------------------------------------------
     def _run(self) -> None:
+        why = f"the runner of {self.name!r} was unloaded"
         try:
             self._steps()
-        finally:  # closed, or a bug ended the loop: no job is left waiting, none comes in
+        except BaseException as exc:  # a bug: told, and no job is left waiting on the loop
+            log.exception("the decode loop of %s stopped", self.name)
+            why = f"the decode loop of {self.name!r} stopped ({exc!r})"
+        finally:  # and none comes in
             with self._cond:
                 self._closing = True
-            self._shutdown()
+            self._shutdown(why)
             self._hand_over()
 
     def _steps(self) -> None:
@@ -351,8 +357,8 @@ class Engine:
         for job in jobs:
             self._fail(job, why)
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, why: str) -> None:
         with self._cond:
             waiting = self._admission.drain()
         for job in [*self._active, *waiting]:
-            self._fail(job, f"the runner of {self.name!r} was unloaded")
+            self._fail(job, why)
