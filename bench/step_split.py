@@ -1,4 +1,4 @@
-"""The decode loop's time per step, split: llama_decode, sampling, bookkeeping, stream writes.
+"""The decode loop's time per step, split: llama_decode, sampling, bookkeeping, hand-over.
 
 For each parallel count P (default 1, 4, 8) a fresh process loads the worker's engine
 (``workers.engine.loop.Engine``) with P slots and the context placement loads

@@ -395,9 +395,10 @@ def test_cancel_while_running_frees_the_slot_for_the_next_job(
     at_cancel: list[int] = []
 
     def cancelled() -> bool:  # polled by the decode loop before each step: the count is settled
-        active = runner.engine._active
-        if not at_cancel and active and active[0].generated >= 2:
-            at_cancel.append(active[0].generated)
+        job = runner.engine._active[0] if runner.engine._active else None
+        mine = job is not None and job.cancelled is cancelled  # not the later job, in the slot
+        if not at_cancel and mine and job.generated >= 2:
+            at_cancel.append(job.generated)
         return bool(at_cancel)
 
     running, box = start(

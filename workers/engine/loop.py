@@ -194,8 +194,10 @@ class Engine:
         finally:  # and none comes in
             with self._cond:
                 self._closing = True
-            self._shutdown(why)
-            self._hand_over()
+            try:
+                self._shutdown(why)
+            finally:
+                self._hand_over()
 
     def _steps(self) -> None:
         times = self.times
@@ -361,4 +363,7 @@ class Engine:
         with self._cond:
             waiting = self._admission.drain()
         for job in [*self._active, *waiting]:
-            self._fail(job, why)
+            try:  # its end is handed over first: one that fails to retire ends all the same
+                self._fail(job, why)
+            except Exception:
+                log.exception("retiring a job of %s failed", self.name)
