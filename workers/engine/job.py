@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
-from scheduler.errors import GgufqError
+from scheduler.errors import GgufqError, JobFailed
 from workers.engine.sampling import Sampler
 from workers.engine.text import GenerationStats, StopMatcher, Utf8Stream
 
@@ -119,6 +119,13 @@ class Job:
         character begun, and what could have begun a stop string."""
         rest, _ = self.stops.feed(self.utf8.flush())
         return rest + self.stops.flush()
+
+    def failure(self, runner: str, why: str) -> JobFailed:
+        """The error of this job failing on ``runner`` for ``why``."""
+        return JobFailed(
+            f"job on {runner!r} failed after {self.generated} generated tokens: {why}; "
+            "submit it again"
+        )
 
     def finished(self, reason: str, now: int) -> GenerationStats:
         """Its account, ending now (perf_counter_ns) for ``reason``."""

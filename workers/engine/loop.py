@@ -313,10 +313,7 @@ class Engine:
         self._retire(job, keep=job.error is None)
 
     def _fail(self, job: Job, why: str) -> None:
-        job.error = JobFailed(
-            f"job on {self.name!r} failed after {job.generated} generated tokens: {why}; "
-            "submit it again"
-        )
+        job.error = job.failure(self.name, why)
         self._end(job, "error", 0)  # its KV may be half written: not kept
 
     def _reusable(self, job: Job, seq: int) -> int:

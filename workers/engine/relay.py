@@ -30,7 +30,6 @@ import threading
 import time
 from typing import Any
 
-from scheduler.errors import JobFailed
 from workers.engine.job import Job, StepTimes
 
 log = logging.getLogger(__name__)
@@ -116,8 +115,5 @@ class TextRelay:
 
     def _fail(self, job: Job, why: str) -> None:
         if job.error is None:
-            job.error = JobFailed(
-                f"job on {self.name!r} failed after {job.generated} generated tokens: {why}; "
-                "submit it again"
-            )
+            job.error = job.failure(self.name, why)
         job.halted = True
