@@ -54,7 +54,7 @@ from scheduler.placement.affinity import AffinityMap, chat_key  # noqa: E402
 from scheduler.placement.decision import decide  # noqa: E402
 from scheduler.placement.needs import JobNeeds  # noqa: E402
 from scheduler.placement.verdict import Evict, Load, Park, Route  # noqa: E402
-from workers.engine.batching import Admission  # noqa: E402
+from workers.engine.batching import Admission, by_reuse  # noqa: E402
 
 GIB = 1 << 30
 LOAD_S_PER_GIB = 0.5  # as bench/cache_sim.py
@@ -267,7 +267,7 @@ class Sim:
             conv, tokens = runner.cache.get(slot, (-1, 0))
             return tokens if job.conv >= 0 and conv == job.conv else 0
 
-        for job, slot in runner.admission.admit(reuse):
+        for job, slot in runner.admission.admit(by_reuse(reuse)):
             job.start = self.now
             job.evaluated = job.prompt - reuse(job, slot)
             self.count_running(runner.device, +1)

@@ -15,12 +15,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler.errors import InvalidRequest, JobFailed, LoadFailed
 from scheduler.protocol import Options, RunnerConfig
 from tests.conftest import needs_demo, wait_for
 from tests.tinymodel import write_tiny_model
-from workers.engine.batching import Admission, Feed, batch_rows, common_prefix, prompt_take
+from workers.engine.batching import (
+    Admission,
+    Feed,
+    batch_rows,
+    best_slot,
+    by_reuse,
+    common_prefix,
+    prompt_take,
+    reusable,
+)
 from workers.engine.job import Job, StepTimes
 from workers.engine.relay import TextRelay
 from workers.engine.sampling import sampler_plan
@@ -765,8 +776,23 @@ def test_admission_prefers_the_slot_that_holds_the_prompts_start() -> None:
     cached = {0: 0, 1: 5, 2: 9}  # tokens each slot could reuse for any job
     for job in "ab":
         adm.push(job)
-    assert adm.admit(lambda _job, slot: cached[slot]) == [("a", 2), ("b", 1)]
+    assert adm.admit(by_reuse(lambda _job, slot: cached[slot])) == [("a", 2), ("b", 1)]
     assert common_prefix([1, 2, 3, 4], [1, 2, 9]) == 2 and common_prefix([], [1]) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), max_size=6),
+    caches=st.dictionaries(st.integers(0, 5), st.lists(st.integers(0, 3), max_size=6)),
+    free=st.sets(st.integers(0, 5), min_size=1),
+)
+def test_the_quick_slot_choice_is_the_slot_rule(
+    tokens: list[int], caches: dict[int, list[int]], free: set[int]
+) -> None:
+    """best_slot looks closely only at caches that start like the prompt: it must choose
+    exactly as the rule that looks at every free slot."""
+    rule = by_reuse(lambda job, slot: reusable(caches.get(slot, []), job))
+    assert best_slot(tokens, sorted(free), caches) == rule(tokens, sorted(free))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

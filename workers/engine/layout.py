@@ -9,12 +9,14 @@ no object per token; a step with prompt tokens goes through :func:`prompt_take` 
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 from workers.engine.batching import Feed, batch_rows, prompt_take
 from workers.engine.job import Job
 
 Outputs = list[tuple[Job, int]]  # each job whose row has logits, and that row
+_seq = attrgetter("seq")
 
 
 class Layout:
@@ -26,6 +28,9 @@ class Layout:
         self._seq_ids, self._logits = batch.seq_id, batch.logits
         self.n_batch = n_batch
         self._step_no = 0
+        # each row's sequence id, when the row was last written with logits (-1: without,
+        # or not written): a decode-only step rewrites only the rows whose sequence changed
+        self._rows = [-1] * n_batch
 
     def fill(self, active: list[Job]) -> tuple[Outputs, list[Job], int]:
         """The next token of every running sequence, then prompt tokens as
@@ -47,8 +52,10 @@ class Layout:
         tokens, pos, seq_ids, logits = self._tokens, self._pos, self._seq_ids, self._logits
         outputs: Outputs = []
         rows = batch_rows([feed for _, feed in feeds])
+        written = self._rows
         for n, (i, token, position, seq, output) in enumerate(rows):
             tokens[n], pos[n], seq_ids[n][0], logits[n] = token, position, seq, output
+            written[n] = seq if output else -1
             if output:
                 outputs.append((feeds[i][0], n))
         for job, feed in feeds:
@@ -65,10 +72,13 @@ class Layout:
         """One row a sequence, in slot order, each with logits: :func:`batch_rows`'s layout
         of one-token feeds."""
         tokens, pos, seq_ids, logits = self._tokens, self._pos, self._seq_ids, self._logits
+        rows = self._rows
         outputs: Outputs = []
         for n, job in enumerate(decoding):
-            token = job.next_token
-            tokens[n], pos[n], seq_ids[n][0], logits[n] = token, job.pos, job.seq, True
+            token, seq = job.next_token, job.seq
+            tokens[n], pos[n] = token, job.pos
+            if rows[n] != seq:  # a row's sequence and logits as last written, most steps
+                seq_ids[n][0], logits[n], rows[n] = seq, True, seq
             outputs.append((job, n))
             job.decoded.append(token)
             job.pos += 1
@@ -78,7 +88,7 @@ class Layout:
     def decoding(self, active: list[Job]) -> list[Job]:
         """Sequences with a token to decode, in slot order: llama.cpp reuses the previous
         step's graph only for the same layout (a rotating order made steps 1.5x slower)."""
-        ready = sorted((j for j in active if j.next_token >= 0), key=lambda j: j.seq)
+        ready = sorted((j for j in active if j.next_token >= 0), key=_seq)
         if len(ready) > self.n_batch:  # n_batch below num_parallel: take turns
             self._step_no += 1
             start = self._step_no % len(ready)

@@ -33,7 +33,7 @@ from typing import Any
 from scheduler.errors import JobFailed
 from scheduler.protocol import Options, RunnerConfig
 from workers.cpus import llama
-from workers.engine.batching import Admission, common_prefix
+from workers.engine.batching import Admission, best_slot, reusable
 from workers.engine.device_sampling import DeviceGreedy
 from workers.engine.job import Job, Share, StepTimes, always, is_cancelled
 from workers.engine.layout import Layout
@@ -86,6 +86,7 @@ class Engine:
         self._tokenizer = Tokenizer(L, self.vocab)
         self._admission: Admission[Job] = Admission(config.num_parallel, lambda job: job.share)
         self._active: list[Job] = []
+        self._own_sampling: set[Job] = set()  # active jobs not sampled by the host's argmax
         self._cond = threading.Condition()
         self._prep = threading.Lock()  # held while a caller uses the model outside the loop
         self._closing = False  # no job comes in: closed, or the loop ended
@@ -209,7 +210,7 @@ class Engine:
                 if self._closing:
                     break
                 gone = self._admission.take_cancelled(is_cancelled)
-                admitted = self._admission.admit(self._reusable)
+                admitted = self._admission.admit(self._best_slot)
             now = time.perf_counter_ns()
             for job in gone:
                 job.admitted_ns = now
@@ -219,6 +220,8 @@ class Engine:
                 self._active.append(job)
                 try:  # one job that cannot start in its slot fails alone
                     job.on_device = self._device.take(seq, job.sampler.plain_greedy)
+                    if job.on_device or not job.sampler.plain_greedy:
+                        self._own_sampling.add(job)
                     self._reuse_prefix(job)
                 except Exception as exc:
                     log.exception("starting a job failed on %s", self.name)
@@ -276,6 +279,8 @@ class Engine:
         """Every output row's next token: plain greedy rows from one argmax over the
         step's logits (a call per sequence cost more than the argmax itself), the rest
         by their job's sampler, or llama.cpp's in-graph argmax (device sampling)."""
+        if not self._own_sampling:  # every row greedy on the host: nothing a row
+            return self._greedy(len(outputs))
         device, ctx = self._device, self.ctx
         if any(job.on_device for job, _ in outputs):
             return [
@@ -316,14 +321,14 @@ class Engine:
         job.error = job.failure(self.name, why)
         self._end(job, "error", 0)  # its KV may be half written: not kept
 
-    def _reusable(self, job: Job, seq: int) -> int:
-        """Prompt tokens of ``job`` in slot ``seq``'s cache, bar the last (it starts the answer)."""
-        return min(common_prefix(self._cached.get(seq, []), job.tokens), len(job.tokens) - 1)
+    def _best_slot(self, job: Job, free: list[int]) -> int:
+        """The free slot whose cache serves most of ``job``'s prompt."""
+        return best_slot(job.tokens, free, self._cached)
 
     def _reuse_prefix(self, job: Job) -> None:
         """Drop the slot's cache after the part ``job`` shares with it; skip that part."""
         L, seq = self._L, job.seq
-        keep = self._reusable(job, seq)
+        keep = reusable(self._cached.get(seq, []), job.tokens)
         if keep > 0 and L.llama_memory_seq_rm(self._mem, seq, keep, -1):
             # a sliding-window cache may have dropped what the next tokens attend to
             lowest = L.llama_memory_seq_pos_min(self._mem, seq)
@@ -347,6 +352,7 @@ class Engine:
             job.seq = -1
         if job in self._active:
             self._active.remove(job)
+        self._own_sampling.discard(job)
         job.sampler.free()
 
     def _decode_failed(self, rc: int, n: int, jobs: list[Job]) -> None:
