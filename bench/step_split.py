@@ -20,11 +20,13 @@ into nothing). The engine's own counters (``Engine.times``, ``StepTimes``) give 
 
 "python" is a step's time outside llama_decode (sample + stream + bookkeeping) over the
 whole step: the issue's target is at most 10 % on a GPU, where a step of a 1B model takes
-a few milliseconds. Prints a table, then one JSON line.
+a few milliseconds. ``--keep-gil`` makes the short llama.cpp calls between decodes keep
+the GIL, as a runner on a GPU does (workers/engine/gil.py says why not on the CPU).
+Prints a table, then one JSON line.
 
     python bench/step_split.py [--parallel 1,4,8] [--tokens 32] [--seconds 5]
                                [--model PATH|tiny] [--sampler greedy,greedy-device,default]
-                               [--no-redis]
+                               [--no-redis] [--keep-gil]
 
 ``--sampler`` takes several, a row each per P: ``greedy`` (plain greedy: numpy's argmax over
 the logits on the host), ``greedy-device`` (the same jobs with GGUFQ_DEVICE_SAMPLING: the
@@ -114,6 +116,7 @@ def measure(
     sampler: str,
     redis_url: str | None,
     gpu_layers: int,
+    keep_gil: bool | None = None,
 ) -> Row:
     """One row, in the calling process: load, warm, keep P slots busy, read the counters."""
     import redis
@@ -130,6 +133,7 @@ def measure(
         path,
         config,
         n_gpu_layers=gpu_layers,
+        keep_gil=keep_gil,
         name=f"step-split-{parallel}",
         device_sampling=sampler == "greedy-device",
     )
@@ -218,6 +222,12 @@ def main() -> None:
     )
     parser.add_argument("--no-redis", action="store_true", help="stream into nothing")
     parser.add_argument(
+        "--keep-gil",
+        action="store_true",
+        help="short llama.cpp calls between decodes keep the GIL, as on a GPU "
+        "(workers/engine/gil.py); on the CPU they do only with this",
+    )
+    parser.add_argument(
         "--gpu-layers",
         type=int,
         default=-1,
@@ -250,7 +260,16 @@ def main() -> None:
         for p in counts:
             for sampler in samplers:
                 rows.append(
-                    fresh(path, p, args.tokens, args.seconds, sampler, url, args.gpu_layers)
+                    fresh(
+                        path,
+                        p,
+                        args.tokens,
+                        args.seconds,
+                        sampler,
+                        url,
+                        args.gpu_layers,
+                        args.keep_gil or None,
+                    )
                 )
                 row = rows[-1]
                 print(f"P={p} {sampler}: {row.steps} steps in {row.seconds:.1f} s", flush=True)
@@ -259,7 +278,8 @@ def main() -> None:
             server.stop()
     print(
         f"\n{Path(path).name}, {args.tokens} new tokens a job, {args.sampler} sampling, "
-        f"streams {'into Redis' if url else 'into nothing'}, {os.cpu_count()} cores; "
+        f"streams {'into Redis' if url else 'into nothing'}, {os.cpu_count()} cores, "
+        f"GIL {'kept' if args.keep_gil else 'let go'} in short calls between decodes; "
         "ms are per step (means), python = a step's time outside llama_decode, "
         "relay = the text relay's thread beside the steps"
     )
@@ -279,6 +299,7 @@ def main() -> None:
                 "sampler": args.sampler,
                 "redis": bool(url),
                 "gpu_layers": args.gpu_layers,
+                "keep_gil": args.keep_gil,
                 "cores": os.cpu_count(),
                 "rows": [r.summary() for r in rows],
                 "python_share_le_10pct": targets,

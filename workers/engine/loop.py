@@ -35,6 +35,7 @@ from scheduler.protocol import Options, RunnerConfig
 from workers.cpus import llama
 from workers.engine.batching import Admission, best_slot, reusable
 from workers.engine.device_sampling import DeviceGreedy
+from workers.engine.gil import keeping_gil
 from workers.engine.job import Job, Share, StepTimes, always, is_cancelled
 from workers.engine.layout import Layout
 from workers.engine.load import DECODE_ERRORS, ContextSize, _init_backend, _load
@@ -62,8 +63,9 @@ class Engine:
         split: list[float] | None = None,
         device_sampling: bool = False,
         on_load: Callable[[float], None] | None = None,  # the load's fraction done
+        keep_gil: bool | None = None,  # None: where the model is offloaded to a GPU
     ) -> None:
-        L = llama()
+        L = keeping_gil(llama(), n_gpu_layers, keep_gil)  # between decodes (gil.py)
         _init_backend(L)
         self._L = L
         self.name = name or os.path.basename(path)

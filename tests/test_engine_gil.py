@@ -1,0 +1,67 @@
+"""The decode loop's short llama.cpp calls that keep the GIL (workers/engine/gil.py): bound
+only where asked or where a GPU decodes, and answering as the plain bindings do."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import pytest
+
+from scheduler.protocol import Options, RunnerConfig
+from tests.tinymodel import write_tiny_model
+from workers.cpus import llama
+from workers.engine.gil import KEPT, KeepsGil, keeping_gil
+from workers.engine.loop import Engine
+
+KEEPS_GIL = ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]  # a PyDLL's functions
+
+
+def test_the_kept_calls_keep_the_gil_and_every_other_name_is_the_modules() -> None:
+    L = llama()
+    kept = KeepsGil(L)
+    for name in KEPT:
+        assert getattr(kept, name)._flags_ & KEEPS_GIL, name
+        assert not getattr(L, name)._flags_ & KEEPS_GIL, name  # the module's own lets go
+    assert kept.llama_decode is L.llama_decode  # a decode lets go of it
+    assert kept.llama_synchronize is L.llama_synchronize
+
+
+def test_the_gil_is_kept_where_asked_or_where_a_gpu_decodes() -> None:
+    L = llama()
+    assert keeping_gil(L, 0) is L  # the CPU only
+    assert isinstance(keeping_gil(L, 0, keep=True), KeepsGil)
+    assert keeping_gil(L, -1, keep=False) is L
+    offloaded = keeping_gil(L, -1)  # all layers: kept where this build has a GPU
+    assert isinstance(offloaded, KeepsGil) == bool(L.llama_supports_gpu_offload())
+
+
+def answers(path: Path, keep_gil: bool) -> list[str]:
+    """Four prompts at once on the tiny model, greedy, each from its own thread."""
+    engine = Engine(str(path), RunnerConfig(256, 4), keep_gil=keep_gil, name=f"gil-{keep_gil}")
+    options = Options(num_predict=12, temperature=0, repeat_penalty=1.0)
+    prompts = ["hello there", "hello again", "one two three", "the sky"]
+    texts = [""] * len(prompts)
+
+    def one(i: int) -> None:
+        texts[i] = engine.generate(prompts[i], options, lambda _t: None).text
+
+    try:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        engine.close()
+    return texts
+
+
+def test_a_loop_that_keeps_the_gil_answers_as_one_that_lets_it_go(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    path = write_tiny_model(tmp_path_factory.mktemp("gil") / "tiny.gguf", "llama", n_embd=128)
+    kept = answers(path, keep_gil=True)
+    assert kept == answers(path, keep_gil=False)
+    assert all(kept)
