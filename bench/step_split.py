@@ -181,6 +181,15 @@ def measure(
     return Row(parallel=parallel, jobs=sum(done), seconds=took, times=spent, sampler=sampler)
 
 
+def judged(row: Row) -> str:
+    """The issue's target on one row: judged only at its scale, steps of 2-5 ms (a GPU's
+    step of a 1B model): a shorter step makes the same Python a larger share."""
+    step_ms = row.times.step_ns / max(1, row.steps) / 1e6
+    if not 2.0 <= step_ms <= 5.0:
+        return f"not judged (steps of {step_ms:.1f} ms, outside 2-5 ms)"
+    return "met" if row.python_share <= 0.10 else "NOT met"
+
+
 def fresh(*args: Any) -> Row:
     """A row in a new process (bench/batch_throughput.py's ``fresh`` says why)."""
     return bt.fresh(measure, *args)
@@ -210,8 +219,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="time each row runs")
     parser.add_argument(
         "--model",
-        help="a GGUF file, or tiny (a generated tiny llama: steps of 2-5 ms at 32-64 "
-        "sequences on a CPU); default: the demo model",
+        help="a GGUF file, or tiny (a generated tiny llama, --tiny-layers of width 128: "
+        "steps of 2-5 ms at 32-64 sequences on a CPU); default: the demo model",
+    )
+    parser.add_argument(
+        "--tiny-layers",
+        type=int,
+        default=4,
+        help="layers of the tiny model: more for longer steps (4: 2.5 / 4.8 ms at 32 / 64 "
+        "sequences on the 2-core machine; the model before, 2 layers of width 64: 1.0 / 1.8 "
+        "ms)",
     )
     parser.add_argument(
         "--sampler",
@@ -241,7 +258,8 @@ def main() -> None:
         from tinystack import tiny_state
 
         state, tiny = tiny_state("ggufq-split-")
-        path = str(tiny.write_tiny_llama(state / "models" / "tiny.gguf", endless=True))
+        shape = {"n_embd": 128, "n_ff": 256, "n_layer": args.tiny_layers}
+        path = str(tiny.write_tiny_llama(state / "models" / "tiny.gguf", endless=True, **shape))
     elif args.model:
         path = str(Path(args.model).resolve())
     else:
@@ -284,10 +302,10 @@ def main() -> None:
         "relay = the text relay's thread beside the steps"
     )
     print_table(rows)
-    targets = {f"{r.sampler} P={r.parallel}": r.python_share <= 0.10 for r in rows}
+    targets = {f"{r.sampler} P={r.parallel}": judged(r) for r in rows}
     print(
-        "target (python ≤ 10 % of a step, for a GPU): "
-        + ", ".join(f"{key} {'met' if ok else 'NOT met'}" for key, ok in targets.items())
+        "target (python ≤ 10 % of a step of 2-5 ms, the scale of a GPU's): "
+        + ", ".join(f"{key} {verdict}" for key, verdict in targets.items())
     )
     print(
         json.dumps(
@@ -302,7 +320,7 @@ def main() -> None:
                 "keep_gil": args.keep_gil,
                 "cores": os.cpu_count(),
                 "rows": [r.summary() for r in rows],
-                "python_share_le_10pct": targets,
+                "python_share_le_10pct": targets,  # met, NOT met, or the step's scale
             }
         )
     )
