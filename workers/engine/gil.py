@@ -3,8 +3,8 @@
 ctypes lets go of the GIL around every call into a ``CDLL``, and taking it back waits for
 whichever thread took it meanwhile: the text relay, a caller preparing its job, the chunk
 writer. A decode loop makes a few short calls between two ``llama_decode`` calls (the
-logits' address, a slot's cache dropped or cut, its lowest position, a sampled token, a
-sampler freed), and each of those waited for another thread's Python: at 64 sequences of a
+logits' address, a slot's cache dropped or cut, its lowest position, a token sampled on
+the device), and each of those waited for another thread's Python: at 64 sequences of a
 tiny model on 2 cores, ``_reuse_prefix`` (two such calls) took 33 us a call on average
 against a median of 10 us, its tail all GIL waits (``bench/step_split.py``).
 
@@ -26,13 +26,11 @@ import ctypes
 from types import ModuleType
 from typing import Any
 
-KEPT = (
+KEPT = (  # the decode loop's own (a job's sampler chain binds llama_cpp for itself)
     "llama_get_logits",
-    "llama_get_logits_ith",
     "llama_memory_seq_rm",
     "llama_memory_seq_pos_min",
     "llama_get_sampled_token_ith",
-    "llama_sampler_free",
 )
 
 
