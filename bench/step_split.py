@@ -20,13 +20,14 @@ into nothing). The engine's own counters (``Engine.times``, ``StepTimes``) give 
 
 "python" is a step's time outside llama_decode (sample + stream + bookkeeping) over the
 whole step: the issue's target is at most 10 % on a GPU, where a step of a 1B model takes
-a few milliseconds. ``--keep-gil`` makes the short llama.cpp calls between decodes keep
-the GIL, as a runner on a GPU does (workers/engine/gil.py says why not on the CPU).
+a few milliseconds. ``--gil keep`` makes the short llama.cpp calls between decodes keep
+the GIL, as a runner whose model is all on a GPU does (``auto``, the default; ``let-go``
+the other way; workers/engine/gil.py says why not on the CPU); each row says which it had.
 Prints a table, then one JSON line.
 
     python bench/step_split.py [--parallel 1,4,8] [--tokens 32] [--seconds 5]
                                [--model PATH|tiny] [--sampler greedy,greedy-device,default]
-                               [--no-redis] [--keep-gil]
+                               [--no-redis] [--gil auto|keep|let-go]
 
 ``--sampler`` takes several, a row each per P: ``greedy`` (plain greedy: numpy's argmax over
 the logits on the host), ``greedy-device`` (the same jobs with GGUFQ_DEVICE_SAMPLING: the
@@ -76,6 +77,7 @@ class Row:
     seconds: float
     times: StepTimes  # what the loop's counters added during the row
     sampler: str = "greedy"
+    keeps_gil: bool = False  # the loop's short calls between decodes kept the GIL
 
     @property
     def steps(self) -> int:
@@ -105,6 +107,7 @@ class Row:
             "bookkeeping_ms": self.ms(t.bookkeeping_ns),
             "relay_ms": self.ms(t.relay_ns),
             "python_share": self.python_share,
+            "keeps_gil": self.keeps_gil,
         }
 
 
@@ -178,7 +181,15 @@ def measure(
     engine.close()
     if writer is not None:
         writer.close()
-    return Row(parallel=parallel, jobs=sum(done), seconds=took, times=spent, sampler=sampler)
+    kept = engine.keeps_gil
+    return Row(
+        parallel=parallel,
+        jobs=sum(done),
+        seconds=took,
+        times=spent,
+        sampler=sampler,
+        keeps_gil=kept,
+    )
 
 
 def judged(row: Row) -> str:
@@ -239,10 +250,12 @@ def main() -> None:
     )
     parser.add_argument("--no-redis", action="store_true", help="stream into nothing")
     parser.add_argument(
-        "--keep-gil",
-        action="store_true",
-        help="short llama.cpp calls between decodes keep the GIL, as on a GPU "
-        "(workers/engine/gil.py); on the CPU they do only with this",
+        "--gil",
+        choices=("auto", "keep", "let-go"),
+        default="auto",
+        help="whether the loop's short llama.cpp calls between decodes keep the GIL: auto "
+        "(as a runner has it: where every layer is on a GPU), keep, or let-go "
+        "(workers/engine/gil.py)",
     )
     parser.add_argument(
         "--gpu-layers",
@@ -286,7 +299,7 @@ def main() -> None:
                         sampler,
                         url,
                         args.gpu_layers,
-                        args.keep_gil or None,
+                        {"auto": None, "keep": True, "let-go": False}[args.gil],
                     )
                 )
                 row = rows[-1]
@@ -297,7 +310,8 @@ def main() -> None:
     print(
         f"\n{Path(path).name}, {args.tokens} new tokens a job, {args.sampler} sampling, "
         f"streams {'into Redis' if url else 'into nothing'}, {os.cpu_count()} cores, "
-        f"GIL {'kept' if args.keep_gil else 'let go'} in short calls between decodes; "
+        f"GIL {'kept' if all(r.keeps_gil for r in rows) else 'let go'} in short calls "
+        "between decodes; "
         "ms are per step (means), python = a step's time outside llama_decode, "
         "relay = the text relay's thread beside the steps"
     )
@@ -317,7 +331,7 @@ def main() -> None:
                 "sampler": args.sampler,
                 "redis": bool(url),
                 "gpu_layers": args.gpu_layers,
-                "keep_gil": args.keep_gil,
+                "gil": args.gil,
                 "cores": os.cpu_count(),
                 "rows": [r.summary() for r in rows],
                 "python_share_le_10pct": targets,  # met, NOT met, or the step's scale

@@ -792,7 +792,19 @@ def test_the_quick_slot_choice_is_the_slot_rule(
     """best_slot looks closely only at caches that start like the prompt: it must choose
     exactly as the rule that looks at every free slot."""
     rule = by_reuse(lambda job, slot: reusable(caches.get(slot, []), job))
-    assert best_slot(tokens, sorted(free), caches) == rule(tokens, sorted(free))
+    slots = list(free)  # in no particular order: the rule's lowest on a tie is the slot id's
+    assert best_slot(tokens, slots, caches) == rule(tokens, slots)
+
+
+def test_a_slot_rule_that_fails_loses_no_job(caplog: pytest.LogCaptureFixture) -> None:
+    adm: Admission[str] = Admission(2)
+    adm.push("a")
+
+    def broken(_job: str, _free: list[int]) -> int:
+        raise KeyError("a bug")
+
+    assert adm.admit(broken) == [("a", 0)]  # out of the queue, and in the lowest slot
+    assert "choosing a slot failed" in caplog.text
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

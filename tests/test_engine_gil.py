@@ -28,18 +28,19 @@ def test_the_kept_calls_keep_the_gil_and_every_other_name_is_the_modules() -> No
     assert kept.llama_synchronize is L.llama_synchronize
 
 
-def test_the_gil_is_kept_where_asked_or_where_a_gpu_decodes() -> None:
+def test_the_gil_is_kept_where_asked_or_where_a_gpu_holds_every_layer() -> None:
     L = llama()
-    assert keeping_gil(L, 0) is L  # the CPU only
-    assert isinstance(keeping_gil(L, 0, keep=True), KeepsGil)
-    assert keeping_gil(L, -1, keep=False) is L
-    offloaded = keeping_gil(L, -1)  # all layers: kept where this build has a GPU
+    assert keeping_gil(L, False) is L  # the CPU, or a model split with it
+    assert isinstance(keeping_gil(L, False, keep=True), KeepsGil)
+    assert keeping_gil(L, True, keep=False) is L
+    offloaded = keeping_gil(L, True)  # every layer: kept where this build has a GPU
     assert isinstance(offloaded, KeepsGil) == bool(L.llama_supports_gpu_offload())
 
 
 def answers(path: Path, keep_gil: bool) -> list[str]:
     """Four prompts at once on the tiny model, greedy, each from its own thread."""
     engine = Engine(str(path), RunnerConfig(256, 4), keep_gil=keep_gil, name=f"gil-{keep_gil}")
+    assert engine.keeps_gil is keep_gil
     options = Options(num_predict=12, temperature=0, repeat_penalty=1.0)
     prompts = ["hello there", "hello again", "one two three", "the sky"]
     texts = [""] * len(prompts)

@@ -237,6 +237,10 @@ if has bench; then
   # greedy's argmax on the host, and in llama_decode (GGUFQ_DEVICE_SAMPLING): one table
   bench step_split "$VPY" bench/step_split.py --model "$MODEL" --parallel "$PAR" \
     --tokens "$TOKENS" --seconds "$SECS" --sampler "${GGUFQ_KIT_SAMPLERS:-greedy,greedy-device}"
+  # the same greedy rows with the loop's short calls letting go of the GIL, as on a CPU
+  # (workers/engine/gil.py): whether keeping it pays on a GPU
+  bench step_split_gil "$VPY" bench/step_split.py --model "$MODEL" --parallel "$PAR" \
+    --tokens "$TOKENS" --seconds "$SECS" --sampler greedy --gil let-go
   server=()
   if [ -x "$BUILD/llama-server" ]; then server=(--server "$BUILD/llama-server"); fi
   bench throughput "$VPY" bench/gpu/throughput.py --model "$MODEL" --parallel "$PAR" \

@@ -8,12 +8,14 @@ rows of a ``llama_batch`` (:class:`Feed`, :func:`batch_rows`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Generic, NamedTuple, TypeVar
 
 from scheduler.fairness import FairQueue
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Admission(Generic[T]):
@@ -42,12 +44,17 @@ class Admission(Generic[T]):
 
     def admit(self, choose: Choose[T] | None = None) -> list[tuple[T, int]]:
         """Waiting jobs, in their order, paired with the free slots they take: the one
-        ``choose(job, free slots)`` names (:func:`by_reuse`, :func:`best_slot`), else the
-        lowest."""
+        ``choose(job, free slots)`` names (:func:`by_reuse`, :func:`best_slot`), else (or
+        should it raise) the lowest."""
         admitted = []
         while self.waiting and self.free:
             job = self.waiting.pop()
-            slot = choose(job, self.free) if choose else min(self.free)
+            slot = min(self.free)
+            if choose:
+                try:  # the job is out of the queue: a rule that fails must not lose it
+                    slot = choose(job, self.free)
+                except Exception:
+                    log.exception("choosing a slot failed; the job takes the lowest free one")
             self.free.remove(slot)
             admitted.append((job, slot))
         return admitted

@@ -9,15 +9,19 @@ tiny model on 2 cores, ``_reuse_prefix`` (two such calls) took 33 us a call on a
 against a median of 10 us, its tail all GIL waits (``bench/step_split.py``).
 
 Bound through ``ctypes.PyDLL`` (the same library, the same functions), these calls keep
-the GIL: each is short, blocks on nothing and calls no Python. ``llama_decode`` and
-``llama_synchronize`` (a GPU's step: milliseconds) and sampler chains (a large
+the GIL: each is short and calls no Python (llama.cpp's log callback takes the GIL again on
+the same thread, which is safe). ``llama_get_logits`` and ``llama_get_sampled_token_ith``
+wait for the device inside, so they are short only because the loop calls
+``llama_synchronize`` (which lets go of the GIL) right after each ``llama_decode``: keep
+that call. ``llama_decode``, ``llama_synchronize`` and the jobs' sampler chains (a large
 vocabulary's) still let it go.
 
-Only where the model runs on a GPU: there the other threads' Python runs while the GPU
-decodes, on cores nothing else needs. On the CPU it would run beside llama.cpp's own
+Only where the whole model runs on a GPU: there the other threads' Python runs while the
+GPU decodes, on cores nothing else needs. On the CPU it would run beside llama.cpp's own
 threads instead, and take their cores: kept on the 2-core machine, the decode thread's
-Python fell from 12.5-13.2 % of a step to 9.1-9.6 % at 64 sequences, but tokens per second
-fell 12 % (``bench/step_split.py --keep-gil``, bench/README).
+Python fell from 11.8-12.5 % of a 1.7-1.9 ms step to 9.3-10.1 % at 64 sequences, but
+tokens per second fell 6 % at 64 and 10 % at 32 (means of three rounds; ``bench/
+step_split.py --gil keep``, bench/README). Not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -53,9 +57,10 @@ class KeepsGil:
         return getattr(self._L, name)
 
 
-def keeping_gil(L: ModuleType, n_gpu_layers: int, keep: bool | None = None) -> Any:
+def keeping_gil(L: ModuleType, all_layers_offloaded: bool, keep: bool | None = None) -> Any:
     """``L`` for a decode loop: :class:`KeepsGil` where ``keep`` says, or (None) where
-    layers are offloaded to a GPU this build of llama.cpp can use."""
+    every layer is offloaded to a GPU this build of llama.cpp can use (a model split
+    between a GPU and the CPU computes much of each step on llama.cpp's CPU threads)."""
     if keep is None:
-        keep = n_gpu_layers != 0 and bool(L.llama_supports_gpu_offload())
+        keep = all_layers_offloaded and bool(L.llama_supports_gpu_offload())
     return KeepsGil(L) if keep else L

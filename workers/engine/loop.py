@@ -35,7 +35,7 @@ from scheduler.protocol import Options, RunnerConfig
 from workers.cpus import llama
 from workers.engine.batching import Admission, best_slot, reusable
 from workers.engine.device_sampling import DeviceGreedy
-from workers.engine.gil import keeping_gil
+from workers.engine.gil import KeepsGil, keeping_gil
 from workers.engine.job import Job, Share, StepTimes, always, is_cancelled
 from workers.engine.layout import Layout
 from workers.engine.load import DECODE_ERRORS, ContextSize, _init_backend, _load
@@ -63,16 +63,18 @@ class Engine:
         split: list[float] | None = None,
         device_sampling: bool = False,
         on_load: Callable[[float], None] | None = None,  # the load's fraction done
-        keep_gil: bool | None = None,  # None: where the model is offloaded to a GPU
+        keep_gil: bool | None = None,  # None: where every layer is on a GPU (gil.py)
     ) -> None:
-        L = keeping_gil(llama(), n_gpu_layers, keep_gil)  # between decodes (gil.py)
+        L = llama()
         _init_backend(L)
-        self._L = L
         self.name = name or os.path.basename(path)
         self.config = config
         self.size = size = ContextSize.of(config)
         watch = LoadWatch(load_timeout_s, report=on_load)
         self.model, self.ctx = _load(L, path, config, size, n_gpu_layers, n_threads, watch, split)
+        layers = L.llama_model_n_layer(self.model)
+        L = self._L = keeping_gil(L, n_gpu_layers < 0 or n_gpu_layers >= layers, keep_gil)
+        self.keeps_gil = isinstance(L, KeepsGil)  # its short calls between decodes
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._mem = L.llama_get_memory(self.ctx)
