@@ -93,8 +93,8 @@ TRANSITIONS: tuple[Transition, ...] = (
         S.ORPHANED,
         Actor.WORKER,
         "end",
-        "its model could not load there, its runner was gone before it arrived, or no run "
-        "holds it there (Redis lost its end)",
+        "its model could not load there, its runner was gone before it arrived or its "
+        "decode loop had stopped, or no run holds it there (Redis lost its end)",
     ),
     Transition(S.SENT, S.DONE, Actor.WORKER, "end", "its final chunk; Redis lost its start"),
     Transition(S.SENT, S.FAILED, Actor.WORKER, "end", "its error chunk, as sent -> done"),

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import redis
 
-from scheduler.errors import InvalidRequest, JobCancelled
+from scheduler.errors import InvalidRequest, JobCancelled, JobFailed
 from scheduler.gguf.registry import Registry
-from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
+from scheduler.protocol import JobRequest, Options, Placement, RunnerConfig, SentJob
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
@@ -316,6 +316,63 @@ def test_a_job_whose_runner_is_gone_before_it_arrives_is_handed_back(
     assert record.job.attempt == 0 and record.avoid == []  # placed again once, anywhere
     assert not db.hexists(keys.inflight(DEVICE.id), job.id)
     assert not db.hexists(keys.RUNNING, job.id)
+
+
+def break_admission(runtime: WorkerRuntime) -> Any:
+    """Runner r's engine, whose decode loop stops at its next admission (a bug there)."""
+    engine = runtime.runners["r"].engine  # type: ignore[union-attr]
+
+    def broken(*_a: Any) -> list[Any]:
+        raise RuntimeError("admission lost its slots")
+
+    engine._admission.admit = broken
+    return engine
+
+
+def broken_loop(runtime: WorkerRuntime) -> None:
+    """Runner r's decode loop stopped by a bug, met by a job given to its engine directly
+    (no delivery counts it on the runner)."""
+    engine = break_admission(runtime)
+    with pytest.raises(JobFailed, match="decode loop of 'tiny' stopped"):
+        engine.generate("x", Options(**OPTIONS), lambda _t: None)
+    assert runtime.runners["r"].stopped
+
+
+def breakdowns(db: redis.Redis) -> float:
+    return float(db.hget(keys.STATS, "breakdowns|tiny") or 0)
+
+
+def test_a_job_that_reaches_a_runner_whose_loop_stopped_is_handed_back_and_it_unloads(
+    db: redis.Redis, runtime: WorkerRuntime
+) -> None:
+    """A runner whose decode loop stopped on a bug takes no job: one that reaches it,
+    nothing of it run, is placed again (once, anywhere), and the runner unloads as the
+    last job counted on it ends, counted as a breakdown: the model serves again from a
+    fresh load, not from a runner that would refuse every job until it expired."""
+    deliver(db, runtime, job("load it"))
+    broken_loop(runtime)
+    arrived = job("a")
+    with pytest.raises(HandBack, match="can serve no more jobs.*decode loop"):
+        deliver(db, runtime, arrived)
+    record = SentJob.model_validate_json(db.hget(keys.ORPHANS, arrived.id) or b"")
+    assert record.job.attempt == 0 and record.avoid == []
+    assert not db.exists(keys.job_chunks(arrived.id))  # nothing streamed, no error
+    assert "r" not in runtime.runners and not db.exists(keys.runner("r"))
+    assert breakdowns(db) == 1
+
+
+def test_jobs_running_as_the_decode_loop_stops_fail_saying_so_and_the_runner_unloads(
+    db: redis.Redis, runtime: WorkerRuntime
+) -> None:
+    deliver(db, runtime, job("load it"))
+    break_admission(runtime)
+    failing = job("b")
+    with pytest.raises(JobFailed, match="decode loop of 'tiny' stopped.*lost its slots"):
+        deliver(db, runtime, failing)
+    last = stream(db, failing.id)[-1]  # its end says what happened
+    assert last["done"] and "decode loop of 'tiny' stopped" in last["error"]["message"]
+    assert "r" not in runtime.runners and not db.exists(keys.runner("r"))
+    assert breakdowns(db) == 1
 
 
 def test_a_job_that_ran_here_and_comes_again_after_redis_lost_its_run_is_not_run_again(

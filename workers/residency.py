@@ -15,7 +15,7 @@ from functools import partial
 import redis
 
 from scheduler.cluster import DeviceInfo
-from scheduler.errors import GgufqError, InvalidModelFile, LoadFailed
+from scheduler.errors import GgufqError, InvalidModelFile, JobFailed, LoadFailed
 from scheduler.gguf.registry import Registry
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
@@ -73,6 +73,7 @@ class Residency:
         with self._load_lock:
             runner = self.runners.get(runner_id)
             if runner is not None:
+                self._check_serving(req, placement, runner)
                 return runner, 0
             # a job that arrives as Redis goes away waits for it, as its start claim did
             # (were its device dropped meanwhile, its hand-back or end is refused)
@@ -167,6 +168,32 @@ class Residency:
             + f" ({exc}); check that the file is a "
             "complete GGUF of an architecture this llama.cpp supports (`ggufq models`)"
         )
+
+    def _check_serving(self, req: JobRequest, placement: Placement, runner: AnyRunner) -> None:
+        """Raise for a job that reached a runner whose decode loop stopped on a bug: placed
+        again once (nothing of it ran here), else failed saying what happened. The runner
+        unloads as soon as no job counts on it (:meth:`_keep_alive_now`)."""
+        if runner.stopped is None:
+            return
+        gone = (
+            f"the runner for {req.model!r} on {placement.device_id} can serve no more jobs: "
+            f"{runner.stopped}"
+        )
+        if req.attempt == 0:
+            raise RunnerGone(gone)
+        raise JobFailed(gone + "; submit the job again")
+
+    def _keep_alive_now(self, runner_id: str) -> float | None:
+        """A runner's keep_alive as a job's end leaves it (None: no such runner here); 0 for
+        one whose decode loop stopped on a bug, which then unloads once no job counts on
+        it, counted as a breakdown."""
+        runner = self.runners.get(runner_id)
+        if runner is None:
+            return None
+        if runner.stopped is not None:
+            runner.keep_alive_s = 0
+            self._why.setdefault(runner_id, "breakdowns")
+        return runner.keep_alive_s
 
     # -- unloading --------------------------------------------------------------------------
     def request_unload(self, runner_id: str, when_idle: bool = False) -> bool:

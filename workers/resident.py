@@ -28,6 +28,12 @@ class Resident:
         self.keep_alive_s = keep_alive_s
         self.load_duration_ns = 0
 
+    @property
+    def stopped(self) -> str | None:
+        """Why it can serve no more jobs though loaded (its decode loop stopped on a bug);
+        None while it serves."""
+        return None
+
     def timed_load(self, load: Callable[[], T]) -> T:
         """Run the load, recording how long it took (Ollama's load_duration)."""
         started = time.perf_counter_ns()

@@ -70,6 +70,10 @@ class Runner(Resident):
         args = (prompt, options, on_text, cancelled, format, share, meanwhile, answer)
         return self.engine.generate(*args)
 
+    @property
+    def stopped(self) -> str | None:
+        return self.engine.stopped
+
     def close(self) -> None:
         """Unload: running and waiting jobs end with JobFailed."""
         self.engine.close()

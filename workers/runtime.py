@@ -147,8 +147,7 @@ class WorkerRuntime(Residency):
         orphan: SentJob | None,
     ) -> Appended:
         """A job's end in one step (lua/end.lua), then its runner's expiry here."""
-        now, runner = self.clock(), self.runners.get(placement.runner_id)
-        keep_alive_s = None if runner is None else runner.keep_alive_s
+        now, keep_alive_s = self.clock(), self._keep_alive_now(placement.runner_id)
         ttl_s = self.settings.stream_ttl_s
         appended, left = self.state.end(placement, job_id, done, now, keep_alive_s, ttl_s, orphan)
         self._counted_off(placement.runner_id, left, now, keep_alive_s)
@@ -218,6 +217,7 @@ class WorkerRuntime(Residency):
 
         try:
             if resident is not None:
+                self._check_serving(req, placement, resident)
                 publisher.hold()
                 progress = start.gate(progress)
                 runner, load_ns = resident, 0

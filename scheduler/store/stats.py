@@ -28,6 +28,10 @@ COUNTERS = {
     "evictions": ("ggufq_model_evictions", "Idle runners unloaded to make room for a job."),
     "expiries": ("ggufq_model_expiries", "Runners unloaded as their keep_alive ran out."),
     "unloads": ("ggufq_model_unloads", "Runners unloaded on request (ggufq unload)."),
+    "breakdowns": (
+        "ggufq_model_breakdowns",
+        "Runners unloaded because their decode loop stopped on a bug.",
+    ),
 }
 
 

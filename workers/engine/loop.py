@@ -95,6 +95,7 @@ class Engine:
         self._prep = threading.Lock()  # held while a caller uses the model outside the loop
         self._closing = False  # no job comes in: closed, or the loop ended
         self._closed = False
+        self.stopped: str | None = None  # why the loop stopped on a bug: its runner is done
         self.times = StepTimes()
         self._relay = TextRelay(self.name, self.times)
         self._outbox: list[Any] = []  # this step's tokens and ends, for the relay
@@ -196,6 +197,7 @@ class Engine:
         except BaseException as exc:  # a bug: told, and no job is left waiting on the loop
             log.exception("the decode loop of %s stopped", self.name)
             why = f"the decode loop of {self.name!r} stopped ({exc!r})"
+            self.stopped = why
         finally:  # and none comes in
             with self._cond:
                 self._closing = True
