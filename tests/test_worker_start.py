@@ -352,8 +352,21 @@ def test_a_job_that_reaches_a_runner_whose_loop_stopped_is_handed_back_and_it_un
     deliver(db, runtime, job("load it"))
     broken_loop(runtime)
     arrived = job("a")
+
+    def placement_sees() -> bytes | None:  # as the job is handed back
+        return db.hget(keys.runner("r"), "state")
+
+    seen: list[bytes | None] = []
+    handing_back = runtime.state.end
+
+    def end(*args: Any) -> Any:
+        seen.append(placement_sees())
+        return handing_back(*args)
+
+    runtime.state.end = end  # type: ignore[method-assign]
     with pytest.raises(HandBack, match="can serve no more jobs.*decode loop"):
         deliver(db, runtime, arrived)
+    assert seen == [b"unloading"]  # placed again, the job cannot be routed back to it
     record = SentJob.model_validate_json(db.hget(keys.ORPHANS, arrived.id) or b"")
     assert record.job.attempt == 0 and record.avoid == []
     assert not db.exists(keys.job_chunks(arrived.id))  # nothing streamed, no error

@@ -57,6 +57,7 @@ class Residency:
         # runner id → why it is to unload, when that happens later than asked (a busy
         # runner asked to go when idle, an unload put off while Redis is away)
         self._why: dict[str, str] = {}
+        self._marked_unloading: set[str] = set()  # runners whose loop stopped, so marked
         self._wake = threading.Condition()
         self.backlog = Backlog()  # job ends that Redis missed while it was away
         # runners whose load failed here, with why: the jobs that waited on one end as
@@ -175,6 +176,7 @@ class Residency:
         unloads as soon as no job counts on it (:meth:`_keep_alive_now`)."""
         if runner.stopped is None:
             return
+        self._route_no_more(runner.id)
         gone = (
             f"the runner for {req.model!r} on {placement.device_id} can serve no more jobs: "
             f"{runner.stopped}"
@@ -193,7 +195,22 @@ class Residency:
         if runner.stopped is not None:
             runner.keep_alive_s = 0
             self._why.setdefault(runner_id, "breakdowns")
+            self._route_no_more(runner_id)
         return runner.keep_alive_s
+
+    def _route_no_more(self, runner_id: str) -> None:
+        """Mark a runner whose decode loop stopped unloading at once, though jobs still
+        count on it: placement routes none to it (a job placed again would meet it);
+        it unloads here as the last of them ends. Once; a Redis that refuses leaves it to
+        that end."""
+        if runner_id in self._marked_unloading:
+            return
+        try:
+            self.state.begin_unload(runner_id, force=True)  # else unloading, or gone: as well
+        except redis.RedisError as exc:
+            log.warning("runner %s not marked unloading yet: %s", runner_id, exc)
+            return
+        self._marked_unloading.add(runner_id)
 
     # -- unloading --------------------------------------------------------------------------
     def request_unload(self, runner_id: str, when_idle: bool = False) -> bool:
@@ -238,6 +255,7 @@ class Residency:
             if phase is not None and not mine:
                 return False
         runner = self.runners.pop(runner_id, None)
+        self._marked_unloading.discard(runner_id)
         device_ids = runner.device_ids if runner else []
         if runner is not None:
             self._close(runner)
