@@ -388,6 +388,31 @@ def test_jobs_running_as_the_decode_loop_stops_fail_saying_so_and_the_runner_unl
     assert breakdowns(db) == 1
 
 
+def test_a_stopped_runner_waits_for_the_last_job_counted_on_it_however_it_goes(
+    db: redis.Redis, runtime: WorkerRuntime
+) -> None:
+    """With another job still counted on it (placed, not sent yet), a stopped runner is
+    only marked unloading; when placement counts that job off itself (a job it never
+    sent), the worker's next look unloads it. A job placed again already fails there,
+    saying so."""
+    deliver(db, runtime, job("load it"))
+    placements = PlacementState(db)
+    assert placements.assign("r", "p2", 1e12)  # counted, never sent
+    broken_loop(runtime)
+    again = job("a").model_copy(update={"attempt": 1})
+    with pytest.raises(JobFailed, match="can serve no more jobs.*submit the job again"):
+        deliver(db, runtime, again)
+    assert db.hget(keys.runner("r"), "state") == b"unloading"  # routed nothing more
+    assert "r" in runtime.runners  # p2 still counts on it
+    runtime._unload_stopped()
+    assert "r" in runtime.runners
+    seen = placements.prune("r", set(), 1e12, 0).unaccounted
+    assert placements.prune("r", seen, 1e12, 0).forgotten == {"p2"}
+    runtime._unload_stopped()  # the expiry loop's look, each second
+    assert "r" not in runtime.runners and not db.exists(keys.runner("r"))
+    assert breakdowns(db) == 1
+
+
 def test_a_job_that_ran_here_and_comes_again_after_redis_lost_its_run_is_not_run_again(
     db: redis.Redis, runtime: WorkerRuntime
 ) -> None:

@@ -194,15 +194,26 @@ class Residency:
             return None
         if runner.stopped is not None:
             runner.keep_alive_s = 0
-            self._why.setdefault(runner_id, "breakdowns")
             self._route_no_more(runner_id)
         return runner.keep_alive_s
+
+    def _unload_stopped(self) -> None:
+        """Unload each runner whose decode loop stopped once no job counts on it, however
+        its last count went: a job's end here unloads it at once, but placement may count
+        off the last one itself (a job it never sent: lua/prune.lua, lua/unsend.lua)."""
+        for runner_id, runner in list(self.runners.items()):
+            if runner.stopped is None or self._busy(runner_id):
+                continue
+            self._route_no_more(runner_id)
+            if not self.state.runner_in_flight(runner_id):  # none, or its record gone
+                self._unload(runner_id, why="breakdowns")
 
     def _route_no_more(self, runner_id: str) -> None:
         """Mark a runner whose decode loop stopped unloading at once, though jobs still
         count on it: placement routes none to it (a job placed again would meet it);
         it unloads here as the last of them ends. Once; a Redis that refuses leaves it to
         that end."""
+        self._why[runner_id] = "breakdowns"  # whatever unloads it, and when
         if runner_id in self._marked_unloading:
             return
         try:
@@ -279,6 +290,7 @@ class Residency:
         self._schedule_expiry(runner_id, None)
         self._why.pop(runner_id, None)
         runner = self.runners.pop(runner_id, None)
+        self._marked_unloading.discard(runner_id)
         if runner is not None:
             runner.close()
             log.info("unloaded runner %s: its device had been dropped", runner_id)
@@ -305,7 +317,9 @@ class Residency:
 
     # -- expiry ---------------------------------------------------------------------------
     def _expire_due(self) -> None:
-        """Unload the runners whose keep_alive ran out; waits up to a second for one."""
+        """Unload the runners whose keep_alive ran out, and the stopped ones no job counts
+        on; waits up to a second for one."""
+        self._unload_stopped()
         with self._wake:
             due = self._expiry.pop_due(self.clock())
             if not due:

@@ -97,6 +97,11 @@ class WorkerState:
         phases = zip(runner_ids, raws, strict=True)
         return {r: None if raw is None else text(raw) for r, raw in phases}
 
+    def runner_in_flight(self, runner_id: str) -> int | None:
+        """The jobs placement counts on a runner; None when its record is gone."""
+        raw = self.r.hget(keys.runner(runner_id), "in_flight")
+        return None if raw is None else int(raw)
+
     def runner_devices(self, runner_id: str) -> dict[str, int]:
         """Bytes reserved per device for a runner (empty when it has no record)."""
         raw = self.r.hget(keys.runner(runner_id), "devices")
