@@ -66,3 +66,37 @@ def test_a_loop_that_keeps_the_gil_answers_as_one_that_lets_it_go(
     kept = answers(path, keep_gil=True)
     assert kept == answers(path, keep_gil=False)
     assert all(kept)
+
+
+def chain_answers(path: Path, threads: int) -> list[str]:
+    """Six prompts at once on the tiny model, each sampled by its seeded chain
+    (temperature, top-k, top-p, penalties), its chains on ``threads`` threads."""
+    engine = Engine(str(path), RunnerConfig(256, 6), chain_threads=threads, name=f"ch{threads}")
+    assert engine._chains.threads == threads
+    prompts = ["hello there", "hello again", "one two three", "the sky", "a b c", "zz"]
+    texts = [""] * len(prompts)
+
+    def one(i: int) -> None:
+        options = Options(num_predict=12, temperature=0.9, top_k=40, top_p=0.9, seed=i)
+        texts[i] = engine.generate(prompts[i], options, lambda _t: None).text
+
+    try:
+        threads_ = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads_:
+            t.start()
+        for t in threads_:
+            t.join()
+    finally:
+        engine.close()
+    return texts
+
+
+def test_chains_sampled_on_several_threads_sample_what_one_thread_does(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The chain pool's threads read the logits the decode thread put in order, each
+    chain with its own random state: the same tokens as sampled one after another."""
+    path = write_tiny_model(tmp_path_factory.mktemp("chains") / "tiny.gguf", "llama", n_embd=128)
+    pooled = chain_answers(path, threads=3)
+    assert pooled == chain_answers(path, threads=1)
+    assert len(set(pooled)) > 1  # seeded apart: a pool that mixed rows up would show

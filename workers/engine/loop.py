@@ -34,6 +34,7 @@ from scheduler.errors import JobFailed
 from scheduler.protocol import Options, RunnerConfig
 from workers.cpus import llama
 from workers.engine.batching import Admission, best_slot, reusable
+from workers.engine.chains import ChainPool
 from workers.engine.device_sampling import DeviceGreedy
 from workers.engine.gil import KeepsGil, keeping_gil
 from workers.engine.job import Job, Share, StepTimes, always, is_cancelled
@@ -64,6 +65,7 @@ class Engine:
         device_sampling: bool = False,
         on_load: Callable[[float], None] | None = None,  # the load's fraction done
         keep_gil: bool | None = None,  # None: where every layer is on a GPU (gil.py)
+        chain_threads: int | None = None,  # None: as chains.ChainPool decides
     ) -> None:
         L = llama()
         _init_backend(L)
@@ -80,6 +82,7 @@ class Engine:
         self._mem = L.llama_get_memory(self.ctx)
         self._device = DeviceGreedy(L, self.ctx, device_sampling)  # greedy's argmax
         self._greedy = GreedyRows(L, self.ctx, self.n_vocab)  # or numpy's, on the host
+        self._chains = ChainPool(L, self.ctx, self.n_vocab, chain_threads)  # at once
         self._cached: dict[int, list[int]] = {}  # slot → tokens whose KV it still holds
         self._n_swa = L.llama_model_n_swa(self.model)
         self.reused_tokens = 0  # prompt tokens not evaluated again, thanks to the slot caches
@@ -183,6 +186,7 @@ class Engine:
                 self._cond.notify()
             self._thread.join()
             self._relay.close()  # every job's text made and its done set
+            self._chains.close()
             L = self._L
             L.llama_batch_free(self._batch)
             L.llama_free(self.ctx)
@@ -283,25 +287,33 @@ class Engine:
 
     def _sample(self, outputs: list[tuple[Job, int]]) -> list[int]:
         """Every output row's next token: plain greedy rows from one argmax over the
-        step's logits (a call per sequence cost more than the argmax itself), the rest
-        by their job's sampler, or llama.cpp's in-graph argmax (device sampling)."""
+        step's logits (a call per sequence cost more than the argmax itself), llama.cpp's
+        in-graph argmax (device sampling: then the logits hold no row of those), the
+        rows of plain chains on the chain pool's threads (workers/engine/chains.py), the
+        rest (a grammar, logprobs) by their job's sampler."""
         if not self._own_sampling:  # every row greedy on the host: nothing a row
             return self._greedy(len(outputs))
         device, ctx = self._device, self.ctx
-        if any(job.on_device for job, _ in outputs):
-            return [
-                device.token(idx) if job.on_device else job.sampler.sample(ctx, idx)
-                for job, idx in outputs
-            ]
         greedy = None
-        if any(job.sampler.plain_greedy for job, _ in outputs):
+        if not any(job.on_device for job, _ in outputs) and any(
+            job.sampler.plain_greedy for job, _ in outputs
+        ):
             greedy = self._greedy(len(outputs))
-        return [
-            greedy[row]
-            if greedy is not None and job.sampler.plain_greedy
-            else job.sampler.sample(ctx, idx)
-            for row, (job, idx) in enumerate(outputs)
-        ]
+        tokens, chains, rows = [0] * len(outputs), [], []
+        for row, (job, idx) in enumerate(outputs):
+            sampler = job.sampler
+            if job.on_device:
+                tokens[row] = device.token(idx)
+            elif greedy is not None and sampler.plain_greedy:
+                tokens[row] = greedy[row]
+            elif sampler.chain_only:
+                chains.append((sampler.chain, idx))
+                rows.append(row)
+            else:
+                tokens[row] = sampler.sample(ctx, idx)
+        for row, token in zip(rows, self._chains.sample(chains), strict=True):
+            tokens[row] = token
+        return tokens
 
     def _advance(self, job: Job, token: int, now: int) -> None:
         job.generated += 1

@@ -192,6 +192,12 @@ class Sampler:
                 raise InvalidRequest("format: llama.cpp rejected the grammar built from it")
             self._candidates = _Candidates(L, n_vocab)
 
+    @property
+    def chain_only(self) -> bool:
+        """Its token is its chain's alone, no grammar and no logprobs: one
+        ``llama_sampler_sample`` call, which a chain pool may make on another thread."""
+        return self.chain is not None and self.grammar is None and self.top_logprobs is None
+
     def sample(self, ctx: Any, idx: int) -> int:
         if self.plain_greedy:
             logits = self._L.llama_get_logits_ith(ctx, idx)
