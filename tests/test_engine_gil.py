@@ -12,6 +12,7 @@ import pytest
 from scheduler.protocol import Options, RunnerConfig
 from tests.tinymodel import write_tiny_model
 from workers.cpus import llama
+from workers.engine.chains import ChainPool, safe_backends
 from workers.engine.gil import KEPT, KeepsGil, keeping_gil
 from workers.engine.loop import Engine
 
@@ -88,6 +89,7 @@ def chain_answers(path: Path, threads: int) -> list[str]:
             t.join()
     finally:
         engine.close()
+    assert (engine._chains.pooled > 0) == (threads > 1)  # the pool took the steps' chains
     return texts
 
 
@@ -100,3 +102,19 @@ def test_chains_sampled_on_several_threads_sample_what_one_thread_does(
     pooled = chain_answers(path, threads=3)
     assert pooled == chain_answers(path, threads=1)
     assert len(set(pooled)) > 1  # seeded apart: a pool that mixed rows up would show
+
+
+def test_the_pool_is_used_only_on_backends_whose_synchronize_threads_may_share() -> None:
+    class Build:
+        def __init__(self, info: bytes) -> None:
+            self.info = info
+
+        def llama_print_system_info(self) -> bytes:
+            return self.info
+
+    cuda = b"CUDA : ARCHS = 900 | USE_GRAPHS = 1 | CPU : SSE3 = 1 | AVX2 = 1 | "
+    assert safe_backends(Build(cuda)) and safe_backends(Build(b"CPU : AVX2 = 1 | "))
+    assert not safe_backends(Build(b"Metal : EMBED_LIBRARY = 1 | CPU : NEON = 1 | "))
+    assert not safe_backends(Build(b"Vulkan : | CPU : AVX2 = 1 | "))
+    assert ChainPool(Build(cuda), None, 1 << 18, cores=1).threads == 1  # one core: no pool
+    assert ChainPool(Build(b"Vulkan : | CPU : AVX2 = 1 | "), None, 1 << 18).threads == 1

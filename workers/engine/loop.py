@@ -82,7 +82,7 @@ class Engine:
         self._mem = L.llama_get_memory(self.ctx)
         self._device = DeviceGreedy(L, self.ctx, device_sampling)  # greedy's argmax
         self._greedy = GreedyRows(L, self.ctx, self.n_vocab)  # or numpy's, on the host
-        self._chains = ChainPool(L, self.ctx, self.n_vocab, chain_threads)  # at once
+        self._chains = ChainPool(L, self.ctx, self.n_vocab, chain_threads, n_threads)
         self._cached: dict[int, list[int]] = {}  # slot → tokens whose KV it still holds
         self._n_swa = L.llama_model_n_swa(self.model)
         self.reused_tokens = 0  # prompt tokens not evaluated again, thanks to the slot caches
