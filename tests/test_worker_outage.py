@@ -17,8 +17,8 @@ from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.placement_state import PlacementState
 from tests.test_state import GIB, ended, vgpu
+from workers.handback import HandBack, RunnerGone
 from workers.runtime import WorkerRuntime
-from workers.start_claim import HandBack, RunnerGone
 
 
 @dataclass

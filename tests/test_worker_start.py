@@ -25,8 +25,9 @@ from tests.conftest import beat_forever, send
 from tests.test_state import GIB, vgpu
 from workers.chunks import ChunkPublisher
 from workers.engine.relay import LAG
+from workers.handback import HandBack, NotOwned
 from workers.runtime import WorkerRuntime
-from workers.start_claim import HandBack, NotOwned, StartClaim
+from workers.start_claim import StartClaim
 
 DEVICE = vgpu(0)
 CONFIG = RunnerConfig.for_generation(256, 2, False)
@@ -374,13 +375,37 @@ def test_a_job_that_reaches_a_runner_whose_loop_stopped_is_handed_back_and_it_un
     assert breakdowns(db) == 1
 
 
-def test_jobs_running_as_the_decode_loop_stops_fail_saying_so_and_the_runner_unloads(
+def test_a_job_whose_loop_stops_before_its_first_token_is_placed_again(
     db: redis.Redis, runtime: WorkerRuntime
 ) -> None:
     deliver(db, runtime, job("load it"))
     break_admission(runtime)
+    first = job("b")
+    with pytest.raises(HandBack, match="runner stopped.*decode loop of 'tiny' stopped"):
+        deliver(db, runtime, first)
+    record = SentJob.model_validate_json(db.hget(keys.ORPHANS, first.id) or b"")
+    assert record.job.attempt == 0 and not db.exists(keys.job_chunks(first.id))
+    assert "r" not in runtime.runners and not db.exists(keys.runner("r"))
+    assert breakdowns(db) == 1
+
+
+def test_a_job_that_streamed_when_its_loop_stops_fails_saying_so(
+    db: redis.Redis, runtime: WorkerRuntime
+) -> None:
+    """Its answer so far is out: it ends with the error, which names the bug."""
+    deliver(db, runtime, job("load it"))
+    engine = runtime.runners["r"].engine  # type: ignore[union-attr]
+    admit, steps = engine._admission.admit, [0]
+
+    def breaks_at_the_fourth_step(*a: Any) -> Any:  # the job has 3 of its 4 tokens
+        steps[0] += 1
+        if steps[0] == 4:
+            raise RuntimeError("admission lost its slots")
+        return admit(*a)
+
+    engine._admission.admit = breaks_at_the_fourth_step
     failing = job("b")
-    with pytest.raises(JobFailed, match="decode loop of 'tiny' stopped.*lost its slots"):
+    with pytest.raises(JobFailed, match="after 3 generated tokens.*decode loop of 'tiny'"):
         deliver(db, runtime, failing)
     last = stream(db, failing.id)[-1]  # its end says what happened
     assert last["done"] and "decode loop of 'tiny' stopped" in last["error"]["message"]

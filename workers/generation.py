@@ -26,6 +26,7 @@ from workers.chunks import ChunkPublisher
 from workers.devices import tensor_split
 from workers.embedder import Embedder
 from workers.fitting import fit_chat, fit_prompt, room_to_generate
+from workers.handback import RunnerGone
 from workers.keepalive import effective_keep_alive
 from workers.runner import Runner
 
@@ -81,7 +82,13 @@ def generate(
     share = (req.tenant, req.priority, req.weight)
     format = call_schema(req.tools, req.tool_choice, req.parallel_tool_calls) or req.format
     args = (prompt, req.options, ticker, cancelled, format, share, meanwhile, publisher.tokens)
-    stats = runner.generate(*args)
+    try:
+        stats = runner.generate(*args)
+    except JobFailed:
+        if runner.stopped and req.attempt == 0 and not req.resumed and not publisher.tokens:
+            # its runner's decode loop stopped before its first token: nothing of it ran
+            raise RunnerGone(f"job {req.id}'s runner stopped: {runner.stopped}") from None
+        raise
     if stats.admitted_ns:
         publisher.admitted_at = wall(stats.admitted_ns)
     if stats.done_reason == "cancel":

@@ -23,9 +23,9 @@ from scheduler.store.connection import connect, resolve_redis_url
 from scheduler.units import parse_bytes
 from workers.args import add_worker_arguments
 from workers.devices import detect_devices
+from workers.handback import NotOwned
 from workers.progress import ProgressEvents
 from workers.runtime import WorkerRuntime
-from workers.start_claim import NotOwned
 
 log = logging.getLogger("ggufq.worker")
 

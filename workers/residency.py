@@ -24,8 +24,8 @@ from scheduler.store.worker_state import WorkerState
 from workers.backlog import AWAY, Backlog, patiently
 from workers.devices import close_and_wait
 from workers.generation import AnyRunner, open_runner
+from workers.handback import HandBack, RunnerGone
 from workers.keepalive import ExpirySchedule
-from workers.start_claim import HandBack, RunnerGone
 
 log = logging.getLogger(__name__)
 FAILED_LOADS_KEPT = 256

@@ -29,10 +29,11 @@ from scheduler.store.stats import count, execute, job_timings, observe
 from scheduler.store.streams import Appended, error_chunk
 from workers.chunks import ChunkPublisher, ChunkWriter
 from workers.generation import AnyRunner, Progress, produce
+from workers.handback import HandBack, NotOwned
 from workers.keepalive import expires_at
 from workers.membership import Membership
 from workers.residency import Clock, Residency
-from workers.start_claim import HandBack, NotOwned, StartClaim
+from workers.start_claim import StartClaim
 from workers.strays import Strays
 
 log = logging.getLogger(__name__)

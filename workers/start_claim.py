@@ -17,6 +17,7 @@ from scheduler.store.worker_state import WorkerState
 from workers.backlog import patiently
 from workers.chunks import ChunkPublisher
 from workers.generation import AnyRunner, Progress
+from workers.handback import NotOwned
 from workers.keepalive import effective_keep_alive
 from workers.strays import Strays
 
@@ -37,24 +38,6 @@ class Runs(Protocol):
     def _runs(self) -> set[tuple[str, str]]: ...
 
     def _schedule_expiry(self, runner_id: str, at: float | None) -> None: ...
-
-
-class NotOwned(Exception):
-    """A delivered job that is no longer this device's: drop it without a result."""
-
-
-class HandBack(NotOwned):
-    """This device could not load the job's model: placement places the job again."""
-
-    avoid_here = True  # placement places it on another device
-
-
-class RunnerGone(HandBack):
-    """The job's runner was gone from Redis before the job reached it (unloaded, its load
-    failed, or its message was sent again after the runner went): placement places the
-    job again, once, on any device."""
-
-    avoid_here = False
 
 
 class StartClaim:

@@ -1,0 +1,25 @@
+"""How a worker gives back a job it was delivered but will not run: the job is no longer
+this device's (:class:`NotOwned`: dropped without a result), or nothing of it ran and
+placement places it again (:class:`HandBack`, :class:`RunnerGone`: lua/end.lua writes its
+orphan record in the same step as its in-flight record goes)."""
+
+from __future__ import annotations
+
+
+class NotOwned(Exception):
+    """A delivered job that is no longer this device's: drop it without a result."""
+
+
+class HandBack(NotOwned):
+    """This device could not load the job's model: placement places the job again."""
+
+    avoid_here = True  # placement places it on another device
+
+
+class RunnerGone(HandBack):
+    """The job's runner was gone from Redis before the job reached it (unloaded, its load
+    failed, or its message was sent again after the runner went), or its decode loop
+    stopped on a bug before the job's first token: placement places the job again, once,
+    on any device."""
+
+    avoid_here = False
