@@ -29,6 +29,7 @@ class FakeRunner:
     closed: list[int] = field(default_factory=list)
     keep_alive_s: float = 300.0
     load_duration_ns: int = 1
+    stopped: str | None = None  # its decode loop runs (workers.resident.Resident.stopped)
 
     def close(self) -> None:
         self.closed.append(1)
