@@ -18,8 +18,8 @@ pool is used only where llama.cpp's backends are the CPU and CUDA. The tokens ar
 thread would sample.
 
 Only where the vocabulary is large: on the tiny test model's 260 tokens a call is mostly its
-fixed cost and handing rows to threads costs more than it saves. :data:`MIN_VOCAB` sits
-between the two vocabularies measured; a 32k or 128k one is not measured yet.
+fixed cost, and two threads took 30-70 % longer than one (bench/README). :data:`MIN_VOCAB`
+sits between the two vocabularies measured; a 32k or 128k one is not measured yet.
 """
 
 from __future__ import annotations
