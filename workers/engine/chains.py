@@ -17,9 +17,11 @@ several threads, but not on Metal or Vulkan, whose synchronize changes shared st
 pool is used only where llama.cpp's backends are the CPU and CUDA. The tokens are those one
 thread would sample.
 
-Only where the vocabulary is large: on the tiny test model's 260 tokens a call is mostly its
-fixed cost, and two threads took 30-70 % longer than one (bench/README). :data:`MIN_VOCAB`
-sits between the two vocabularies measured; a 32k or 128k one is not measured yet.
+Only where the vocabulary is large: a call's fixed cost and the GIL taken back after it
+outweigh what a thread saves on a small one. On the 2-core machine, 32 sequences of tiny
+models that differ only in their vocabulary, two threads against one (bench/README): 260
+tokens 40-70 % slower, 32k 7-11 % slower, 64k 7-11 % faster, 128k 40 % faster (sampling a
+step). A host with more cores has the crossover lower, unmeasured.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-MIN_VOCAB = 32768  # below it a row's sampling is too short to hand to a thread
+MIN_VOCAB = 65536  # below it a row's sampling is too short to hand to a thread
 MAX_THREADS = 8
 SAFE_BACKENDS = {"CPU", "CUDA"}  # whose synchronize several threads may call at once
 
