@@ -26,7 +26,7 @@ from workers.chunks import ChunkPublisher
 from workers.devices import tensor_split
 from workers.embedder import Embedder
 from workers.fitting import fit_chat, fit_prompt, room_to_generate
-from workers.handback import RunnerGone
+from workers.handback import runner_stopped
 from workers.keepalive import effective_keep_alive
 from workers.runner import Runner
 
@@ -85,9 +85,9 @@ def generate(
     try:
         stats = runner.generate(*args)
     except JobFailed:
-        if runner.stopped and req.attempt == 0 and not req.resumed and not publisher.tokens:
+        if runner.stopped and not req.resumed and not publisher.tokens:
             # its runner's decode loop stopped before its first token: nothing of it ran
-            raise RunnerGone(f"job {req.id}'s runner stopped: {runner.stopped}") from None
+            raise runner_stopped(req, ", ".join(runner.device_ids), runner.stopped) from None
         raise
     if stats.admitted_ns:
         publisher.admitted_at = wall(stats.admitted_ns)

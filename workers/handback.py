@@ -5,6 +5,9 @@ orphan record in the same step as its in-flight record goes)."""
 
 from __future__ import annotations
 
+from scheduler.errors import JobFailed
+from scheduler.protocol import JobRequest
+
 
 class NotOwned(Exception):
     """A delivered job that is no longer this device's: drop it without a result."""
@@ -23,3 +26,13 @@ class RunnerGone(HandBack):
     on any device."""
 
     avoid_here = False
+
+
+def runner_stopped(req: JobRequest, device: str, why: str) -> RunnerGone | JobFailed:
+    """How a job ends that met a runner whose decode loop stopped on a bug (``why``) with
+    nothing of it run: placed again once, else failed saying what happened."""
+    gone = (
+        f"job {req.id}'s runner stopped and can serve no more jobs ({req.model!r} on "
+        f"{device}): {why}"
+    )
+    return RunnerGone(gone) if req.attempt == 0 else JobFailed(gone + "; submit the job again")

@@ -15,7 +15,7 @@ from functools import partial
 import redis
 
 from scheduler.cluster import DeviceInfo
-from scheduler.errors import GgufqError, InvalidModelFile, JobFailed, LoadFailed
+from scheduler.errors import GgufqError, InvalidModelFile, LoadFailed
 from scheduler.gguf.registry import Registry
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
@@ -24,7 +24,7 @@ from scheduler.store.worker_state import WorkerState
 from workers.backlog import AWAY, Backlog, patiently
 from workers.devices import close_and_wait
 from workers.generation import AnyRunner, open_runner
-from workers.handback import HandBack, RunnerGone
+from workers.handback import HandBack, RunnerGone, runner_stopped
 from workers.keepalive import ExpirySchedule
 
 log = logging.getLogger(__name__)
@@ -177,13 +177,7 @@ class Residency:
         if runner.stopped is None:
             return
         self._route_no_more(runner.id)
-        gone = (
-            f"the runner for {req.model!r} on {placement.device_id} can serve no more jobs: "
-            f"{runner.stopped}"
-        )
-        if req.attempt == 0:
-            raise RunnerGone(gone)
-        raise JobFailed(gone + "; submit the job again")
+        raise runner_stopped(req, placement.device_id, runner.stopped)
 
     def _keep_alive_now(self, runner_id: str) -> float | None:
         """A runner's keep_alive as a job's end leaves it (None: no such runner here); 0 for

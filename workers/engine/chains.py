@@ -31,6 +31,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
+from workers.engine.sampling import Sampler
+
 MIN_VOCAB = 65536  # below it a row's sampling is too short to hand to a thread
 MAX_THREADS = 8
 SAFE_BACKENDS = {"CPU", "CUDA"}  # whose synchronize several threads may call at once
@@ -72,8 +74,9 @@ class ChainPool:
             else None
         )
 
-    def sample(self, chains: list[tuple[Any, int]]) -> list[int]:
-        """The token each ``(chain, output row)`` samples, in order."""
+    def sample(self, chains: list[tuple[Sampler, int]]) -> list[int]:
+        """The token each ``(sampler, output row)`` samples (a sampler whose token is its
+        chain's alone: :attr:`Sampler.chain_only`), in order."""
         pool, parts = self._pool, min(self.threads, len(chains))
         if pool is None or parts < 2:
             return self._sample(chains)
@@ -90,9 +93,9 @@ class ChainPool:
         self.pooled += 1
         return tokens
 
-    def _sample(self, chains: list[tuple[Any, int]]) -> list[int]:
-        sample, ctx = self._L.llama_sampler_sample, self._ctx
-        return [int(sample(chain, ctx, idx)) for chain, idx in chains]
+    def _sample(self, chains: list[tuple[Sampler, int]]) -> list[int]:
+        ctx = self._ctx
+        return [sampler.sample(ctx, idx) for sampler, idx in chains]
 
     def close(self) -> None:
         if self._pool is not None:

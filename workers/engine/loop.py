@@ -307,7 +307,7 @@ class Engine:
             elif greedy is not None and sampler.plain_greedy:
                 tokens[row] = greedy[row]
             elif sampler.chain_only:
-                chains.append((sampler.chain, idx))
+                chains.append((sampler, idx))
                 rows.append(row)
             else:
                 tokens[row] = sampler.sample(ctx, idx)
