@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,16 +39,13 @@ def test_the_gil_is_kept_where_asked_or_where_a_gpu_holds_every_layer() -> None:
     assert isinstance(offloaded, KeepsGil) == bool(L.llama_supports_gpu_offload())
 
 
-def answers(path: Path, keep_gil: bool) -> list[str]:
-    """Four prompts at once on the tiny model, greedy, each from its own thread."""
-    engine = Engine(str(path), RunnerConfig(256, 4), keep_gil=keep_gil, name=f"gil-{keep_gil}")
-    assert engine.keeps_gil is keep_gil
-    options = Options(num_predict=12, temperature=0, repeat_penalty=1.0)
-    prompts = ["hello there", "hello again", "one two three", "the sky"]
+def at_once(engine: Engine, prompts: list[str], options: Callable[[int], Options]) -> list[str]:
+    """Each prompt's answer, ``options(i)`` for the i-th, all generated at once, each from
+    its own thread; the engine closed after."""
     texts = [""] * len(prompts)
 
     def one(i: int) -> None:
-        texts[i] = engine.generate(prompts[i], options, lambda _t: None).text
+        texts[i] = engine.generate(prompts[i], options(i), lambda _t: None).text
 
     try:
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
@@ -58,6 +56,16 @@ def answers(path: Path, keep_gil: bool) -> list[str]:
     finally:
         engine.close()
     return texts
+
+
+def answers(path: Path, keep_gil: bool) -> list[str]:
+    """Four prompts at once on the tiny model, greedy, each from its own thread."""
+    engine = Engine(str(path), RunnerConfig(256, 4), keep_gil=keep_gil, name=f"gil-{keep_gil}")
+    assert engine.keeps_gil is keep_gil
+    greedy = Options(num_predict=12, temperature=0, repeat_penalty=1.0)
+    return at_once(
+        engine, ["hello there", "hello again", "one two three", "the sky"], lambda _i: greedy
+    )
 
 
 def test_a_loop_that_keeps_the_gil_answers_as_one_that_lets_it_go(
@@ -75,20 +83,11 @@ def chain_answers(path: Path, threads: int) -> list[str]:
     engine = Engine(str(path), RunnerConfig(256, 6), chain_threads=threads, name=f"ch{threads}")
     assert engine._chains.threads == threads
     prompts = ["hello there", "hello again", "one two three", "the sky", "a b c", "zz"]
-    texts = [""] * len(prompts)
 
-    def one(i: int) -> None:
-        options = Options(num_predict=12, temperature=0.9, top_k=40, top_p=0.9, seed=i)
-        texts[i] = engine.generate(prompts[i], options, lambda _t: None).text
+    def seeded(i: int) -> Options:
+        return Options(num_predict=12, temperature=0.9, top_k=40, top_p=0.9, seed=i)
 
-    try:
-        threads_ = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads_:
-            t.start()
-        for t in threads_:
-            t.join()
-    finally:
-        engine.close()
+    texts = at_once(engine, prompts, seeded)
     assert (engine._chains.pooled > 0) == (threads > 1)  # the pool took the steps' chains
     return texts
 

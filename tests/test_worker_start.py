@@ -319,12 +319,17 @@ def test_a_job_whose_runner_is_gone_before_it_arrives_is_handed_back(
     assert not db.hexists(keys.RUNNING, job.id)
 
 
-def break_admission(runtime: WorkerRuntime) -> Any:
-    """Runner r's engine, whose decode loop stops at its next admission (a bug there)."""
+def break_admission(runtime: WorkerRuntime, at_step: int = 1) -> Any:
+    """Runner r's engine, whose decode loop stops at the ``at_step``-th admission from now,
+    one a step (a bug there)."""
     engine = runtime.runners["r"].engine  # type: ignore[union-attr]
+    admit, steps = engine._admission.admit, [0]
 
-    def broken(*_a: Any) -> list[Any]:
-        raise RuntimeError("admission lost its slots")
+    def broken(*a: Any) -> Any:
+        steps[0] += 1
+        if steps[0] == at_step:
+            raise RuntimeError("admission lost its slots")
+        return admit(*a)
 
     engine._admission.admit = broken
     return engine
@@ -394,16 +399,7 @@ def test_a_job_that_streamed_when_its_loop_stops_fails_saying_so(
 ) -> None:
     """Its answer so far is out: it ends with the error, which names the bug."""
     deliver(db, runtime, job("load it"))
-    engine = runtime.runners["r"].engine  # type: ignore[union-attr]
-    admit, steps = engine._admission.admit, [0]
-
-    def breaks_at_the_fourth_step(*a: Any) -> Any:  # the job has 3 of its 4 tokens
-        steps[0] += 1
-        if steps[0] == 4:
-            raise RuntimeError("admission lost its slots")
-        return admit(*a)
-
-    engine._admission.admit = breaks_at_the_fourth_step
+    break_admission(runtime, at_step=4)  # the job has 3 of its 4 tokens
     failing = job("b")
     with pytest.raises(JobFailed, match="after 3 generated tokens.*decode loop of 'tiny'"):
         deliver(db, runtime, failing)
