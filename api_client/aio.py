@@ -24,6 +24,7 @@ from api_client.job import Job
 from scheduler.cluster import DeviceView, JobView, RunnerView, by_expiry
 from scheduler.protocol import EmbedResponse, GenerateResponse, JobRequest, Options
 from scheduler.settings import Settings
+from scheduler.store.chunk_reading import AsyncChunkSources
 from scheduler.store.connection import connect_typed_async
 from scheduler.store.headroom import LOOK_FROM_BYTES, admit, refused_for_memory
 from scheduler.store.hub import Hub
@@ -68,6 +69,10 @@ class AsyncClient:
         # within a lease's life, so that one half-open socket cannot let every lease lapse)
         self.side = connect_typed_async(self.redis_url, socket_timeout=SIDE_TIMEOUT_S)
         self.hub = Hub(self.side)
+        # each job's stream: on this Redis, or on one of GGUFQ_STREAM_REDIS_URLS
+        self.streams = AsyncChunkSources(
+            self.r, self.hub, self.settings.stream_redis_urls, SIDE_TIMEOUT_S
+        )
         self.leases = Leases(self.side)  # its streaming readers' leases, renewed together
         fast = self.sync.fast
         self.fast = (
@@ -79,6 +84,7 @@ class AsyncClient:
     async def close(self) -> None:
         self._sender.shutdown(wait=False)
         await self.leases.aclose()
+        await self.streams.aclose()
         await self.hub.aclose()
         await self.side.aclose()
         await self.r.aclose()

@@ -21,10 +21,10 @@ from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import GenerateResponse, JobRequest
 from scheduler.settings import Settings
 from scheduler.store.cancel import ReaderLease
+from scheduler.store.chunk_reading import AsyncChunkSources, ChunkFollower
 from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.hub import QUIET_S, Hub
 from scheduler.store.leases import Leases
-from scheduler.store.streams import ChunkFollower
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class AsyncHost(Protocol):
 
     r: redis.asyncio.Redis
     hub: Hub
+    streams: AsyncChunkSources  # each job's stream's Redis, and a hub there
     leases: Leases
     settings: Settings
     sync: Client
@@ -164,7 +165,7 @@ class AsyncJob:
             ends = StreamEnds(self.job)
             while not result_ready(app, raw := await r.get(key)):
                 if time.monotonic() - checked > CHECK_EVERY_S:  # lost, or lost on the way?
-                    end = await self.job.acheck(r, ends)
+                    end = await self.job.acheck(r, ends, self.client.streams.of(self.id)[0])
                     if end is not None:
                         return end, None
                     checked = time.monotonic()
@@ -250,8 +251,9 @@ class JobReader:
         if self.lease is not None:  # renewed with every other reader's: one round trip a second
             host.leases.hold(self.lease)
         ride_out_s = host.settings.reader_lease_s
+        stream, hub = host.streams.of(job.id)
         self.follower = ChunkFollower(
-            host.r, job.id, self.wait, self.after, self, host.hub, QUIET_S, ride_out_s
+            stream, job.id, self.wait, self.after, self, hub, QUIET_S, ride_out_s
         )
         return self.follower
 

@@ -47,6 +47,7 @@ from scheduler.errors import (
 )
 from scheduler.names import check_model_name
 from scheduler.protocol import GenerateResponse, Options
+from scheduler.store.chunk_reading import ChunkSources
 from scheduler.store.streams import progress
 
 RETRY_BACKOFF_S = 0.5  # first retry after this, doubling per attempt
@@ -72,6 +73,9 @@ class Submitter(Protocol):
 
     @property
     def r(self) -> redis.Redis: ...
+
+    @property
+    def streams(self) -> ChunkSources: ...
 
     @property
     def app(self) -> Celery: ...
@@ -257,7 +261,7 @@ class BatchRun:
 
     def _check_stalled(self, flight: _InFlight, now: float) -> None:
         """Past its deadline: fine while chunks keep coming, else it timed out."""
-        chunks, _ = progress(self.client.r, flight.job.id)
+        chunks, _ = progress(self.client.streams.of(flight.job.id)[0], flight.job.id)
         if chunks > flight.chunks_seen:
             flight.chunks_seen = chunks
             flight.deadline = now + self.client.timeout

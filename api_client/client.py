@@ -33,12 +33,12 @@ from scheduler.settings import Settings, get_settings
 from scheduler.store import keys
 from scheduler.store.cancel import request_cancel
 from scheduler.store.celery_app import ask_unload, close_app, make_app, run_message, send_job
+from scheduler.store.chunk_reading import ChunkSources
 from scheduler.store.connection import connect_typed, resolve_redis_url
 from scheduler.store.headroom import admit, refused_for_memory
 from scheduler.store.leases import LEASE_REPLY_S, ThreadLeases
 from scheduler.store.readers import ClusterReader
 from scheduler.store.routes import FastPath
-from scheduler.store.subscriptions import Subscriptions
 
 _ALIVE_CACHE_S = 1.0
 Messages = list[Message] | list[dict[str, Any]]
@@ -68,7 +68,7 @@ class Client:
         self.timeout = timeout
         self.tenant, self.weight = tenant, weight
         self.r = connect_typed(self.redis_url, max_connections)
-        self.subscriptions = Subscriptions(self.r)
+        self.streams = ChunkSources(self.r, self.settings.stream_redis_urls)  # jobs' chunks
         self.leases = ThreadLeases(connect_typed(self.redis_url, socket_timeout=LEASE_REPLY_S))
         self.app = make_app(self.redis_url, self.settings)
         self.state = ClusterReader(self.r)
@@ -82,7 +82,7 @@ class Client:
 
     def close(self) -> None:
         self.leases.close()
-        self.subscriptions.close()
+        self.streams.close()
         self.r.close()
         close_app(self.app)
 

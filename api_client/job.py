@@ -28,12 +28,12 @@ from scheduler.protocol import GenerateResponse, JobRequest
 from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.cancel import ReaderLease
+from scheduler.store.chunk_reading import ChunkSources, read_chunks
 from scheduler.store.connection import REDIS_AWAY, ride_out
 from scheduler.store.hops import ordered as ordered_hops
 from scheduler.store.hops import read as read_hops
 from scheduler.store.leases import ThreadLeases
-from scheduler.store.streams import Entries, read_chunks
-from scheduler.store.subscriptions import Subscriptions
+from scheduler.store.streams import Entries
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class JobHost(Protocol):
     app: Celery
     timeout: float
     settings: Settings
-    subscriptions: Subscriptions  # pub/sub connections for job channels, used again
+    streams: ChunkSources  # where each job's chunks are read: its stream's Redis, pub/sub
     leases: ThreadLeases  # the reader leases of its streams, renewed together
 
     def cancel(self, job_id: str) -> None: ...
@@ -158,10 +158,9 @@ class Job:
         does within the reader's lease (GGUFQ_READER_LEASE_S): past that the job is
         cancelled as a reader gone, and the error is raised."""
         while True:
+            stream, subscriptions = self.client.streams.of(self.id)
             try:
-                for chunk in read_chunks(
-                    self.client.r, self.id, wait, after, self.check, self.client.subscriptions
-                ):
+                for chunk in read_chunks(stream, self.id, wait, after, self.check, subscriptions):
                     after = chunk.get("seq") or after
                     yield chunk
                 return
@@ -169,7 +168,7 @@ class Job:
                 log.warning(
                     "job %s's stream lost Redis (%s): reading on once it answers", self.id, exc
                 )
-                ride_out(self.client.r.ping, self.client.settings.reader_lease_s, exc)
+                ride_out(stream.ping, self.client.settings.reader_lease_s, exc)
 
     def silent_for(self, wait: float) -> JobTimeout:
         """The error of a stream that sent nothing for ``wait`` s (the job goes on)."""
@@ -239,7 +238,8 @@ class Job:
         if self.kind == "embed":
             return None
         try:
-            last = cast(Entries, self.client.r.xrevrange(keys.job_chunks(self.id), count=1))
+            stream, _ = self.client.streams.of(self.id)
+            last = cast(Entries, stream.xrevrange(keys.job_chunks(self.id), count=1))
         except redis.RedisError:
             return None  # Redis away: the next look tells
         return self._end_of(last)
@@ -299,16 +299,23 @@ class Job:
             self._send_again()
 
     async def acheck(
-        self, r: redis.asyncio.Redis, ends: StreamEnds | None = None
+        self,
+        r: redis.asyncio.Redis,
+        ends: StreamEnds | None = None,
+        stream: redis.asyncio.Redis | None = None,
     ) -> dict[str, Any] | None:
         """:meth:`check` on redis.asyncio, in one round trip with a look at the stream's end
-        when ``ends`` is given: returns what ``ends`` makes of it (:meth:`StreamEnds.seen`)."""
+        when ``ends`` is given (two where the ``stream`` lives on a Redis of its own):
+        returns what ``ends`` makes of it (:meth:`StreamEnds.seen`)."""
+        stream = r if stream is None else stream
         pipe = r.pipeline(transaction=False)
         self._check_commands(pipe)
-        if ends is not None:
+        if ends is not None and stream is r:
             pipe.xrevrange(keys.job_chunks(self.id), count=1)
         try:
             known, placed, queued, traces, *last = await pipe.execute()
+            if ends is not None and stream is not r:
+                last = [await stream.xrevrange(keys.job_chunks(self.id), count=1)]
         except redis.RedisError:
             return None  # Redis away: the next check tells
         if self._lost_on_the_way(known, placed, queued, traces):

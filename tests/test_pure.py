@@ -26,7 +26,7 @@ from scheduler.protocol import (
     check_model_name,
     parse_request,
 )
-from scheduler.store.streams import ChunkOrder
+from scheduler.store.chunk_reading import ChunkOrder
 from scheduler.units import format_duration, parse_bytes, parse_duration_s
 from tests.test_decision import runner_view
 from workers.backlog import Backlog

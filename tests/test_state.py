@@ -16,11 +16,12 @@ from scheduler.cluster import DeviceInfo
 from scheduler.local.embedded import EmbeddedRedis
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import fsck, keys
+from scheduler.store.chunk_reading import read_chunks
 from scheduler.store.clock import redis_now
 from scheduler.store.due import Deadlines, DueSend
 from scheduler.store.placement_state import PlacementState, Pruned
 from scheduler.store.scripts import execute, script
-from scheduler.store.streams import publish_final, queue_chunk, read_chunks
+from scheduler.store.streams import publish_final, queue_chunk
 from scheduler.store.worker_state import WorkerState
 from tests.conftest import fall_silent, send
 from workers.chunks import ChunkPublisher, ChunkWriter, Pending

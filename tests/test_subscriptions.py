@@ -20,9 +20,9 @@ from scheduler.local.embedded import EmbeddedRedis
 from scheduler.protocol import JobRequest
 from scheduler.store import keys
 from scheduler.store.cancel import READER_STUCK_S, ReaderLease, cancelled_by, watch_keys
+from scheduler.store.chunk_reading import ChunkFollower, read_chunks
 from scheduler.store.hub import Alarms, Hub
 from scheduler.store.leases import Leases, ThreadLeases
-from scheduler.store.streams import ChunkFollower, read_chunks
 from scheduler.store.subscriptions import Subscriptions
 from workers.chunks import ChunkPublisher
 

@@ -17,6 +17,7 @@ from scheduler.local.procs import lower_thread_priority
 from scheduler.midstream import TOKENS, Skip, SoFar
 from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.scripts import execute
+from scheduler.store.shards import Shards
 from scheduler.store.streams import queue_chunk, write_chunk
 from workers.first_chunk import FirstChunks, Sent
 from workers.pending import Pending
@@ -39,13 +40,15 @@ class ChunkWriter:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: redis.Redis | Shards[redis.Redis],
         nice: int = 0,
         interval_s: float = 0.0,
         outage_s: float = 120.0,
         on_fenced: Callable[[str, str], None] = lambda _job_id, _placement_id: None,
     ) -> None:
-        self.r = client
+        # the Redis of each job's stream (scheduler/store/shards.py)
+        self.streams = client if isinstance(client, Shards) else Shards(client)
+        client = self.streams.control
         # told (job id, placement id) of a run whose chunk was refused: another placement of
         # the job owns its stream now (placed again, or sent again), so that run stops
         self.on_fenced = on_fenced
@@ -75,7 +78,7 @@ class ChunkWriter:
         waiting for Redis's answer, which this writer's thread reads, at its next write,
         before it writes anything queued after it (workers/first_chunk.py); False when it
         was not sent (then :meth:`put` it)."""
-        if not self.first.send(pending, self._queue.put):
+        if self.streams.sharded or not self.first.send(pending, self._queue.put):
             return False
         # its answer is read when the writer next writes: the next chunks (of every job)
         # wait out the interval from here, as after any write
@@ -203,10 +206,22 @@ class ChunkWriter:
             log.exception("telling job %s's run %s that it is fenced off failed", job_id, fence)
 
     def _pipeline(self, chunks: list[Pending]) -> list[Any]:
-        pipe = self.r.pipeline(transaction=False)
-        for c in chunks:
-            queue_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
-        return execute(pipe, raise_on_error=False)  # a script Redis lost: loaded, run again
+        """One pipeline for each Redis the chunks' streams live on; the results in the
+        chunks' order."""
+        apart: dict[int, tuple[redis.Redis, list[int]]] = {}
+        for n, c in enumerate(chunks):
+            client = self.streams.of(c.job_id)
+            apart.setdefault(id(client), (client, []))[1].append(n)
+        results: list[Any] = [None] * len(chunks)
+        for client, ns in apart.values():
+            pipe = client.pipeline(transaction=False)
+            for n in ns:
+                c = chunks[n]
+                queue_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
+            # a script Redis lost: loaded, run again
+            for n, result in zip(ns, execute(pipe, raise_on_error=False), strict=True):
+                results[n] = result
+        return results
 
 
 def _text_kind(chunk: dict[str, Any]) -> str | None:

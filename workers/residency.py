@@ -19,6 +19,8 @@ from scheduler.errors import GgufqError, InvalidModelFile, LoadFailed
 from scheduler.gguf.registry import Registry
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
+from scheduler.store.connection import connect
+from scheduler.store.shards import stream_shards
 from scheduler.store.stats import count, execute
 from scheduler.store.worker_state import WorkerState
 from workers.backlog import AWAY, Backlog, patiently
@@ -43,7 +45,9 @@ class Residency:
     ) -> None:
         self.settings = settings
         self.r = client
-        self.state = WorkerState(client)
+        # where the jobs' streams live: this Redis, or those of GGUFQ_STREAM_REDIS_URLS
+        self.streams = stream_shards(client, settings.stream_redis_urls, connect)
+        self.state = WorkerState(client, self.streams)
         self.devices = devices
         self.registry = registry
         self.clock = clock

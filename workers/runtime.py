@@ -76,7 +76,7 @@ class WorkerRuntime(Residency):
         self._threads: list[threading.Thread] = []
         self.health = LoopHealth()
         self.chunks = ChunkWriter(
-            client, settings.helper_nice, settings.stream_interval_s, on_fenced=self._fenced
+            self.streams, settings.helper_nice, settings.stream_interval_s, on_fenced=self._fenced
         )
         self.cancels = CancelWatcher(client, self.health)
         self.membership = Membership(self.state, devices, self.health, settings, self._let_go)
@@ -181,7 +181,7 @@ class WorkerRuntime(Residency):
         placement = parse_placement(sent)
         runner_id = placement.runner_id
         publisher = ChunkPublisher(
-            self.r, req.id, self.settings.stream_ttl_s, self.chunks, fence=placement.id
+            self.streams.of(req.id), req.id, self.settings.stream_ttl_s, self.chunks, placement.id
         )
         base = {"model": req.model, "job_id": req.id, "device": placement.device_id}
         # watched before the start reads its cancel flags: a cancel broadcast between the

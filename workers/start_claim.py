@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from scheduler.errors import JobFailed
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
 from scheduler.store.cancel import CancelWatcher
@@ -102,6 +103,31 @@ class StartClaim:
             rt._running[(req.id, placement.id)] = placement
         self.owned = True
         rt.cancels.watch(req.id, cancelled_now)
+        self._claim_stream()
+
+    def _claim_stream(self) -> None:
+        """Where streams live on Redis instances of their own, the run names itself the
+        holder of its job's stream there (the custody record cannot fence it from afar).
+        A run from the start that finds chunks there (a run the job was taken from wrote
+        them after) ends with an error after them, as does one whose stream has ended:
+        never a second answer into one stream."""
+        rt, req, placement = self.runtime, self.req, self.placement
+        last = patiently(
+            lambda: rt.state.claim_stream(req.id, placement.id, rt.settings.stream_ttl_s),
+            f"claiming job {req.id}'s stream",
+            math.inf,  # giving up here would leak the job's slot
+        )
+        if last == 0 or (last > 0 and req.resumed):
+            return
+        self.publisher.seq = max(self.publisher.seq, last)
+        self.unseen = True  # what this run published so far goes nowhere
+        if last < 0:
+            raise JobFailed(f"job {req.id}'s stream has ended already: it is not run again")
+        raise JobFailed(
+            f"job {req.id}'s stream holds {last} chunks of an earlier run of it, written "
+            "after placement took the job from that run's worker: it is not run again from "
+            "the start into the same stream; submit it again"
+        )
 
     def gate(self, progress: Progress) -> Progress:
         """``progress``, told only once the job is this delivery's (Flower shows another
@@ -130,6 +156,8 @@ class StartClaim:
             self.make()
         except NotOwned:
             return False
+        except JobFailed:  # its stream was another run's: it ends with its own error after
+            pass
         self.publisher.release(publish_held=not self.unseen)
         if resident is not None and not self.unseen:
             self.settle(resident)

@@ -49,7 +49,7 @@ async def stream(request: Request) -> Any:
             "its own API key; name it by that header's value or by its X-Ggufq-Job"
         )
     start = first_seq(request, kept.job_id)
-    if await ended_before(gateway.client.r, kept.job_id, start):
+    if await ended_before(gateway.client.streams.of(kept.job_id)[0], kept.job_id, start):
         return Response(status_code=204)  # nothing after: an EventSource stops asking
     resumed = replace(caller, resume=Resume(kept.job_id, kept.submitted_at, start, name))
     request.scope["state"]["caller"] = resumed  # the answer reads it as it begins

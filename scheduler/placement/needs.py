@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from scheduler.protocol import JobRequest, RunnerConfig
+
+if TYPE_CHECKING:
+    from scheduler.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,14 @@ class Defaults:
     max_replicas: int = 1
     model_replicas: Mapping[str, int] = field(default_factory=dict)  # per model
     runner_queue: int | None = None  # None: as many as a runner's slots; -1: no bound
+
+    @classmethod
+    def of(cls, s: Settings) -> Defaults:
+        """The defaults the settings (GGUFQ_NUM_CTX, ...) give."""
+        parallel = (s.num_parallel, s.model_parallel, s.flash_attention)
+        return cls(
+            s.num_ctx, s.embed_num_ctx, *parallel, s.max_replicas, s.model_replicas, s.runner_queue
+        )
 
     def slots(self, model: str) -> int:
         return self.model_parallel.get(model, self.num_parallel)

@@ -103,7 +103,7 @@ class Recovery:
             self.fail(job_id, "", unreadable)
             return
         req = record.job
-        streamed, finished = progress(self.r, job_id)
+        streamed, finished = progress(self.state.streams.of(job_id), job_id)
         if finished:
             self.state.hands.let_go(job_id)
             return  # it ended before its device was dropped
@@ -146,7 +146,7 @@ class Recovery:
         hands, dead_before, back = self.state.hands, now - ttl_s, 0
         others, own = hands.look(dead_before)
         for held in others + own:
-            _streamed, finished = progress(self.r, held.job_id)
+            _streamed, finished = progress(self.state.streams.of(held.job_id), held.job_id)
             lost = {why: _lost_in_hand(held, why) for why in (Swept.ENDING, Swept.UNREADABLE)}
             ends = (_final(held, lost[Swept.ENDING]), _final(held, lost[Swept.UNREADABLE]))
             outcome = hands.sweep(held, dead_before, finished, ends, self.stream_ttl_s)

@@ -48,11 +48,13 @@ from scheduler.settings import Settings
 from scheduler.store.cancel import cancelled_before_start, is_cancelled
 from scheduler.store.celery_app import run_message
 from scheduler.store.clock import RedisClock
+from scheduler.store.connection import connect
 from scheduler.store.hands import Hands, parked_record
 from scheduler.store.hops import note as note_hops
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.routes import publish_route
 from scheduler.store.scripts import execute
+from scheduler.store.shards import stream_shards
 from scheduler.store.streams import error_chunk, publish_final
 
 log = logging.getLogger("ggufq.placement")
@@ -81,19 +83,12 @@ class PlacementService:
         self.clock = RedisClock(client)
         with contextlib.suppress(redis.RedisError):  # else its beat loop syncs it
             self.clock.sync()  # before the first job: its own clock may be far off
-        self.hands = Hands(client, self.name)  # the jobs this process handles, in Redis
+        # the jobs it handles, in Redis; their streams there or on GGUFQ_STREAM_REDIS_URLS
+        streams = stream_shards(client, settings.stream_redis_urls, connect, placement=True)
+        self.hands = Hands(client, self.name, streams)
         self.state = PlacementState(client, self.hands)
         self.ledger = RedisLedger(self.state, app, settings.device_ttl_s)
-        self.defaults = Defaults(
-            settings.num_ctx,
-            settings.embed_num_ctx,
-            settings.num_parallel,
-            settings.model_parallel,
-            settings.flash_attention,
-            settings.max_replicas,
-            settings.model_replicas,
-            settings.runner_queue,
-        )
+        self.defaults = Defaults.of(settings)
         self.affinity = AffinityMap()  # prompt prefix → the runner that served it last
         self.passes = FairPasses()  # tenants' turns among parked jobs, across retry rounds
         self.registry = Registry(settings.models_dir)
@@ -367,7 +362,8 @@ class PlacementService:
             log.warning(what, job_id)
             self.hands.hand_over(job_id)
             return
-        publish_final(self.r, job_id, error_chunk(model, job_id, exc), self.settings.stream_ttl_s)
+        final = error_chunk(model, job_id, exc)
+        publish_final(self.r, job_id, final, self.settings.stream_ttl_s, self.hands.streams)
         if isinstance(exc, JobCancelled):
             self.app.backend.mark_as_revoked(job_id, reason=str(exc))
         else:

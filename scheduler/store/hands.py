@@ -26,6 +26,8 @@ from scheduler.protocol import SentJob
 from scheduler.store import keys
 from scheduler.store.connection import REDIS_AWAY, again_if_lost
 from scheduler.store.scripts import execute, queue, script
+from scheduler.store.shards import Shards
+from scheduler.store.streams import write_final
 
 Taken = Literal["orphan", "parked"]
 
@@ -122,8 +124,11 @@ def sort_held(
 class Hands:
     """The jobs one placement process (``name``, as it beats) has in hand."""
 
-    def __init__(self, client: redis.Redis, name: str = "") -> None:
+    def __init__(
+        self, client: redis.Redis, name: str = "", streams: Shards[redis.Redis] | None = None
+    ) -> None:
         self.r = client
+        self.streams = streams or Shards(client)  # where the jobs' streams live
         self.name = name or f"placement-{uuid.uuid4().hex[:12]}"
         self._local = threading.local()
         self._place = script(client, "place")
@@ -345,6 +350,11 @@ class Hands:
                 int(held.holder == self.name),
                 *ends,
                 ttl_s,
+                int(self.streams.sharded),
             ],
         )
-        return Swept(int(outcome))
+        swept = Swept(int(outcome))
+        if self.streams.sharded and swept in (Swept.ENDING, Swept.UNREADABLE):
+            chunk = json.loads(ends[0] if swept is Swept.ENDING else ends[1])
+            write_final(self.streams.of(held.job_id), held.job_id, chunk, ttl_s)
+        return swept

@@ -48,6 +48,7 @@ class PlacementState:
     def __init__(self, client: redis.Redis, hands: Hands | None = None) -> None:
         self.r = client
         self.hands = hands or Hands(client)  # the jobs this placement process handles
+        self.streams = self.hands.streams  # where the jobs' streams live
         self._reserve = script(client, "reserve")
         self._assign = script(client, "assign")
         self._reap = script(client, "reap")
@@ -200,6 +201,8 @@ class PlacementState:
         Redis crash forgot, is fenced off. False when the job no longer waits under
         ``record``'s id."""
         job_id, old = record.job.id, record.placement
+        if self.streams.sharded and self.streams.of(job_id).exists(keys.job_chunks(job_id)):
+            return False  # its stream lives apart: a run of it wrote there
         return bool(
             self._resend(
                 keys=[
@@ -260,11 +263,16 @@ class PlacementState:
             pipe.hexists(keys.RUNNING, record.job.id)
             pipe.exists(keys.job_chunks(record.job.id))
         seen = pipe.execute()
-        return [
+        left = [
             r
             for n, r in enumerate(records)
             if not (text(seen[3 * n] or b"") == r.placement.id or any(seen[3 * n + 1 : 3 * n + 3]))
         ]
+        if self.streams.sharded:  # its chunks, where streams live apart
+            left = [
+                r for r in left if not self.streams.of(r.job.id).exists(keys.job_chunks(r.job.id))
+            ]
+        return left
 
     def in_broker(self, sends: list[DueSend]) -> set[DueSend]:
         """Which of ``sends`` have a message waiting in their device's queues (a Celery

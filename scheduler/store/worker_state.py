@@ -15,12 +15,14 @@ from scheduler.store.cancel import cancelled_by, watch_keys
 from scheduler.store.placement_state import GONE_BEAT, reap
 from scheduler.store.records import text
 from scheduler.store.scripts import flatten, script
-from scheduler.store.streams import Appended, chunk_call, outcome_of
+from scheduler.store.shards import Shards
+from scheduler.store.streams import Appended, chunk_call, claim_stream, outcome_of, write_chunk
 
 
 class WorkerState:
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, streams: Shards[redis.Redis] | None = None) -> None:
         self.r = client
+        self.streams = streams or Shards(client)  # where the jobs' streams live
         self._begin_unload = script(client, "begin_unload")
         self._release = script(client, "release")
         self._reap = script(client, "reap")
@@ -184,7 +186,10 @@ class WorkerState:
         a job handed back among the orphans as ``orphan`` (placement hears of it). Returns
         what became of the chunk and how many jobs the runner still counts (-1: gone)."""
         seq, chunk = last
-        chunk_keys, chunk_args = chunk_call(job_id, seq, chunk, ttl_s, placement.id)
+        apart = self.streams.sharded and chunk is not None  # written on the stream's Redis
+        chunk_keys, chunk_args = chunk_call(
+            job_id, seq, None if apart else chunk, ttl_s, placement.id
+        )
         keep = "" if keep_alive_s is None else keep_alive_s
         appended, left = self._end(
             keys=[
@@ -206,7 +211,18 @@ class WorkerState:
                 outcome_of(chunk),
             ],
         )
+        if apart and chunk is not None and Appended(int(appended)) is Appended.WRITTEN:
+            # after the record: a reader that sees the last chunk finds the job ended
+            appended = write_chunk(self.streams.of(job_id), job_id, seq, chunk, ttl_s, placement.id)
         return Appended(int(appended)), int(left)
+
+    def claim_stream(self, job_id: str, placement_id: str, ttl_s: int) -> int:
+        """A started run's claim on its job's stream where streams live apart (see
+        :func:`scheduler.store.streams.claim_stream`); 0 where they do not (the custody
+        record fences the run's chunks there)."""
+        if not self.streams.sharded:
+            return 0
+        return claim_stream(self.streams.of(job_id), job_id, placement_id, ttl_s)
 
     def announce(self, event: dict[str, Any]) -> None:
         """Tell placement that capacity may have changed (wakes parked jobs)."""

@@ -37,14 +37,20 @@ end
 
 -- End a job that will not run (or not run again): out of the parked queue if it waits
 -- there, and its final chunk ``chunk`` (a JSON object with keys and no seq) after whatever
--- its stream holds, unfenced; its custody record moves to ``outcome``. Touches, by name,
+-- its stream holds, unfenced; its custody record moves to ``outcome``. ``elsewhere`` '1':
+-- the stream lives on a Redis of its own (scheduler/store/shards.py), where the caller
+-- writes the chunk next, with lua/final.lua; only the record moves here. Touches, by name,
 -- the job's keys: ggufq:parked, ggufq:parked:<id> and its model's index, and
 -- ggufq:job:<id>:chunks, :custody and its channel. Returns streams.Appended.
-local function end_unrun(job_id, chunk, ttl, outcome)
+local function end_unrun(job_id, chunk, ttl, outcome, elsewhere)
   local job = 'ggufq:job:' .. job_id
   redis.call('ZREM', 'ggufq:parked', job_id)
   redis.call('DEL', 'ggufq:parked:' .. job_id)
   unindex(job_id)
+  if elsewhere == '1' then
+    move_record(job .. ':custody', outcome, '', ttl)
+    return 1
+  end
   local last = redis.call('XREVRANGE', job .. ':chunks', '+', '-', 'COUNT', 1)
   local seq = 1
   if #last > 0 then seq = tonumber(string.match(last[1][1], '%-(%d+)$')) + 1 end

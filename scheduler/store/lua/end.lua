@@ -19,15 +19,26 @@
 --                                                  the runner's model: wakes parked jobs
 -- KEYS[7] ggufq:orphans                            (hash) job id -> in-flight record
 -- KEYS[8] ggufq:job:<id>:custody                   (hash) its custody record: the fence
--- ARGV: placement id (the fence), seq, payload ('' for no chunk), stream ttl_s, job id,
+-- ARGV: placement id (the fence), seq, payload ('' for no chunk, or one written where the
+--       stream lives apart), stream ttl_s, job id,
 --       now, keep_alive_s ('' keeps the runner's), runner id, the orphan record of a job
---       handed back ('' for none), the final chunk's outcome (done, failed, cancelled)
+--       handed back ('' for none), the final chunk's outcome (done, failed, cancelled; ''
+--       with no chunk: none to move to)
 -- Returns {streams.Appended (1 also when there was no chunk), jobs the runner still counts
 -- (-1: it is gone)}.
 local appended = 1
 if ARGV[3] ~= '' then
   appended = append_chunk(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], KEYS[8],
     ARGV[10])
+elseif ARGV[10] ~= '' then
+  -- the stream lives on a Redis of its own (scheduler/store/shards.py): the record moves
+  -- here, fenced as append_chunk fences, and the caller writes the chunk there next
+  local holder = holder_of(KEYS[8])
+  if holder and holder ~= ARGV[1] then
+    appended = 0
+  else
+    move_record(KEYS[8], ARGV[10], ARGV[1], ARGV[4])
+  end
 end
 local was_recorded = done_with(KEYS[3], KEYS[4], ARGV[5], ARGV[1], KEYS[8])
 local left = count_off(KEYS[5], ARGV[1], ARGV[6], ARGV[7])

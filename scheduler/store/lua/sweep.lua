@@ -19,7 +19,8 @@
 -- ARGV: field, token, placement, dead_before, job id, '1' when the job has ended already,
 --       '1' when the placement sweeps its own entry, the final chunk of a job its holder
 --       was ending, that of a job whose entry does not parse (JSON objects with keys and
---       no seq), stream ttl (s)
+--       no seq), stream ttl (s), '1' when the job's stream lives on a Redis of its own
+--       (the caller writes the final chunk there: lua/final.lua)
 -- Returns hands.Swept: 1 PUT_BACK, 2 LET_GO, 3 ENDING (let go of a job its holder was
 -- ending, and ended), -1 UNREADABLE (let go of an entry that does not parse, and its job
 -- ended), 0 NOTHING (gone, another token, or its holder is alive).
@@ -45,7 +46,7 @@ if outcome == 1 then
   put_back(KEYS[3], KEYS[4], entry['what'], ARGV[5], entry['record'])
   move(ARGV[5], entry['what'] == 'orphan' and 'orphaned' or 'parked', '')
 elseif outcome == 3 or outcome == -1 then
-  end_unrun(ARGV[5], outcome == 3 and ARGV[8] or ARGV[9], ARGV[10], 'failed')
+  end_unrun(ARGV[5], outcome == 3 and ARGV[8] or ARGV[9], ARGV[10], 'failed', ARGV[11] or '')
 end
 -- the hold is the sweep's now: its stalled holder, should it come back, leaves the job
 local token = redis.call('HGET', KEYS[5], 'token')

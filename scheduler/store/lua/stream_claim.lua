@@ -1,0 +1,21 @@
+-- A run's claim on its job's stream, where streams live on Redis instances of their own
+-- (scheduler/store/shards.py), made right after its start (lua/start.lua): the stream's own
+-- record names the run its holder, so chunks of a run the job was taken from (one that
+-- stalled past its lease and came back) are refused here from now on (append.lua), as the
+-- custody record refuses them where the stream lives beside it.
+-- Moves no job: the stream's own record holds a holder only
+-- KEYS[1] ggufq:job:<id>:chunks  (stream) entry ids 0-<seq>
+-- KEYS[2] ggufq:job:<id>:custody (hash) the stream's own record, on the stream's Redis
+-- ARGV: placement id of the run, stream ttl_s
+-- Returns the seq of the stream's last chunk (0: none yet), or -1 when that chunk is a
+-- final one (the job's stream ended: nothing is claimed).
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local seq = 0
+if #last > 0 then
+  seq = tonumber(string.match(last[1][1], '%-(%d+)$'))
+  local ok, chunk = pcall(cjson.decode, last[1][2][2])
+  if ok and type(chunk) == 'table' and chunk['done'] then return -1 end
+end
+redis.call('HSET', KEYS[2], 'holder', ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return seq

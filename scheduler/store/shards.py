@@ -1,0 +1,109 @@
+"""Where each job's token stream lives: GGUFQ_REDIS_URL's Redis by default, or one of the
+Redis instances of GGUFQ_STREAM_REDIS_URLS, chosen by a stable hash of the job's id, so
+that stream traffic (a chunk's XADD, PUBLISH and EXPIRE, its readers' subscriptions and
+backfills) grows with the instances while the control state stays on one primary.
+
+A stream's instance keeps a record of its own beside the stream
+(``ggufq:job:<id>:custody``, with only a ``holder``): the run that claims the stream
+(lua/stream_claim.lua, right after its start) and the final chunk name it, so a run the
+job was taken from is refused its chunks there as the custody record refuses them where
+the two live together (docs: README, "Several hosts").
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+from urllib.parse import urlsplit
+
+import redis
+
+from scheduler.errors import BadSettings
+from scheduler.redis_urls import split_urls
+
+C = TypeVar("C")
+D = TypeVar("D")
+
+WHERE = "ggufq:stream_shards"  # the instances placement serves streams on, as it said last
+
+
+def shard_of(job_id: str, count: int) -> int:
+    """The index of the instance that holds ``job_id``'s stream among ``count``: the same
+    in every process and every run (CRC-32 of the id)."""
+    return zlib.crc32(job_id.encode()) % count
+
+
+class Shards(Generic[C]):
+    """One thing per stream instance (a client, a pool of subscriptions): ``control``'s
+    alone when the streams live beside the control state."""
+
+    __slots__ = ("control", "others")
+
+    def __init__(self, control: C, others: Sequence[C] = ()) -> None:
+        self.control = control
+        self.others = list(others)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the streams live apart from the control state."""
+        return bool(self.others)
+
+    def of(self, job_id: str) -> C:
+        """What serves ``job_id``'s stream."""
+        if not self.others:
+            return self.control
+        return self.others[shard_of(job_id, len(self.others))]
+
+    @property
+    def all(self) -> list[C]:
+        """Every stream instance's (the control's alone when not sharded)."""
+        return self.others or [self.control]
+
+    def map(self, make: Callable[[C], D]) -> Shards[D]:
+        """The same instances, each through ``make`` (a pool of subscriptions per client)."""
+        return Shards(make(self.control), [make(other) for other in self.others])
+
+
+def stream_shards(
+    control: C, urls: str, connect: Callable[[str], C], placement: bool = False
+) -> Shards[C]:
+    """The stream instances of GGUFQ_STREAM_REDIS_URLS (``urls``) connected with
+    ``connect``, after :func:`agree`. ``control`` is the control state's client."""
+    found = split_urls(urls)
+    if isinstance(control, redis.Redis):
+        agree(control, found, placement)
+    return Shards(control, [connect(url) for url in found])
+
+
+def _where(urls: list[str]) -> str:
+    """The instances as every process names them alike, without credentials."""
+    return json.dumps([_address(url) for url in urls])
+
+
+def _address(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path or '/0'}"
+
+
+def agree(control: redis.Redis, urls: list[str], placement: bool) -> None:
+    """Placement says where the streams live (``ggufq:stream_shards``); every other process
+    checks that it was given the same instances, in the same order, and refuses to start
+    otherwise (its readers would wait on one instance while the worker writes to another).
+    Redis away: nothing to check against yet; Redis's own error is raised at first use."""
+    where = _where(urls)
+    try:
+        if placement:
+            control.set(WHERE, where)
+            return
+        raw = control.get(WHERE)
+    except redis.RedisError:
+        return
+    said = raw.decode() if isinstance(raw, bytes) else raw
+    if said is not None and said != where:
+        raise BadSettings(
+            f"GGUFQ_STREAM_REDIS_URLS names the stream instances {where}, and placement "
+            f"serves this cluster's streams on {said}: give every process the same "
+            "list, in the same order (start placement first after changing it)"
+        )

@@ -1,0 +1,223 @@
+"""Token streams on Redis instances of their own (issue 38, GGUFQ_STREAM_REDIS_URLS): each
+job's stream on the instance a hash of its id picks, fenced there as the custody record
+fences it where the two live together, and a whole stack serving over them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from pydantic import ValidationError
+
+from api_client import AsyncClient, Client
+from scheduler.errors import BadSettings, GgufqError
+from scheduler.local.embedded import EmbeddedRedis
+from scheduler.local.stack import LocalStack
+from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
+from scheduler.redis_urls import split_urls
+from scheduler.settings import Settings
+from scheduler.store import keys
+from scheduler.store.connection import connect
+from scheduler.store.placement_state import PlacementState
+from scheduler.store.shards import Shards, shard_of, stream_shards
+from scheduler.store.streams import Appended, error_chunk, publish_final, write_chunk
+from scheduler.store.worker_state import WorkerState
+from tests.conftest import send, settings_from, stack_env, wait_for
+from tests.held_worker import is_held, release
+from tests.test_state import vgpu
+
+
+@pytest.fixture(scope="module")
+def instances(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EmbeddedRedis]]:
+    """Two redis-servers for streams, beside the session's."""
+    root = tmp_path_factory.mktemp("stream-redis")
+    servers = [EmbeddedRedis(root / str(n)) for n in range(2)]
+    for server in servers:
+        server.start()
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture()
+def apart(instances: list[EmbeddedRedis]) -> Iterator[list[redis.Redis]]:
+    clients = [redis.Redis.from_url(s.url) for s in instances]
+    for client in clients:
+        client.flushall()
+    yield clients
+    for client in clients:
+        client.close()
+
+
+def test_a_job_s_instance_is_the_same_everywhere_and_they_share_the_jobs() -> None:
+    assert shard_of("job-1", 3) == shard_of("job-1", 3)  # crc32: no per-process seed
+    counts = [0, 0, 0]
+    for n in range(3000):
+        counts[shard_of(f"{n:032x}", 3)] += 1
+    assert all(900 < c < 1100 for c in counts), counts
+    assert Shards("control").of("x") == "control" and not Shards("control").sharded
+    assert Shards("c", ["a", "b"]).all == ["a", "b"]
+
+
+def test_the_setting_takes_sentinel_urls_and_refuses_a_cluster() -> None:
+    given = "redis://a:1/0, redis+sentinel://s1:26379,s2:26379/0?master=m ,rediss://b:2/1"
+    assert split_urls(given) == [
+        "redis://a:1/0",
+        "redis+sentinel://s1:26379,s2:26379/0?master=m",
+        "rediss://b:2/1",
+    ]
+    assert Settings(stream_redis_urls=given).stream_redis_urls.count("://") == 3
+    with pytest.raises(ValidationError, match="Redis Cluster is not supported"):
+        Settings(stream_redis_urls="redis://a:1/0,redis+cluster://b:2")
+
+
+def test_every_process_is_given_the_instances_placement_serves(
+    db: redis.Redis, instances: list[EmbeddedRedis]
+) -> None:
+    urls = ",".join(s.url for s in instances)
+    placed = stream_shards(db, urls, connect, placement=True)
+    assert len(placed.others) == 2
+    agreed = stream_shards(db, urls, connect)  # the same list
+    assert agreed.sharded
+    reversed_ = ",".join(s.url for s in reversed(instances))
+    with pytest.raises(BadSettings, match="give every process the same list"):
+        stream_shards(db, reversed_, connect)
+    with pytest.raises(BadSettings, match="GGUFQ_STREAM_REDIS_URLS names the stream instances"):
+        stream_shards(db, "", connect)  # a worker given none: its streams would be here
+    for client in [*placed.others, *agreed.others]:
+        client.close()
+
+
+def _sent(db: redis.Redis, placement_id: str) -> tuple[JobRequest, Placement]:
+    job = JobRequest(model="m", prompt="p")
+    placed = Placement(
+        id=placement_id, runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512)
+    )
+    assert send(PlacementState(db), SentJob(job=job, placement=placed, worker="w@h"))
+    return job, placed
+
+
+def test_a_run_taken_back_is_refused_its_chunks_on_the_stream_s_instance(
+    db: redis.Redis, apart: list[redis.Redis]
+) -> None:
+    streams = Shards(db, apart)
+    workers = WorkerState(db, streams)
+    workers.register_device(vgpu(0))
+    job, first = _sent(db, "p1")
+    stream = streams.of(job.id)
+    assert workers.start("vgpu:h:0", job.id, "p1", "d1", 1.0) is False
+    assert workers.claim_stream(job.id, "p1", 60) == 0
+    assert write_chunk(stream, job.id, 1, {"response": "a"}, 60, "p1") is Appended.WRITTEN
+    assert stream.xlen(keys.job_chunks(job.id)) == 1
+    assert not db.exists(keys.job_chunks(job.id))  # the control Redis holds no stream
+
+    # the job goes on under another placement (its first worker stalled past its lease),
+    # whose run claims the stream: the first run's next chunk is refused
+    again = first.model_copy(update={"id": "p2"})
+    db.hset(
+        keys.inflight("vgpu:h:0"),
+        job.id,
+        SentJob(job=job, placement=again, worker="w@h").model_dump_json(),
+    )
+    db.hset(keys.job_custody(job.id), "holder", "p2")
+    assert workers.claim_stream(job.id, "p2", 60) == 1  # the chunk there: one run wrote it
+    assert write_chunk(stream, job.id, 2, {"response": "b"}, 60, "p1") is Appended.FENCED
+    assert write_chunk(stream, job.id, 2, {"response": "c"}, 60, "p2") is Appended.WRITTEN
+
+    # the end: the custody record moves on the control Redis, then the final chunk here
+    last = (3, {"done": True, "response": ""})
+    assert workers.end(first, job.id, last, 2.0, None, 60) == (Appended.FENCED, -1)
+    assert stream.xlen(keys.job_chunks(job.id)) == 2
+    assert workers.end(again, job.id, last, 2.0, None, 60)[0] is Appended.WRITTEN
+    assert db.hget(keys.job_custody(job.id), "state") == b"done"
+    assert stream.xlen(keys.job_chunks(job.id)) == 3
+    assert workers.claim_stream(job.id, "p3", 60) == -1  # ended: nothing to claim
+
+
+def test_placement_s_end_of_a_job_writes_its_chunk_on_the_instance(
+    db: redis.Redis, apart: list[redis.Redis]
+) -> None:
+    streams = Shards(db, apart)
+    job_id = "ended-unrun"
+    exc = GgufqError("no such model")
+    publish_final(db, job_id, error_chunk("m", job_id, exc), 60, streams)
+    assert db.hget(keys.job_custody(job_id), "state") == b"failed"
+    stream = streams.of(job_id)
+    [(_id, fields)] = stream.xrange(keys.job_chunks(job_id))
+    assert b"no such model" in fields[b"c"]
+    # a run that turns up later writes nothing after the end
+    assert write_chunk(stream, job_id, 2, {"response": "x"}, 60, "p1") is Appended.FENCED
+
+
+def test_a_stack_streams_over_two_instances(
+    models_dir: Path, tmp_path: Path, instances: list[EmbeddedRedis], apart: list[redis.Redis]
+) -> None:
+    env = stack_env(models_dir, tmp_path / "state", host="shardhost")
+    env["GGUFQ_STREAM_REDIS_URLS"] = ",".join(s.url for s in instances)
+    settings = settings_from(env, None)
+    with LocalStack(settings, log_dir=tmp_path / "logs", extra_env=env) as stack:
+        with Client(stack.redis_url, settings=settings, timeout=120) as client:
+            ids = []
+            for n in range(6):
+                job = client.submit("tiny", f"count {n}", options={"num_predict": 6})
+                text = "".join(c.response for c in job.stream() if not c.done)
+                assert text == job.result().response and job.result().done
+                ids.append(job.id)
+            assert not client.r.keys("ggufq:job:*:chunks")  # none on the control Redis
+            where = [streams for streams in apart if streams.keys("ggufq:job:*:chunks")]
+            assert len(where) == 2  # six jobs over both instances
+            for job_id in ids:
+                assert apart[shard_of(job_id, 2)].exists(keys.job_chunks(job_id))
+            [runner] = client.ps()  # each end recorded before its reader saw it
+            assert runner.in_flight == 0
+            with pytest.raises(GgufqError, match="alien"):  # placement's end, on an instance
+                client.generate("alien", "hi")
+
+        async def over_asyncio() -> str:
+            async with AsyncClient(stack.redis_url, settings=settings, timeout=120) as aclient:
+                job = await aclient.submit("tiny", "async", options={"num_predict": 4})
+                parts = [chunk.response async for chunk in job.stream() if not chunk.done]
+                return "".join(parts)
+
+        assert asyncio.run(over_asyncio())
+
+
+def test_a_stream_instance_restarted_mid_stream_loses_nothing(
+    models_dir: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The instance of a job held after its first text stops and starts again (its data
+    kept, as a restart or a failover keeps it): the worker holds its chunks back meanwhile,
+    the reader reads on from its last chunk, and the answer is whole, once."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("one-stream-redis"))
+    server.start()
+    env = stack_env(models_dir, tmp_path / "state", host="shardfault")
+    env["GGUFQ_STREAM_REDIS_URLS"] = server.url
+    settings = settings_from(env, None)
+    try:
+        with LocalStack(
+            settings, log_dir=tmp_path / "logs", extra_env=env, worker_module="tests.held_worker"
+        ) as stack:
+            with Client(stack.redis_url, settings=settings, timeout=120) as client:
+                job = client.submit("tiny", "HOLD: go on", options={"num_predict": 12})
+                stream = job.stream()
+                first = next(stream)
+                assert first.response and not first.done
+                shard = redis.Redis.from_url(server.url)
+                assert wait_for(lambda: is_held(shard, job.id))
+                shard.close()
+                server.stop()
+                server.start()
+                shard = redis.Redis.from_url(server.url)
+                release(shard, job.id)
+                rest = list(stream)
+                shard.close()
+                assert rest[-1].done
+                text = first.response + "".join(c.response for c in rest if not c.done)
+                assert text == job.result().response
+                seqs = [first.seq, *(c.seq for c in rest)]
+                assert seqs == list(range(1, len(seqs) + 1))  # none lost, none twice
+    finally:
+        server.stop()
