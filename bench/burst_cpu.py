@@ -24,7 +24,7 @@ from typing import Any
 import batch_throughput as bt
 import redis
 
-from scheduler.store import streams
+from scheduler.store import chunk_reading
 
 HZ = os.sysconf("SC_CLK_TCK")
 
@@ -50,7 +50,7 @@ class ReaderCounts:
 
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
-        order = streams.ChunkOrder
+        order = chunk_reading.ChunkOrder
         on_message, on_record = order.from_message, order.from_record
         counts = self.counts
 

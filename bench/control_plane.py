@@ -82,14 +82,21 @@ def tally(r: redis.Redis) -> dict[str, float]:
 
 
 def step(
-    clients: list[Client], r: redis.Redis, rate: float, idle_per_s: float, args: Any
+    clients: list[Client],
+    r: redis.Redis,
+    rate: float,
+    idle_per_s: float,
+    args: Any,
+    apart: list[redis.Redis],
 ) -> dict[str, Any]:
-    """Offer ``rate`` jobs a second for ``args.seconds``; wait for them to end; figures."""
+    """Offer ``rate`` jobs a second for ``args.seconds``; wait for them to end; figures.
+    ``apart``: the stream instances, when streams live apart from ``r``."""
     total = int(rate * args.seconds)
     ids: list[str] = []
     lock = threading.Lock()
     begun = time.monotonic()
     before, ended_before, cpu = commands(r), tally(r).get("ended", 0.0), redis_cpu_s(r)
+    streams_before = [(commands(a), redis_cpu_s(a)) for a in apart]
 
     def submit(k: int) -> None:
         rng = random.Random(k)
@@ -112,7 +119,12 @@ def step(
     while time.monotonic() < deadline and tally(r).get("ended", 0.0) - ended_before < len(ids):
         time.sleep(0.05)
     took = time.monotonic() - begun
-    used, cpu = commands(r) - before, redis_cpu_s(r) - cpu
+    control, cpu = commands(r) - before, redis_cpu_s(r) - cpu
+    on_streams = [
+        (commands(a) - c, redis_cpu_s(a) - u)
+        for a, (c, u) in zip(apart, streams_before, strict=True)
+    ]
+    used = control + sum(c for c, _u in on_streams)
     pipe = r.pipeline(transaction=False)
     for job_id in ids:
         pipe.hmget(keys.job_hops(job_id), "submitted", "sent")
@@ -134,7 +146,9 @@ def step(
         "place_p50_ms": round(pct(waits, 0.5), 2),
         "place_p99_ms": round(pct(waits, 0.99), 2),
         "commands_a_job": round((used - idle_per_s * took) / max(1, len(ids)), 1),
-        "redis_cpu": round(cpu / took, 2),  # of one core
+        "control_commands_a_job": round((control - idle_per_s * took) / max(1, len(ids)), 1),
+        "redis_cpu": round(cpu / took, 2),  # the control Redis's, of one core
+        "stream_cpu_max": round(max((u for _c, u in on_streams), default=0.0) / took, 2),
         "beat_gap_s": round(workers.get("beat_gap_s", 0.0), 2),
         "reaped": int(workers.get("reaped", 0)),
     }
@@ -149,10 +163,11 @@ def holds(row: dict[str, Any]) -> bool:
     )
 
 
-def placement_env(url: str, models: Path, state: Path) -> dict[str, str]:
+def placement_env(url: str, models: Path, state: Path, stream_urls: str) -> dict[str, str]:
     return {
         **os.environ,
         "GGUFQ_REDIS_URL": url,
+        "GGUFQ_STREAM_REDIS_URLS": stream_urls,
         "GGUFQ_MODELS_DIR": str(models),
         "GGUFQ_STATE_DIR": str(state),
         "GGUFQ_HEARTBEAT_INTERVAL_S": str(HB_S),
@@ -173,6 +188,12 @@ def main() -> None:
     parser.add_argument("--token-rate", type=float, default=640.0, help="tokens a second a job")
     parser.add_argument("--placements", type=int, default=2, help="placement processes")
     parser.add_argument("--submitters", type=int, default=4, help="client threads")
+    parser.add_argument(
+        "--stream-instances",
+        type=int,
+        default=0,
+        help="Redis instances of the token streams (GGUFQ_STREAM_REDIS_URLS); 0: the one Redis",
+    )
     parser.add_argument("--as-workers", nargs=2, help=argparse.SUPPRESS)  # url, device bytes
     args = parser.parse_args()
     if args.as_workers:
@@ -184,6 +205,9 @@ def main() -> None:
     server = EmbeddedRedis(root / "redis")
     url = server.start()
     r = redis.Redis.from_url(url)
+    instances = [EmbeddedRedis(root / f"streams{n}") for n in range(args.stream_instances)]
+    stream_urls = ",".join(instance.start() for instance in instances)
+    apart = [redis.Redis.from_url(instance.url) for instance in instances]
     procs: list[subprocess.Popen[bytes]] = []
     clients: list[Client] = []
     rows: list[dict[str, Any]] = []
@@ -191,7 +215,7 @@ def main() -> None:
     logs = root / "processes.log"
     try:
         size = calibrate(models, SLOTS) * 3 // 2  # one runner a device
-        env = placement_env(url, models, root / "state")
+        env = placement_env(url, models, root / "state", stream_urls)
         with open(logs, "ab") as log:
             workers = [sys.executable, __file__, "--as-workers", url, str(size)]
             argv = [*workers, *sys.argv[1:]]
@@ -201,7 +225,9 @@ def main() -> None:
             argv = [sys.executable, "-m", "scheduler.placement.process"]
             for _ in range(args.placements):
                 procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=log))
-        settings = Settings(redis_url=url, models_dir=models, device_ttl_s=TTL_S)
+        settings = Settings(
+            redis_url=url, models_dir=models, device_ttl_s=TTL_S, stream_redis_urls=stream_urls
+        )
         clients = [Client(url, settings=settings, timeout=60) for _ in range(args.submitters)]
         beating = lambda: clients[0].health()["placement"] >= args.placements  # noqa: E731
         wait_until(beating, 60, f"placement did not start: see {logs}")
@@ -213,7 +239,7 @@ def main() -> None:
         time.sleep(idle_s)
         idle_per_s = (commands(r) - before) / idle_s
         for rate in (float(x) for x in args.rates.split(",")):
-            rows.append(step(clients, r, rate, idle_per_s, args))
+            rows.append(step(clients, r, rate, idle_per_s, args, apart))
             print(json.dumps(rows[-1]), flush=True)
     finally:
         for client in clients:
@@ -228,6 +254,9 @@ def main() -> None:
                 proc.wait()
         r.close()
         server.stop()
+        for client, instance in zip(apart, instances, strict=True):
+            client.close()
+            instance.stop()
     report(args, rows, idle_per_s)
 
 
@@ -243,14 +272,16 @@ def report(args: Any, rows: list[dict[str, Any]], idle_per_s: float) -> None:
     print()
     print(
         f"{'rate':>7}{'offered/s':>11}{'ended/s':>9}{'place p50':>11}{'p99 ms':>10}"
-        f"{'beat gap':>10}{'reaped':>8}{'cmds/job':>10}{'Redis CPU':>11}  holds"
+        f"{'beat gap':>10}{'reaped':>8}{'cmds/job':>10}{'control':>9}{'Redis CPU':>11}"
+        f"{'streams':>9}  holds"
     )
     for row in rows:
         print(
             f"{row['rate']:>7.0f}{row['offered_per_s']:>11.1f}{row['ended_per_s']:>9.1f}"
             f"{row['place_p50_ms']:>11.2f}{row['place_p99_ms']:>10.2f}{row['beat_gap_s']:>9.2f}s"
-            f"{row['reaped']:>8}{row['commands_a_job']:>10.1f}{row['redis_cpu']:>11.2f}"
-            f"  {'yes' if holds(row) else 'no'}"
+            f"{row['reaped']:>8}{row['commands_a_job']:>10.1f}"
+            f"{row['control_commands_a_job']:>9.1f}{row['redis_cpu']:>11.2f}"
+            f"{row['stream_cpu_max']:>9.2f}  {'yes' if holds(row) else 'no'}"
         )
     held = [row["rate"] for row in rows if holds(row)]
     best = max(held, default=0.0)
@@ -268,7 +299,8 @@ def report(args: Any, rows: list[dict[str, Any]], idle_per_s: float) -> None:
         "placements": args.placements,
         "tokens": args.tokens,
         "token_rate": args.token_rate,
-        "stream_instances": 1,
+        "stream_instances": args.stream_instances or 1,
+        "streams_apart": bool(args.stream_instances),
         "rows": rows,
         "idle_commands_per_s": round(idle_per_s, 1),
         "highest_rate_held": best,

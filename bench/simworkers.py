@@ -4,8 +4,9 @@ protocol for many virtual devices without llama.cpp (issue 38).
 Each host beats for its devices (heartbeat.lua) and takes its devices' Celery messages off
 their queues (BRPOP, one connection a host, as a worker's consumer does). Each job marks
 its runner ready on its first job (as after a load), starts (start.lua), writes its tokens
-at a set rate as a worker's writer does (a chunk every 0.1 s, append.lua), ends (end.lua)
-and stores its Celery result. What they counted (jobs ended, the longest gap between a
+at a set rate as a worker's writer does (a chunk every 0.1 s, append.lua, on the stream's
+own Redis with GGUFQ_STREAM_REDIS_URLS, claimed first), ends (end.lua) and stores its
+Celery result. What they counted (jobs ended, the longest gap between a
 host's beats, devices found reaped) is in ``ggufq:bench:workers`` for the bench to read.
 """
 
@@ -27,6 +28,7 @@ from scheduler.settings import Settings
 from scheduler.store import keys
 from scheduler.store.celery_app import close_app, make_app
 from scheduler.store.scripts import execute
+from scheduler.store.shards import stream_shards
 from scheduler.store.streams import queue_chunk
 from scheduler.store.worker_state import WorkerState
 
@@ -44,7 +46,9 @@ class Workers:
         self.tokens, self.token_rate = args.tokens, args.token_rate
         hosts, per_host = args.hosts, args.devices
         self.r = redis.Redis.from_url(url)
-        self.state = WorkerState(self.r)
+        # the jobs' streams: here, or on GGUFQ_STREAM_REDIS_URLS (--stream-instances)
+        self.streams = stream_shards(self.r, settings.stream_redis_urls, redis.Redis.from_url)
+        self.state = WorkerState(self.r, self.streams)
         self.app = make_app(url, settings)
         self.hosts = {
             f"h{h:03d}": [f"vgpu:h{h:03d}:{d}" for d in range(per_host)] for h in range(hosts)
@@ -77,6 +81,8 @@ class Workers:
         for thread in self.threads:
             thread.join(timeout=5)
         close_app(self.app)
+        for client in self.streams.others:
+            client.close()
         self.r.close()
 
     def _beats(self) -> None:
@@ -128,6 +134,7 @@ class Workers:
         now = time.time()
         if self.state.start(placement.device_id, req.id, placement.id, req.id, now) is None:
             return
+        self.state.claim_stream(req.id, placement.id, self.settings.stream_ttl_s)
         chunks = max(1, round(self.tokens / self.token_rate / CHUNK_S))
         started = time.monotonic()
         for n in range(1, chunks + 1):
@@ -136,7 +143,7 @@ class Workers:
 
     def _write(self, req: JobRequest, placement: Placement, seq: int, last: bool) -> None:
         ttl = self.settings.stream_ttl_s
-        pipe = self.r.pipeline(transaction=False)
+        pipe = self.streams.of(req.id).pipeline(transaction=False)
         queue_chunk(pipe, req.id, seq, {"response": "x" * 8, "done": False}, ttl, placement.id)
         execute(pipe)
         if not last:
