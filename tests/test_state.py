@@ -21,6 +21,7 @@ from scheduler.store.clock import redis_now
 from scheduler.store.due import Deadlines, DueSend
 from scheduler.store.placement_state import PlacementState, Pruned
 from scheduler.store.scripts import execute, script
+from scheduler.store.shards import Shards
 from scheduler.store.streams import publish_final, queue_chunk
 from scheduler.store.worker_state import WorkerState
 from tests.conftest import fall_silent, send
@@ -281,15 +282,15 @@ def test_a_first_chunk_redis_does_not_take_at_once_goes_through_the_writer_threa
     db: redis.Redis,
 ) -> None:
     writer = ChunkWriter(db, interval_s=600.0)
-    writer.first.close()
+    writer.firsts.control.close()
     with socket.socket() as closed:  # a port nothing listens on: refused at once
         closed.bind(("127.0.0.1", 0))
-        writer.first = FirstChunks(redis.Redis(port=closed.getsockname()[1]))
+        writer.firsts = Shards(FirstChunks(redis.Redis(port=closed.getsockname()[1])))
     try:
         pub = ChunkPublisher(db, "job6", ttl_s=60, writer=writer)
         pub.publish({"response": "first"})
         assert recorded_soon(db, "job6") == ["first"]  # the thread wrote it, at once
-        assert writer.first.paused_until > time.monotonic()  # and takes the next jobs' too
+        assert writer.firsts.control.paused_until > time.monotonic()  # and takes the next jobs' too
         assert not writer.write_now(Pending("job7", 1, {"response": "x"}, 60))
     finally:
         writer.close()
@@ -396,8 +397,8 @@ def test_a_first_chunk_whose_answer_was_lost_keeps_the_text_after_it(db: redis.R
     """The first chunk landed but its answer did not: the writer thread's copy is refused
     as a duplicate, so text published after it must not have joined it."""
     writer = ChunkWriter(db, interval_s=600.0)
-    writer.first.close()
-    writer.first = first_chunks_over(db, LostAnswers)
+    writer.firsts.control.close()
+    writer.firsts = Shards(first_chunks_over(db, LostAnswers))
     try:
         pub = ChunkPublisher(db, "job8", ttl_s=60, writer=writer)
         pub.publish({"response": "first"})
@@ -428,7 +429,7 @@ def test_a_first_chunk_sent_when_redis_had_lost_the_script_is_written_by_the_thr
         assert writer.flush(timeout_s=10)
         assert recorded(db, "job9") == ["first", " second", ""]
         assert [c["seq"] for c in read_chunks(db, "job9", 5)] == [1, 2, 3]
-        assert writer.first.paused_until < time.monotonic()  # the connection was fine
+        assert writer.firsts.control.paused_until < time.monotonic()  # the connection was fine
     finally:
         writer.close()
 
@@ -465,7 +466,7 @@ def test_a_fenced_runs_callback_that_raises_stops_no_other_jobs_chunks(db: redis
         other.publish({"response": "b"})
         assert writer.flush(timeout_s=10)  # the writer's thread is still there
         assert recorded(db, "job12") == ["a", "b"] and recorded(db, "job11") == []
-        writer.first.stop()  # closing: no first chunk is sent past the writer's end
+        writer.firsts.control.stop()  # closing: no first chunk is sent past the writer's end
         assert not writer.write_now(Pending("job13", 1, {"response": "y"}, 60))
     finally:
         writer.close()

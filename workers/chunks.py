@@ -48,11 +48,11 @@ class ChunkWriter:
     ) -> None:
         # the Redis of each job's stream (scheduler/store/shards.py)
         self.streams = client if isinstance(client, Shards) else Shards(client)
-        client = self.streams.control
         # told (job id, placement id) of a run whose chunk was refused: another placement of
         # the job owns its stream now (placed again, or sent again), so that run stops
         self.on_fenced = on_fenced
-        self.first = FirstChunks(client)  # first chunks, sent from the text relay
+        # first chunks, sent from the text relay: on a connection to each stream's Redis
+        self.firsts = self.streams.map(FirstChunks)
         self._last_write = -float("inf")  # monotonic time of the last write
         self.outage_s = outage_s  # how long chunks wait for Redis to come back
         self.nice = nice  # added to the writer thread's niceness (see procs.py)
@@ -78,7 +78,7 @@ class ChunkWriter:
         waiting for Redis's answer, which this writer's thread reads, at its next write,
         before it writes anything queued after it (workers/first_chunk.py); False when it
         was not sent (then :meth:`put` it)."""
-        if self.streams.sharded or not self.first.send(pending, self._queue.put):
+        if not self.firsts.of(pending.job_id).send(pending, self._queue.put):
             return False
         # its answer is read when the writer next writes: the next chunks (of every job)
         # wait out the interval from here, as after any write
@@ -108,11 +108,13 @@ class ChunkWriter:
         return done.wait(timeout_s)
 
     def close(self) -> None:
-        self.first.stop()  # every first chunk sent is queued before the end: answers read
+        for first in self.firsts.all:  # every first chunk sent is queued before the end:
+            first.stop()  # answers read
         self._queue.put(None)
         self._hurry.set()
         self._thread.join(timeout=10)
-        self.first.close()
+        for first in self.firsts.all:
+            first.close()
 
     def _run(self) -> None:
         lower_thread_priority(self.nice)
@@ -133,7 +135,7 @@ class ChunkWriter:
             waiters = [item for item in batch if isinstance(item, threading.Event)]
             sent = [item for item in batch if isinstance(item, Sent)]
             if sent:  # first chunks sent from a text relay: their answers come first
-                again, fenced = self.first.answers(sent)
+                again, fenced = _answers(sent)
                 chunks = again + chunks  # ahead of their jobs' later chunks
                 for pending in fenced:
                     self._tell_fenced(pending.job_id, pending.fence)
@@ -222,6 +224,18 @@ class ChunkWriter:
             for n, result in zip(ns, execute(pipe, raise_on_error=False), strict=True):
                 results[n] = result
         return results
+
+
+def _answers(sent: list[Sent]) -> tuple[list[Pending], list[Pending]]:
+    """The answers to first chunks ``sent``, read where each was sent: those to write
+    again, and those refused for their fence (FirstChunks.answers)."""
+    again: list[Pending] = []
+    fenced: list[Pending] = []
+    for source in dict.fromkeys(item.source for item in sent):
+        source_again, source_fenced = source.answers([i for i in sent if i.source is source])
+        again += source_again
+        fenced += source_fenced
+    return again, fenced
 
 
 def _text_kind(chunk: dict[str, Any]) -> str | None:

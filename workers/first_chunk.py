@@ -35,11 +35,12 @@ log = logging.getLogger(__name__)
 class Sent:
     """A first chunk sent from a text relay whose answer the writer has yet to read."""
 
-    __slots__ = ("pending", "generation")
+    __slots__ = ("pending", "generation", "source")
 
-    def __init__(self, pending: Pending, generation: int) -> None:
+    def __init__(self, pending: Pending, generation: int, source: FirstChunks) -> None:
         self.pending = pending
         self.generation = generation  # of the connection it was sent on
+        self.source = source  # what sent it: its answer is read there
 
 
 class FirstChunks:
@@ -72,7 +73,7 @@ class FirstChunks:
             self._conn.send_command(*command, check_health=self._owed == 0)
             pending.taken, pending.written_at = True, time.time()  # in Redis a moment later
             self._owed += 1
-            then(Sent(pending, self._generation))
+            then(Sent(pending, self._generation, self))
             return True
         except (redis.RedisError, OSError) as exc:
             log.warning("sending a first chunk at once failed (%s); the writer takes it", exc)
