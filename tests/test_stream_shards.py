@@ -5,6 +5,8 @@ fences it where the two live together, and a whole stack serving over them."""
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,10 +22,11 @@ from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.redis_urls import split_urls
 from scheduler.settings import Settings
 from scheduler.store import keys
+from scheduler.store.clock import redis_now
 from scheduler.store.connection import connect
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.shards import Shards, shard_of, stream_shards
-from scheduler.store.streams import Appended, error_chunk, publish_final, write_chunk
+from scheduler.store.streams import Appended, error_chunk, pay_owed, publish_final, write_chunk
 from scheduler.store.worker_state import WorkerState
 from tests.conftest import send, settings_from, stack_env, wait_for
 from tests.held_worker import is_held, release
@@ -221,3 +224,39 @@ def test_a_stream_instance_restarted_mid_stream_loses_nothing(
                 assert seqs == list(range(1, len(seqs) + 1))  # none lost, none twice
     finally:
         server.stop()
+
+
+def test_a_final_chunk_its_writer_left_owed_is_written_by_placement_s_look(
+    db: redis.Redis, apart: list[redis.Redis]
+) -> None:
+    """A worker killed between its end (on the control Redis) and its final chunk (on the
+    stream's instance): the chunk waits in the job's record, due, and placement's look
+    writes it, so the job's reader does not wait for it in vain."""
+    with socket.socket() as closed:  # a port nothing listens on: the writer "dies" there
+        closed.bind(("127.0.0.1", 0))
+        gone = redis.Redis(port=closed.getsockname()[1])
+    dying = WorkerState(db, Shards(db, [gone, gone]))
+    dying.register_device(vgpu(0))
+    job, placed = _sent(db, "p1")
+    assert dying.start("vgpu:h:0", job.id, "p1", "d1", 1.0) is False
+    last = (1, {"done": True, "response": "all"})
+    with pytest.raises(redis.ConnectionError):
+        dying.end(placed, job.id, last, 2.0, None, 60)
+    assert db.hget(keys.job_custody(job.id), "state") == b"done"  # the end is recorded
+    assert db.zscore(keys.DUE_FINAL, job.id) is not None
+
+    streams = Shards(db, apart)
+    assert pay_owed(db, streams, redis_now(db) + 1, 60) == 1
+    [(_id, fields)] = streams.of(job.id).xrange(keys.job_chunks(job.id))
+    assert json.loads(fields[b"c"]) == {"done": True, "response": "all", "seq": 1}
+    assert not db.zcard(keys.DUE_FINAL) and not db.hexists(keys.job_custody(job.id), "owed")
+    assert pay_owed(db, streams, redis_now(db) + 1, 60) == 0  # paid once
+
+    # placement's own end of a job that never ran owes its chunk the same way
+    ended = Shards(db, [gone, gone])
+    with pytest.raises(redis.ConnectionError):
+        publish_final(db, "unrun", error_chunk("m", "unrun", GgufqError("no")), 60, ended)
+    assert pay_owed(db, streams, redis_now(db) + 1, 60) == 1
+    [(_id, fields)] = streams.of("unrun").xrange(keys.job_chunks("unrun"))
+    assert json.loads(fields[b"c"])["error"]["message"] == "no"
+    gone.close()

@@ -117,6 +117,7 @@ class Liveness:
         if now >= self._next_lost_sweep:
             self._next_lost_sweep = now + LOST_SWEEP_S
             service.recovery.lost_sends(beat - LOST_SWEEP_S)
+            service.recovery.owed_finals(beat - LOST_SWEEP_S)
 
     def _listen(self) -> None:
         """Retry parked jobs when an event says capacity may have freed; end parked jobs

@@ -23,7 +23,7 @@ from scheduler.store.celery_app import run_message
 from scheduler.store.due import Deadlines, DueSend
 from scheduler.store.hands import Held, Swept
 from scheduler.store.placement_state import PlacementState
-from scheduler.store.streams import error_chunk, progress
+from scheduler.store.streams import error_chunk, pay_owed, progress
 
 log = logging.getLogger("ggufq.placement")
 # a send found waiting in its device's queue is looked at again after it has waited as
@@ -167,6 +167,14 @@ class Recovery:
                 except Exception as exc:  # its stream's final chunk ends it for readers
                     log.warning("job %s's failed result was not written: %s", held.job_id, exc)
         return back
+
+    def owed_finals(self, ended_before: float) -> int:
+        """Where streams live on Redis instances of their own: the final chunks whose
+        writer stopped between a job's end and its chunk (killed there), written here
+        (:func:`scheduler.store.streams.pay_owed`)."""
+        if not self.state.streams.sharded:
+            return 0
+        return pay_owed(self.r, self.state.streams, ended_before, self.stream_ttl_s)
 
     def lost_sends(self, sent_before: float) -> int:
         """Send again the jobs sent to a live device before ``sent_before`` (Redis's clock)

@@ -27,7 +27,7 @@ from scheduler.store import keys
 from scheduler.store.connection import REDIS_AWAY, again_if_lost
 from scheduler.store.scripts import execute, queue, script
 from scheduler.store.shards import Shards
-from scheduler.store.streams import write_final
+from scheduler.store.streams import paid, write_final
 
 Taken = Literal["orphan", "parked"]
 
@@ -357,4 +357,5 @@ class Hands:
         if self.streams.sharded and swept in (Swept.ENDING, Swept.UNREADABLE):
             chunk = json.loads(ends[0] if swept is Swept.ENDING else ends[1])
             write_final(self.streams.of(held.job_id), held.job_id, chunk, ttl_s)
+            paid(self.r, held.job_id)
         return swept

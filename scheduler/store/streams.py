@@ -157,6 +157,7 @@ def publish_final(
         return
     _registered(client, "final")(keys=[], args=[*args, "1"], client=client)
     write_final(shards.of(job_id), job_id, final, ttl_s)
+    paid(client, job_id)
 
 
 def write_final(stream: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s: int) -> None:
@@ -176,3 +177,38 @@ def claim_stream(stream: redis.Redis, job_id: str, placement_id: str, ttl_s: int
         client=stream,
     )
     return int(found)
+
+
+def paid(control: redis.Redis, job_id: str) -> None:
+    """The final chunk owed to the job's stream's own Redis is written (ggufq:due:final)."""
+    pipe = control.pipeline(transaction=False)
+    pipe.zrem(keys.DUE_FINAL, job_id)
+    pipe.hdel(keys.job_custody(job_id), "owed")
+    pipe.execute()
+
+
+def pay_owed(control: redis.Redis, shards: Shards[redis.Redis], before: float, ttl_s: int) -> int:
+    """Write the final chunks owed since before ``before`` (Redis's clock) to streams on
+    Redis instances of their own: their writer stopped between the job's end and its
+    chunk (a worker killed there), and a reader would wait for it in vain. A chunk with
+    its seq goes there fenced by the job's holder (one written meanwhile is refused as a
+    duplicate), one without after whatever the stream holds. Returns how many."""
+    members = cast(
+        list[bytes], control.zrangebyscore(keys.DUE_FINAL, "-inf", f"({before}", 0, 1000)
+    )
+    pipe = control.pipeline(transaction=False)
+    for member in members:
+        pipe.hmget(keys.job_custody(member.decode()), "owed", "holder")
+    for member, (owed, holder) in zip(members, pipe.execute(), strict=True):
+        job_id = member.decode()
+        if owed is not None:
+            chunk = json.loads(owed)
+            log.warning("job %s: writing its final chunk, which its writer left owed", job_id)
+            if "seq" in chunk:
+                seq = int(chunk.pop("seq"))
+                fence = (holder or b"").decode()
+                write_chunk(shards.of(job_id), job_id, seq, chunk, ttl_s, fence)
+            else:
+                write_final(shards.of(job_id), job_id, chunk, ttl_s)
+        paid(control, job_id)
+    return len(members)

@@ -16,7 +16,14 @@ from scheduler.store.placement_state import GONE_BEAT, reap
 from scheduler.store.records import text
 from scheduler.store.scripts import flatten, script
 from scheduler.store.shards import Shards
-from scheduler.store.streams import Appended, chunk_call, claim_stream, outcome_of, write_chunk
+from scheduler.store.streams import (
+    Appended,
+    chunk_call,
+    claim_stream,
+    outcome_of,
+    paid,
+    write_chunk,
+)
 
 
 class WorkerState:
@@ -187,9 +194,10 @@ class WorkerState:
         what became of the chunk and how many jobs the runner still counts (-1: gone)."""
         seq, chunk = last
         apart = self.streams.sharded and chunk is not None  # written on the stream's Redis
-        chunk_keys, chunk_args = chunk_call(
-            job_id, seq, None if apart else chunk, ttl_s, placement.id
-        )
+        chunk_keys, chunk_args = chunk_call(job_id, seq, chunk, ttl_s, placement.id)
+        owed = ""
+        if apart:  # owed there (ggufq:due:final) until written: the record moves first
+            owed, chunk_args[2] = chunk_args[2], ""
         keep = "" if keep_alive_s is None else keep_alive_s
         appended, left = self._end(
             keys=[
@@ -209,11 +217,13 @@ class WorkerState:
                 placement.runner_id,
                 "" if orphan is None else orphan.model_dump_json(),
                 outcome_of(chunk),
+                owed,
             ],
         )
         if apart and chunk is not None and Appended(int(appended)) is Appended.WRITTEN:
             # after the record: a reader that sees the last chunk finds the job ended
             appended = write_chunk(self.streams.of(job_id), job_id, seq, chunk, ttl_s, placement.id)
+            paid(self.r, job_id)
         return Appended(int(appended)), int(left)
 
     def claim_stream(self, job_id: str, placement_id: str, ttl_s: int) -> int:

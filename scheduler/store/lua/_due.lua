@@ -6,9 +6,20 @@
 -- ggufq:due:counted "<runner id>|<placement>" -> when a runner counted a job whose
 --                   in-flight record is not written yet; the recount reads those older
 --                   than a placement process may hold a job
--- Touches, by name: ggufq:due:sent, ggufq:due:counted.
+-- ggufq:due:final  job id -> when its end was recorded while its final chunk, owed to its
+--                   stream's own Redis (scheduler/store/shards.py), was not written yet:
+--                   the chunk waits in its custody record's ``owed`` until its writer (or,
+--                   should that writer die first, placement's look) writes it there
+-- Touches, by name: ggufq:due:sent, ggufq:due:counted, ggufq:due:final.
 
-local DUE_SENT, DUE_COUNTED = 'ggufq:due:sent', 'ggufq:due:counted'
+local DUE_SENT, DUE_COUNTED, DUE_FINAL = 'ggufq:due:sent', 'ggufq:due:counted', 'ggufq:due:final'
+
+-- The final chunk ``chunk`` (JSON) of the job whose custody record is ``custody`` is owed
+-- to its stream's own Redis from now on.
+local function owe_final(job_id, custody, chunk)
+  redis.call('HSET', custody, 'owed', chunk)
+  redis.call('ZADD', DUE_FINAL, now_s(), job_id)
+end
 
 local function sent_due(job_id, placement, device_id)
   return job_id .. '|' .. placement .. '|' .. device_id

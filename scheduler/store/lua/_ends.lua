@@ -49,6 +49,7 @@ local function end_unrun(job_id, chunk, ttl, outcome, elsewhere)
   unindex(job_id)
   if elsewhere == '1' then
     move_record(job .. ':custody', outcome, '', ttl)
+    owe_final(job_id, job .. ':custody', chunk)
     return 1
   end
   local last = redis.call('XREVRANGE', job .. ':chunks', '+', '-', 'COUNT', 1)

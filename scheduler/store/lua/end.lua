@@ -23,7 +23,8 @@
 --       stream lives apart), stream ttl_s, job id,
 --       now, keep_alive_s ('' keeps the runner's), runner id, the orphan record of a job
 --       handed back ('' for none), the final chunk's outcome (done, failed, cancelled; ''
---       with no chunk: none to move to)
+--       with no chunk: none to move to), the final chunk owed to the stream's own Redis
+--       (with its seq; only where the stream lives apart: ggufq:due:final)
 -- Returns {streams.Appended (1 also when there was no chunk), jobs the runner still counts
 -- (-1: it is gone)}.
 local appended = 1
@@ -38,6 +39,7 @@ elseif ARGV[10] ~= '' then
     appended = 0
   else
     move_record(KEYS[8], ARGV[10], ARGV[1], ARGV[4])
+    owe_final(ARGV[5], KEYS[8], ARGV[11])
   end
 end
 local was_recorded = done_with(KEYS[3], KEYS[4], ARGV[5], ARGV[1], KEYS[8])
