@@ -151,20 +151,18 @@ class ChunkWriter:
                 return
 
     def _write(self, chunks: list[Pending]) -> None:
-        """One pipeline for ``chunks``: tried three times when Redis refuses it, and again
-        and again for up to ``outage_s`` while Redis is away (the chunks wait, in order,
-        and go out when it is back). redis-py empties a pipeline once it has run, so each
-        try builds it again; an entry a failed try had already added is refused as a
-        duplicate id (the script skips it), and readers go by ``seq``."""
+        """One pipeline for ``chunks`` (one per Redis, where streams live on several):
+        tried three times when Redis refuses it, and again and again for up to
+        ``outage_s`` while Redis is away (the chunks wait, in order, and go out when it is
+        back); chunks a Redis took are not tried again. redis-py empties a pipeline once it
+        has run, so each try builds it again; an entry a failed try had already added is
+        refused as a duplicate id (the script skips it), and readers go by ``seq``."""
         since, tries = time.monotonic(), 0
         while True:
-            problem, away = self._try_write(chunks)
-            if problem is None:
-                written_at = time.time()
-                for chunk in chunks:
-                    chunk.written_at = written_at
+            chunks, problem, away = self._try_write(chunks)
+            if not chunks:
                 if tries:
-                    log.warning("wrote %d held-back chunks after %d tries", len(chunks), tries)
+                    log.warning("wrote held-back chunks after %d tries", tries)
                 return
             tries += 1
             held_s = time.monotonic() - since
@@ -184,22 +182,24 @@ class ChunkWriter:
                 log.warning("writing %d chunks failed (try %d): %s", len(chunks), tries, problem)
             time.sleep(min(0.1 * tries, 0.5))
 
-    def _try_write(self, chunks: list[Pending]) -> tuple[str | None, bool]:
+    def _try_write(self, chunks: list[Pending]) -> tuple[list[Pending], str | None, bool]:
         """Write ``chunks`` once (append.lua's calls again, in the same call, when Redis
-        had lost the script): (None, _) when done, else (the problem, whether it is that
+        had lost the script): (those still to write, the problem, whether it is that their
         Redis is away)."""
-        try:
-            results = self._pipeline(chunks)
-        except REDIS_AWAY as exc:
-            return str(exc), True
-        except redis.RedisError as exc:
-            return str(exc), False
-        failed = [r for r in results if isinstance(r, Exception)]
-        if failed:
-            return str(failed[0]), False
-        for run in {(c.job_id, c.fence) for c, r in zip(chunks, results, strict=True) if r == 0}:
-            self._tell_fenced(*run)  # Appended.FENCED: that run is not the job's now
-        return None, False
+        results = self._pipeline(chunks)
+        written_at = time.time()
+        left: list[Pending] = []
+        problem, away = None, False
+        for chunk, result in zip(chunks, results, strict=True):
+            if isinstance(result, Exception):
+                left.append(chunk)
+                problem = problem or str(result)
+                away = away or isinstance(result, REDIS_AWAY)
+                continue
+            chunk.written_at = written_at
+            if result == 0:  # Appended.FENCED: that run is not the job's now
+                self._tell_fenced(chunk.job_id, chunk.fence)
+        return left, problem, away
 
     def _tell_fenced(self, job_id: str, fence: str) -> None:
         try:
@@ -220,8 +220,11 @@ class ChunkWriter:
             for n in ns:
                 c = chunks[n]
                 queue_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
-            # a script Redis lost: loaded, run again
-            for n, result in zip(ns, execute(pipe, raise_on_error=False), strict=True):
+            try:  # a script Redis lost: loaded, run again
+                found: list[Any] = execute(pipe, raise_on_error=False)
+            except redis.RedisError as exc:  # that Redis alone: the others' chunks go out
+                found = [exc] * len(ns)
+            for n, result in zip(ns, found, strict=True):
                 results[n] = result
         return results
 
