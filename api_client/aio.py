@@ -56,6 +56,11 @@ class AsyncClient:
         self.sync = Client(
             redis_url, timeout=timeout, settings=settings, max_connections=max_connections
         )
+        try:
+            self.sync.streams.check()  # BadSettings when placement serves other instances
+        except BaseException:
+            self.sync.close()
+            raise
         self.redis_url = self.sync.redis_url
         self.settings = self.sync.settings
         self.timeout = timeout
@@ -70,9 +75,8 @@ class AsyncClient:
         self.side = connect_typed_async(self.redis_url, socket_timeout=SIDE_TIMEOUT_S)
         self.hub = Hub(self.side)
         # each job's stream: on this Redis, or on one of GGUFQ_STREAM_REDIS_URLS
-        self.streams = AsyncChunkSources(
-            self.r, self.hub, self.settings.stream_redis_urls, SIDE_TIMEOUT_S
-        )
+        urls = self.settings.stream_redis_urls
+        self.streams = AsyncChunkSources(self.r, self.hub, urls, SIDE_TIMEOUT_S, max_connections)
         self.leases = Leases(self.side)  # its streaming readers' leases, renewed together
         fast = self.sync.fast
         self.fast = (

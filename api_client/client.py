@@ -68,7 +68,7 @@ class Client:
         self.timeout = timeout
         self.tenant, self.weight = tenant, weight
         self.r = connect_typed(self.redis_url, max_connections)
-        self.streams = ChunkSources(self.r, self.settings.stream_redis_urls)  # jobs' chunks
+        self.streams = ChunkSources(self.r, self.settings.stream_redis_urls, max_connections)
         self.leases = ThreadLeases(connect_typed(self.redis_url, socket_timeout=LEASE_REPLY_S))
         self.app = make_app(self.redis_url, self.settings)
         self.state = ClusterReader(self.r)

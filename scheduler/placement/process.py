@@ -26,6 +26,7 @@ from scheduler.store.acl import Role
 from scheduler.store.cancel import message_text
 from scheduler.store.celery_app import make_app
 from scheduler.store.connection import REDIS_AWAY, connect, resolve_redis_url
+from scheduler.store.shards import announce
 
 log = logging.getLogger("ggufq.placement")
 # how often placement looks for jobs whose message to a live device was lost (a job sent
@@ -88,6 +89,7 @@ class Liveness:
             self._away = True
             raise
         back, self._away = self._away, False
+        announce(service.r, settings.stream_redis_urls)  # where the jobs' streams live
         if back:  # the first beat since starting, or since Redis was away
             self._back_at = now
             service.grace_until = now + settings.device_ttl_s

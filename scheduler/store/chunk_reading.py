@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
 from typing import Any, cast
 
 import redis
@@ -273,19 +275,37 @@ class ChunkFollower:
 
 class ChunkSources:
     """Where a client reads each job's chunks: the Redis its stream lives on
-    (scheduler/store/shards.py) and a pool of subscriptions there."""
+    (scheduler/store/shards.py) and a pool of subscriptions there; connected, and the
+    instances checked against placement's, at the first read (a client that reads no
+    stream, `ggufq ps`, needs no GGUFQ_STREAM_REDIS_URLS)."""
 
-    def __init__(self, control: redis.Redis, urls: str) -> None:
-        self.clients = stream_shards(control, urls, connect_typed)
-        self.subscriptions = self.clients.map(Subscriptions)
+    def __init__(self, control: redis.Redis, urls: str, max_connections: int | None = None):
+        self.control, self.urls, self.max_connections = control, urls, max_connections
+        self._built: tuple[Shards[redis.Redis], Shards[Subscriptions]] | None = None
+        self._lock = threading.Lock()
+
+    def check(self) -> Shards[redis.Redis]:
+        """The stream instances' clients (BadSettings when placement serves others)."""
+        with self._lock:
+            if self._built is None:
+                connect = partial(connect_typed, max_connections=self.max_connections)
+                clients = stream_shards(self.control, self.urls, connect)
+                self._built = (clients, clients.map(Subscriptions))
+            return self._built[0]
 
     def of(self, job_id: str) -> tuple[redis.Redis, Subscriptions]:
-        return self.clients.of(job_id), self.subscriptions.of(job_id)
+        self.check()
+        assert self._built is not None
+        clients, subscriptions = self._built
+        return clients.of(job_id), subscriptions.of(job_id)
 
     def close(self) -> None:
-        for subscriptions in self.subscriptions.all:
-            subscriptions.close()
-        for client in self.clients.others:
+        if self._built is None:
+            return
+        clients, subscriptions = self._built
+        for each in subscriptions.all:
+            each.close()
+        for client in clients.others:
             client.close()
 
 
@@ -293,9 +313,16 @@ class AsyncChunkSources:
     """:class:`ChunkSources` on redis.asyncio: the Redis of each job's stream, and a hub
     there (on a connection of its own, with replies bounded by ``side_timeout_s``)."""
 
-    def __init__(self, control: redis.asyncio.Redis, hub: Hub, urls: str, side_timeout_s: float):
+    def __init__(
+        self,
+        control: redis.asyncio.Redis,
+        hub: Hub,
+        urls: str,
+        side_timeout_s: float,
+        max_connections: int | None = None,
+    ) -> None:
         found = split_urls(urls)
-        self.clients = Shards(control, [connect_typed_async(url) for url in found])
+        self.clients = Shards(control, [connect_typed_async(u, max_connections) for u in found])
         sides = [connect_typed_async(url, socket_timeout=side_timeout_s) for url in found]
         self.hubs = Shards(hub, [Hub(side) for side in sides])
         self._sides = sides

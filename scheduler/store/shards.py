@@ -4,15 +4,18 @@ that stream traffic (a chunk's XADD, PUBLISH and EXPIRE, its readers' subscripti
 backfills) grows with the instances while the control state stays on one primary.
 
 A stream's instance keeps a record of its own beside the stream
-(``ggufq:job:<id>:custody``, with only a ``holder``): the run that claims the stream
-(lua/stream_claim.lua, right after its start) and the final chunk name it, so a run the
-job was taken from is refused its chunks there as the custody record refuses them where
-the two live together (docs: README, "Several hosts").
+(``ggufq:job:<id>:custody``, with only a ``holder`` and an ``epoch``): the run that claims
+the stream (lua/stream_claim.lua, right after its start, under its custody epoch),
+placement as it takes the job from a run (lua/stream_fence.lua: no holder) and the final
+chunk name it, so a run the job was taken from is refused its chunks there as the custody
+record refuses them where the two live together. A job's end owes its final chunk there
+until it is written (ggufq:due:final). Docs: README, "Several hosts".
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
@@ -21,12 +24,13 @@ from urllib.parse import urlsplit
 import redis
 
 from scheduler.errors import BadSettings
-from scheduler.redis_urls import split_urls
+from scheduler.redis_urls import is_sentinel, parse, split_urls
 
 C = TypeVar("C")
 D = TypeVar("D")
 
 WHERE = "ggufq:stream_shards"  # the instances placement serves streams on, as it said last
+log = logging.getLogger(__name__)
 
 
 def shard_of(job_id: str, count: int) -> int:
@@ -83,19 +87,32 @@ def _where(urls: list[str]) -> str:
 
 
 def _address(url: str) -> str:
+    """Where ``url`` leads, as any process's URL of it names it: host (lower case), port
+    (6379 unless given) and database (0 unless given); the primary's name behind Sentinel;
+    the path of a unix socket. TLS or not, and the credentials, do not matter here."""
     parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path or '/0'}"
+    if parts.scheme.lower() == "unix":
+        return f"unix:{parts.path}"
+    if is_sentinel(url):
+        found = parse(url)
+        return f"sentinel:{found.master}/{found.db}"
+    db = parts.path.strip("/") or "0"
+    return f"{(parts.hostname or 'localhost').lower()}:{parts.port or 6379}/{db}"
+
+
+WHERE_TTL_S = 120  # placement says it again with every beat: a list no placement serves lapses
 
 
 def agree(control: redis.Redis, urls: list[str], placement: bool) -> None:
-    """Placement says where the streams live (``ggufq:stream_shards``); every other process
-    checks that it was given the same instances, in the same order, and refuses to start
-    otherwise (its readers would wait on one instance while the worker writes to another).
-    Redis away: nothing to check against yet; Redis's own error is raised at first use."""
+    """Placement says where the streams live (``ggufq:stream_shards``, again with every
+    beat: :func:`announce`); every other process checks that it was given the same
+    instances, in the same order, and refuses to start otherwise (its readers would wait on
+    one instance while the worker writes to another). Redis away: nothing to check
+    against yet; Redis's own error is raised at first use."""
     where = _where(urls)
     try:
         if placement:
-            control.set(WHERE, where)
+            announce(control, urls)
             return
         raw = control.get(WHERE)
     except redis.RedisError:
@@ -104,6 +121,21 @@ def agree(control: redis.Redis, urls: list[str], placement: bool) -> None:
     if said is not None and said != where:
         raise BadSettings(
             f"GGUFQ_STREAM_REDIS_URLS names the stream instances {where}, and placement "
-            f"serves this cluster's streams on {said}: give every process the same "
-            "list, in the same order (start placement first after changing it)"
+            f"serves this cluster's streams on {said}: give every process the same list, "
+            "in the same order"
+        )
+
+
+def announce(control: redis.Redis, urls: str | list[str]) -> None:
+    """Placement says where the streams live, for a while (:data:`WHERE_TTL_S`); it logs
+    an error when another placement process said otherwise."""
+    where = _where(split_urls(urls) if isinstance(urls, str) else urls)
+    before = control.set(WHERE, where, ex=WHERE_TTL_S, get=True)
+    said = before.decode() if isinstance(before, bytes) else before
+    if said is not None and said != where:
+        log.error(
+            "placement processes serve streams on different instances (%s here, %s there): "
+            "give every process the same GGUFQ_STREAM_REDIS_URLS",
+            where,
+            said,
         )
