@@ -15,8 +15,8 @@ import redis
 import redis.asyncio
 
 from api_client.client import Client
-from api_client.job import CHECK_EVERY_S, Job, StreamEnds
-from api_client.results import result_key, result_ready, stored
+from api_client.job import CHECK_EVERY_S, Job
+from api_client.results import StreamEnds, result_key, result_ready, stored
 from scheduler.errors import JobTimeout, error_from_code
 from scheduler.protocol import GenerateResponse, JobRequest
 from scheduler.settings import Settings

@@ -15,7 +15,7 @@ import redis.asyncio
 from celery import Celery
 from celery.result import AsyncResult
 
-from api_client.results import result_key
+from api_client.results import StreamEnds, result_key
 from scheduler.errors import (
     GgufqError,
     JobCancelled,
@@ -56,9 +56,6 @@ class JobHost(Protocol):
 
 RESEND_AFTER_S = 5.0  # a job not taken by placement this long with its queue empty
 CHECK_EVERY_S = 2.0  # a reader waiting for a result checks the job this often
-# looks in a row that find a job's stream ended and no result before a reader takes the
-# stream's final chunk as the result (its worker stores the result just after it)
-STREAM_END_LOOKS = 3
 
 
 class Job:
@@ -344,7 +341,7 @@ class Job:
         """Raise JobLost for a job Redis no longer knows, or one that ended so long ago that
         its outcome is no longer kept; True when the job must be sent to placement again
         (its message lost on the way)."""
-        if not known:
+        if not known and not self._streamed_apart():
             raise JobLost(
                 f"job {self.id} is gone: Redis no longer knows it (it was restarted without "
                 "its data, or the job's records expired); submit the job again"
@@ -358,6 +355,15 @@ class Job:
         if placed or queued or not self.resend:
             return False
         return time.time() - max(self._sent_at, self.submitted_at) >= RESEND_AFTER_S
+
+    def _streamed_apart(self) -> bool:
+        """Whether the job's stream, where it lives on a Redis of its own, is there: the
+        control Redis restarted without its data while the job streams on."""
+        stream, _ = self.client.streams.of(self.id)
+        try:
+            return stream is not self.client.r and bool(stream.exists(keys.job_chunks(self.id)))
+        except redis.RedisError:
+            return True  # not known yet: the next check tells
 
     def _send_again(self) -> None:
         log.warning("job %s never reached placement (Redis went away?): sending it again", self.id)
@@ -378,20 +384,3 @@ class Job:
             thinking=chunk.get("thinking", ""),
             seq=chunk.get("seq"),
         )
-
-
-class StreamEnds:
-    """A waiting reader's looks at its job's stream: the final chunk once STREAM_END_LOOKS
-    looks in a row found the stream ended and the reader still had no result."""
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.looks = 0
-
-    def look(self) -> dict[str, Any] | None:
-        return self.seen(self.job.stream_end())
-
-    def seen(self, end: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The final chunk once this is the STREAM_END_LOOKS-th look in a row to find it."""
-        self.looks = self.looks + 1 if end is not None else 0
-        return end if self.looks >= STREAM_END_LOOKS else None

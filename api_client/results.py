@@ -6,7 +6,7 @@ instead of Celery's own polling, so many waiting jobs cost one subscription each
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from celery import Celery, states
 
@@ -34,3 +34,30 @@ def result_ready(app: Celery, raw: bytes | str | None) -> bool:
         return False
     meta = app.backend.decode_result(raw)
     return meta.get("status") in states.READY_STATES
+
+
+# looks in a row that find a job's stream ended and no result before a reader takes the
+# stream's final chunk as the result (its worker stores the result just after it)
+STREAM_END_LOOKS = 3
+
+
+class Ends(Protocol):
+    def stream_end(self) -> dict[str, Any] | None:
+        """The stream's final chunk, when it has ended (api_client/job.py's Job)."""
+
+
+class StreamEnds:
+    """A waiting reader's looks at its job's stream: the final chunk once STREAM_END_LOOKS
+    looks in a row found the stream ended and the reader still had no result."""
+
+    def __init__(self, job: Ends) -> None:
+        self.job = job
+        self.looks = 0
+
+    def look(self) -> dict[str, Any] | None:
+        return self.seen(self.job.stream_end())
+
+    def seen(self, end: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The final chunk once this is the STREAM_END_LOOKS-th look in a row to find it."""
+        self.looks = self.looks + 1 if end is not None else 0
+        return end if self.looks >= STREAM_END_LOOKS else None
