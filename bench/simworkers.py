@@ -134,7 +134,7 @@ class Workers:
         now = time.time()
         if self.state.start(placement.device_id, req.id, placement.id, req.id, now) is None:
             return
-        self.state.claim_stream(req.id, placement.id, self.settings.stream_ttl_s)
+        self.state.claim_stream(req.id, placement.id)
         chunks = max(1, round(self.tokens / self.token_rate / CHUNK_S))
         started = time.monotonic()
         for n in range(1, chunks + 1):

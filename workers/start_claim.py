@@ -14,6 +14,7 @@ from scheduler.errors import JobFailed
 from scheduler.protocol import JobRequest, Placement
 from scheduler.settings import Settings
 from scheduler.store.cancel import CancelWatcher
+from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.worker_state import WorkerState
 from workers.backlog import patiently
 from workers.chunks import ChunkPublisher
@@ -23,6 +24,8 @@ from workers.keepalive import effective_keep_alive
 from workers.strays import Strays
 
 log = logging.getLogger(__name__)
+STREAM_AWAY_S = 120.0  # a run waits this long for its stream's Redis to claim it
+STREAM_AWAY = -3  # what _claim_stream gives when that Redis did not answer
 
 
 class Runs(Protocol):
@@ -99,28 +102,46 @@ class StartClaim:
         if req.kind != "embed" and rt.strays.end_again(placement, req.id):
             self.publisher.discard()
             raise NotOwned(req.id)
+        last = self._claim_stream()
+        if last is None:  # taken from this run between its start and its stream's claim
+            log.warning("job %s was taken from this run as it began: not running it", req.id)
+            self.publisher.discard()
+            raise NotOwned(req.id)
         with rt._jobs_lock:
             rt._running[(req.id, placement.id)] = placement
         self.owned = True
         rt.cancels.watch(req.id, cancelled_now)
-        self._claim_stream()
+        self._judge_stream(last)
 
-    def _claim_stream(self) -> None:
+    def _claim_stream(self) -> int | None:
         """Where streams live on Redis instances of their own, the run names itself the
-        holder of its job's stream there (the custody record cannot fence it from afar).
-        A run from the start that finds chunks there (a run the job was taken from wrote
-        them after) ends with an error after them, as does one whose stream has ended:
-        never a second answer into one stream."""
+        holder of its job's stream there (the custody record cannot fence it from afar):
+        the seq of the stream's last chunk (-1: the stream ended; :data:`AWAY`: its Redis
+        did not answer), None when the job is another's now."""
         rt, req, placement = self.runtime, self.req, self.placement
-        last = patiently(
-            lambda: rt.state.claim_stream(req.id, placement.id, rt.settings.stream_ttl_s),
-            f"claiming job {req.id}'s stream",
-            math.inf,  # giving up here would leak the job's slot
-        )
+        try:
+            return patiently(
+                lambda: rt.state.claim_stream(req.id, placement.id),
+                f"claiming job {req.id}'s stream",
+                STREAM_AWAY_S,
+            )
+        except REDIS_AWAY:
+            return STREAM_AWAY
+
+    def _judge_stream(self, last: int) -> None:
+        """A run from the start that finds chunks in its stream (a run the job was taken
+        from wrote them), or a stream that ended, or one whose Redis did not answer: the
+        job ends with an error, after what is there. Never a second answer into one stream."""
+        req = self.req
         if last == 0 or (last > 0 and req.resumed):
             return
         self.publisher.seq = max(self.publisher.seq, last)
         self.unseen = True  # what this run published so far goes nowhere
+        if last == STREAM_AWAY:
+            raise JobFailed(
+                f"job {req.id}'s stream is on a Redis that did not answer for "
+                f"{STREAM_AWAY_S:.0f} s (GGUFQ_STREAM_REDIS_URLS): submit it again once it does"
+            )
         if last < 0:
             raise JobFailed(f"job {req.id}'s stream has ended already: it is not run again")
         raise JobFailed(

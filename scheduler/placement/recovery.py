@@ -103,7 +103,7 @@ class Recovery:
             self.fail(job_id, "", unreadable)
             return
         req = record.job
-        streamed, finished = progress(self.state.streams.of(job_id), job_id)
+        streamed, finished = self.state.fenced_progress(job_id)
         if finished:
             self.state.hands.let_go(job_id)
             return  # it ended before its device was dropped
@@ -146,7 +146,13 @@ class Recovery:
         hands, dead_before, back = self.state.hands, now - ttl_s, 0
         others, own = hands.look(dead_before)
         for held in others + own:
-            _streamed, finished = progress(self.state.streams.of(held.job_id), held.job_id)
+            try:  # where streams live apart, one whose Redis is away waits for the next look
+                _streamed, finished = progress(self.state.streams.of(held.job_id), held.job_id)
+            except redis.RedisError as exc:
+                log.warning(
+                    "job %s: its stream's Redis is away (%s): swept later", held.job_id, exc
+                )
+                continue
             lost = {why: _lost_in_hand(held, why) for why in (Swept.ENDING, Swept.UNREADABLE)}
             ends = (_final(held, lost[Swept.ENDING]), _final(held, lost[Swept.UNREADABLE]))
             outcome = hands.sweep(held, dead_before, finished, ends, self.stream_ttl_s)

@@ -18,6 +18,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import partial
 from typing import Any, Literal, cast
 
 import redis
@@ -27,7 +28,7 @@ from scheduler.store import keys
 from scheduler.store.connection import REDIS_AWAY, again_if_lost
 from scheduler.store.scripts import execute, queue, script
 from scheduler.store.shards import Shards
-from scheduler.store.streams import paid, write_final
+from scheduler.store.streams import pay, write_final
 
 Taken = Literal["orphan", "parked"]
 
@@ -356,6 +357,6 @@ class Hands:
         swept = Swept(int(outcome))
         if self.streams.sharded and swept in (Swept.ENDING, Swept.UNREADABLE):
             chunk = json.loads(ends[0] if swept is Swept.ENDING else ends[1])
-            write_final(self.streams.of(held.job_id), held.job_id, chunk, ttl_s)
-            paid(self.r, held.job_id)
+            write = partial(write_final, job_id=held.job_id, chunk=chunk, ttl_s=ttl_s)
+            pay(self.r, self.streams, held.job_id, write)  # else owed, for the next look
         return swept

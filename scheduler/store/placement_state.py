@@ -24,6 +24,7 @@ from scheduler.store.records import (
     text,
 )
 from scheduler.store.scripts import flatten, queue, script
+from scheduler.store.streams import fence_stream, progress
 
 
 @dataclass(frozen=True)
@@ -201,8 +202,8 @@ class PlacementState:
         Redis crash forgot, is fenced off. False when the job no longer waits under
         ``record``'s id."""
         job_id, old = record.job.id, record.placement
-        if self.streams.sharded and self.streams.of(job_id).exists(keys.job_chunks(job_id)):
-            return False  # its stream lives apart: a run of it wrote there
+        if self.streams.sharded and not self._unwritten(job_id):
+            return False  # its stream lives apart: a run of it wrote there (or it is away)
         return bool(
             self._resend(
                 keys=[
@@ -269,10 +270,27 @@ class PlacementState:
             if not (text(seen[3 * n] or b"") == r.placement.id or any(seen[3 * n + 1 : 3 * n + 3]))
         ]
         if self.streams.sharded:  # its chunks, where streams live apart
-            left = [
-                r for r in left if not self.streams.of(r.job.id).exists(keys.job_chunks(r.job.id))
-            ]
+            left = [r for r in left if self._unwritten(r.job.id)]
         return left
+
+    def _unwritten(self, job_id: str) -> bool:
+        """Whether the job's stream, where it lives apart, holds no chunk (False when its
+        Redis does not answer: nothing is sent again on a guess)."""
+        try:
+            return not self.streams.of(job_id).exists(keys.job_chunks(job_id))
+        except redis.RedisError:
+            return False
+
+    def fenced_progress(self, job_id: str) -> tuple[int, bool]:
+        """(chunks the job's stream holds, whether the last is a final one), read as
+        placement takes the job from its run: where the stream lives apart, in the same
+        step as its own record names no holder any more (lua/stream_fence.lua), so that
+        the run, should it come back, adds nothing after what was read."""
+        stream = self.streams.of(job_id)
+        if not self.streams.sharded:
+            return progress(stream, job_id)
+        epoch = self.r.hget(keys.job_custody(job_id), "epoch")
+        return fence_stream(stream, job_id, int(epoch or 0))
 
     def in_broker(self, sends: list[DueSend]) -> set[DueSend]:
         """Which of ``sends`` have a message waiting in their device's queues (a Celery

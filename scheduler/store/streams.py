@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from enum import IntEnum
+from functools import partial
 from typing import Any, cast
 
 import redis
@@ -149,38 +151,74 @@ def publish_final(
     """End a job from a process that published nothing before it (placement fails or
     cancels it): its final chunk after whatever its stream holds, and out of the parked
     queue if it waits there, in one step (lua/final.lua). Where the stream lives on a
-    Redis of its own (``shards``), the job's record moves first and the chunk follows."""
+    Redis of its own (``shards``), the job's record moves first, the chunk owed, and the
+    chunk follows (:func:`pay`)."""
     final = dict(chunk, done=True)
     args = [job_id, json.dumps(final), ttl_s, outcome_of(final)]
     if shards is None or not shards.sharded:
         _registered(client, "final")(keys=[], args=args, client=client)
         return
     _registered(client, "final")(keys=[], args=[*args, "1"], client=client)
-    write_final(shards.of(job_id), job_id, final, ttl_s)
-    paid(client, job_id)
+    pay(client, shards, job_id, lambda stream: write_final(stream, job_id, final, ttl_s))
 
 
-def write_final(stream: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s: int) -> None:
+MIRROR_TTL_S = 7 * 86400  # a stream's own record of a job (as long as its custody record)
+
+
+def write_final(stream: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s: int) -> Appended:
     """A final chunk after whatever the job's stream holds, on the stream's own Redis
     (lua/final.lua there), whose record then names no holder: a later chunk of any run
-    is refused."""
-    args = [job_id, json.dumps(dict(chunk, done=True)), ttl_s, outcome_of(dict(chunk, done=True))]
-    _registered(stream, "final")(keys=[], args=args, client=stream)
+    is refused. A stream that ended already gets none (DUPLICATE)."""
+    final = dict(chunk, done=True)
+    args = [job_id, json.dumps(final), ttl_s, outcome_of(final), "2"]
+    return Appended(int(_registered(stream, "final")(keys=[], args=args, client=stream)))
 
 
-def claim_stream(stream: redis.Redis, job_id: str, placement_id: str, ttl_s: int) -> int:
-    """A run's claim on its job's stream where the stream lives apart (lua/stream_claim.lua):
-    the seq of the stream's last chunk (0: none), -1 when the stream has ended."""
+def claim_stream(
+    stream: redis.Redis, job_id: str, placement_id: str, epoch: int, force: bool = False
+) -> int:
+    """A run's claim, under its custody ``epoch``, on its job's stream where the stream
+    lives apart (lua/stream_claim.lua): the seq of the stream's last chunk (0: none), -1
+    when the stream has ended, -2 when it was claimed or fenced under a later epoch."""
     found = _registered(stream, "stream_claim")(
         keys=[keys.job_chunks(job_id), keys.job_custody(job_id)],
-        args=[placement_id, ttl_s],
+        args=[placement_id, epoch, MIRROR_TTL_S, "1" if force else ""],
         client=stream,
     )
     return int(found)
 
 
-def paid(control: redis.Redis, job_id: str) -> None:
-    """The final chunk owed to the job's stream's own Redis is written (ggufq:due:final)."""
+def fence_stream(stream: redis.Redis, job_id: str, epoch: int) -> tuple[int, bool]:
+    """Placement takes a job from its run where its stream lives apart
+    (lua/stream_fence.lua): no run writes there until the next one claims it; (chunks the
+    stream holds, whether its last is a final one), read in the same step."""
+    count, final = _registered(stream, "stream_fence")(
+        keys=[keys.job_chunks(job_id), keys.job_custody(job_id)],
+        args=[epoch, MIRROR_TTL_S],
+        client=stream,
+    )
+    return int(count), bool(final)
+
+
+def pay(
+    control: redis.Redis,
+    shards: Shards[redis.Redis],
+    job_id: str,
+    write: Callable[[redis.Redis], Appended],
+) -> Appended | None:
+    """Write a job's owed final chunk with ``write`` on its stream's Redis, and say so
+    (ggufq:due:final); None when that Redis did not take it: it stays owed, for
+    placement's look (:func:`pay_owed`)."""
+    try:
+        written = write(shards.of(job_id))
+    except redis.RedisError as exc:
+        log.warning("job %s: its final chunk stays owed to its stream's Redis (%s)", job_id, exc)
+        return None
+    _paid(control, job_id)
+    return written
+
+
+def _paid(control: redis.Redis, job_id: str) -> None:
     pipe = control.pipeline(transaction=False)
     pipe.zrem(keys.DUE_FINAL, job_id)
     pipe.hdel(keys.job_custody(job_id), "owed")
@@ -190,25 +228,31 @@ def paid(control: redis.Redis, job_id: str) -> None:
 def pay_owed(control: redis.Redis, shards: Shards[redis.Redis], before: float, ttl_s: int) -> int:
     """Write the final chunks owed since before ``before`` (Redis's clock) to streams on
     Redis instances of their own: their writer stopped between the job's end and its
-    chunk (a worker killed there), and a reader would wait for it in vain. A chunk with
-    its seq goes there fenced by the job's holder (one written meanwhile is refused as a
-    duplicate), one without after whatever the stream holds. Returns how many."""
+    chunk (a worker killed there), or that Redis was away, and a reader would wait for it
+    in vain. A chunk with its seq goes there fenced by the job's holder (one written
+    meanwhile is refused as a duplicate), one without after whatever the stream holds
+    (none after a final one). Returns how many were written."""
     members = cast(
         list[bytes], control.zrangebyscore(keys.DUE_FINAL, "-inf", f"({before}", 0, 1000)
     )
     pipe = control.pipeline(transaction=False)
     for member in members:
         pipe.hmget(keys.job_custody(member.decode()), "owed", "holder")
+    written = 0
     for member, (owed, holder) in zip(members, pipe.execute(), strict=True):
         job_id = member.decode()
-        if owed is not None:
-            chunk = json.loads(owed)
-            log.warning("job %s: writing its final chunk, which its writer left owed", job_id)
-            if "seq" in chunk:
-                seq = int(chunk.pop("seq"))
-                fence = (holder or b"").decode()
-                write_chunk(shards.of(job_id), job_id, seq, chunk, ttl_s, fence)
-            else:
-                write_final(shards.of(job_id), job_id, chunk, ttl_s)
-        paid(control, job_id)
-    return len(members)
+        if owed is None:  # written meanwhile
+            _paid(control, job_id)
+            continue
+        chunk = json.loads(owed)
+        log.warning("job %s: writing its final chunk, which its writer left owed", job_id)
+        write: Callable[[redis.Redis], Appended]
+        if "seq" in chunk:
+            seq, fence = int(chunk.pop("seq")), (holder or b"").decode()
+            write = partial(
+                write_chunk, job_id=job_id, seq=seq, chunk=chunk, ttl_s=ttl_s, fence=fence
+            )
+        else:
+            write = partial(write_final, job_id=job_id, chunk=chunk, ttl_s=ttl_s)
+        written += pay(control, shards, job_id, write) is not None
+    return written

@@ -4,6 +4,7 @@ loads and unloads, the jobs it starts and ends, and the events that wake placeme
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any, cast
 
 import redis
@@ -21,7 +22,7 @@ from scheduler.store.streams import (
     chunk_call,
     claim_stream,
     outcome_of,
-    paid,
+    pay,
     write_chunk,
 )
 
@@ -221,18 +222,31 @@ class WorkerState:
             ],
         )
         if apart and chunk is not None and Appended(int(appended)) is Appended.WRITTEN:
-            # after the record: a reader that sees the last chunk finds the job ended
-            appended = write_chunk(self.streams.of(job_id), job_id, seq, chunk, ttl_s, placement.id)
-            paid(self.r, job_id)
+            # after the record: a reader that sees the last chunk finds the job ended; a
+            # chunk its Redis does not take stays owed, for placement to write
+            write = partial(write_chunk, job_id=job_id, seq=seq, chunk=chunk, ttl_s=ttl_s)
+            appended = pay(self.r, self.streams, job_id, partial(write, fence=placement.id))
+            appended = Appended.WRITTEN if appended is None else appended
         return Appended(int(appended)), int(left)
 
-    def claim_stream(self, job_id: str, placement_id: str, ttl_s: int) -> int:
+    def claim_stream(self, job_id: str, placement_id: str) -> int | None:
         """A started run's claim on its job's stream where streams live apart (see
-        :func:`scheduler.store.streams.claim_stream`); 0 where they do not (the custody
-        record fences the run's chunks there)."""
+        :func:`scheduler.store.streams.claim_stream`), under the epoch its custody record
+        names while it names this run; None when it names another (the job was taken from
+        this run). 0 where streams do not live apart (the custody record fences there)."""
         if not self.streams.sharded:
             return 0
-        return claim_stream(self.streams.of(job_id), job_id, placement_id, ttl_s)
+        stream = self.streams.of(job_id)
+        for force in (False, True):
+            holder, epoch = self.r.hmget(keys.job_custody(job_id), ["holder", "epoch"])
+            if holder is not None and text(holder) != placement_id:
+                return None
+            found = claim_stream(stream, job_id, placement_id, int(epoch or 0), force)
+            if found != -2:
+                return found
+            # a later epoch's claim or fence, though the record names this run still: a
+            # control Redis restored from an older snapshot counts its epochs again
+        return None
 
     def announce(self, event: dict[str, Any]) -> None:
         """Tell placement that capacity may have changed (wakes parked jobs)."""

@@ -39,7 +39,9 @@ end
 -- there, and its final chunk ``chunk`` (a JSON object with keys and no seq) after whatever
 -- its stream holds, unfenced; its custody record moves to ``outcome``. ``elsewhere`` '1':
 -- the stream lives on a Redis of its own (scheduler/store/shards.py), where the caller
--- writes the chunk next, with lua/final.lua; only the record moves here. Touches, by name,
+-- writes the chunk next, with lua/final.lua; only the record moves here (the chunk owed:
+-- ggufq:due:final). ``elsewhere`` '2': this is that Redis, and a stream that ended already
+-- gets no second final chunk (-1, as a duplicate). Touches, by name,
 -- the job's keys: ggufq:parked, ggufq:parked:<id> and its model's index, and
 -- ggufq:job:<id>:chunks, :custody and its channel. Returns streams.Appended.
 local function end_unrun(job_id, chunk, ttl, outcome, elsewhere)
@@ -54,7 +56,13 @@ local function end_unrun(job_id, chunk, ttl, outcome, elsewhere)
   end
   local last = redis.call('XREVRANGE', job .. ':chunks', '+', '-', 'COUNT', 1)
   local seq = 1
-  if #last > 0 then seq = tonumber(string.match(last[1][1], '%-(%d+)$')) + 1 end
+  if #last > 0 then
+    seq = tonumber(string.match(last[1][1], '%-(%d+)$')) + 1
+    if elsewhere == '2' then  -- written owed, on the stream's own Redis: once
+      local ok, there = pcall(cjson.decode, last[1][2][2])
+      if ok and type(there) == 'table' and there['done'] then return -1 end
+    end
+  end
   -- the seq goes in front of the chunk's other keys as text: a decode and encode here
   -- would turn its empty lists into objects
   local payload = string.format('{"seq": %d, ', seq) .. string.sub(chunk, 2)

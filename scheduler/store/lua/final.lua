@@ -9,7 +9,8 @@
 -- its holder becomes '', fencing off any later write of a run) and the job's channel
 -- ARGV: job id, the final chunk (a JSON object with keys and no seq: it is set here),
 --       stream ttl_s, its outcome (failed, cancelled), '1' when the stream lives on a
---       Redis of its own (the record alone moves here; this script, run there next,
---       writes the chunk and names '' the holder of the stream's own record)
+--       Redis of its own (the record alone moves here; this script, run there next with
+--       '2', writes the chunk unless the stream ended, and names '' the holder of the
+--       stream's own record)
 -- Returns streams.Appended.
 return end_unrun(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5] or '')
