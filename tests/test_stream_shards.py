@@ -39,6 +39,7 @@ from scheduler.store.worker_state import WorkerState
 from tests.conftest import send, settings_from, stack_env, wait_for
 from tests.held_worker import is_held, release
 from tests.test_state import vgpu
+from workers.chunks import ChunkWriter
 
 
 @pytest.fixture(scope="module")
@@ -286,3 +287,22 @@ def test_a_final_chunk_its_writer_left_owed_is_written_by_placement_s_look(
     assert pay_owed(db, streams, redis_now(db) + 1, 60) == 1
     assert streams.of("unrun").xlen(keys.job_chunks("unrun")) == 1
     gone.close()
+
+
+def test_a_stream_instance_away_holds_back_its_own_chunks_only(
+    db: redis.Redis, apart: list[redis.Redis]
+) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        gone = redis.Redis(port=closed.getsockname()[1])
+    here = next(f"j{n}" for n in range(99) if shard_of(f"j{n}", 2) == 0)
+    there = next(f"j{n}" for n in range(99) if shard_of(f"j{n}", 2) == 1)
+    writer = ChunkWriter(Shards(db, [apart[0], gone]), outage_s=0.5)
+    try:
+        for job_id in (there, here):  # one batch: the instance away's chunk first
+            writer.put(job_id, 1, {"response": job_id}, 60)
+        assert writer.flush(timeout_s=10)
+        assert apart[0].xlen(keys.job_chunks(here)) == 1  # written, and kept
+    finally:
+        writer.close()
+        gone.close()
