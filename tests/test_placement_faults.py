@@ -16,12 +16,12 @@ import redis
 from scheduler.cluster import DeviceInfo
 from scheduler.local.embedded import EmbeddedRedis
 from scheduler.midstream import Resumed
-from scheduler.placement import recovery as recovery_module
 from scheduler.placement import service as service_module
 from scheduler.placement.service import MAX_PLACEMENT_ERRORS, PlacementService
 from scheduler.placement.wakes import Wake
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import fsck, keys
+from scheduler.store import placement_state as placement_state_module
 from scheduler.store.celery_app import task_message
 from scheduler.store.clock import redis_now
 from scheduler.store.hands import PutBack, parked_record
@@ -216,7 +216,7 @@ def test_an_orphan_whose_handling_redis_interrupts_is_handled_once_it_is_back(
     def redis_away(*_args: object, **_kwargs: object) -> None:
         raise redis.ConnectionError("Connection reset by peer")
 
-    monkeypatch.setattr(recovery_module, "progress", redis_away)
+    monkeypatch.setattr(placement_state_module, "progress", redis_away)  # its stream's look
     assert service.recover_orphans() == 1
     assert not db.hexists(keys.ORPHANS, job.id)  # taken out, and kept in the process
     monkeypatch.undo()

@@ -116,7 +116,7 @@ class StartClaim:
     def _claim_stream(self) -> int | None:
         """Where streams live on Redis instances of their own, the run names itself the
         holder of its job's stream there (the custody record cannot fence it from afar):
-        the seq of the stream's last chunk (-1: the stream ended; :data:`AWAY`: its Redis
+        the seq of the stream's last chunk (-1: the stream ended; :data:`STREAM_AWAY`: its Redis
         did not answer), None when the job is another's now."""
         rt, req, placement = self.runtime, self.req, self.placement
         try:
