@@ -21,7 +21,7 @@ from scheduler.local.stack import LocalStack
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.redis_urls import split_urls
 from scheduler.settings import Settings
-from scheduler.store import keys
+from scheduler.store import fsck, keys
 from scheduler.store.clock import redis_now
 from scheduler.store.connection import connect
 from scheduler.store.hands import Hands
@@ -267,6 +267,8 @@ def test_a_final_chunk_its_writer_left_owed_is_written_by_placement_s_look(
     assert dying.end(placed, job.id, last, 2.0, None, 60)[0] is Appended.WRITTEN
     assert db.hget(keys.job_custody(job.id), "state") == b"done"  # the end is recorded
     assert db.zscore(keys.DUE_FINAL, job.id) is not None
+    owed = f"job {job.id}: owes its stream's Redis its final chunk once settled"
+    assert owed in [str(p) for p in fsck.problems(fsck.read(db), settled=True)]
 
     streams = Shards(db, apart)
     assert pay_owed(db, streams, redis_now(db) + 1, 60) == 1
@@ -274,6 +276,7 @@ def test_a_final_chunk_its_writer_left_owed_is_written_by_placement_s_look(
     assert json.loads(fields[b"c"]) == {"done": True, "response": "all", "seq": 1}
     assert not db.zcard(keys.DUE_FINAL) and not db.hexists(keys.job_custody(job.id), "owed")
     assert pay_owed(db, streams, redis_now(db) + 1, 60) == 0  # paid once
+    assert owed not in [str(p) for p in fsck.problems(fsck.read(db), settled=True)]
 
     # placement's own end of a job that never ran owes its chunk the same way
     ended = Shards(db, [gone, gone])

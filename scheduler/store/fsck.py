@@ -71,6 +71,7 @@ class Census:
     # record is gone), and the moves the custody table does not allow ("<from> -> <to>" → n)
     custody: dict[str, str] = field(default_factory=dict)
     unexpected: dict[str, int] = field(default_factory=dict)
+    owed: set[str] = field(default_factory=set)  # jobs whose final chunk a stream is owed
 
     @cached_property
     def sent_to(self) -> dict[str, tuple[str, ...]]:
@@ -102,7 +103,7 @@ def read(client: redis.Redis) -> Census:
     (devices, running, parked, orphans, held, recorded, runners, per_device, holders, indexed) = (
         reply[:10]
     )
-    beating, due_sent, due_counted, custody, unexpected = reply[10:]
+    beating, due_sent, due_counted, custody, unexpected, owed = reply[10:]
     census = Census(
         devices={text(d) for d in devices},
         running={text(j) for j in running},
@@ -115,6 +116,7 @@ def read(client: redis.Redis) -> Census:
         due_counted={text(m) for m in due_counted},
         custody={text(j): text(s) for j, s in _pairs(custody)},
         unexpected={text(m): int(n) for m, n in _pairs(unexpected)},
+        owed={text(j) for j in owed},
     )
     for key in held:  # "<placement>|<job id>": the entries themselves carry whole jobs
         holder, _, job_id = text(key).rpartition("|")
@@ -315,6 +317,10 @@ def _left(census: Census) -> list[Problem]:
         found += [Problem(f"job {j}", f"still {where} once settled") for j in sorted(ids)]
     for job_id, state in sorted(census.custody.items()):
         found.append(Problem(f"job {job_id}", f"recorded {state or '?'} once settled"))
+    for job_id in sorted(census.owed):
+        found.append(
+            Problem(f"job {job_id}", "owes its stream's Redis its final chunk once settled")
+        )
     for runner in sorted(census.runners.values(), key=lambda r: r.id):
         if runner.in_flight:
             found.append(
