@@ -341,7 +341,9 @@ class Job:
         """Raise JobLost for a job Redis no longer knows, or one that ended so long ago that
         its outcome is no longer kept; True when the job must be sent to placement again
         (its message lost on the way)."""
-        if not known and not self._streamed_apart():
+        if not known:
+            if self._streamed_apart():
+                return False  # it streams on: nothing is sent again, nothing lost
             raise JobLost(
                 f"job {self.id} is gone: Redis no longer knows it (it was restarted without "
                 "its data, or the job's records expired); submit the job again"
@@ -360,8 +362,10 @@ class Job:
         """Whether the job's stream, where it lives on a Redis of its own, is there: the
         control Redis restarted without its data while the job streams on."""
         stream, _ = self.client.streams.of(self.id)
+        if stream is self.client.r:
+            return False
         try:
-            return stream is not self.client.r and bool(stream.exists(keys.job_chunks(self.id)))
+            return bool(stream.exists(keys.job_chunks(self.id)))
         except redis.RedisError:
             return True  # not known yet: the next check tells
 

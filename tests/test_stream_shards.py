@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,7 +137,11 @@ def test_a_run_taken_back_is_refused_its_chunks_on_the_stream_s_instance(
 
     # placement takes the job from its run (its worker stalled past its lease): the
     # stream's record names no holder from the read on, so the run adds nothing after it
-    db.hset(custody, mapping={"state": "orphaned", "holder": "", "epoch": stale_epoch + 1})
+    db.hset(custody, mapping={"state": "placing", "holder": "p", "epoch": stale_epoch + 1})
+    db.hset(custody, mapping={"token": "hold-1", "swept": ""})  # as lua/take.lua holds it
+    placement.hands.adopt(job.id, "hold-2")  # a hold swept from this process: not its job
+    assert placement.fenced_progress(job.id) is None
+    placement.hands.adopt(job.id, "hold-1")
     assert placement.fenced_progress(job.id) == (1, False)
     assert write_chunk(stream, job.id, 2, {"response": "b"}, 60, "p1") is Appended.FENCED
     assert workers.claim_stream(job.id, "p1") is None  # the run, come back: not its job
@@ -186,12 +191,13 @@ def test_a_stack_streams_over_two_instances(
     settings = settings_from(env, None)
     with LocalStack(settings, log_dir=tmp_path / "logs", extra_env=env) as stack:
         with Client(stack.redis_url, settings=settings, timeout=120) as client:
-            ids = []
-            for n in range(6):
-                job = client.submit("tiny", f"count {n}", options={"num_predict": 6})
+            names = [f"{uuid.uuid4().hex[:8]}-{n}" for n in range(40)]
+            ids = [i for i in names if shard_of(i, 2) == 0][:3]
+            ids += [i for i in names if shard_of(i, 2) == 1][:3]
+            for n, job_id in enumerate(ids):
+                job = client.submit("tiny", f"count {n}", options={"num_predict": 6}, id=job_id)
                 text = "".join(c.response for c in job.stream() if not c.done)
                 assert text == job.result().response and job.result().done
-                ids.append(job.id)
             assert not client.r.keys("ggufq:job:*:chunks")  # none on the control Redis
             where = [streams for streams in apart if streams.keys("ggufq:job:*:chunks")]
             assert len(where) == 2  # six jobs over both instances

@@ -102,13 +102,16 @@ class StartClaim:
         if req.kind != "embed" and rt.strays.end_again(placement, req.id):
             self.publisher.discard()
             raise NotOwned(req.id)
+        run = (req.id, placement.id)
+        with rt._jobs_lock:  # running here, for the strays look, while its stream is claimed
+            rt._running[run] = placement
         last = self._claim_stream()
         if last is None:  # taken from this run between its start and its stream's claim
             log.warning("job %s was taken from this run as it began: not running it", req.id)
+            with rt._jobs_lock:
+                rt._running.pop(run, None)
             self.publisher.discard()
             raise NotOwned(req.id)
-        with rt._jobs_lock:
-            rt._running[(req.id, placement.id)] = placement
         self.owned = True
         rt.cancels.watch(req.id, cancelled_now)
         self._judge_stream(last)
@@ -116,8 +119,8 @@ class StartClaim:
     def _claim_stream(self) -> int | None:
         """Where streams live on Redis instances of their own, the run names itself the
         holder of its job's stream there (the custody record cannot fence it from afar):
-        the seq of the stream's last chunk (-1: the stream ended; :data:`STREAM_AWAY`: its Redis
-        did not answer), None when the job is another's now."""
+        the seq of the stream's last chunk (-1: the stream ended; :data:`STREAM_AWAY`: no
+        answer), None when the job is another's now."""
         rt, req, placement = self.runtime, self.req, self.placement
         try:
             return patiently(
@@ -133,17 +136,25 @@ class StartClaim:
         from wrote them), or a stream that ended, or one whose Redis did not answer: the
         job ends with an error, after what is there. Never a second answer into one stream."""
         req = self.req
-        if last == 0 or (last > 0 and req.resumed):
+        # a resumed run that read its stream before this claim (on a resident runner) goes
+        # on from what it read: the stream must hold that still, no more
+        if last == 0 or (last > 0 and req.resumed and self.publisher.seq in (0, last)):
             return
-        self.publisher.seq = max(self.publisher.seq, last)
+        read, self.publisher.seq = self.publisher.seq, max(self.publisher.seq, last)
         self.unseen = True  # what this run published so far goes nowhere
         if last == STREAM_AWAY:
             raise JobFailed(
-                f"job {req.id}'s stream is on a Redis that did not answer for "
-                f"{STREAM_AWAY_S:.0f} s (GGUFQ_STREAM_REDIS_URLS): submit it again once it does"
+                f"job {req.id} could not claim its stream for {STREAM_AWAY_S:.0f} s: its "
+                "stream's Redis (GGUFQ_STREAM_REDIS_URLS) or the cluster's did not answer; "
+                "submit it again once they do"
             )
         if last < 0:
             raise JobFailed(f"job {req.id}'s stream has ended already: it is not run again")
+        if req.resumed:
+            raise JobFailed(
+                f"job {req.id}'s stream changed as it went on elsewhere ({last} chunks, "
+                f"{read} read): it cannot go on from there; submit it again"
+            )
         raise JobFailed(
             f"job {req.id}'s stream holds {last} chunks of an earlier run of it, written "
             "after placement took the job from that run's worker: it is not run again from "

@@ -89,7 +89,10 @@ class Liveness:
             self._away = True
             raise
         back, self._away = self._away, False
-        announce(service.r, settings.stream_redis_urls)  # where the jobs' streams live
+        try:  # where the jobs' streams live; refused now, said again at the next beat
+            announce(service.r, settings.stream_redis_urls)
+        except redis.RedisError as exc:
+            log.warning("could not say where the jobs' streams live: %s", exc)
         if back:  # the first beat since starting, or since Redis was away
             self._back_at = now
             service.grace_until = now + settings.device_ttl_s

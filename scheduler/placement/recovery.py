@@ -103,7 +103,11 @@ class Recovery:
             self.fail(job_id, "", unreadable)
             return
         req = record.job
-        streamed, finished = self.state.fenced_progress(job_id)
+        found = self.state.fenced_progress(job_id)
+        if found is None:  # swept from this process as it stalled: another's now
+            self.state.hands.hand_over(job_id)
+            return
+        streamed, finished = found
         if finished:
             self.state.hands.let_go(job_id)
             return  # it ended before its device was dropped
@@ -149,9 +153,9 @@ class Recovery:
             try:  # where streams live apart, one whose Redis is away waits for the next look
                 _streamed, finished = progress(self.state.streams.of(held.job_id), held.job_id)
             except redis.RedisError as exc:
-                log.warning(
-                    "job %s: its stream's Redis is away (%s): swept later", held.job_id, exc
-                )
+                if not self.state.streams.sharded:
+                    raise
+                log.warning("job %s: its stream's Redis is away (%s)", held.job_id, exc)
                 continue
             lost = {why: _lost_in_hand(held, why) for why in (Swept.ENDING, Swept.UNREADABLE)}
             ends = (_final(held, lost[Swept.ENDING]), _final(held, lost[Swept.UNREADABLE]))

@@ -58,6 +58,7 @@ class PlacementState:
         self._resend = script(client, "resend")
         self._prune = script(client, "prune")
         self._beat = script(client, "placement_beat")
+        self._held_epoch = script(client, "held_epoch")
 
     def snapshot(self, now: float, device_ttl_s: float) -> Snapshot:
         """Every live device and runner, read afresh (the snapshot cache is the fast path)."""
@@ -281,16 +282,20 @@ class PlacementState:
         except redis.RedisError:
             return False
 
-    def fenced_progress(self, job_id: str) -> tuple[int, bool]:
+    def fenced_progress(self, job_id: str) -> tuple[int, bool] | None:
         """(chunks the job's stream holds, whether the last is a final one), read as
-        placement takes the job from its run: where the stream lives apart, in the same
-        step as its own record names no holder any more (lua/stream_fence.lua), so that
-        the run, should it come back, adds nothing after what was read."""
+        placement takes the job (held, lua/take.lua) from its run: where the stream lives
+        apart, in the same step as its own record names no holder any more, under the
+        epoch of this process's hold (lua/stream_fence.lua), so that the run, should it
+        come back, adds nothing after what was read. None when the hold was swept from
+        this process (it stalled): the job is another's now."""
         stream = self.streams.of(job_id)
         if not self.streams.sharded:
             return progress(stream, job_id)
-        epoch = self.r.hget(keys.job_custody(job_id), "epoch")
-        return fence_stream(stream, job_id, int(epoch or 0))
+        epoch = self._held_epoch(keys=[keys.job_custody(job_id)], args=[self.hands.token(job_id)])
+        if epoch is None:
+            return None
+        return fence_stream(stream, job_id, int(epoch))
 
     def in_broker(self, sends: list[DueSend]) -> set[DueSend]:
         """Which of ``sends`` have a message waiting in their device's queues (a Celery

@@ -200,6 +200,19 @@ def fence_stream(stream: redis.Redis, job_id: str, epoch: int) -> tuple[int, boo
     return int(count), bool(final)
 
 
+def write_owed(
+    stream: redis.Redis, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str
+) -> Appended:
+    """A job's final chunk its end (on the control Redis, fenced there) owes its stream's
+    own Redis: at its seq under ``fence``; where that Redis's record names no holder or
+    another (placement fenced it, or a claim came in between: the custody record, which
+    ended the job under this run, decides), after whatever the stream holds."""
+    written = write_chunk(stream, job_id, seq, chunk, ttl_s, fence)
+    if written is Appended.FENCED:
+        return write_final(stream, job_id, chunk, ttl_s)
+    return written
+
+
 def pay(
     control: redis.Redis,
     shards: Shards[redis.Redis],
@@ -238,11 +251,13 @@ def pay_owed(control: redis.Redis, shards: Shards[redis.Redis], before: float, t
     pipe = control.pipeline(transaction=False)
     for member in members:
         pipe.hmget(keys.job_custody(member.decode()), "owed", "holder")
-    written = 0
+    written, away = 0, set()  # the instances found away: not asked again in this look
     for member, (owed, holder) in zip(members, pipe.execute(), strict=True):
         job_id = member.decode()
         if owed is None:  # written meanwhile
             _paid(control, job_id)
+            continue
+        if id(shards.of(job_id)) in away:
             continue
         chunk = json.loads(owed)
         log.warning("job %s: writing its final chunk, which its writer left owed", job_id)
@@ -250,9 +265,12 @@ def pay_owed(control: redis.Redis, shards: Shards[redis.Redis], before: float, t
         if "seq" in chunk:
             seq, fence = int(chunk.pop("seq")), (holder or b"").decode()
             write = partial(
-                write_chunk, job_id=job_id, seq=seq, chunk=chunk, ttl_s=ttl_s, fence=fence
+                write_owed, job_id=job_id, seq=seq, chunk=chunk, ttl_s=ttl_s, fence=fence
             )
         else:
             write = partial(write_final, job_id=job_id, chunk=chunk, ttl_s=ttl_s)
-        written += pay(control, shards, job_id, write) is not None
+        if pay(control, shards, job_id, write) is None:
+            away.add(id(shards.of(job_id)))
+        else:
+            written += 1
     return written

@@ -23,7 +23,7 @@ from scheduler.store.streams import (
     claim_stream,
     outcome_of,
     pay,
-    write_chunk,
+    write_owed,
 )
 
 
@@ -224,7 +224,7 @@ class WorkerState:
         if apart and chunk is not None and Appended(int(appended)) is Appended.WRITTEN:
             # after the record: a reader that sees the last chunk finds the job ended; a
             # chunk its Redis does not take stays owed, for placement to write
-            write = partial(write_chunk, job_id=job_id, seq=seq, chunk=chunk, ttl_s=ttl_s)
+            write = partial(write_owed, job_id=job_id, seq=seq, chunk=chunk, ttl_s=ttl_s)
             appended = pay(self.r, self.streams, job_id, partial(write, fence=placement.id))
             appended = Appended.WRITTEN if appended is None else appended
         return Appended(int(appended)), int(left)
