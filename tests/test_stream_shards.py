@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import uuid
 from collections.abc import Iterator
@@ -39,6 +40,8 @@ from scheduler.store.streams import (
 from scheduler.store.worker_state import WorkerState
 from tests.conftest import send, settings_from, stack_env, wait_for
 from tests.held_worker import is_held, release
+from tests.test_faults import held_hosts
+from tests.test_midstream import GREEDY, one_stream
 from tests.test_state import vgpu
 from workers.chunks import ChunkWriter
 
@@ -315,3 +318,38 @@ def test_a_stream_instance_away_holds_back_its_own_chunks_only(
     finally:
         writer.close()
         gone.close()
+
+
+def test_a_job_whose_worker_is_killed_goes_on_elsewhere_with_its_stream_apart(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """tests/test_midstream.py's first fault with the stream on an instance of its own: the
+    worker of a streaming greedy job is SIGKILLed while the job is held there; placement
+    fences the stream as it takes the job back, and the run elsewhere claims it and goes
+    on. The reader gets one stream, every chunk once, and the whole answer."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("resume-stream-redis"))
+    server.start()
+    shard = redis.Redis.from_url(server.url)
+    try:
+        with held_hosts(
+            tmp_path, GGUFQ_FLASH_ATTENTION="false", GGUFQ_STREAM_REDIS_URLS=server.url
+        ) as (st, h2, settings):
+            with Client(st.redis_url, settings=settings, timeout=60) as client:
+                assert wait_for(lambda: len(client.devices()) == 2, timeout=60)
+                job = client.submit("slow", "HOLD@20: the resumed answer", options=GREEDY)
+                assert wait_for(lambda: is_held(shard, job.id), timeout=60)
+                stream = iter(job.stream(cancel_on_close=False))
+                written = shard.xlen(keys.job_chunks(job.id))
+                chunks = [next(stream).model_dump() for _ in range(written)]
+                h2.send_signal(signal.SIGKILL)
+                h2.wait(10)
+                chunks += [chunk.model_dump() for chunk in stream]
+                result = job.result(timeout=60)
+                assert result.done and one_stream(chunks) == result.response
+                assert result.device == "vgpu:h1:0"
+                (note,) = result.resumed
+                assert note.device == "vgpu:h2:0" and note.chunks >= 1
+                assert not client.r.exists(keys.job_chunks(job.id))  # all on the instance
+    finally:
+        shard.close()
+        server.stop()
