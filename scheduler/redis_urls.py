@@ -182,3 +182,17 @@ def split_urls(urls: str) -> list[str]:
         else:
             found.append(piece)
     return found
+
+
+def address(url: str) -> str:
+    """Where ``url`` leads, as any process's URL of it names it: host (lower case), port
+    (6379 unless given) and database (0 unless given); the primary's name behind Sentinel;
+    the path of a unix socket. TLS or not, and the credentials, do not matter here."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() == "unix":
+        return f"unix:{parts.path}"
+    if is_sentinel(url):
+        found = parse(url)
+        return f"sentinel:{found.master}/{found.db}"
+    db = parts.path.strip("/") or "0"
+    return f"{(parts.hostname or 'localhost').lower()}:{parts.port or 6379}/{db}"

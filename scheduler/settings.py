@@ -10,11 +10,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.errors import BadSettings
-from scheduler.redis_urls import checked_url, masked, split_urls
+from scheduler.redis_urls import address, checked_url, masked, split_urls
 from scheduler.units import parse_bytes, parse_duration_s
 
 _HOME = Path.home() / ".ggufq"
@@ -334,8 +334,17 @@ class Settings(BaseSettings):
 
     @field_validator("stream_redis_urls")
     @classmethod
-    def _stream_schemes(cls, urls: str) -> str:
-        return ",".join(checked_url(url) for url in split_urls(urls))
+    def _stream_urls(cls, urls: str, info: ValidationInfo) -> str:
+        """URLs of Redis instances other than GGUFQ_REDIS_URL's (whose custody records the
+        streams' own records would be written over)."""
+        found = [checked_url(url) for url in split_urls(urls)]
+        control = info.data.get("redis_url")
+        if control and address(control) in map(address, found):
+            raise ValueError(
+                "it names GGUFQ_REDIS_URL's Redis: leave that out (the streams of the jobs "
+                "that hash there live beside the control state by default)"
+            )
+        return ",".join(found)
 
     @field_validator("redis_maxmemory", "batch_max_file_bytes", mode="before")
     @classmethod

@@ -88,6 +88,8 @@ def test_the_setting_takes_sentinel_urls_and_refuses_a_cluster() -> None:
     assert Settings(stream_redis_urls=given).stream_redis_urls.count("://") == 3
     with pytest.raises(ValidationError, match="Redis Cluster is not supported"):
         Settings(stream_redis_urls="redis://a:1/0,redis+cluster://b:2")
+    with pytest.raises(ValidationError, match="names GGUFQ_REDIS_URL's Redis"):
+        Settings(redis_url="redis://Ctl:6379/0", stream_redis_urls="redis://a:1,redis://ctl")
 
 
 def test_every_process_is_given_the_instances_placement_serves(
@@ -279,6 +281,9 @@ def test_a_final_chunk_its_writer_left_owed_is_written_by_placement_s_look(
     owed = f"job {job.id}: owes its stream's Redis its final chunk once settled"
     assert owed in [str(p) for p in fsck.problems(fsck.read(db), settled=True)]
 
+    # placement failing the job meanwhile (its worker looked lost) owes nothing over it
+    failed = error_chunk("m", job.id, GgufqError("lost"))
+    publish_final(db, job.id, failed, 60, Shards(db, [gone, gone]))
     streams = Shards(db, apart)
     assert pay_owed(db, streams, redis_now(db) + 1, 60) == 1
     [(_id, fields)] = streams.of(job.id).xrange(keys.job_chunks(job.id))

@@ -19,12 +19,11 @@ import logging
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
-from urllib.parse import urlsplit
 
 import redis
 
 from scheduler.errors import BadSettings
-from scheduler.redis_urls import is_sentinel, parse, split_urls
+from scheduler.redis_urls import address, split_urls
 
 C = TypeVar("C")
 D = TypeVar("D")
@@ -83,21 +82,7 @@ def stream_shards(
 
 def _where(urls: list[str]) -> str:
     """The instances as every process names them alike, without credentials."""
-    return json.dumps([_address(url) for url in urls])
-
-
-def _address(url: str) -> str:
-    """Where ``url`` leads, as any process's URL of it names it: host (lower case), port
-    (6379 unless given) and database (0 unless given); the primary's name behind Sentinel;
-    the path of a unix socket. TLS or not, and the credentials, do not matter here."""
-    parts = urlsplit(url)
-    if parts.scheme.lower() == "unix":
-        return f"unix:{parts.path}"
-    if is_sentinel(url):
-        found = parse(url)
-        return f"sentinel:{found.master}/{found.db}"
-    db = parts.path.strip("/") or "0"
-    return f"{(parts.hostname or 'localhost').lower()}:{parts.port or 6379}/{db}"
+    return json.dumps([address(url) for url in urls])
 
 
 WHERE_TTL_S = 120  # placement says it again with every beat: a list no placement serves lapses

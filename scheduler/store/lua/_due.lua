@@ -15,9 +15,10 @@
 local DUE_SENT, DUE_COUNTED, DUE_FINAL = 'ggufq:due:sent', 'ggufq:due:counted', 'ggufq:due:final'
 
 -- The final chunk ``chunk`` (JSON) of the job whose custody record is ``custody`` is owed
--- to its stream's own Redis from now on.
+-- to its stream's own Redis from now on; one owed already stays (the end that came first:
+-- a placement that fails a job its worker ended owes nothing over the worker's chunk).
 local function owe_final(job_id, custody, chunk)
-  redis.call('HSET', custody, 'owed', chunk)
+  redis.call('HSETNX', custody, 'owed', chunk)
   redis.call('ZADD', DUE_FINAL, now_s(), job_id)
 end
 
