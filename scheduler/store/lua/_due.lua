@@ -19,7 +19,7 @@ local DUE_SENT, DUE_COUNTED, DUE_FINAL = 'ggufq:due:sent', 'ggufq:due:counted', 
 -- a placement that fails a job its worker ended owes nothing over the worker's chunk).
 local function owe_final(job_id, custody, chunk)
   redis.call('HSETNX', custody, 'owed', chunk)
-  redis.call('ZADD', DUE_FINAL, now_s(), job_id)
+  redis.call('ZADD', DUE_FINAL, 'NX', now_s(), job_id)  -- due from the first
 end
 
 local function sent_due(job_id, placement, device_id)
