@@ -135,6 +135,7 @@ def test_a_run_taken_back_is_refused_its_chunks_on_the_stream_s_instance(
     stream, custody = streams.of(job.id), keys.job_custody(job.id)
     assert workers.start("vgpu:h:0", job.id, "p1", "d1", 1.0) is False
     assert workers.claim_stream(job.id, "p1") == 0
+    assert stream.ttl(keys.job_custody(job.id)) > 86400  # a custody record's life, not an hour
     assert write_chunk(stream, job.id, 1, {"response": "a"}, 60, "p1") is Appended.WRITTEN
     assert stream.xlen(keys.job_chunks(job.id)) == 1
     assert not db.exists(keys.job_chunks(job.id))  # the control Redis holds no stream

@@ -70,13 +70,15 @@ class Shards(Generic[C]):
 
 
 def stream_shards(
-    control: C, urls: str, connect: Callable[[str], C], placement: bool = False
-) -> Shards[C]:
+    control: redis.Redis,
+    urls: str,
+    connect: Callable[[str], redis.Redis],
+    placement: bool = False,
+) -> Shards[redis.Redis]:
     """The stream instances of GGUFQ_STREAM_REDIS_URLS (``urls``) connected with
     ``connect``, after :func:`agree`. ``control`` is the control state's client."""
     found = split_urls(urls)
-    if isinstance(control, redis.Redis):
-        agree(control, found, placement)
+    agree(control, found, placement)
     return Shards(control, [connect(url) for url in found])
 
 

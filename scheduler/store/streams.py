@@ -162,9 +162,6 @@ def publish_final(
     pay(client, shards, job_id, lambda stream: write_final(stream, job_id, final, ttl_s))
 
 
-MIRROR_TTL_S = 7 * 86400  # a stream's own record of a job (as long as its custody record)
-
-
 def write_final(stream: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s: int) -> Appended:
     """A final chunk after whatever the job's stream holds, on the stream's own Redis
     (lua/final.lua there), whose record then names no holder: a later chunk of any run
@@ -182,7 +179,7 @@ def claim_stream(
     when the stream has ended, -2 when it was claimed or fenced under a later epoch."""
     found = _registered(stream, "stream_claim")(
         keys=[keys.job_chunks(job_id), keys.job_custody(job_id)],
-        args=[placement_id, epoch, MIRROR_TTL_S, "1" if force else ""],
+        args=[placement_id, epoch, "1" if force else ""],
         client=stream,
     )
     return int(found)
@@ -194,7 +191,7 @@ def fence_stream(stream: redis.Redis, job_id: str, epoch: int) -> tuple[int, boo
     stream holds, whether its last is a final one), read in the same step."""
     count, final = _registered(stream, "stream_fence")(
         keys=[keys.job_chunks(job_id), keys.job_custody(job_id)],
-        args=[epoch, MIRROR_TTL_S],
+        args=[epoch],
         client=stream,
     )
     return int(count), bool(final)

@@ -7,12 +7,13 @@
 -- Moves no job: the stream's own record holds a holder and an epoch only
 -- KEYS[1] ggufq:job:<id>:chunks  (stream) entry ids 0-<seq>
 -- KEYS[2] ggufq:job:<id>:custody (hash) the stream's own record, on the stream's Redis
--- ARGV: the job's custody epoch now, the record's ttl_s
+-- ARGV: the job's custody epoch now (the record lives as long as a custody record:
+--       CUSTODY_LIVE_TTL)
 -- Returns {chunks the stream holds, 1 when its last is a final chunk else 0}.
 local epoch = tonumber(redis.call('HGET', KEYS[2], 'epoch') or '0') or 0
 if epoch <= tonumber(ARGV[1]) then
   redis.call('HSET', KEYS[2], 'holder', '', 'epoch', ARGV[1])
-  redis.call('EXPIRE', KEYS[2], ARGV[2])
+  redis.call('EXPIRE', KEYS[2], CUSTODY_LIVE_TTL)
 end
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 local final = 0
