@@ -344,8 +344,10 @@ def broken_loop(runtime: WorkerRuntime) -> None:
     assert runtime.runners["r"].stopped
 
 
-def breakdowns(db: redis.Redis) -> float:
-    return float(db.hget(keys.STATS, "breakdowns|tiny") or 0)
+def assert_broke_down_once(db: redis.Redis, runtime: WorkerRuntime) -> None:
+    """Runner r unloaded here and gone from Redis, counted as one breakdown."""
+    assert "r" not in runtime.runners and not db.exists(keys.runner("r"))
+    assert float(db.hget(keys.STATS, "breakdowns|tiny") or 0) == 1
 
 
 def test_a_job_that_reaches_a_runner_whose_loop_stopped_is_handed_back_and_it_unloads(
@@ -376,8 +378,7 @@ def test_a_job_that_reaches_a_runner_whose_loop_stopped_is_handed_back_and_it_un
     record = SentJob.model_validate_json(db.hget(keys.ORPHANS, arrived.id) or b"")
     assert record.job.attempt == 0 and record.avoid == []
     assert not db.exists(keys.job_chunks(arrived.id))  # nothing streamed, no error
-    assert "r" not in runtime.runners and not db.exists(keys.runner("r"))
-    assert breakdowns(db) == 1
+    assert_broke_down_once(db, runtime)
 
 
 def test_a_job_whose_loop_stops_before_its_first_token_is_placed_again(
@@ -390,8 +391,7 @@ def test_a_job_whose_loop_stops_before_its_first_token_is_placed_again(
         deliver(db, runtime, first)
     record = SentJob.model_validate_json(db.hget(keys.ORPHANS, first.id) or b"")
     assert record.job.attempt == 0 and not db.exists(keys.job_chunks(first.id))
-    assert "r" not in runtime.runners and not db.exists(keys.runner("r"))
-    assert breakdowns(db) == 1
+    assert_broke_down_once(db, runtime)
 
 
 def test_a_job_that_streamed_when_its_loop_stops_fails_saying_so(
@@ -405,8 +405,7 @@ def test_a_job_that_streamed_when_its_loop_stops_fails_saying_so(
         deliver(db, runtime, failing)
     last = stream(db, failing.id)[-1]  # its end says what happened
     assert last["done"] and "decode loop of 'tiny' stopped" in last["error"]["message"]
-    assert "r" not in runtime.runners and not db.exists(keys.runner("r"))
-    assert breakdowns(db) == 1
+    assert_broke_down_once(db, runtime)
 
 
 def test_a_stopped_runner_waits_for_the_last_job_counted_on_it_however_it_goes(
@@ -430,8 +429,7 @@ def test_a_stopped_runner_waits_for_the_last_job_counted_on_it_however_it_goes(
     seen = placements.prune("r", set(), 1e12, 0).unaccounted
     assert placements.prune("r", seen, 1e12, 0).forgotten == {"p2"}
     runtime._unload_stopped()  # the expiry loop's look, each second
-    assert "r" not in runtime.runners and not db.exists(keys.runner("r"))
-    assert breakdowns(db) == 1
+    assert_broke_down_once(db, runtime)
 
 
 def test_a_job_that_ran_here_and_comes_again_after_redis_lost_its_run_is_not_run_again(
