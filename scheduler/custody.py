@@ -6,8 +6,10 @@ README's "When things fail" prints :data:`TRANSITIONS` and :data:`LAPSES` as tab
 Lua script that moves a job names its transitions in its header (``-- Moves a job:``), and
 ``tests/test_custody.py`` holds the three to each other. Each job's custody record
 (``ggufq:job:<id>:custody``: state, holder, epoch, when) is moved by those scripts in the same
-step as the job's other keys, and checked against :data:`TRANSITIONS`, which the scripts are
-given as a Lua table (scheduler/store/scripts.py). ``ggufq fsck`` reads where each job is in
+step as the job's other keys, and checked against :data:`TRANSITIONS`: each script is given
+its own rows as a Lua table (scheduler/store/scripts.py), and a move from the recorded state
+that they do not allow is refused before anything is written (a job ended stays so;
+placement does not end a job a worker runs). ``ggufq fsck`` reads where each job is in
 Redis (:func:`state_of`) and reports a job found in two states at once, or in another state
 than its record names.
 
@@ -95,6 +97,9 @@ TRANSITIONS: tuple[Transition, ...] = (
         "end",
         "its model could not load there, its runner was gone before it arrived or its "
         "decode loop had stopped, or no run holds it there (Redis lost its end)",
+    ),
+    Transition(
+        S.SENT, S.ORPHANED, Actor.WORKER, "end", "handed back, as running -> orphaned, unstarted"
     ),
     Transition(S.SENT, S.DONE, Actor.WORKER, "end", "its final chunk; Redis lost its start"),
     Transition(S.SENT, S.FAILED, Actor.WORKER, "end", "its error chunk, as sent -> done"),

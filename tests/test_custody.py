@@ -17,9 +17,9 @@ from scheduler.placement.parking import ParkedJobs
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import fsck, keys
 from scheduler.store.placement_state import PlacementState
-from scheduler.store.streams import publish_final
+from scheduler.store.streams import Appended, publish_final
 from scheduler.store.worker_state import WorkerState
-from tests.conftest import ggufq, send, stack_env
+from tests.conftest import fall_silent, ggufq, send, stack_env
 from tests.test_state import GIB, vgpu
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,3 +156,62 @@ def test_parked_jobs_are_indexed_by_model(db: redis.Redis) -> None:
     assert [str(p) for p in fsck.problems(fsck.read(db))] == []
     parked.park(jobs[0], 0.0)  # back in the queue
     assert parked.ids({"a"}) == [jobs[0].id, jobs[2].id]
+
+
+def everything(db: redis.Redis) -> dict[bytes, bytes | None]:
+    """Every key of the database and its value, but the count of refused moves."""
+    return {k: db.dump(k) for k in sorted(db.keys()) if k != keys.CUSTODY_REFUSED.encode()}
+
+
+def recorded_as(db: redis.Redis, job_id: str, state: str) -> None:
+    """The job's custody record says ``state``, as a Redis restored from elsewhere might."""
+    db.hset(keys.job_custody(job_id), "state", state)
+
+
+def test_a_move_the_custody_table_does_not_allow_writes_nothing(db: redis.Redis) -> None:
+    """Each script checks its move against the table before its first write: refused, it
+    writes nothing, answers as when the job is not the caller's, and fsck reports it."""
+    WorkerState(db).register_device(vgpu(0))
+    job = sent_job(db, "r")
+    recorded_as(db, job.id, "parked")  # waits for capacity, by its record: not to start
+    before = everything(db)
+    assert WorkerState(db).start("vgpu:h:0", job.id, "p1", "delivery", 100.0) is None
+    assert everything(db) == before  # not running, its run not claimed
+    recorded_as(db, job.id, "running")  # runs, by its record: not placement's to end
+    before = everything(db)
+    failed = {"error": {"code": "job_failed", "message": "it can never run"}}
+    assert publish_final(db, job.id, failed, 60) is Appended.FENCED
+    assert everything(db) == before  # no final chunk, nothing moved
+    again = JobRequest(model="m", prompt="p")
+    db.hset(keys.job_custody(again.id), mapping={"state": "sent", "holder": "p7", "epoch": 2})
+    before = everything(db)
+    assert not PlacementState(db).place_once(again.id, "late delivery", 60, "{}").first
+    assert everything(db) == before  # not taken in hand, its claim not written
+    assert [str(p) for p in fsck.problems(fsck.read(db)) if "custody" in str(p)] == [
+        "custody: refused 1 moves parked -> running, which its table denies",
+        "custody: refused 1 moves running -> failed, which its table denies",
+        "custody: refused 1 moves sent -> placing, which its table denies",
+    ]
+
+
+def test_a_job_ended_is_neither_ended_again_nor_orphaned(db: redis.Redis) -> None:
+    """A run's end is final: a second final chunk (another outcome) is fenced, and a
+    reaped device's in-flight record that outlived the job's end orphans nothing."""
+    WorkerState(db).register_device(vgpu(0))
+    job = sent_job(db, "r")
+    placed = Placement(id="p1", runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512))
+    worker = WorkerState(db)
+    assert worker.start("vgpu:h:0", job.id, "p1", "delivery", 100.0) is False
+    done = (1, {"response": "", "done": True})
+    assert worker.end(placed, job.id, done, 101.0, 300, 60)[0] is Appended.WRITTEN
+    failed = (2, {"error": {"code": "job_failed", "message": "late"}, "done": True})
+    assert worker.end(placed, job.id, failed, 102.0, 300, 60)[0] is Appended.FENCED
+    assert db.xlen(keys.job_chunks(job.id)) == 1
+    # Redis lost the end's removal of the in-flight record (a restore): the record says done
+    sent = SentJob(job=job, placement=placed, worker="w@h")
+    db.hset(keys.inflight("vgpu:h:0"), job.id, sent.model_dump_json())
+    fall_silent(db, "vgpu:h:0", 3600)
+    assert PlacementState(db).reap(60) == ["vgpu:h:0"]
+    assert db.hlen(keys.ORPHANS) == 0
+    assert db.hget(keys.job_custody(job.id), "state") == b"done"
+    assert fsck.read(db).refused == {"done -> failed": 1, "done -> orphaned": 1}

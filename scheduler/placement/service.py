@@ -55,7 +55,7 @@ from scheduler.store.placement_state import PlacementState
 from scheduler.store.routes import publish_route
 from scheduler.store.scripts import execute
 from scheduler.store.shards import stream_shards
-from scheduler.store.streams import error_chunk, publish_final
+from scheduler.store.streams import Appended, error_chunk, publish_final
 
 log = logging.getLogger("ggufq.placement")
 
@@ -363,8 +363,10 @@ class PlacementService:
             self.hands.hand_over(job_id)
             return
         final = error_chunk(model, job_id, exc)
-        publish_final(self.r, job_id, final, self.settings.stream_ttl_s, self.hands.streams)
-        if isinstance(exc, JobCancelled):
+        ended = publish_final(self.r, job_id, final, self.settings.stream_ttl_s, self.hands.streams)
+        if ended is Appended.FENCED:  # its record says it runs, or ended: not ours to end
+            log.warning("job %s's custody record refuses its end here: %s", job_id, exc)
+        elif isinstance(exc, JobCancelled):
             self.app.backend.mark_as_revoked(job_id, reason=str(exc))
         else:
             self.app.backend.mark_as_failure(job_id, exc)

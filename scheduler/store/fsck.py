@@ -68,9 +68,9 @@ class Census:
     due_sent: set[str] = field(default_factory=set)  # "<job>|<placement>|<device>"
     due_counted: set[str] = field(default_factory=set)  # "<runner>|<placement>"
     # the custody records of the jobs not ended (job → its recorded state; "" when the
-    # record is gone), and the moves the custody table does not allow ("<from> -> <to>" → n)
+    # record is gone), and the moves the custody table refused ("<from> -> <to>" → n)
     custody: dict[str, str] = field(default_factory=dict)
-    unexpected: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)  # moves the table refused
     owed: set[str] = field(default_factory=set)  # jobs whose final chunk a stream is owed
 
     @cached_property
@@ -103,7 +103,7 @@ def read(client: redis.Redis) -> Census:
     (devices, running, parked, orphans, held, recorded, runners, per_device, holders, indexed) = (
         reply[:10]
     )
-    beating, due_sent, due_counted, custody, unexpected, owed = reply[10:]
+    beating, due_sent, due_counted, custody, refused, owed = reply[10:]
     census = Census(
         devices={text(d) for d in devices},
         running={text(j) for j in running},
@@ -115,7 +115,7 @@ def read(client: redis.Redis) -> Census:
         due_sent={text(m) for m in due_sent},
         due_counted={text(m) for m in due_counted},
         custody={text(j): text(s) for j, s in _pairs(custody)},
-        unexpected={text(m): int(n) for m, n in _pairs(unexpected)},
+        refused={text(m): int(n) for m, n in _pairs(refused)},
         owed={text(j) for j in owed},
     )
     for key in held:  # "<placement>|<job id>": the entries themselves carry whole jobs
@@ -205,8 +205,8 @@ def _custody(census: Census) -> list[Problem]:
             found.append(Problem(f"job {job_id}", f"recorded {recorded or '?'}, found nowhere"))
         elif recorded != state.value:
             found.append(Problem(f"job {job_id}", f"recorded {recorded}, found {state.value}"))
-    for move, n in sorted(census.unexpected.items()):
-        found.append(Problem("custody", f"{n} moves {move}, which its table does not allow"))
+    for move, n in sorted(census.refused.items()):
+        found.append(Problem("custody", f"refused {n} moves {move}, which its table denies"))
     return found
 
 

@@ -36,7 +36,7 @@ DUE_FINAL = f"{PREFIX}:due:final"  # final chunks owed to streams' own Redis
 # the custody records' set of jobs not ended, and the count of moves the custody table does
 # not allow ("<from> -> <to>" → count): lua/_custody.lua
 CUSTODY_LIVE = f"{PREFIX}:custody:live"
-CUSTODY_UNEXPECTED = f"{PREFIX}:custody:unexpected"
+CUSTODY_REFUSED = f"{PREFIX}:custody:refused"
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined
 PLACEMENT_QUEUE = f"{PREFIX}.placement"  # Celery queue of the placement service
 BATCH_SUFFIX = ".batch"  # batch jobs go to a sibling queue that workers drain second

@@ -10,7 +10,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from scheduler.custody import ENDED, TRANSITIONS
+from scheduler.custody import ENDED, transitions_of
 
 
 @cache
@@ -22,13 +22,14 @@ def _lua_source(name: str) -> str:
     # take the steps of a job's end
     parts = ("changes", "demand", "hands", "clock", "due", "custody", "jobs", "ends")
     preludes = [folder.joinpath(f"_{part}.lua").read_text() for part in parts]
-    return custody_tables() + "".join(preludes) + folder.joinpath(f"{name}.lua").read_text()
+    return custody_tables(name) + "".join(preludes) + folder.joinpath(f"{name}.lua").read_text()
 
 
-def custody_tables() -> str:
-    """The custody table (scheduler/custody.py) as the Lua sets lua/_custody.lua checks each
-    move against: written from the one table, never copied by hand."""
-    moves = sorted({t.name for t in TRANSITIONS})
+def custody_tables(script: str) -> str:
+    """The moves of the custody table (scheduler/custody.py) that ``script`` makes, as the
+    Lua set lua/_custody.lua checks each of its moves against (any other is refused), and
+    the ended states: written from the one table, never copied by hand."""
+    moves = sorted(transitions_of(script))
     ended = sorted(state.value for state in ENDED)
     return (
         "local CUSTODY_MOVES = {" + ", ".join(f"[{m!r}] = true" for m in moves) + "}\n"

@@ -147,19 +147,21 @@ def publish_final(
     chunk: dict[str, Any],
     ttl_s: int,
     shards: Shards[redis.Redis] | None = None,
-) -> None:
+) -> Appended:
     """End a job from a process that published nothing before it (placement fails or
     cancels it): its final chunk after whatever its stream holds, and out of the parked
     queue if it waits there, in one step (lua/final.lua). Where the stream lives on a
     Redis of its own (``shards``), the job's record moves first, the chunk owed, and the
-    chunk follows (:func:`pay`)."""
+    chunk follows (:func:`pay`). FENCED, with nothing written, when the job's custody
+    record says it runs or ended already (the custody table refuses the move)."""
     final = dict(chunk, done=True)
     args = [job_id, json.dumps(final), ttl_s, outcome_of(final)]
     if shards is None or not shards.sharded:
-        _registered(client, "final")(keys=[], args=args, client=client)
-        return
-    _registered(client, "final")(keys=[], args=[*args, "1"], client=client)
-    pay(client, shards, job_id, lambda stream: write_final(stream, job_id, final, ttl_s))
+        return Appended(int(_registered(client, "final")(keys=[], args=args, client=client)))
+    moved = Appended(int(_registered(client, "final")(keys=[], args=[*args, "1"], client=client)))
+    if moved is Appended.WRITTEN:
+        pay(client, shards, job_id, lambda stream: write_final(stream, job_id, final, ttl_s))
+    return moved
 
 
 def write_final(stream: redis.Redis, job_id: str, chunk: dict[str, Any], ttl_s: int) -> Appended:

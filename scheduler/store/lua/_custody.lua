@@ -2,9 +2,12 @@
 -- is in (scheduler/custody.py), who holds it (a placement process, or the placement id a
 -- device runs it under; '' for a queue), its epoch (raised at every move: each move hands
 -- the job over) and when it moved (Redis's clock). Every script that moves a job writes it
--- in the same step as the job's other keys, so the two cannot part; a move the custody
--- table does not allow from the recorded state is counted in ggufq:custody:unexpected
--- (``ggufq fsck`` reports it for a day), and a job recorded ended stays so. Its holder
+-- in the same step as the job's other keys, so the two cannot part. A move from the
+-- recorded state that the custody table does not give the script (its header's
+-- "Moves a job" line) is refused whole: the script checks it (may_move) before its first
+-- write, writes nothing, answers as it does when the job is not the caller's, and the
+-- refusal is counted in ggufq:custody:refused (``ggufq fsck`` reports it for a day); so a
+-- job recorded ended stays so, and placement cannot end a job a worker runs. Its holder
 -- fences the writes of a run (lua/_ends.lua: a placement id that is no longer the holder
 -- writes no chunk and no end), and ``run`` (a placement id) with ``delivery`` (the id of the
 -- delivery that runs it) claims the one run of that placement (lua/start.lua). The record also fences a job's holds
@@ -12,33 +15,45 @@
 -- (``sent``), and '1' (put back or ended) or '2' (let go only) once a sweep took that hold
 -- from a silent holder. ggufq:custody:live holds the ids of jobs not
 -- ended: one that stays there with no place in Redis is a job lost.
--- CUSTODY_MOVES and CUSTODY_ENDED are written above this prelude from the table
--- (scheduler/store/scripts.py).
--- Touches, by name: ggufq:job:<id>:custody, ggufq:custody:live, ggufq:custody:unexpected.
+-- CUSTODY_MOVES (the script's own moves) and CUSTODY_ENDED are written above this prelude
+-- from the table (scheduler/store/scripts.py).
+-- Touches, by name: ggufq:job:<id>:custody, ggufq:custody:live, ggufq:custody:refused.
 
-local CUSTODY_LIVE, CUSTODY_UNEXPECTED = 'ggufq:custody:live', 'ggufq:custody:unexpected'
+local CUSTODY_LIVE, CUSTODY_REFUSED = 'ggufq:custody:live', 'ggufq:custody:refused'
 local CUSTODY_LIVE_TTL = 7 * 86400  -- a record of a job not ended outlives no week
 
 local function custody_key(job_id) return 'ggufq:job:' .. job_id .. ':custody' end
 
+-- Whether the custody table refuses to move the job whose ``record`` (HMGET state, epoch,
+-- holder) was read to ``target`` under ``holder``: not when there is no record (a job not
+-- placed yet, or one whose record Redis lost with its data: a restart without it),
+-- nor when it moved so already (asked again after a lost reply). A refusal is counted.
+local function refused(record, target, holder)
+  local source = record[1]
+  if not source or (source == target and record[3] == holder) then return false end
+  local name = source .. ' -> ' .. target
+  if CUSTODY_MOVES[name] then return false end
+  redis.call('HINCRBY', CUSTODY_REFUSED, name, 1)
+  redis.call('EXPIRE', CUSTODY_REFUSED, 86400)  -- reported for a day after the last
+  return true
+end
+
+local function read_record(key) return redis.call('HMGET', key, 'state', 'epoch', 'holder') end
+
+-- Whether the job whose record is ``key`` may move to ``target`` under ``holder``: a
+-- script asks before its first write, and writes nothing when it may not.
+local function may_move_record(key, target, holder)
+  return not refused(read_record(key), target, holder)
+end
+
 -- Move the job whose record is ``key`` to ``target`` under ``holder``; an ended record
--- expires after ``ended_ttl`` s, with the job's stream. Returns the new epoch.
+-- expires after ``ended_ttl`` s, with the job's stream. Returns the new epoch (the one it
+-- has, asked again after a lost reply), or nil when the table refuses the move.
 local function move_record(key, target, holder, ended_ttl)
   local job_id = string.sub(key, #'ggufq:job:' + 1, -#':custody' - 1)
-  local record = redis.call('HMGET', key, 'state', 'epoch', 'holder')
-  local source = record[1]
-  if source == target and record[3] == holder then
-    return tonumber(record[2])  -- asked again after a lost reply: it moved already
-  end
-  -- no record: a job not placed yet, or one whose record Redis lost with its data (a
-  -- restart without it): nothing to hold the move to
-  local name = (source or 'submitted') .. ' -> ' .. target
-  if source and not CUSTODY_MOVES[name] then
-    redis.call('HINCRBY', CUSTODY_UNEXPECTED, name, 1)
-    redis.call('EXPIRE', CUSTODY_UNEXPECTED, 86400)  -- reported for a day after the last
-    -- an end is final: a job whose end was written stays ended whatever comes after
-    if CUSTODY_ENDED[source] then return tonumber(record[2]) end
-  end
+  local record = read_record(key)
+  if refused(record, target, holder) then return nil end
+  if record[1] == target and record[3] == holder then return tonumber(record[2]) end
   local epoch = (tonumber(record[2]) or 0) + 1
   redis.call('HSET', key, 'state', target, 'epoch', epoch, 'holder', holder, 'at', now_s())
   if CUSTODY_ENDED[target] then
@@ -55,18 +70,34 @@ local function move(job_id, target, holder)
   return move_record(custody_key(job_id), target, holder)
 end
 
+local function may_move(job_id, target, holder)
+  return may_move_record(custody_key(job_id), target, holder)
+end
+
 -- Whether a run of the job under ``placement_id`` was claimed (lua/start.lua).
 local function started_under(job_id, placement_id)
   return redis.call('HGET', custody_key(job_id), 'run') == placement_id
+end
+
+-- The holder and job id of a hold's field "<placement>|<job id>", nil when it does not parse.
+local function hold_of(field)
+  return string.match(field, '^(.*)|([^|]*)$')
+end
+
+-- Whether the job held under ``field`` may be taken in hand (moved to placing).
+local function may_hold(field)
+  local holder, job_id = hold_of(field)
+  return job_id ~= nil and may_move(job_id, 'placing', holder)
 end
 
 -- A job taken in hand under ``field`` ("<placement>|<job id>") and ``token``: placing,
 -- held by that process; the record keeps the token of its last hold, and whether its send
 -- (``sent``) or a sweep (``swept``) ended that hold, until the next hold.
 local function hold(field, token)
-  local holder, job_id = string.match(field, '^(.*)|([^|]*)$')
+  local holder, job_id = hold_of(field)
   if not job_id then return 0 end
   local epoch = move(job_id, 'placing', holder)
+  if not epoch then return 0 end
   redis.call('HSET', custody_key(job_id), 'token', token, 'swept', '', 'sent', '')
   return epoch
 end

@@ -19,7 +19,10 @@ end
 local function append_chunk(chunks, channel, fence, seq, payload, ttl, custody, outcome)
   local holder = holder_of(custody)
   local id = '0-' .. seq
-  if fence ~= '' and holder and holder ~= fence then
+  -- a final chunk whose move the custody table refuses (the job ended already, say) is
+  -- fenced as another holder's chunk is
+  if fence ~= '' and holder and holder ~= fence
+      or outcome ~= '' and not may_move_record(custody, outcome, fence) then
     -- this very chunk, written before the job was taken from this run (its answer was
     -- lost and it is asked again): not fenced. Another run's chunk of the seq is not it.
     local there = redis.call('XRANGE', chunks, id, id)
@@ -46,6 +49,11 @@ end
 -- ggufq:job:<id>:chunks, :custody and its channel. Returns streams.Appended.
 local function end_unrun(job_id, chunk, ttl, outcome, elsewhere)
   local job = 'ggufq:job:' .. job_id
+  -- not a job whose record says it runs, or ended already (FENCED): it is not unrun; on
+  -- the stream's own Redis, whose record moves only with a final chunk, it ended already
+  if not may_move_record(job .. ':custody', outcome, '') then
+    return elsewhere == '2' and -1 or 0
+  end
   redis.call('ZREM', 'ggufq:parked', job_id)
   redis.call('DEL', 'ggufq:parked:' .. job_id)
   unindex(job_id)

@@ -6,14 +6,14 @@
 -- ggufq:runner:<id> (model, in_flight, devices) and its :jobs, ggufq:parked:<id>,
 -- ggufq:job:<id>:custody (holder), ggufq:parked:model_of (the parked jobs' index by model),
 -- ggufq:heartbeats, ggufq:due:sent and ggufq:due:counted (their members),
--- ggufq:custody:live (its members' ggufq:job:<id>:custody state), ggufq:custody:unexpected,
+-- ggufq:custody:live (its members' ggufq:job:<id>:custody state), ggufq:custody:refused,
 -- ggufq:due:final (its members: final chunks owed to streams' own Redis)
 -- Returns {devices, running, parked, orphans, held (the fields: who holds each job), parked ids that
 -- have their record, {runner id, model, in_flight, devices JSON, its jobs' placement
 -- ids}..., {device id, reservations (flat runner, bytes), in-flight records (flat job,
 -- record)}..., holders (flat job, custody holder or ''), the job ids in the parked jobs' index,
 -- the devices that have a beat, the sends due, the counts due, the custody records of the
--- jobs not ended (flat job, state), the unexpected moves (flat move, count), the jobs whose
+-- jobs not ended (flat job, state), the refused moves (flat move, count), the jobs whose
 -- final chunk is owed}
 local devices = redis.call('SMEMBERS', 'ggufq:devices')
 local parked = redis.call('ZRANGE', 'ggufq:parked', 0, -1)
@@ -58,6 +58,6 @@ return {
   redis.call('ZRANGE', 'ggufq:due:sent', 0, -1),
   redis.call('ZRANGE', 'ggufq:due:counted', 0, -1),
   custody,
-  redis.call('HGETALL', 'ggufq:custody:unexpected'),
+  redis.call('HGETALL', 'ggufq:custody:refused'),
   redis.call('ZRANGE', 'ggufq:due:final', 0, -1),
 }

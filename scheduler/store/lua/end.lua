@@ -8,7 +8,7 @@
 -- the same step, and placement hears of it: never in flight and orphaned at once; only
 -- while its in-flight record is this placement's (once, and not after a reap).
 -- Moves a job (scheduler/custody.py): running -> done, running -> failed, running -> cancelled
--- Moves a job (scheduler/custody.py): running -> orphaned
+-- Moves a job (scheduler/custody.py): running -> orphaned, sent -> orphaned
 -- Moves a job (scheduler/custody.py): sent -> done, sent -> failed, sent -> cancelled
 -- KEYS[1] ggufq:job:<id>:chunks                    (stream) entry ids 0-<seq>
 -- KEYS[2] ggufq:job:<id>                           (pub/sub channel)
@@ -35,7 +35,7 @@ elseif ARGV[10] ~= '' then
   -- the stream lives on a Redis of its own (scheduler/store/shards.py): the record moves
   -- here, fenced as append_chunk fences, and the caller writes the chunk there next
   local holder = holder_of(KEYS[8])
-  if holder and holder ~= ARGV[1] then
+  if holder and holder ~= ARGV[1] or not may_move_record(KEYS[8], ARGV[10], ARGV[1]) then
     appended = 0
   else
     move_record(KEYS[8], ARGV[10], ARGV[1], ARGV[4])
@@ -51,7 +51,7 @@ if left >= 0 then
 end
 -- only with its record: an end run again after a lost answer, or of a job reaped or
 -- placed again meanwhile, finds none and hands nothing back a second time
-if ARGV[9] ~= '' and was_recorded == 1 then
+if ARGV[9] ~= '' and was_recorded == 1 and may_move(ARGV[5], 'orphaned', '') then
   redis.call('HSET', KEYS[7], ARGV[5], ARGV[9])
   move(ARGV[5], 'orphaned', '')
   redis.call('PUBLISH', KEYS[6], cjson.encode({event = 'handed_back', job = ARGV[5]}))

@@ -41,7 +41,11 @@ local beat = redis.call('ZSCORE', KEYS[3], ARGV[2])
 if not beat or tonumber(beat) < now_s() - tonumber(ARGV[4]) then return 0 end
 if redis.call('ZCARD', KEYS[4]) > 0 then return 0 end
 if redis.call('LLEN', KEYS[5]) > 0 or redis.call('LLEN', KEYS[6]) > 0 then return 0 end
-if not redis.call('SET', KEYS[7], ARGV[6], 'NX', 'EX', ARGV[5]) then return -1 end
+-- a job id claimed, or whose custody record says it is elsewhere, is taken
+if redis.call('EXISTS', KEYS[7]) == 1 or not may_move(ARGV[8], 'sent', ARGV[10]) then
+  return -1
+end
+redis.call('SET', KEYS[7], ARGV[6], 'EX', ARGV[5])
 redis.call('SET', KEYS[8], ARGV[7], 'EX', ARGV[5])
 count_on(KEYS[2], ARGV[10])
 redis.call('HSET', KEYS[2], 'last_used', ARGV[3], 'expires_at', -1)

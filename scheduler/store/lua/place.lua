@@ -10,8 +10,8 @@
 --       stamped here, on Redis's clock, as the holder's beats are), token
 -- Returns 1 when the job is this delivery's, else 0 (also when it was held under this token
 -- and swept from this process meanwhile: the claim was asked again after an outage).
-if put_back_from_us(KEYS[3], ARGV[5]) then
-  return 0
+if put_back_from_us(KEYS[3], ARGV[5]) or not may_hold(ARGV[3]) then
+  return 0  -- or its record says it moved on (a delivery whose claim lapsed): not ours
 end
 redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then

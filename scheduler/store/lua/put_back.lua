@@ -21,7 +21,9 @@ end
 if ARGV[5] ~= '' and (put_back_from_us(KEYS[4], ARGV[5]) or moved_on(KEYS[4])) then
   return 0
 end
+local target = ARGV[2] == 'orphan' and 'orphaned' or 'parked'
+if not may_move(ARGV[1], target, '') then return 0 end  -- its record says it is elsewhere
 put_back(KEYS[1], KEYS[2], ARGV[2], ARGV[1], ARGV[3])
-move(ARGV[1], ARGV[2] == 'orphan' and 'orphaned' or 'parked', '')
+move(ARGV[1], target, '')
 let_go(KEYS[3], ARGV[4], ARGV[5])
 return 1

@@ -25,12 +25,15 @@ for _, dev in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - 
     end
     local sent = redis.call('HGETALL', 'ggufq:inflight:' .. dev)
     for i = 1, #sent, 2 do
-      redis.call('HSET', KEYS[4], sent[i], sent[i + 1])
       redis.call('ZREM', DUE_SENT, sent_due_of(sent[i], sent[i + 1]) or '')
-      redis.call('HDEL', 'ggufq:running', sent[i])
-      -- held by nobody now: a worker that comes back finds its writes fenced and does not
-      -- go on running it (placement re-places or fails it)
-      move(sent[i], 'orphaned', '')
+      -- not a job whose record says it is elsewhere (its in-flight record outlived it)
+      if may_move(sent[i], 'orphaned', '') then
+        redis.call('HSET', KEYS[4], sent[i], sent[i + 1])
+        redis.call('HDEL', 'ggufq:running', sent[i])
+        -- held by nobody now: a worker that comes back finds its writes fenced and does
+        -- not go on running it (placement re-places or fails it)
+        move(sent[i], 'orphaned', '')
+      end
     end
     redis.call('DEL', 'ggufq:resv:' .. dev, 'ggufq:device:' .. dev, 'ggufq:inflight:' .. dev)
     -- its queues hold only messages of the jobs just orphaned: nothing will read them

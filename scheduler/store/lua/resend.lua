@@ -21,7 +21,8 @@
 local recorded = placement_of(redis.call('HGET', KEYS[1], ARGV[1]))
 if not recorded or tostring(recorded['id']) ~= ARGV[2]
     or redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1
-    or started_under(ARGV[1], ARGV[2]) or redis.call('EXISTS', KEYS[3]) == 1 then
+    or started_under(ARGV[1], ARGV[2]) or redis.call('EXISTS', KEYS[3]) == 1
+    or not may_move(ARGV[1], 'sent', ARGV[4]) then
   return 0
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])

@@ -26,6 +26,7 @@ end
 if ARGV[5] ~= '' and (put_back_from_us(KEYS[3], ARGV[5]) or moved_on(KEYS[3])) then
   return 0
 end
+if not may_move(ARGV[1], 'sent', ARGV[3]) then return 0 end  -- its record says it is elsewhere
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('ZADD', DUE_SENT, now_s(), sent_due(ARGV[1], ARGV[3], ARGV[7]))
 no_longer_due('ggufq:runner:' .. ARGV[6], ARGV[3])

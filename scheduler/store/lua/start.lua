@@ -18,6 +18,7 @@ local claim = redis.call('HMGET', KEYS[2], 'run', 'delivery')
 if claim[1] == ARGV[2] and claim[2] ~= ARGV[3] then
   return {0}  -- another delivery of this placement runs it
 end
+if not may_move(ARGV[1], 'running', ARGV[2]) then return {0} end  -- recorded elsewhere
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
 move(ARGV[1], 'running', ARGV[2])
 redis.call('HSET', KEYS[2], 'run', ARGV[2], 'delivery', ARGV[3])

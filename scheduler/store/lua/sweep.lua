@@ -42,9 +42,15 @@ elseif ARGV[6] == '1' or entry['sent'] then
 elseif entry['ending'] then
   outcome = 3
 end
+-- a job whose record says it is elsewhere (the table allows no such move) is let go only
+local target = readable and entry['what'] == 'orphan' and 'orphaned' or 'parked'
+if outcome == 1 and not may_move(ARGV[5], target, '')
+    or (outcome == 3 or outcome == -1) and not may_move(ARGV[5], 'failed', '') then
+  outcome = 2
+end
 if outcome == 1 then
   put_back(KEYS[3], KEYS[4], entry['what'], ARGV[5], entry['record'])
-  move(ARGV[5], entry['what'] == 'orphan' and 'orphaned' or 'parked', '')
+  move(ARGV[5], target, '')
 elseif outcome == 3 or outcome == -1 then
   end_unrun(ARGV[5], outcome == 3 and ARGV[8] or ARGV[9], ARGV[10], 'failed', ARGV[11] or '')
 end

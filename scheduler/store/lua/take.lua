@@ -26,10 +26,12 @@ end
 local raw
 if ARGV[4] == 'orphan' then
   raw = redis.call('HGET', KEYS[1], ARGV[1])
-  if not raw then return false end
+  -- not there, or its record says it is elsewhere (the table allows no take from there)
+  if not raw or not may_hold(ARGV[2]) then return false end
   redis.call('HDEL', KEYS[1], ARGV[1])
 else
-  if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return false end
+  if not redis.call('ZSCORE', KEYS[1], ARGV[1]) or not may_hold(ARGV[2]) then return false end
+  redis.call('ZREM', KEYS[1], ARGV[1])
   unindex(ARGV[1])
   raw = redis.call('GET', KEYS[2])
   redis.call('DEL', KEYS[2])
