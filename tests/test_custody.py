@@ -16,6 +16,7 @@ from scheduler.local.stack import LocalStack
 from scheduler.placement.parking import ParkedJobs
 from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import fsck, keys
+from scheduler.store.hands import Hands, Swept, parked_record
 from scheduler.store.placement_state import PlacementState
 from scheduler.store.streams import Appended, publish_final
 from scheduler.store.worker_state import WorkerState
@@ -215,3 +216,48 @@ def test_a_job_ended_is_neither_ended_again_nor_orphaned(db: redis.Redis) -> Non
     assert db.hlen(keys.ORPHANS) == 0
     assert db.hget(keys.job_custody(job.id), "state") == b"done"
     assert fsck.read(db).refused == {"done -> failed": 1, "done -> orphaned": 1}
+
+
+def test_leftovers_of_a_job_its_record_places_elsewhere_move_nothing(db: redis.Redis) -> None:
+    """An orphan entry of a job that ended (left by a version before the table was
+    enforced) leaves the queue untaken, so it can never run again once its record expires;
+    an in-flight record on a silent device that another placement of the job now holds
+    orphans nothing and keeps that run's running mark."""
+    WorkerState(db).register_device(vgpu(0))
+    job = sent_job(db, "r")
+    record = db.hget(keys.inflight("vgpu:h:0"), job.id) or b""
+    db.hset(keys.ORPHANS, job.id, record)
+    recorded_as(db, job.id, "done")
+    hands = PlacementState(db).hands
+    assert hands.take("orphan", job.id) is None
+    assert db.hlen(keys.ORPHANS) == 0 and db.hlen(keys.IN_HAND) == 0
+    recorded_as(db, job.id, "running")
+    db.hset(keys.job_custody(job.id), "holder", "p2")  # placed again, running elsewhere
+    db.hset(keys.RUNNING, job.id, 100.0)
+    fall_silent(db, "vgpu:h:0", 3600)
+    assert PlacementState(db).reap(60) == ["vgpu:h:0"]
+    assert db.hlen(keys.ORPHANS) == 0 and db.hexists(keys.RUNNING, job.id)
+    assert db.hmget(keys.job_custody(job.id), "state", "holder") == [b"running", b"p2"]
+    assert fsck.read(db).refused == {"done -> placing": 1}
+
+
+def test_a_hold_swept_from_a_job_recorded_elsewhere_leaves_it_there(db: redis.Redis) -> None:
+    """A silent holder's hold of a job whose record says it runs (a leftover) is let go of,
+    the job not parked again; the holder, come back, finds it swept, not sent by it."""
+    WorkerState(db).register_device(vgpu(0))
+    state = PlacementState(db, Hands(db, "p-silent"))
+    job = JobRequest(model="m", prompt="p")
+    assert state.place_once(job.id, "delivery", 60, parked_record(job.model_dump(), 1.0)).first
+    db.hset(keys.job_custody(job.id), mapping={"state": "running", "holder": "p1"})
+    db.zadd(keys.PLACEMENT_ALIVE, {"p-silent": 0.0})
+    survivor = Hands(db, "p-alive")
+    sec, micros = db.time()
+    (held,), _own = survivor.look(float(sec) + micros / 1e6 + 1)
+    failed = '{"done": true, "error": {}}'
+    dead_before = float(sec) + micros / 1e6 + 1
+    assert survivor.sweep(held, dead_before, False, (failed, failed), 60) is Swept.LET_GO
+    assert db.zcard(keys.PARKED) == 0 and db.hlen(keys.IN_HAND) == 0
+    assert db.hmget(keys.job_custody(job.id), "state", "swept") == [b"running", b"1"]
+    placed = Placement(id="p9", runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512))
+    assert not send(state, SentJob(job=job, placement=placed, worker="w@h"))  # swept: not its
+    assert fsck.read(db).refused == {"running -> parked": 1}

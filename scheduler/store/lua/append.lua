@@ -1,6 +1,8 @@
 -- Append one chunk to a job's stream and publish it, unless the job was taken back from the
 -- placement whose worker writes it: a worker that stalled past the TTL and came back must
 -- not write into the stream of the job's new run (or after placement ended it).
+-- It has no rows in the custody table: its final chunk moves only the record a stream on a
+-- Redis of its own keeps (no state before that chunk); a worker's end is lua/end.lua.
 -- KEYS[1] ggufq:job:<id>:chunks  (stream) entry ids 0-<seq>
 -- KEYS[2] ggufq:job:<id>         (pub/sub channel)
 -- KEYS[3] ggufq:job:<id>:custody (hash) its holder fences the chunk; moved to the outcome

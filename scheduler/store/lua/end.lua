@@ -6,7 +6,9 @@
 -- dies before this leaves the job in flight, for placement to re-place or fail with its
 -- device. A job handed back (its model could not load there) goes among the orphans in
 -- the same step, and placement hears of it: never in flight and orphaned at once; only
--- while its in-flight record is this placement's (once, and not after a reap).
+-- while its in-flight record is this placement's (once, and not after a reap), and its
+-- custody record says it is this run's to hand back: a hand-back the custody table
+-- refuses is not made, but the run's own end (its slot, its in-flight record) still is.
 -- Moves a job (scheduler/custody.py): running -> done, running -> failed, running -> cancelled
 -- Moves a job (scheduler/custody.py): running -> orphaned, sent -> orphaned
 -- Moves a job (scheduler/custody.py): sent -> done, sent -> failed, sent -> cancelled

@@ -5,7 +5,8 @@
 -- Moves a job (scheduler/custody.py): placing -> failed, placing -> cancelled
 -- Moves a job (scheduler/custody.py): parked -> failed, parked -> cancelled, submitted -> failed
 -- Touches, by name: ggufq:parked, ggufq:parked:<id> and the parked jobs' index by model;
--- ggufq:job:<id>:chunks, :custody (unchecked: this end is written whoever holds the job;
+-- ggufq:job:<id>:chunks, :custody (written whoever holds the job, from the states its
+-- table rows give it: a job a worker runs, or one ended, is refused (FENCED);
 -- its holder becomes '', fencing off any later write of a run) and the job's channel
 -- ARGV: job id, the final chunk (a JSON object with keys and no seq: it is set here),
 --       stream ttl_s, its outcome (failed, cancelled), '1' when the stream lives on a

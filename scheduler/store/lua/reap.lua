@@ -26,10 +26,14 @@ for _, dev in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - 
     local sent = redis.call('HGETALL', 'ggufq:inflight:' .. dev)
     for i = 1, #sent, 2 do
       redis.call('ZREM', DUE_SENT, sent_due_of(sent[i], sent[i + 1]) or '')
-      -- not a job whose record says it is elsewhere (its in-flight record outlived it)
-      if may_move(sent[i], 'orphaned', '') then
+      -- not a job another placement of it holds now (its running mark is that run's), nor
+      -- one whose record says it is elsewhere: its in-flight record here outlived it
+      local placement = placement_of(sent[i + 1])
+      local holder = redis.call('HGET', custody_key(sent[i]), 'holder')
+      local theirs = holder and holder ~= '' and placement and holder ~= tostring(placement['id'])
+      if not theirs then redis.call('HDEL', 'ggufq:running', sent[i]) end
+      if not theirs and may_move(sent[i], 'orphaned', '') then
         redis.call('HSET', KEYS[4], sent[i], sent[i + 1])
-        redis.call('HDEL', 'ggufq:running', sent[i])
         -- held by nobody now: a worker that comes back finds its writes fenced and does
         -- not go on running it (placement re-places or fails it)
         move(sent[i], 'orphaned', '')

@@ -42,12 +42,12 @@ elseif ARGV[6] == '1' or entry['sent'] then
 elseif entry['ending'] then
   outcome = 3
 end
--- a job whose record says it is elsewhere (the table allows no such move) is let go only
+-- a job whose record says it is elsewhere (the table allows no such move) is let go only;
+-- its stalled holder, should it come back, finds it put back ('1'), not sent
 local target = readable and entry['what'] == 'orphan' and 'orphaned' or 'parked'
-if outcome == 1 and not may_move(ARGV[5], target, '')
-    or (outcome == 3 or outcome == -1) and not may_move(ARGV[5], 'failed', '') then
-  outcome = 2
-end
+local elsewhere = outcome == 1 and not may_move(ARGV[5], target, '')
+    or (outcome == 3 or outcome == -1) and not may_move(ARGV[5], 'failed', '')
+if elsewhere then outcome = 2 end
 if outcome == 1 then
   put_back(KEYS[3], KEYS[4], entry['what'], ARGV[5], entry['record'])
   move(ARGV[5], target, '')
@@ -57,7 +57,7 @@ end
 -- the hold is the sweep's now: its stalled holder, should it come back, leaves the job
 local token = redis.call('HGET', KEYS[5], 'token')
 if ARGV[2] ~= '' and (not token or token == ARGV[2]) then
-  redis.call('HSET', KEYS[5], 'token', ARGV[2], 'swept', outcome == 2 and '2' or '1')
+  redis.call('HSET', KEYS[5], 'token', ARGV[2], 'swept', outcome == 2 and not elsewhere and '2' or '1')
   if redis.call('TTL', KEYS[5]) < 0 then redis.call('EXPIRE', KEYS[5], CUSTODY_LIVE_TTL) end
 end
 return outcome

@@ -2,6 +2,9 @@
 -- once: the record leaves the queue and is held in hand under the taker's token, so that
 -- the same taker asking again (its reply was lost) gets it again and any other gets
 -- nothing; and, should the taker die with it, another placement process puts it back.
+-- An entry whose job's custody record says it is elsewhere (held, sent, running or ended:
+-- the table allows no take from there; versions before the table was enforced left such
+-- entries) is a leftover: it leaves the queue, and nobody takes it.
 -- Moves a job (scheduler/custody.py): parked -> placing, orphaned -> placing
 -- KEYS[1] the queue: ggufq:parked (sorted set: job id) or ggufq:orphans (hash: job id ->
 --         record)
@@ -26,17 +29,16 @@ end
 local raw
 if ARGV[4] == 'orphan' then
   raw = redis.call('HGET', KEYS[1], ARGV[1])
-  -- not there, or its record says it is elsewhere (the table allows no take from there)
-  if not raw or not may_hold(ARGV[2]) then return false end
+  if not raw then return false end
   redis.call('HDEL', KEYS[1], ARGV[1])
 else
-  if not redis.call('ZSCORE', KEYS[1], ARGV[1]) or not may_hold(ARGV[2]) then return false end
+  if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return false end
   redis.call('ZREM', KEYS[1], ARGV[1])
   unindex(ARGV[1])
   raw = redis.call('GET', KEYS[2])
   redis.call('DEL', KEYS[2])
-  if not raw then return false end
 end
+if not raw or not may_hold(ARGV[2]) then return false end  -- a leftover: out, untaken
 local entry = {token = ARGV[3], what = ARGV[4], at = now_s(), record = raw}
 redis.call('HSET', KEYS[3], ARGV[2], cjson.encode(entry))
 hold(ARGV[2], ARGV[3])
