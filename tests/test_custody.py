@@ -261,3 +261,15 @@ def test_a_hold_swept_from_a_job_recorded_elsewhere_leaves_it_there(db: redis.Re
     placed = Placement(id="p9", runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512))
     assert not send(state, SentJob(job=job, placement=placed, worker="w@h"))  # swept: not its
     assert fsck.read(db).refused == {"running -> parked": 1}
+
+
+def test_an_end_asked_again_writes_no_second_final_chunk(db: redis.Redis) -> None:
+    """Placement's end of a job that will not run, asked again (its reply was lost), finds
+    the job ended so already: one final chunk."""
+    job = JobRequest(model="m", prompt="p")
+    assert PlacementState(db).place_once(job.id, "delivery", 60, "{}").first
+    failed = {"error": {"code": "job_failed", "message": "it can never run"}}
+    assert publish_final(db, job.id, failed, 60) is Appended.WRITTEN
+    assert publish_final(db, job.id, failed, 60) is Appended.DUPLICATE
+    assert db.xlen(keys.job_chunks(job.id)) == 1
+    assert fsck.read(db).refused == {}

@@ -153,7 +153,8 @@ def publish_final(
     queue if it waits there, in one step (lua/final.lua). Where the stream lives on a
     Redis of its own (``shards``), the job's record moves first, the chunk owed, and the
     chunk follows (:func:`pay`). FENCED, with nothing written, when the job's custody
-    record says it runs or ended already (the custody table refuses the move)."""
+    record says it runs or ended otherwise (the custody table refuses the move);
+    DUPLICATE when it ended so already (asked again: its final chunk is there, or owed)."""
     final = dict(chunk, done=True)
     args = [job_id, json.dumps(final), ttl_s, outcome_of(final)]
     if shards is None or not shards.sharded:

@@ -46,14 +46,20 @@ end
 -- ggufq:due:final). ``elsewhere`` '2': this is that Redis, and a stream that ended already
 -- gets no second final chunk (-1, as a duplicate). Touches, by name,
 -- the job's keys: ggufq:parked, ggufq:parked:<id> and its model's index, and
--- ggufq:job:<id>:chunks, :custody and its channel. Returns streams.Appended.
+-- ggufq:job:<id>:chunks, :custody and its channel. Returns streams.Appended: -1 too for a
+-- job recorded ended so already (asked again), with nothing written.
 local function end_unrun(job_id, chunk, ttl, outcome, elsewhere)
   local job = 'ggufq:job:' .. job_id
   -- not a job whose record says it runs, or ended already (FENCED): it is not unrun; on
   -- the stream's own Redis, whose record moves only with a final chunk, it ended already
-  if not may_move_record(job .. ':custody', outcome, '') then
+  local custody = job .. ':custody'
+  if not may_move_record(custody, outcome, '') then
     return elsewhere == '2' and -1 or 0
   end
+  -- ended so already (asked again after a lost reply, or a sweep ending what its holder
+  -- ended as it stalled): its final chunk is there, or owed; none a second time
+  local state = redis.call('HGET', custody, 'state')
+  if state and CUSTODY_ENDED[state] then return -1 end
   redis.call('ZREM', 'ggufq:parked', job_id)
   redis.call('DEL', 'ggufq:parked:' .. job_id)
   unindex(job_id)

@@ -30,7 +30,8 @@ for _, dev in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - 
       -- one whose record says it is elsewhere: its in-flight record here outlived it
       local placement = placement_of(sent[i + 1])
       local holder = redis.call('HGET', custody_key(sent[i]), 'holder')
-      local theirs = holder and holder ~= '' and placement and holder ~= tostring(placement['id'])
+      local theirs = holder and holder ~= '' and placement and placement['id'] ~= nil
+          and holder ~= tostring(placement['id'])
       if not theirs then redis.call('HDEL', 'ggufq:running', sent[i]) end
       if not theirs and may_move(sent[i], 'orphaned', '') then
         redis.call('HSET', KEYS[4], sent[i], sent[i + 1])
