@@ -321,11 +321,13 @@ class Job:
 
     def _check_commands(self, pipe: Any) -> None:
         # known while any of its records is there: a job running through a restart of
-        # Redis without its data writes its stream and result again
+        # Redis without its data writes its stream and result again; one waiting longer
+        # than its id's claim lives has its custody record
         pipe.exists(
             keys.job_submitted(self.id),
             keys.job_chunks(self.id),
             result_key(self.client.app, self.id),
+            keys.job_custody(self.id),
         )
         pipe.exists(keys.job_placed(self.id))
         pipe.llen(keys.placement_queue(self.priority))

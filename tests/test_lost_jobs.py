@@ -49,6 +49,18 @@ def test_a_job_redis_forgot_ends_with_job_lost_not_a_timeout(client: Client) -> 
     assert time.monotonic() - started < 30  # found out, not timed out
 
 
+def test_a_job_waiting_longer_than_its_ids_claim_is_not_lost(client: Client) -> None:
+    """Its id's claim lapsed as it waited placed (its custody record lives on): its reader
+    still knows it, and goes on waiting."""
+    job = claimed_but_never_sent(client)
+    client.r.hset(keys.job_custody(job.id), mapping={"state": "sent", "holder": "p1"})
+    client.r.delete(keys.job_submitted(job.id))
+    try:
+        job.check()  # no JobLost
+    finally:
+        client.r.delete(keys.job_custody(job.id))
+
+
 def test_a_reader_of_a_job_ended_long_ago_gets_job_lost(client: Client) -> None:
     """Its result is kept GGUFQ_RESULT_READ_TTL_S once read, its stream and custody record
     GGUFQ_STREAM_TTL_S after it ended: a reader coming after all of them is told so, both

@@ -280,9 +280,10 @@ class Driver:
         try:
             return await asyncio.shield(sending)
         except InvalidRequest:
-            # its id claimed meanwhile, by a driver that lost its lease sending the same
-            # line with the same time: that job is this line's
-            if await r.get(keys.job_submitted(job_id)) == sent.encode():
+            # claimed meanwhile by a driver that lost its lease sending it with the same time,
+            # or placed with its claim gone (its custody record refuses): this line's job
+            claimed = await r.get(keys.job_submitted(job_id))
+            if claimed == sent.encode() or not claimed and await r.exists(keys.job_custody(job_id)):
                 return self.client.attach(**spec, submitted_at=float(sent))
             raise
 
