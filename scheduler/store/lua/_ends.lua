@@ -50,7 +50,7 @@ end
 -- job recorded ended so already (asked again), with nothing written.
 local function end_unrun(job_id, chunk, ttl, outcome, elsewhere)
   local job = 'ggufq:job:' .. job_id
-  -- not a job whose record says it runs, or ended already (FENCED): it is not unrun; on
+  -- not a job whose record says it runs, or ended otherwise (FENCED): it is not unrun; on
   -- the stream's own Redis, whose record moves only with a final chunk, it ended already
   local custody = job .. ':custody'
   if not may_move_record(custody, outcome, '') then
