@@ -329,7 +329,7 @@ class Job:
             result_key(self.client.app, self.id),
             keys.job_custody(self.id),
         )
-        pipe.exists(keys.job_placed(self.id))
+        pipe.exists(keys.job_placed(self.id), keys.job_custody(self.id))  # placed: not resent
         pipe.llen(keys.placement_queue(self.priority))
         # what is left of a job placed: its custody record (kept GGUFQ_STREAM_TTL_S after
         # it ends), its stream and its result

@@ -50,13 +50,15 @@ def test_a_job_redis_forgot_ends_with_job_lost_not_a_timeout(client: Client) -> 
 
 
 def test_a_job_waiting_longer_than_its_ids_claim_is_not_lost(client: Client) -> None:
-    """Its id's claim lapsed as it waited placed (its custody record lives on): its reader
-    still knows it, and goes on waiting."""
+    """Its id's claim and placement claim lapsed as it waited placed (its custody record
+    lives on): its reader still knows it, and goes on waiting without sending it again."""
     job = claimed_but_never_sent(client)
     client.r.hset(keys.job_custody(job.id), mapping={"state": "sent", "holder": "p1"})
     client.r.delete(keys.job_submitted(job.id))
+    job.submitted_at -= 60  # long past the wait after which a lost submission is resent
     try:
-        job.check()  # no JobLost
+        job.check()  # no JobLost, and not sent to placement again
+        assert job._sent_at == 0.0
     finally:
         client.r.delete(keys.job_custody(job.id))
 
