@@ -289,10 +289,10 @@ class Job:
         pipe = self.client.r.pipeline(transaction=False)
         self._check_commands(pipe)
         try:
-            known, placed, queued, traces = pipe.execute()
+            claimed, placed, queued, traces = pipe.execute()
         except redis.RedisError:
             return  # Redis away: the next check tells
-        if self._lost_on_the_way(known, placed, queued, traces):
+        if self._lost_on_the_way(claimed, placed, queued, traces):
             self._send_again()
 
     async def acheck(
@@ -310,25 +310,17 @@ class Job:
         if ends is not None and stream is r:
             pipe.xrevrange(keys.job_chunks(self.id), count=1)
         try:
-            known, placed, queued, traces, *last = await pipe.execute()
+            claimed, placed, queued, traces, *last = await pipe.execute()
             if ends is not None and stream is not r:
                 last = [await stream.xrevrange(keys.job_chunks(self.id), count=1)]
         except redis.RedisError:
             return None  # Redis away: the next check tells
-        if self._lost_on_the_way(known, placed, queued, traces):
+        if self._lost_on_the_way(claimed, placed, queued, traces):
             await asyncio.to_thread(self._send_again)
         return ends.seen(self._end_of(last[0])) if ends is not None else None
 
     def _check_commands(self, pipe: Any) -> None:
-        # known while any of its records is there: a job running through a restart of
-        # Redis without its data writes its stream and result again; one waiting longer
-        # than its id's claim lives has its custody record
-        pipe.exists(
-            keys.job_submitted(self.id),
-            keys.job_chunks(self.id),
-            result_key(self.client.app, self.id),
-            keys.job_custody(self.id),
-        )
+        pipe.exists(keys.job_submitted(self.id))  # its id's claim
         pipe.exists(keys.job_placed(self.id), keys.job_custody(self.id))  # placed: not resent
         pipe.llen(keys.placement_queue(self.priority))
         # what is left of a job placed: its custody record (kept GGUFQ_STREAM_TTL_S after
@@ -339,11 +331,14 @@ class Job:
             result_key(self.client.app, self.id),
         )
 
-    def _lost_on_the_way(self, known: int, placed: int, queued: int, traces: int) -> bool:
+    def _lost_on_the_way(self, claimed: int, placed: int, queued: int, traces: int) -> bool:
         """Raise JobLost for a job Redis no longer knows, or one that ended so long ago that
         its outcome is no longer kept; True when the job must be sent to placement again
         (its message lost on the way)."""
-        if not known:
+        # known while its id's claim or any trace is there: a job running through a restart
+        # of Redis without its data writes its stream and result again; one waiting longer
+        # than its id's claim lives has its custody record
+        if not (claimed or traces):
             if self._streamed_apart():
                 return False  # it streams on: nothing is sent again, nothing lost
             raise JobLost(

@@ -252,9 +252,9 @@ def test_a_hold_swept_from_a_job_recorded_elsewhere_leaves_it_there(db: redis.Re
     db.zadd(keys.PLACEMENT_ALIVE, {"p-silent": 0.0})
     survivor = Hands(db, "p-alive")
     sec, micros = db.time()
-    (held,), _own = survivor.look(float(sec) + micros / 1e6 + 1)
-    failed = '{"done": true, "error": {}}'
     dead_before = float(sec) + micros / 1e6 + 1
+    (held,), _own = survivor.look(dead_before)
+    failed = '{"done": true, "error": {}}'
     assert survivor.sweep(held, dead_before, False, (failed, failed), 60) is Swept.LET_GO
     assert db.zcard(keys.PARKED) == 0 and db.hlen(keys.IN_HAND) == 0
     assert db.hmget(keys.job_custody(job.id), "state", "swept") == [b"running", b"1"]

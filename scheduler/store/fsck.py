@@ -70,7 +70,7 @@ class Census:
     # the custody records of the jobs not ended (job → its recorded state; "" when the
     # record is gone), and the moves the custody table refused ("<from> -> <to>" → n)
     custody: dict[str, str] = field(default_factory=dict)
-    refused: dict[str, int] = field(default_factory=dict)  # moves the table refused
+    refused: dict[str, int] = field(default_factory=dict)
     owed: set[str] = field(default_factory=set)  # jobs whose final chunk a stream is owed
 
     @cached_property

@@ -33,8 +33,8 @@ IN_HAND = f"{PREFIX}:in_hand"
 DUE_SENT = f"{PREFIX}:due:sent"
 DUE_COUNTED = f"{PREFIX}:due:counted"
 DUE_FINAL = f"{PREFIX}:due:final"  # final chunks owed to streams' own Redis
-# the custody records' set of jobs not ended, and the count of moves the custody table does
-# not allow ("<from> -> <to>" → count): lua/_custody.lua
+# the custody records' set of jobs not ended, and the count of moves the custody table
+# refused ("<from> -> <to>" → count): lua/_custody.lua
 CUSTODY_LIVE = f"{PREFIX}:custody:live"
 CUSTODY_REFUSED = f"{PREFIX}:custody:refused"
 EVENTS = f"{PREFIX}:events"  # pub/sub channel: capacity freed, device joined

@@ -52,14 +52,11 @@ local function end_unrun(job_id, chunk, ttl, outcome, elsewhere)
   local job = 'ggufq:job:' .. job_id
   -- not a job whose record says it runs, or ended otherwise (FENCED): it is not unrun; on
   -- the stream's own Redis, whose record moves only with a final chunk, it ended already
-  local custody = job .. ':custody'
-  if not may_move_record(custody, outcome, '') then
-    return elsewhere == '2' and -1 or 0
-  end
+  local record = read_record(job .. ':custody')
+  if refused(record, outcome, '') then return elsewhere == '2' and -1 or 0 end
   -- ended so already (asked again after a lost reply, or a sweep ending what its holder
   -- ended as it stalled): its final chunk is there, or owed; none a second time
-  local state = redis.call('HGET', custody, 'state')
-  if state and CUSTODY_ENDED[state] then return -1 end
+  if record[1] and CUSTODY_ENDED[record[1]] then return -1 end
   redis.call('ZREM', 'ggufq:parked', job_id)
   redis.call('DEL', 'ggufq:parked:' .. job_id)
   unindex(job_id)

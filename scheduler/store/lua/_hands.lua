@@ -8,8 +8,9 @@
 -- Whether a job held under ``token`` was taken from its holder: its custody record
 -- ``record`` (ggufq:job:<id>:custody) says another hold took it since (its last hold's
 -- token is another), or a sweep took this hold ('1': put back or ended, or let go of a job
--- its record places elsewhere; '2': let go only, it was sent or had ended). Its holder (it had stalled) must not send, park or end it. A
--- record with no token (gone with Redis's data, or never held) tells nothing.
+-- its record places elsewhere; '2': let go only, it was sent or had ended). Its holder (it
+-- had stalled) must not send, park or end it. A record with no token (gone with Redis's
+-- data, or never held) tells nothing.
 local function put_back_from_us(record, token)
   local last = redis.call('HMGET', record, 'token', 'swept')
   if not last[1] or last[1] == '' then return false end

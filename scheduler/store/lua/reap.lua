@@ -29,11 +29,12 @@ for _, dev in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - 
       -- not a job another placement of it holds now (its running mark is that run's), nor
       -- one whose record says it is elsewhere: its in-flight record here outlived it
       local placement = placement_of(sent[i + 1])
-      local holder = redis.call('HGET', custody_key(sent[i]), 'holder')
+      local record = read_record(custody_key(sent[i]))
+      local holder = record[3]
       local theirs = holder and holder ~= '' and placement and placement['id'] ~= nil
           and holder ~= tostring(placement['id'])
       if not theirs then redis.call('HDEL', 'ggufq:running', sent[i]) end
-      if not theirs and may_move(sent[i], 'orphaned', '') then
+      if not theirs and not refused(record, 'orphaned', '') then
         redis.call('HSET', KEYS[4], sent[i], sent[i + 1])
         -- held by nobody now: a worker that comes back finds its writes fenced and does
         -- not go on running it (placement re-places or fails it)
