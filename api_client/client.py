@@ -39,6 +39,7 @@ from scheduler.store.headroom import admit, refused_for_memory
 from scheduler.store.leases import LEASE_REPLY_S, ThreadLeases
 from scheduler.store.readers import ClusterReader
 from scheduler.store.routes import FastPath
+from scheduler.store.scripts import script
 
 _ALIVE_CACHE_S = 1.0
 Messages = list[Message] | list[dict[str, Any]]
@@ -369,14 +370,11 @@ class Client:
         }
 
     def _claim_id(self, request: JobRequest) -> None:
-        """A job id belongs to the job first submitted with it: reusing one would read
-        (or cancel) another job's stream and result."""
-        key = keys.job_submitted(request.id)
+        """A job id belongs to the job first submitted with it, while Redis knows that job:
+        reusing one would read (or cancel) another job's stream and result."""
         ttl_s = max(self.settings.result_ttl_s, self.settings.stream_ttl_s)
-        if self.r.set(key, request.submitted_at, nx=True, ex=ttl_s):
-            return
-        # taken, unless by this very request (its SET sent again after its reply was lost)
-        if self.r.get(key) != repr(request.submitted_at).encode():
+        claim = [keys.job_submitted(request.id), keys.job_custody(request.id)]
+        if not script(self.r, "claim_id")(keys=claim, args=[request.submitted_at, ttl_s]):
             raise job_id_taken(request.id)
 
     def _check_alive(self) -> None:

@@ -220,3 +220,23 @@ def test_a_job_id_belongs_to_the_first_job_submitted_with_it(client: Client) -> 
     assert first.result().done
     with pytest.raises(InvalidRequest, match="'mine-1' is already taken"):
         client.submit("tiny", "Twice", options={"num_predict": 2}, extra={"id": "mine-1"})
+
+
+def test_an_id_stays_taken_while_redis_knows_its_job(client: Client) -> None:
+    """An id's claim lives GGUFQ_RESULT_TTL_S, its job's custody record as long as the job
+    waits and a while after it ends: an id whose claim lapsed before its record is still
+    taken, on the normal path and the fast path alike, and free once Redis forgets it."""
+    first = client.submit("tiny", "Once", options={"num_predict": 2}, extra={"id": "mine-2"})
+    assert first.result().done
+    client.r.delete(keys.job_submitted("mine-2"))  # as once it lapsed
+    again = client.request("tiny", "Twice", options={"num_predict": 2}, extra={"id": "mine-2"})
+    with pytest.raises(InvalidRequest, match="'mine-2' is already taken"):
+        client.send_to_placement(again)
+    with pytest.raises(InvalidRequest, match="'mine-2' is already taken"):
+        client.submit("tiny", "Twice", options={"num_predict": 2}, extra={"id": "mine-2"})
+    assert not client.r.exists(keys.job_submitted("mine-2"))  # the refusal claimed nothing
+    client.r.delete(keys.job_custody("mine-2"), keys.job_chunks("mine-2"))  # as they expired
+    client._claim_id(again)
+    assert client.r.get(keys.job_submitted("mine-2")) == repr(again.submitted_at).encode()
+    client._claim_id(again)  # asked again after a lost reply: still this submission's
+    client.r.delete(keys.job_submitted("mine-2"))  # never sent: nothing to keep
