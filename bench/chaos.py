@@ -938,7 +938,8 @@ class Trial:
     def invariants(self) -> list[str]:
         """``ggufq fsck --settled``'s problems, less those left before this trial."""
         try:
-            found = [str(p) for p in fsck.problems(fsck.read(self.c.r), settled=True)]
+            census = fsck.read(self.c.r, self.c.streams.check().others)
+            found = [str(p) for p in fsck.problems(census, settled=True)]
         except redis.RedisError as exc:
             return [f"state unreadable: {exc}"]
         return [p for p in found if p not in self.known_problems]

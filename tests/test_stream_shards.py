@@ -172,6 +172,12 @@ def test_a_run_taken_back_is_refused_its_chunks_on_the_stream_s_instance(
     assert db.hget(custody, "state") == b"done" and not db.zcard(keys.DUE_FINAL)
     assert stream.xlen(keys.job_chunks(job.id)) == 3
     assert claim_stream(stream, job.id, "p3", 99) == -1  # ended: nothing to claim
+    # a second final chunk of another outcome is refused there, and fsck reads it there
+    failed = {"done": True, "error": "late", "response": ""}
+    assert write_chunk(stream, job.id, 4, failed, 60, "p2") is Appended.FENCED
+    where = apart.index(stream) + 1
+    assert fsck.read(db, apart).refused == {f"done -> failed on stream instance {where}": 1}
+    assert fsck.read(db).refused == {}  # the control Redis refused nothing
 
 
 def test_placement_s_end_of_a_job_writes_its_chunk_on_the_instance(

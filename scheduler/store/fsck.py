@@ -18,6 +18,7 @@ reservation lives; :func:`problems` is pure and says what is wrong with it:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -27,6 +28,7 @@ from pydantic import ValidationError
 
 from scheduler.custody import Evidence, JobState, state_of
 from scheduler.protocol import SentJob
+from scheduler.store import keys
 from scheduler.store.records import text
 from scheduler.store.scripts import script
 
@@ -68,7 +70,8 @@ class Census:
     due_sent: set[str] = field(default_factory=set)  # "<job>|<placement>|<device>"
     due_counted: set[str] = field(default_factory=set)  # "<runner>|<placement>"
     # the custody records of the jobs not ended (job → its recorded state; "" when the
-    # record is gone), and the moves the custody table refused ("<from> -> <to>" → n)
+    # record is gone), and the moves the custody table refused ("<from> -> <to>" → n; "...
+    # on stream instance <n>" for a final chunk refused on a stream's own Redis)
     custody: dict[str, str] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)
     owed: set[str] = field(default_factory=set)  # jobs whose final chunk a stream is owed
@@ -97,8 +100,10 @@ class Census:
         )
 
 
-def read(client: redis.Redis) -> Census:
-    """One atomic look at the cluster's state (lua/census.lua: one round trip)."""
+def read(client: redis.Redis, streams: Sequence[redis.Redis] = ()) -> Census:
+    """One atomic look at the cluster's state (lua/census.lua: one round trip), and the
+    moves refused on the Redis instances ``streams`` of GGUFQ_STREAM_REDIS_URLS, whose own
+    records a job's final chunk moves (lua/_ends.lua)."""
     reply = script(client, "census")()
     (devices, running, parked, orphans, held, recorded, runners, per_device, holders, indexed) = (
         reply[:10]
@@ -135,6 +140,9 @@ def read(client: redis.Redis) -> Census:
         census.reservations[device] = {text(r): int(n) for r, n in _pairs(resv)}
         census.sent[device] = {text(j): _sent(raw) for j, raw in _pairs(sent)}
     census.holders = {text(j): text(h) or None for j, h in _pairs(holders)}
+    for n, stream in enumerate(streams, 1):
+        for move, count in stream.hgetall(keys.CUSTODY_REFUSED).items():
+            census.refused[f"{text(move)} on stream instance {n}"] = int(count)
     return census
 
 
