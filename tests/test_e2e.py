@@ -223,9 +223,11 @@ def test_a_job_id_belongs_to_the_first_job_submitted_with_it(client: Client) -> 
 
 
 def test_an_id_stays_taken_while_redis_knows_its_job(client: Client) -> None:
-    """An id's claim lives GGUFQ_RESULT_TTL_S, its job's custody record as long as the job
-    waits and a while after it ends: an id whose claim lapsed before its record is still
-    taken, on the normal path and the fast path alike, and free once Redis forgets it."""
+    """An id's claim lives the longer of GGUFQ_RESULT_TTL_S and GGUFQ_STREAM_TTL_S, its
+    job's custody record as long as the job waits and a while after it ends: an id whose
+    claim lapsed before its record is still taken, on the normal path and the fast path
+    alike (a client's mistake, not a move the custody table refused), and free once Redis
+    forgets the job."""
     first = client.submit("tiny", "Once", options={"num_predict": 2}, extra={"id": "mine-2"})
     assert first.result().done
     client.r.delete(keys.job_submitted("mine-2"))  # as once it lapsed
@@ -235,6 +237,7 @@ def test_an_id_stays_taken_while_redis_knows_its_job(client: Client) -> None:
     with pytest.raises(InvalidRequest, match="'mine-2' is already taken"):
         client.submit("tiny", "Twice", options={"num_predict": 2}, extra={"id": "mine-2"})
     assert not client.r.exists(keys.job_submitted("mine-2"))  # the refusal claimed nothing
+    assert not client.r.hexists(keys.CUSTODY_REFUSED, "done -> sent")
     client.r.delete(keys.job_custody("mine-2"), keys.job_chunks("mine-2"))  # as they expired
     client._claim_id(again)
     assert client.r.get(keys.job_submitted("mine-2")) == repr(again.submitted_at).encode()

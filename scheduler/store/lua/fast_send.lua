@@ -41,8 +41,10 @@ local beat = redis.call('ZSCORE', KEYS[3], ARGV[2])
 if not beat or tonumber(beat) < now_s() - tonumber(ARGV[4]) then return 0 end
 if redis.call('ZCARD', KEYS[4]) > 0 then return 0 end
 if redis.call('LLEN', KEYS[5]) > 0 or redis.call('LLEN', KEYS[6]) > 0 then return 0 end
--- a job id claimed, or whose custody record says it is elsewhere, is taken
-if redis.call('EXISTS', KEYS[7]) == 1 or not may_move(ARGV[8], 'sent', ARGV[10]) then
+-- a job id claimed, or one whose job has a custody record (its claim lapsed while Redis
+-- knows the job: no recorded state is one this script moves from), is taken, as
+-- lua/claim_id.lua answers: a reused id is the client's mistake, not a refused move
+if redis.call('EXISTS', KEYS[7]) == 1 or redis.call('EXISTS', custody_key(ARGV[8])) == 1 then
   return -1
 end
 redis.call('SET', KEYS[7], ARGV[6], 'EX', ARGV[5])
