@@ -75,6 +75,7 @@ class Client:
         self.state = ClusterReader(self.r)
         self._alive_until = 0.0
         claim_ttl_s = int(max(self.settings.result_ttl_s, self.settings.stream_ttl_s))
+        self._claim, self._claim_ttl_s = script(self.r, "claim_id"), claim_ttl_s
         self.fast = (
             FastPath(self.r, self.settings.device_ttl_s, claim_ttl_s, self.settings.stream_ttl_s)
             if self.settings.fast_path
@@ -372,9 +373,8 @@ class Client:
     def _claim_id(self, request: JobRequest) -> None:
         """A job id belongs to the job first submitted with it, while Redis knows that job:
         reusing one would read (or cancel) another job's stream and result."""
-        ttl_s = max(self.settings.result_ttl_s, self.settings.stream_ttl_s)
         claim = [keys.job_submitted(request.id), keys.job_custody(request.id)]
-        if not script(self.r, "claim_id")(keys=claim, args=[request.submitted_at, ttl_s]):
+        if not self._claim(keys=claim, args=[request.submitted_at, self._claim_ttl_s]):
             raise job_id_taken(request.id)
 
     def _check_alive(self) -> None:

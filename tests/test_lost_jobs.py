@@ -7,12 +7,16 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from pathlib import Path
 
 import pytest
 
 from api_client import Client
 from api_client.aio import AsyncClient
 from api_client.ajob import AsyncJob
+from api_client.batches.driver import Driver, DriverSettings
+from api_client.batches.files import FileStore
+from api_client.batches.store import BatchStore
 from api_client.job import RESEND_AFTER_S, Job
 from api_client.results import result_key
 from scheduler.errors import GgufqError, JobLost
@@ -59,6 +63,34 @@ def test_a_job_waiting_longer_than_its_ids_claim_is_not_lost(client: Client) -> 
     try:
         job.check()  # no JobLost, and not sent to placement again
         assert job._sent_at == 0.0
+    finally:
+        client.r.delete(keys.job_custody(job.id))
+
+
+def test_a_batch_line_whose_jobs_claim_lapsed_waits_for_that_job(
+    client: Client, tmp_path: Path
+) -> None:
+    """A cluster batch driver taking over a line whose job waits placed past its id's
+    claim: sending the line again is refused (the id is that job's, lua/claim_id.lua), and
+    the driver waits for that job instead of failing the line as "already taken"."""
+    job = claimed_but_never_sent(client)
+    client.r.hset(keys.job_custody(job.id), mapping={"state": "parked", "holder": ""})
+    client.r.delete(keys.job_submitted(job.id))  # as once it lapsed
+    spec = {"model": "tiny", "prompt": job.request.prompt, "id": job.id, "priority": "batch"}
+
+    async def take_over() -> str:
+        async with AsyncClient(client.redis_url, settings=client.settings) as aclient:
+            aclient.fast = None  # the normal path, whose claim refuses it
+            settings = DriverSettings(concurrency=1, lease_s=30, retention_s=60, max_lines=1)
+            files = FileStore(tmp_path, 1 << 20)
+            driver = Driver(aclient, BatchStore(aclient.r, 60), files, "b", "h", settings)
+            handle = await driver._send_once(spec, repr(job.submitted_at))
+            return handle.id
+
+    try:
+        assert asyncio.run(take_over()) == job.id
+        assert not client.r.exists(keys.job_submitted(job.id))  # nothing claimed anew
+        assert client.r.llen(keys.placement_queue("batch")) == 0  # nor sent
     finally:
         client.r.delete(keys.job_custody(job.id))
 
