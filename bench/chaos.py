@@ -938,7 +938,7 @@ class Trial:
     def invariants(self) -> list[str]:
         """``ggufq fsck --settled``'s problems, less those left before this trial."""
         try:
-            census = fsck.read(self.c.r, self.c.streams.check().others)
+            census = fsck.read(self.c.r, self.c.streams.by_address())
             found = [str(p) for p in fsck.problems(census, settled=True)]
         except redis.RedisError as exc:
             return [f"state unreadable: {exc}"]

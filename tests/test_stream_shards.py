@@ -112,6 +112,12 @@ def test_every_process_is_given_the_instances_placement_serves(
     with Client(url, settings=Settings()) as reader:  # given none: fine until it reads one
         with pytest.raises(BadSettings, match="give every process the same list"):
             reader.streams.check()
+    with Client(url, settings=Settings(stream_redis_urls=urls)) as reader:  # ggufq fsck's
+        found = reader.streams.by_address()
+        assert list(found) == [f"127.0.0.1:{s.port}/0" for s in instances]
+        assert [c.connection_pool.connection_kwargs["port"] for c in found.values()] == [
+            s.port for s in instances
+        ]
     for client in [*placed.others, *agreed.others, *named.others]:
         client.close()
 
@@ -175,9 +181,20 @@ def test_a_run_taken_back_is_refused_its_chunks_on_the_stream_s_instance(
     # a second final chunk of another outcome is refused there, and fsck reads it there
     failed = {"done": True, "error": "late", "response": ""}
     assert write_chunk(stream, job.id, 4, failed, 60, "p2") is Appended.FENCED
-    where = apart.index(stream) + 1
-    assert fsck.read(db, apart).refused == {f"done -> failed on stream instance {where}": 1}
+    named = {f"127.0.0.1:{c.connection_pool.connection_kwargs['port']}/0": c for c in apart}
+    where = next(name for name, c in named.items() if c is stream)
+    census = fsck.read(db, named)
+    assert census.refused == {f"done -> failed on the stream instance {where}": 1}
     assert fsck.read(db).refused == {}  # the control Redis refused nothing
+    # an instance that does not answer is named, and what the others hold still counts
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        gone = redis.Redis(port=closed.getsockname()[1])
+    census = fsck.read(db, {**named, "gone:1/0": gone})
+    assert census.refused == {f"done -> failed on the stream instance {where}": 1}
+    assert [str(p) for p in fsck.problems(census) if "gone:1/0" in str(p)] == [
+        f"custody: the stream instance gone:1/0 could not be read: {census.unread['gone:1/0']}"
+    ]
 
 
 def test_placement_s_end_of_a_job_writes_its_chunk_on_the_instance(

@@ -142,7 +142,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     """Check the cluster's state against its invariants (scheduler/store/fsck.py); exit 1
     when anything is wrong."""
     with Client() as client:
-        census = fsck.read(client.r, client.streams.check().others)
+        census = fsck.read(client.r, client.streams.by_address())
     found = fsck.problems(census, settled=args.settled)
     jobs = {j for records in census.sent.values() for j in records}
     if args.json:

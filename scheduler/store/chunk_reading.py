@@ -17,7 +17,7 @@ import redis.asyncio
 
 from scheduler.errors import ChunksLost
 from scheduler.midstream import for_readers
-from scheduler.redis_urls import split_urls
+from scheduler.redis_urls import address, split_urls
 from scheduler.store import keys
 from scheduler.store.connection import REDIS_AWAY, aride_out, connect_typed, connect_typed_async
 from scheduler.store.hub import Hub
@@ -292,6 +292,12 @@ class ChunkSources:
                 clients = stream_shards(self.control, self.urls, connect)
                 self._built = (clients, clients.map(Subscriptions))
             return self._built[0]
+
+    def by_address(self) -> dict[str, redis.Redis]:
+        """The stream instances apart from the control Redis, by address (none where the
+        streams live beside the control state)."""
+        found = split_urls(self.urls)
+        return dict(zip(map(address, found), self.check().others, strict=True))
 
     def of(self, job_id: str) -> tuple[redis.Redis, Subscriptions]:
         self.check()

@@ -18,7 +18,7 @@ reservation lives; :func:`problems` is pure and says what is wrong with it:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -71,9 +71,10 @@ class Census:
     due_counted: set[str] = field(default_factory=set)  # "<runner>|<placement>"
     # the custody records of the jobs not ended (job → its recorded state; "" when the
     # record is gone), and the moves the custody table refused ("<from> -> <to>" → n; "...
-    # on stream instance <n>" for a final chunk refused on a stream's own Redis)
+    # on the stream instance <address>" for a final chunk refused on a stream's own Redis)
     custody: dict[str, str] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)
+    unread: dict[str, str] = field(default_factory=dict)  # stream instance → why not read
     owed: set[str] = field(default_factory=set)  # jobs whose final chunk a stream is owed
 
     @cached_property
@@ -100,10 +101,10 @@ class Census:
         )
 
 
-def read(client: redis.Redis, streams: Sequence[redis.Redis] = ()) -> Census:
-    """One atomic look at the cluster's state (lua/census.lua: one round trip), and the
-    moves refused on the Redis instances ``streams`` of GGUFQ_STREAM_REDIS_URLS, whose own
-    records a job's final chunk moves (lua/_ends.lua)."""
+def read(client: redis.Redis, streams: Mapping[str, redis.Redis] | None = None) -> Census:
+    """One atomic look at the cluster's state (lua/census.lua: one round trip), then the
+    moves refused on each stream instance of GGUFQ_STREAM_REDIS_URLS (``streams``, by
+    address), whose own records a job's final chunk moves (lua/_ends.lua)."""
     reply = script(client, "census")()
     (devices, running, parked, orphans, held, recorded, runners, per_device, holders, indexed) = (
         reply[:10]
@@ -140,9 +141,14 @@ def read(client: redis.Redis, streams: Sequence[redis.Redis] = ()) -> Census:
         census.reservations[device] = {text(r): int(n) for r, n in _pairs(resv)}
         census.sent[device] = {text(j): _sent(raw) for j, raw in _pairs(sent)}
     census.holders = {text(j): text(h) or None for j, h in _pairs(holders)}
-    for n, stream in enumerate(streams, 1):
-        for move, count in stream.hgetall(keys.CUSTODY_REFUSED).items():
-            census.refused[f"{text(move)} on stream instance {n}"] = int(count)
+    for where, stream in (streams or {}).items():
+        try:
+            refused = stream.hgetall(keys.CUSTODY_REFUSED)
+        except redis.RedisError as exc:  # the control Redis's findings stand
+            census.unread[where] = str(exc)
+            continue
+        for move, count in refused.items():
+            census.refused[f"{text(move)} on the stream instance {where}"] = int(count)
     return census
 
 
@@ -215,6 +221,8 @@ def _custody(census: Census) -> list[Problem]:
             found.append(Problem(f"job {job_id}", f"recorded {recorded}, found {state.value}"))
     for move, n in sorted(census.refused.items()):
         found.append(Problem("custody", f"refused {n} moves {move}, which its table denies"))
+    for where, why in sorted(census.unread.items()):
+        found.append(Problem("custody", f"the stream instance {where} could not be read: {why}"))
     return found
 
 
