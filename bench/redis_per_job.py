@@ -31,16 +31,19 @@ Counts = dict[str, float]
 
 
 def snapshot(r: Any) -> tuple[Counts, Counts]:
-    """(calls by command, the server's totals) now."""
-    calls = {
-        name.removeprefix("cmdstat_"): float(stats["calls"])
-        for name, stats in r.info("commandstats").items()
-    }
-    stats = r.info("stats")
+    """(calls and microseconds by command, the server's totals) now. A script's time
+    (``evalsha``) includes the time of the commands it calls, which count again under
+    their own names."""
+    calls: Counts = {}
+    for name, stats in r.info("commandstats").items():
+        calls[name.removeprefix("cmdstat_")] = float(stats["calls"])
+        calls["usec:" + name.removeprefix("cmdstat_")] = float(stats["usec"])
+    stats, cpu = r.info("stats"), r.info("cpu")
     totals = {
         "commands": float(stats["total_commands_processed"]),
         "bytes_in": float(stats["total_net_input_bytes"]),
         "bytes_out": float(stats["total_net_output_bytes"]),
+        "cpu_us": (float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])) * 1e6,
     }
     return calls, totals
 
@@ -89,20 +92,23 @@ def main() -> None:
         name: (calls - idle[0].get(name, 0.0)) / args.jobs for name, calls in busy[0].items()
     }
     per_job = {k: v for k, v in per_job.items() if v > 0.005}
+    usec = {k.removeprefix("usec:"): per_job.pop(k) for k in list(per_job) if k[:5] == "usec:"}
     totals = {k: (busy[1][k] - idle[1][k]) / args.jobs for k in busy[1]}
     # INFO's own calls, and this bench's snapshots, are not the jobs'
     totals["commands"] -= sum(per_job.pop(k, 0.0) for k in ("info",))
+    usec.pop("info", None)
     print(
         f"{args.jobs} jobs of {args.tokens} tokens, {args.concurrency} at a time, in "
         f"{busy_s:.1f} s; {sum(chunks) / args.jobs:.1f} chunks a job at the reader; idle "
         f"window {idle[1]['commands'] / busy_s:.0f} commands/s"
     )
-    print(f"{'command':28}{'calls a job':>12}")
+    print(f"{'command':28}{'calls a job':>12}{'µs a job':>10}")
     for name, calls in sorted(per_job.items(), key=lambda kv: -kv[1])[:25]:
-        print(f"{name:28}{calls:>12.2f}")
+        print(f"{name:28}{calls:>12.2f}{usec.get(name, 0.0):>10.1f}")
     print(
         f"{'all commands':28}{totals['commands']:>12.1f}\n{'bytes in (to Redis)':28}"
         f"{totals['bytes_in']:>12.0f}\n{'bytes out (from Redis)':28}{totals['bytes_out']:>12.0f}"
+        f"\n{'Redis CPU a job (µs)':28}{totals['cpu_us']:>12.0f}"
     )
     report = {
         "bench": "redis_per_job",
@@ -113,7 +119,9 @@ def main() -> None:
         "chunks_a_job": round(sum(chunks) / args.jobs, 1),
         "idle_commands_per_s": round(idle[1]["commands"] / busy_s, 1),
         "per_job": {k: round(v, 2) for k, v in sorted(per_job.items(), key=lambda kv: -kv[1])},
+        "usec_a_job": {k: round(v, 1) for k, v in sorted(usec.items(), key=lambda kv: -kv[1])},
         "commands_a_job": round(totals["commands"], 1),
+        "redis_cpu_us_a_job": round(totals["cpu_us"]),
         "bytes_in_a_job": round(totals["bytes_in"]),
         "bytes_out_a_job": round(totals["bytes_out"]),
     }
