@@ -126,9 +126,10 @@ def measure(
 
     from scheduler.protocol import Options, RunnerConfig
     from scheduler.settings import get_settings
-    from workers.chunks import ChunkPublisher, ChunkWriter
+    from workers.chunks import ChunkWriter
     from workers.engine.loop import Engine
     from workers.generation import Ticker
+    from workers.publisher import ChunkPublisher
 
     settings = get_settings()
     config = RunnerConfig.for_generation(NUM_CTX, parallel, settings.flash_attention)

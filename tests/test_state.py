@@ -25,8 +25,9 @@ from scheduler.store.shards import Shards
 from scheduler.store.streams import publish_final, queue_chunk
 from scheduler.store.worker_state import WorkerState
 from tests.conftest import fall_silent, send
-from workers.chunks import ChunkPublisher, ChunkWriter, Pending
+from workers.chunks import ChunkWriter, Pending
 from workers.first_chunk import FirstChunks
+from workers.publisher import ChunkPublisher
 
 GIB = 1 << 30
 

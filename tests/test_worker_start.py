@@ -23,9 +23,9 @@ from scheduler.store.cancel import request_cancel
 from scheduler.store.placement_state import PlacementState
 from tests.conftest import beat_forever, send
 from tests.test_state import GIB, vgpu
-from workers.chunks import ChunkPublisher
 from workers.engine.relay import LAG
 from workers.handback import HandBack, NotOwned
+from workers.publisher import ChunkPublisher
 from workers.runtime import WorkerRuntime
 from workers.start_claim import StartClaim
 

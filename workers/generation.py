@@ -22,12 +22,12 @@ from scheduler.tooluse import (
 )
 from workers.answer import Answer
 from workers.backlog import patiently
-from workers.chunks import ChunkPublisher
 from workers.devices import tensor_split
 from workers.embedder import Embedder
 from workers.fitting import fit_chat, fit_prompt, room_to_generate
 from workers.handback import runner_stopped
 from workers.keepalive import effective_keep_alive
+from workers.publisher import ChunkPublisher
 from workers.runner import Runner
 
 Clock = Callable[[], float]

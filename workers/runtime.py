@@ -27,11 +27,12 @@ from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.hops import note as note_hops
 from scheduler.store.stats import count, execute, job_timings, observe
 from scheduler.store.streams import Appended, error_chunk
-from workers.chunks import ChunkPublisher, ChunkWriter
+from workers.chunks import ChunkWriter
 from workers.generation import AnyRunner, Progress, produce
 from workers.handback import HandBack, NotOwned
 from workers.keepalive import expires_at
 from workers.membership import Membership
+from workers.publisher import ChunkPublisher
 from workers.residency import Clock, Residency
 from workers.start_claim import StartClaim
 from workers.strays import Strays

@@ -17,10 +17,10 @@ from scheduler.store.cancel import CancelWatcher
 from scheduler.store.connection import REDIS_AWAY
 from scheduler.store.worker_state import WorkerState
 from workers.backlog import patiently
-from workers.chunks import ChunkPublisher
 from workers.generation import AnyRunner, Progress
 from workers.handback import NotOwned
 from workers.keepalive import effective_keep_alive
+from workers.publisher import ChunkPublisher
 from workers.strays import Strays
 
 log = logging.getLogger(__name__)
