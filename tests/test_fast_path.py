@@ -166,6 +166,13 @@ def test_a_taken_job_id_is_refused_on_the_fast_path_too(
     db.set(keys.job_submitted(req.id), 1.0)
     with pytest.raises(InvalidRequest, match="already taken"):
         fast_send(service, db, req)
+    # its claim lapsed while Redis knows its job (a custody record): taken still, and a
+    # client's mistake, not a move the custody table refused
+    db.delete(keys.job_submitted(req.id))
+    db.hset(keys.job_custody(req.id), mapping={"state": "done", "holder": "p0"})
+    with pytest.raises(InvalidRequest, match="already taken"):
+        fast_send(service, db, req)
+    assert not db.exists(keys.CUSTODY_REFUSED, keys.job_submitted(req.id))
 
 
 def test_only_jobs_placement_alone_may_place_have_no_shape() -> None:

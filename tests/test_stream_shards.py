@@ -193,7 +193,8 @@ def test_a_run_taken_back_is_refused_its_chunks_on_the_stream_s_instance(
     census = fsck.read(db, {**named, "gone:1/0": gone})
     assert census.refused == {f"done -> failed on the stream instance {where}": 1}
     assert [str(p) for p in fsck.problems(census) if "gone:1/0" in str(p)] == [
-        f"custody: the stream instance gone:1/0 could not be read: {census.unread['gone:1/0']}"
+        "custody: the stream instance gone:1/0 of GGUFQ_STREAM_REDIS_URLS could not be read: "
+        + census.unread["gone:1/0"]
     ]
 
 

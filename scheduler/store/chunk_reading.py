@@ -296,8 +296,12 @@ class ChunkSources:
     def by_address(self) -> dict[str, redis.Redis]:
         """The stream instances apart from the control Redis, by address (none where the
         streams live beside the control state)."""
-        found = split_urls(self.urls)
-        return dict(zip(map(address, found), self.check().others, strict=True))
+        found: dict[str, redis.Redis] = {}
+        urls, clients = split_urls(self.urls), self.check().others
+        for n, (url, client) in enumerate(zip(urls, clients, strict=True), 1):
+            name = address(url)  # two alike (one Sentinel master name) told apart by place
+            found[name if name not in found else f"{name} (#{n} in the list)"] = client
+        return found
 
     def of(self, job_id: str) -> tuple[redis.Redis, Subscriptions]:
         self.check()

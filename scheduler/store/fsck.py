@@ -145,7 +145,7 @@ def read(client: redis.Redis, streams: Mapping[str, redis.Redis] | None = None) 
         try:
             refused = stream.hgetall(keys.CUSTODY_REFUSED)
         except redis.RedisError as exc:  # the control Redis's findings stand
-            census.unread[where] = str(exc)
+            census.unread[where] = str(exc.__cause__ or exc)  # not the control's advice
             continue
         for move, count in refused.items():
             census.refused[f"{text(move)} on the stream instance {where}"] = int(count)
@@ -222,7 +222,12 @@ def _custody(census: Census) -> list[Problem]:
     for move, n in sorted(census.refused.items()):
         found.append(Problem("custody", f"refused {n} moves {move}, which its table denies"))
     for where, why in sorted(census.unread.items()):
-        found.append(Problem("custody", f"the stream instance {where} could not be read: {why}"))
+        found.append(
+            Problem(
+                "custody",
+                f"the stream instance {where} of GGUFQ_STREAM_REDIS_URLS could not be read: {why}",
+            )
+        )
     return found
 
 
