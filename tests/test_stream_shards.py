@@ -339,12 +339,21 @@ def test_a_stream_instance_away_holds_back_its_own_chunks_only(
         gone = redis.Redis(port=closed.getsockname()[1])
     here = next(f"j{n}" for n in range(99) if shard_of(f"j{n}", 2) == 0)
     there = next(f"j{n}" for n in range(99) if shard_of(f"j{n}", 2) == 1)
-    writer = ChunkWriter(Shards(db, [apart[0], gone]), outage_s=0.5)
+    writer = ChunkWriter(Shards(db, [apart[0], gone]), outage_s=600)
     try:
-        for job_id in (there, here):  # one batch: the instance away's chunk first
+        for job_id in (there, here):  # the instance away's chunk first
             writer.put(job_id, 1, {"response": job_id}, 60)
+        # the chunks of a job on the instance that answers go out, and its end's flush
+        # returns, while the other instance's chunk waits for its Redis to come back
+        assert writer.flush(timeout_s=10, job_id=here)
+        assert apart[0].xlen(keys.job_chunks(here)) == 1
+        writer.put(here, 2, {"response": "and on"}, 60)
+        assert writer.flush(timeout_s=10, job_id=here)
+        assert apart[0].xlen(keys.job_chunks(here)) == 2
+        assert not writer.flush(timeout_s=0.2)  # all of them: the chunk held back is not
+        writer.outage_s = 0.5  # its Redis away past the bound: given up on, the others kept
         assert writer.flush(timeout_s=10)
-        assert apart[0].xlen(keys.job_chunks(here)) == 1  # written, and kept
+        assert apart[0].xlen(keys.job_chunks(here)) == 2
     finally:
         writer.close()
         gone.close()

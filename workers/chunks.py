@@ -25,16 +25,19 @@ log = logging.getLogger(__name__)
 
 
 class ChunkWriter:
-    """Writes chunks from a background thread, so a decode loop never waits on Redis.
+    """Writes chunks from background threads, so a decode loop never waits on Redis.
 
-    Chunks of all jobs go through one FIFO. The thread sends at most one pipeline every
-    ``interval_s``: a job's first chunk, and any after a quiet spell, go out at once; the
-    next ones wait out the interval and go out together, so a runner streaming many
-    sequences wakes the writer and Redis a few times a second rather than at every decode
-    step (each wake takes a core from llama.cpp's threads mid-step). Text published while
-    the job's previous chunk still waits joins that chunk (:meth:`extend`): one entry and
-    one message instead of one per token, for Redis and for the reader. ``flush`` cuts the
-    wait short and returns once everything queued before it is in Redis.
+    Chunks go through one FIFO per Redis the jobs' streams live on (one, unless
+    GGUFQ_STREAM_REDIS_URLS names several: scheduler/store/shards.py), each with its own
+    thread (:class:`_Lane`), so that an instance that is away holds back its own jobs'
+    chunks only. A thread sends at most one pipeline every ``interval_s``: a job's first
+    chunk, and any after a quiet spell, go out at once; the next ones wait out the interval
+    and go out together, so a runner streaming many sequences wakes the writer and Redis a
+    few times a second rather than at every decode step (each wake takes a core from
+    llama.cpp's threads mid-step). Text published while the job's previous chunk still
+    waits joins that chunk (:meth:`extend`): one entry and one message instead of one per
+    token, for Redis and for the reader. ``flush`` cuts the wait short and returns once
+    everything queued before it (of one job, when named) is in Redis.
     """
 
     def __init__(
@@ -52,36 +55,36 @@ class ChunkWriter:
         self.on_fenced = on_fenced
         # first chunks, sent from the text relay: on a connection to each stream's Redis
         self.firsts = self.streams.map(FirstChunks)
-        self._last_write = -float("inf")  # monotonic time of the last write
         self.outage_s = outage_s  # how long chunks wait for Redis to come back
-        self.nice = nice  # added to the writer thread's niceness (see procs.py)
+        self.nice = nice  # added to the writer threads' niceness (see procs.py)
         self.interval_s = interval_s
-        self._queue: queue.SimpleQueue[Pending | Sent | threading.Event | None]
-        self._queue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # between extend and the writer taking a batch
-        self._hurry = threading.Event()  # set by flush and close: write without waiting
-        self._thread = threading.Thread(target=self._run, name="ggufq-chunks", daemon=True)
-        self._thread.start()
+        self.lock = threading.Lock()  # between extend and a lane taking a batch
+        self._lanes = {id(r): _Lane(self, r) for r in self.streams.all}
+
+    def _lane(self, job_id: str) -> _Lane:
+        return self._lanes[id(self.streams.of(job_id))]
 
     def put(
         self, job_id: str, seq: int, chunk: dict[str, Any], ttl_s: int, fence: str = ""
     ) -> Pending:
         pending = Pending(job_id, seq, dict(chunk), ttl_s, fence)
-        self._queue.put(pending)
+        lane = self._lane(job_id)
+        lane.queue.put(pending)
         if seq == 1:  # a job's first chunk (its time to first token) does not wait
-            self._hurry.set()
+            lane.hurry.set()
         return pending
 
     def write_now(self, pending: Pending) -> bool:
         """Send a job's first chunk from the caller's (decode) thread at once, without
-        waiting for Redis's answer, which this writer's thread reads, at its next write,
+        waiting for Redis's answer, which its lane's thread reads, at its next write,
         before it writes anything queued after it (workers/first_chunk.py); False when it
         was not sent (then :meth:`put` it)."""
-        if not self.firsts.of(pending.job_id).send(pending, self._queue.put):
+        lane = self._lane(pending.job_id)
+        if not self.firsts.of(pending.job_id).send(pending, lane.queue.put):
             return False
-        # its answer is read when the writer next writes: the next chunks (of every job)
-        # wait out the interval from here, as after any write
-        self._last_write = time.monotonic()
+        # its answer is read when the lane next writes: the next chunks (of every job
+        # there) wait out the interval from here, as after any write
+        lane.last_write = time.monotonic()
         return True
 
     def extend(self, pending: Pending | None, chunk: dict[str, Any]) -> bool:
@@ -91,7 +94,7 @@ class ChunkWriter:
         name = _text_kind(chunk)  # answer text, or thinking text
         if pending is None or name is None:
             return False
-        with self._lock:
+        with self.lock:
             held = pending.chunk
             if pending.taken or _text_kind(held) != name:
                 return False
@@ -100,35 +103,65 @@ class ChunkWriter:
                 held.setdefault(TOKENS, []).extend(chunk[TOKENS])
             return True
 
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        done = threading.Event()
-        self._queue.put(done)
-        self._hurry.set()
-        return done.wait(timeout_s)
+    def flush(self, timeout_s: float = 30.0, job_id: str | None = None) -> bool:
+        """True once every chunk queued before (of ``job_id`` only, when given: its lane)
+        is in Redis, or given up on; False after ``timeout_s``."""
+        lanes = [self._lane(job_id)] if job_id is not None else list(self._lanes.values())
+        waits = [lane.flush() for lane in lanes]
+        deadline = time.monotonic() + timeout_s
+        return all(done.wait(max(0.0, deadline - time.monotonic())) for done in waits)
 
     def close(self) -> None:
         for first in self.firsts.all:  # every first chunk sent is queued before the end:
             first.stop()  # answers read
-        self._queue.put(None)
-        self._hurry.set()
-        self._thread.join(timeout=10)
+        for lane in self._lanes.values():
+            lane.queue.put(None)
+            lane.hurry.set()
+        for lane in self._lanes.values():
+            lane.thread.join(timeout=10)
         for first in self.firsts.all:
             first.close()
 
+    def tell_fenced(self, job_id: str, fence: str) -> None:
+        try:
+            self.on_fenced(job_id, fence)
+        except Exception:  # the writer's thread goes on for every other job
+            log.exception("telling job %s's run %s that it is fenced off failed", job_id, fence)
+
+
+class _Lane:
+    """The chunks of the jobs whose streams live on one Redis: a FIFO, and the thread that
+    writes it in pipelines."""
+
+    def __init__(self, writer: ChunkWriter, client: redis.Redis) -> None:
+        self.writer, self.r = writer, client
+        self.queue: queue.SimpleQueue[Pending | Sent | threading.Event | None]
+        self.queue = queue.SimpleQueue()
+        self.hurry = threading.Event()  # set by flush and close: write without waiting
+        self.last_write = -float("inf")  # monotonic time of the last write
+        self.thread = threading.Thread(target=self._run, name="ggufq-chunks", daemon=True)
+        self.thread.start()
+
+    def flush(self) -> threading.Event:
+        done = threading.Event()
+        self.queue.put(done)
+        self.hurry.set()
+        return done
+
     def _run(self) -> None:
-        lower_thread_priority(self.nice)
+        lower_thread_priority(self.writer.nice)
         while True:
-            batch: list[Pending | Sent | threading.Event | None] = [self._queue.get()]
+            batch: list[Pending | Sent | threading.Event | None] = [self.queue.get()]
             if isinstance(batch[0], (Pending, Sent)):  # wait out the interval (or a flush)
-                self._hurry.wait(self._last_write + self.interval_s - time.monotonic())
-            self._hurry.clear()
+                self.hurry.wait(self.last_write + self.writer.interval_s - time.monotonic())
+            self.hurry.clear()
             while True:
                 try:
-                    batch.append(self._queue.get_nowait())
+                    batch.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
             chunks = [item for item in batch if isinstance(item, Pending)]
-            with self._lock:
+            with self.writer.lock:
                 for chunk in chunks:
                     chunk.taken = True
             waiters = [item for item in batch if isinstance(item, threading.Event)]
@@ -137,25 +170,25 @@ class ChunkWriter:
                 again, fenced = _answers(sent)
                 chunks = again + chunks  # ahead of their jobs' later chunks
                 for pending in fenced:
-                    self._tell_fenced(pending.job_id, pending.fence)
+                    self.writer.tell_fenced(pending.job_id, pending.fence)
             try:
                 if chunks:
                     self._write(chunks)
             except Exception:  # a chunk that does not serialize: lose these, keep the thread
                 log.exception("writing %d chunks failed; later chunks still go out", len(chunks))
-            self._last_write = time.monotonic()
+            self.last_write = time.monotonic()
             for waiter in waiters:
                 waiter.set()
             if any(item is None for item in batch):
                 return
 
     def _write(self, chunks: list[Pending]) -> None:
-        """One pipeline for ``chunks`` (one per Redis, where streams live on several):
-        tried three times when Redis refuses it, and again and again for up to
-        ``outage_s`` while Redis is away (the chunks wait, in order, and go out when it is
-        back); chunks a Redis took are not tried again. redis-py empties a pipeline once it
-        has run, so each try builds it again; an entry a failed try had already added is
-        refused as a duplicate id (the script skips it), and readers go by ``seq``."""
+        """One pipeline for ``chunks``: tried three times when Redis refuses it, and again
+        and again for up to ``outage_s`` while Redis is away (the chunks wait, in order,
+        and go out when it is back); chunks Redis took are not tried again. redis-py
+        empties a pipeline once it has run, so each try builds it again; an entry a failed
+        try had already added is refused as a duplicate id (the script skips it), and
+        readers go by ``seq``."""
         since, tries = time.monotonic(), 0
         while True:
             chunks, problem, away = self._try_write(chunks)
@@ -165,7 +198,7 @@ class ChunkWriter:
                 return
             tries += 1
             held_s = time.monotonic() - since
-            if held_s > self.outage_s or (not away and tries >= 3):
+            if held_s > self.writer.outage_s or (not away and tries >= 3):
                 jobs = ", ".join(sorted({c.job_id for c in chunks}))
                 log.error(
                     "gave up writing %d chunks of jobs %s after %d tries in %.0f s (%s); "
@@ -183,9 +216,15 @@ class ChunkWriter:
 
     def _try_write(self, chunks: list[Pending]) -> tuple[list[Pending], str | None, bool]:
         """Write ``chunks`` once (append.lua's calls again, in the same call, when Redis
-        had lost the script): (those still to write, the problem, whether it is that their
+        had lost the script): (those still to write, the problem, whether it is that
         Redis is away)."""
-        results = self._pipeline(chunks)
+        pipe = self.r.pipeline(transaction=False)
+        for c in chunks:
+            queue_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
+        try:  # a script Redis lost: loaded, run again
+            results: list[Any] = execute(pipe, raise_on_error=False)
+        except redis.RedisError as exc:
+            results = [exc] * len(chunks)
         written_at = time.time()
         left: list[Pending] = []
         problem, away = None, False
@@ -197,35 +236,8 @@ class ChunkWriter:
                 continue
             chunk.written_at = written_at
             if result == 0:  # Appended.FENCED: that run is not the job's now
-                self._tell_fenced(chunk.job_id, chunk.fence)
+                self.writer.tell_fenced(chunk.job_id, chunk.fence)
         return left, problem, away
-
-    def _tell_fenced(self, job_id: str, fence: str) -> None:
-        try:
-            self.on_fenced(job_id, fence)
-        except Exception:  # the writer's thread goes on for every other job
-            log.exception("telling job %s's run %s that it is fenced off failed", job_id, fence)
-
-    def _pipeline(self, chunks: list[Pending]) -> list[Any]:
-        """One pipeline for each Redis the chunks' streams live on; the results in the
-        chunks' order."""
-        apart: dict[int, tuple[redis.Redis, list[int]]] = {}
-        for n, c in enumerate(chunks):
-            client = self.streams.of(c.job_id)
-            apart.setdefault(id(client), (client, []))[1].append(n)
-        results: list[Any] = [None] * len(chunks)
-        for client, ns in apart.values():
-            pipe = client.pipeline(transaction=False)
-            for n in ns:
-                c = chunks[n]
-                queue_chunk(pipe, c.job_id, c.seq, c.chunk, c.ttl_s, c.fence)
-            try:  # a script Redis lost: loaded, run again
-                found: list[Any] = execute(pipe, raise_on_error=False)
-            except redis.RedisError as exc:  # that Redis alone: the others' chunks go out
-                found = [exc] * len(ns)
-            for n, result in zip(ns, found, strict=True):
-                results[n] = result
-        return results
 
 
 def _answers(sent: list[Sent]) -> tuple[list[Pending], list[Pending]]:

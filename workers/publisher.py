@@ -129,7 +129,7 @@ class ChunkPublisher:
         """Return once every chunk published so far is in Redis (or the writer gave up on
         it: Redis away past its outage bound)."""
         if self.writer is not None:
-            self.writer.flush(self.writer.outage_s + 30.0)
+            self.writer.flush(self.writer.outage_s + 30.0, self.job_id)
 
     def last_seq(self) -> int:
         """The seq of the job's last chunk, which the job's end writes itself (lua/end.lua,
