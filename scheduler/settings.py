@@ -171,7 +171,8 @@ class Settings(BaseSettings):
         0.1,
         ge=0,
         le=5,
-        description="A worker writes streamed chunks to Redis at most this often: a job's "
+        description="A worker writes streamed chunks to each stream's Redis at most this "
+        "often: a job's "
         "first chunk and its last go out at once, the ones between wait and go out "
         "together; 0 = at every token.",
     )

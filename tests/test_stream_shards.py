@@ -355,6 +355,7 @@ def test_a_stream_instance_away_holds_back_its_own_chunks_only(
         assert writer.flush(timeout_s=10)
         assert apart[0].xlen(keys.job_chunks(here)) == 2
     finally:
+        writer.outage_s = 0.0  # nothing left retrying after the test
         writer.close()
         gone.close()
 

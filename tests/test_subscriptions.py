@@ -24,7 +24,7 @@ from scheduler.store.chunk_reading import ChunkFollower, read_chunks
 from scheduler.store.hub import Alarms, Hub
 from scheduler.store.leases import Leases, ThreadLeases
 from scheduler.store.subscriptions import Subscriptions
-from workers.chunks import ChunkPublisher
+from workers.publisher import ChunkPublisher
 
 NAME = "subscriptions-test"  # the name of this test's connections, among the session's
 

@@ -117,15 +117,16 @@ class ChunkWriter:
         for lane in self._lanes.values():
             lane.queue.put(None)
             lane.hurry.set()
+        until = time.monotonic() + 10  # in all: a lane held by an instance away is let go
         for lane in self._lanes.values():
-            lane.thread.join(timeout=10)
+            lane.thread.join(timeout=max(0.0, until - time.monotonic()))
         for first in self.firsts.all:
             first.close()
 
     def tell_fenced(self, job_id: str, fence: str) -> None:
         try:
             self.on_fenced(job_id, fence)
-        except Exception:  # the writer's thread goes on for every other job
+        except Exception:  # the writing thread goes on for every other job
             log.exception("telling job %s's run %s that it is fenced off failed", job_id, fence)
 
 

@@ -1,7 +1,7 @@
 """A job's first chunk: sent from the text relay's thread, its answer read on the writer's.
 
 A job's first chunk carries its time to first token, so it goes to Redis from the thread
-that made it, at once: the chunk writer's thread runs at a lower priority and would wait out
+that made it, at once: the chunk writer's threads run at a lower priority and would wait out
 a decode step on a busy CPU (10 ms of the demo model's time to first token on 2 cores).
 Waiting there for Redis's answer, though, cost the decode step a round trip (0.3-0.5 ms of a
 2 ms step at 32 sequences of a tiny model: bench/step_split.py, when the decode thread made
@@ -11,7 +11,7 @@ reads the answers in the order they were sent, before it writes anything queued 
 (:meth:`FirstChunks.answers`). A chunk whose answer says it did not run (Redis lost the
 script), or whose answer did not come in time, is written again by the writer ahead of the
 job's later chunks; append.lua skips a copy that had landed. After a send or an answer that
-failed, first chunks go through the writer's thread for a while, so that a slow Redis holds
+failed, first chunks go through the writer's threads for a while, so that a slow Redis holds
 up the text relay (and decoding, once the relay is LAG steps behind) at most once.
 """
 
