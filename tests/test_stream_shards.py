@@ -44,6 +44,7 @@ from tests.test_faults import held_hosts
 from tests.test_midstream import GREEDY, one_stream
 from tests.test_state import vgpu
 from workers.chunks import ChunkWriter
+from workers.publisher import ChunkPublisher
 
 
 @pytest.fixture(scope="module")
@@ -329,6 +330,31 @@ def test_a_final_chunk_its_writer_left_owed_is_written_by_placement_s_look(
     assert pay_owed(db, streams, redis_now(db) + 1, 60) == 1
     assert streams.of("unrun").xlen(keys.job_chunks("unrun")) == 1
     gone.close()
+
+
+def test_each_instance_s_chunks_go_out_in_order_on_its_own_lane(
+    db: redis.Redis, apart: list[redis.Redis]
+) -> None:
+    """A job's first chunk goes to its stream's instance from the publishing thread
+    (workers/first_chunk.py), its answer read by that instance's writing thread before
+    the job's later chunks go out there: two jobs on two instances, each stream whole and
+    in order where it lives, nothing on the control Redis."""
+    writer = ChunkWriter(Shards(db, apart), interval_s=600.0)  # only a flush hurries it
+    jobs = [next(f"j{n}" for n in range(99) if shard_of(f"j{n}", 2) == i) for i in (0, 1)]
+    try:
+        pubs = [ChunkPublisher(db, job_id, ttl_s=60, writer=writer) for job_id in jobs]
+        for word in ("first ", "then ", "last"):
+            for pub in pubs:
+                pub.publish({"response": word})
+                pub.publish({"thinking": word})  # another kind: a chunk of its own
+        for pub, stream in zip(pubs, apart, strict=True):
+            assert pub.last_seq() == 7  # its lane flushed: every chunk before its end
+            chunks = [json.loads(f[b"c"]) for _, f in stream.xrange(keys.job_chunks(pub.job_id))]
+            assert [c["seq"] for c in chunks] == [1, 2, 3, 4, 5, 6]
+            assert "".join(c.get("response", "") for c in chunks) == "first then last"
+            assert not db.exists(keys.job_chunks(pub.job_id))
+    finally:
+        writer.close()
 
 
 def test_a_stream_instance_away_holds_back_its_own_chunks_only(
