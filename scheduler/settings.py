@@ -172,9 +172,8 @@ class Settings(BaseSettings):
         ge=0,
         le=5,
         description="A worker writes streamed chunks to each stream's Redis at most this "
-        "often: a job's "
-        "first chunk and its last go out at once, the ones between wait and go out "
-        "together; 0 = at every token.",
+        "often: a job's first chunk and its last go out at once, the ones between wait and "
+        "go out together; 0 = at every token.",
     )
     result_ttl_s: int = Field(
         86400, gt=0, description="How long a job's final result is kept while nobody reads it."
