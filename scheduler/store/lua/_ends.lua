@@ -9,6 +9,17 @@ local function holder_of(custody)
   return redis.call('HGET', custody, 'holder')
 end
 
+-- Whether the run under ``fence`` (a placement id; '' writes whatever the holder) may not
+-- write to the job whose custody record is ``custody``: the record names another holder, or
+-- the chunk is final and the custody table refuses its move to ``outcome`` (the job ended
+-- already, say), which is fenced as another holder's chunk is. One read of the record.
+local function fenced_off(custody, fence, outcome)
+  local record = read_record(custody)
+  local holder = record[3]
+  return fence ~= '' and holder and holder ~= fence
+      or outcome ~= '' and refused(record, outcome, fence)
+end
+
 -- Append one chunk to a job's stream and publish it, unless the job's custody record
 -- ``custody`` names another holder than ``fence``, the placement id of the run that writes
 -- it ('' writes whatever the holder): a job taken from that run (orphaned, parked, placing,
@@ -17,12 +28,8 @@ end
 -- 0 FENCED, -1 DUPLICATE (this seq is there already). A final chunk written moves the
 -- record to ``outcome`` (done, failed, cancelled; '' for a chunk that is not final).
 local function append_chunk(chunks, channel, fence, seq, payload, ttl, custody, outcome)
-  local holder = holder_of(custody)
   local id = '0-' .. seq
-  -- a final chunk whose move the custody table refuses (the job ended already, say) is
-  -- fenced as another holder's chunk is
-  if fence ~= '' and holder and holder ~= fence
-      or outcome ~= '' and not may_move_record(custody, outcome, fence) then
+  if fenced_off(custody, fence, outcome) then
     -- this very chunk, written before the job was taken from this run (its answer was
     -- lost and it is asked again): not fenced. Another run's chunk of the seq is not it.
     local there = redis.call('XRANGE', chunks, id, id)

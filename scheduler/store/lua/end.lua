@@ -36,8 +36,7 @@ if ARGV[3] ~= '' then
 elseif ARGV[10] ~= '' then
   -- the stream lives on a Redis of its own (scheduler/store/shards.py): the record moves
   -- here, fenced as append_chunk fences, and the caller writes the chunk there next
-  local holder = holder_of(KEYS[8])
-  if holder and holder ~= ARGV[1] or not may_move_record(KEYS[8], ARGV[10], ARGV[1]) then
+  if fenced_off(KEYS[8], ARGV[1], ARGV[10]) then
     appended = 0
   else
     move_record(KEYS[8], ARGV[10], ARGV[1], ARGV[4])

@@ -57,7 +57,8 @@ end
 -- the hold is the sweep's now: its stalled holder, should it come back, leaves the job
 local token = redis.call('HGET', KEYS[5], 'token')
 if ARGV[2] ~= '' and (not token or token == ARGV[2]) then
-  redis.call('HSET', KEYS[5], 'token', ARGV[2], 'swept', outcome == 2 and not elsewhere and '2' or '1')
+  local swept = outcome == 2 and not elsewhere and '2' or '1'
+  redis.call('HSET', KEYS[5], 'token', ARGV[2], 'swept', swept)
   if redis.call('TTL', KEYS[5]) < 0 then redis.call('EXPIRE', KEYS[5], CUSTODY_LIVE_TTL) end
 end
 return outcome
