@@ -163,6 +163,13 @@ class Snapshot:
         return index
 
     @cached_property
+    def mean_live_demand(self) -> float:
+        """The mean demand of the models with a live runner (what a reload weighs when
+        placement rates victims); read only when a job needs an eviction."""
+        models = list(self.live_by_model)
+        return sum(self.demand.get(m, 0.0) for m in models) / max(1, len(models))
+
+    @cached_property
     def counts(self) -> Mapping[str, int]:
         """Live runners per device."""
         counts: dict[str, int] = {}

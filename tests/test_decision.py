@@ -196,6 +196,11 @@ def test_10_evicts_the_set_that_brings_back_the_fewest_loads() -> None:
     # with the demand even, the fewest runners
     even = Snapshot(devices, runners, 0, demand={"x": 1.0, "y": 0.5, "z": 0.5})
     assert decide(job(gib=6), even, "binpack", 50.0, 4, 3) == Evict(["hot"])
+    # each runner unloaded is a load in time: two whose demand adds up to a little less
+    # than the one's cost more (the mean demand of the loaded models is 1.2, a reload
+    # weighs twice that: 2 + 2.4 = 4.4 for "hot", 1.6 + 2 × 2.4 = 6.4 for the two)
+    close = Snapshot(devices, runners, 0, demand={"x": 2.0, "y": 0.8, "z": 0.8})
+    assert decide(job(gib=6), close, "binpack", 50.0, 4, 3) == Evict(["hot"])
 
 
 def test_decayed_demand() -> None:
