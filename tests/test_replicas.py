@@ -222,6 +222,21 @@ def test_an_idle_replica_is_the_first_victim() -> None:
     assert [r.id for r in order] == ["cold", "spare", "pin"]
 
 
+def test_an_idle_replica_of_a_model_in_demand_costs_its_share() -> None:
+    # a new model needs one runner gone: an idle replica of "hot" on "a" (another of its
+    # two runners busy on "c"), or the only runner of "cold" on "b". The replica brings back
+    # half its part of hot's demand (0.5 × 8 / 2 = 2), more than cold's 1: cold goes.
+    spare = runner("spare", "hot", "a", 6, expires_at=900)
+    twin = runner("twin", "hot", "c", 6, in_flight=1)
+    alone = runner("alone", "cold", "b", 6, expires_at=900)
+    devices = [dev("a", 8, reserved=6), dev("b", 8, reserved=6), dev("c", 8, reserved=6)]
+    job = JobNeeds("new", "c1", 6 * GIB)
+    runners = [spare, twin, alone]
+    assert place(job, devices, runners, demand={"hot": 8.0, "cold": 1.0}) == Evict(["alone"])
+    # with hot's demand lower, its idle replica is the cheaper one to unload again
+    assert place(job, devices, runners, demand={"hot": 3.0, "cold": 1.0}) == Evict(["spare"])
+
+
 # -- properties ----------------------------------------------------------------------------
 
 

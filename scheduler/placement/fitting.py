@@ -28,10 +28,15 @@ VictimKey = Callable[[RunnerState], Any]
 VictimsCost = Callable[[list[RunnerState], Snapshot], tuple[float, ...]]
 # what each victim's eventual reload weighs in victims_cost, in models of mean demand.
 # bench/belady_seeds.py, loads / Belady's over 20 traces, worst and median, without
-# replicas and with 3: 0 → 1.191 1.056, 1.146 1.072; 1 → 1.191 1.053, 1.150 1.068;
-# 2 → 1.191 1.025, 1.148 1.071; 3 and 4 → 1.191 1.027, 1.141 1.071. At 3 a set of more
-# runners costs more than any fewer unless the models it spares are much more in demand.
-RELOAD_WEIGHT = 3.0
+# replicas: 0 → 1.191 1.056; 1 → 1.191 1.053; 2 → 1.191 1.025; 3 and 4 → 1.191 1.027
+# (with 3 replicas 1.10 1.03 for 1.5–3). From 3 on, the only runner of a model with 90 %
+# of the demand goes before two runners of 5 % each.
+RELOAD_WEIGHT = 2.0
+# what an idle replica's unloading brings back soon, as a share of its runner's part of
+# its model's demand: it comes back when that demand needs every runner (belady_seeds.py
+# with 3 replicas, worst and median: 0 → 1.148 1.071; 0.25 → 1.096 1.047; 0.5 → 1.098
+# 1.034; 0.75 → 1.085 1.034; 1 → 1.110 1.051; the middle of the good range taken)
+REPLICA_SHARE = 0.5
 
 
 def partial_offload(job: JobNeeds, snap: Snapshot, max_loaded: int) -> Decision | None:
@@ -204,21 +209,24 @@ def by_count(chosen: list[RunnerState], _snap: Snapshot) -> tuple[float, ...]:
 def victims_cost(chosen: list[RunnerState], snap: Snapshot) -> tuple[float, ...]:
     """What unloading ``chosen`` costs, cheapest first: the runners that never expire
     among them, then the loads it brings back: soon, the demand for the models left with
-    no runner of that configuration (an idle replica's costs none), and in time one per
-    runner, each weighed as :data:`RELOAD_WEIGHT` models of the mean demand of those
-    loaded (:attr:`Snapshot.mean_live_demand`); then how many. Across 20 traces of
-    ``bench/belady_seeds.py`` this takes the worst excess of loads over Belady's that
-    taking the fewest runners had from 1.49 to 1.19 without replicas, and the median
-    from 1.13 to 1.03."""
+    no runner of that configuration, and :data:`REPLICA_SHARE` of an idle replica's part
+    of its model's demand; in time one per runner, each weighed as :data:`RELOAD_WEIGHT`
+    models of the mean demand of those loaded (:attr:`Snapshot.mean_live_demand`); then
+    how many. Across 20 traces of ``bench/belady_seeds.py`` this takes the worst excess
+    of loads over Belady's that taking the fewest runners had from 1.49 to 1.19 without
+    replicas (the median from 1.13 to 1.03), and from 1.14 to 1.10 with 3."""
     pinned, left = 0, set()  # left: models the set leaves with no runner of a configuration
     going = Counter((r.model, r.config_key) for r in chosen) if len(chosen) > 1 else None
+    spared = 0.0  # the replicas' share of demand
     for r in chosen:
         pinned += r.expires_at < 0
         n = going[(r.model, r.config_key)] if going else 1
         live = snap.live_by_model.get(r.model, ())
         if len(live) <= n or sum(o.config_key == r.config_key for o in live) <= n:
             left.add(r.model)
-    demand = sum(snap.demand.get(model, 0.0) for model in left)
+        else:
+            spared += REPLICA_SHARE * snap.demand.get(r.model, 0.0) / len(live)
+    demand = spared + sum(snap.demand.get(model, 0.0) for model in left)
     reloads = RELOAD_WEIGHT * len(chosen) * snap.mean_live_demand
     return (float(pinned), demand + reloads, float(len(chosen)))
 
