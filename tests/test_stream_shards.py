@@ -386,6 +386,34 @@ def test_a_stream_instance_away_holds_back_its_own_chunks_only(
         gone.close()
 
 
+def test_closing_lets_go_of_an_instance_away_within_its_timeout(
+    db: redis.Redis, apart: list[redis.Redis], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker that stops while a stream instance is away does not leave that lane's
+    thread retrying for the outage bound (600 s here): close gives up on its chunks (their
+    readers get ChunksLost) once its timeout has passed and the try under way has failed
+    (redis-py's own retries make a try to a refused port last some 3-4 s); the other
+    instance's chunks are written."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        gone = redis.Redis(port=closed.getsockname()[1])
+    here = next(f"j{n}" for n in range(99) if shard_of(f"j{n}", 2) == 0)
+    there = next(f"j{n}" for n in range(99) if shard_of(f"j{n}", 2) == 1)
+    writer = ChunkWriter(Shards(db, [apart[0], gone]), outage_s=600)
+    try:
+        writer.put(there, 1, {"response": there}, 60)
+        writer.put(here, 1, {"response": here}, 60)
+        assert not writer.flush(timeout_s=0.2)  # held back for the instance away
+        writer.close(timeout_s=0.5)
+        for lane in writer._lanes.values():
+            lane.thread.join(timeout=60)  # a bound for a stuck test, not a wait on slowness
+            assert not lane.thread.is_alive()
+        assert apart[0].xlen(keys.job_chunks(here)) == 1
+        assert f"chunks of jobs {there}" in caplog.text and "the writer is closing" in caplog.text
+    finally:
+        gone.close()
+
+
 def test_a_job_whose_worker_is_killed_goes_on_elsewhere_with_its_stream_apart(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -56,6 +56,7 @@ class ChunkWriter:
         # first chunks, sent from the text relay: on a connection to each stream's Redis
         self.firsts = self.streams.map(FirstChunks)
         self.outage_s = outage_s  # how long chunks wait for Redis to come back
+        self.give_up_at = float("inf")  # monotonic; set by close: no lane waits past it
         self.nice = nice  # added to the writer threads' niceness (see procs.py)
         self.interval_s = interval_s
         self.lock = threading.Lock()  # between extend and a lane taking a batch
@@ -111,13 +112,17 @@ class ChunkWriter:
         deadline = time.monotonic() + timeout_s
         return all(done.wait(max(0.0, deadline - time.monotonic())) for done in waits)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Write what is queued and stop the lanes: chunks still held back for a Redis
+        that is away after ``timeout_s`` (in all) are given up on, as past the outage,
+        once the try under way fails; close waits for the lanes until a second after."""
         for first in self.firsts.all:  # every first chunk sent is queued before the end:
             first.stop()  # answers read
+        self.give_up_at = time.monotonic() + timeout_s
         for lane in self._lanes.values():
             lane.queue.put(None)
             lane.hurry.set()
-        until = time.monotonic() + 10  # in all: a lane held by an instance away is let go
+        until = self.give_up_at + 1.0  # a lane between two tries notices within 0.5 s
         for lane in self._lanes.values():
             lane.thread.join(timeout=max(0.0, until - time.monotonic()))
         for first in self.firsts.all:
@@ -199,8 +204,10 @@ class _Lane:
                 return
             tries += 1
             held_s = time.monotonic() - since
-            if held_s > self.writer.outage_s or (not away and tries >= 3):
+            closing = time.monotonic() > self.writer.give_up_at
+            if held_s > self.writer.outage_s or (not away and tries >= 3) or closing:
                 jobs = ", ".join(sorted({c.job_id for c in chunks}))
+                problem = f"{problem}; the writer is closing" if closing else problem
                 log.error(
                     "gave up writing %d chunks of jobs %s after %d tries in %.0f s (%s); "
                     "their readers get ChunksLost",
