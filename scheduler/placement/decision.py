@@ -100,9 +100,11 @@ def decide(
         never expire last, then the models with the least recent demand, a request count
         decayed by e every DEMAND_TAU_S, then the soonest expiry, then least recently
         used) until the job fits, and the device whose set costs least wins (fewest
-        runners that never expire, then least demand left with no runner, then fewest
-        runners: fitting.victims_cost); ``victim_key`` replaces that order, and the
-        device with the fewest victims wins (bench/cache_sim.py compares rules with it).
+        runners that never expire, then the least demand it brings back: that of the
+        models left with no runner, a share of an idle replica's, and a reload for each
+        runner; then fewest runners: fitting.victims_cost); ``victim_key`` replaces that
+        order, and the device with the fewest victims wins (bench/cache_sim.py compares
+        rules with it).
     11. Memory is held by busy runners → park.
     """
     # 1
