@@ -357,15 +357,23 @@ def test_each_instance_s_chunks_go_out_in_order_on_its_own_lane(
         writer.close()
 
 
-def test_a_stream_instance_away_holds_back_its_own_chunks_only(
-    db: redis.Redis, apart: list[redis.Redis]
-) -> None:
+def writer_with_one_away(
+    db: redis.Redis, up: redis.Redis
+) -> tuple[ChunkWriter, redis.Redis, str, str]:
+    """A writer over two stream instances, ``up`` and one whose port refuses, its outage
+    bound 600 s; the client of the one away, and a job id on each (up's first)."""
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         gone = redis.Redis(port=closed.getsockname()[1])
     here = next(f"j{n}" for n in range(99) if shard_of(f"j{n}", 2) == 0)
     there = next(f"j{n}" for n in range(99) if shard_of(f"j{n}", 2) == 1)
-    writer = ChunkWriter(Shards(db, [apart[0], gone]), outage_s=600)
+    return ChunkWriter(Shards(db, [up, gone]), outage_s=600), gone, here, there
+
+
+def test_a_stream_instance_away_holds_back_its_own_chunks_only(
+    db: redis.Redis, apart: list[redis.Redis]
+) -> None:
+    writer, gone, here, there = writer_with_one_away(db, apart[0])
     try:
         for job_id in (there, here):  # the instance away's chunk first
             writer.put(job_id, 1, {"response": job_id}, 60)
@@ -394,12 +402,7 @@ def test_closing_lets_go_of_an_instance_away_within_its_timeout(
     readers get ChunksLost) once its timeout has passed and the try under way has failed
     (redis-py's own retries make a try to a refused port last some 3-4 s); the other
     instance's chunks are written."""
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        gone = redis.Redis(port=closed.getsockname()[1])
-    here = next(f"j{n}" for n in range(99) if shard_of(f"j{n}", 2) == 0)
-    there = next(f"j{n}" for n in range(99) if shard_of(f"j{n}", 2) == 1)
-    writer = ChunkWriter(Shards(db, [apart[0], gone]), outage_s=600)
+    writer, gone, here, there = writer_with_one_away(db, apart[0])
     try:
         writer.put(there, 1, {"response": there}, 60)
         writer.put(here, 1, {"response": here}, 60)
