@@ -166,7 +166,8 @@ class Snapshot:
     def mean_live_demand(self) -> float:
         """The mean demand of the models with a live runner (what a reload weighs when
         placement rates victims); read only when a job needs an eviction."""
-        models = list(self.live_by_model)
+        live = self.live_by_model  # the placement cache's iterates lapsed devices' too
+        models = [m for m in live if live.get(m)]
         return sum(self.demand.get(m, 0.0) for m in models) / max(1, len(models))
 
     @cached_property

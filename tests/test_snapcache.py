@@ -219,3 +219,28 @@ def test_a_device_whose_last_beats_went_unlogged_is_alive_as_its_beats_say(
     assert [d.id for d in cache.snapshot(now, 30).devices] == [vgpu(0).id]
     assert view(cache.snapshot(now, 30)) == view(state.snapshot(now, 30))
     assert cache.snapshot(later + 31, 30).devices == []  # beats that stopped: dead
+
+
+def test_the_mean_demand_of_loaded_models_is_a_full_read_s(
+    db: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a reload weighs when placement rates victims (Snapshot.mean_live_demand): the
+    cache's count leaves out a model whose only runner is on a device that lapsed, as a
+    full read does, and a demand entry it cannot read counts as none, with a warning,
+    instead of failing every eviction."""
+    state, cache = ClusterState(db), SnapshotCache(db)
+    for i in range(3):
+        state.register_device(vgpu(i))
+    for n, model in enumerate(("a", "b", "c")):
+        fields = {"model": model, "config_key": "c"}
+        state.reserve(f"r{n}", f"p{n}", {vgpu(n).id: GIB}, fields, 1.0, 30)
+    beat = float(db.hget(keys.device(vgpu(0).id), "heartbeat") or 0)
+    db.hset(keys.DEMAND, mapping={"a": f"4.0:{beat}", "b": f"9.0:{beat}", "c": "garbage"})
+    db.hset(keys.device(vgpu(1).id), "heartbeat", beat - 20.0)  # b's device lapses first
+    now = beat + 15.0
+    full, cached = state.snapshot(now, 30), cache.snapshot(now, 30)
+    assert sorted(d.id for d in cached.devices) == [vgpu(0).id, vgpu(2).id]
+    assert "b" in cached.all_live_by_model  # its runner is still known, on a lapsed device
+    assert full.mean_live_demand == pytest.approx(cached.mean_live_demand)
+    assert cached.mean_live_demand == pytest.approx(cached.demand["a"] / 2)  # a and c
+    assert "model 'c''s demand 'garbage' cannot be read: none counted" in caplog.text

@@ -20,14 +20,19 @@ from scheduler.cluster import (
     DeviceState,
     RunnerState,
     Snapshot,
-    decayed,
     eviction_order,
     is_idle,
     is_live,
 )
 from scheduler.placement.alive import AliveDevices
 from scheduler.store import keys
-from scheduler.store.records import decoded, device_from_hash, runner_from_hash, text
+from scheduler.store.records import (
+    decoded,
+    demand_of,
+    device_from_hash,
+    runner_from_hash,
+    text,
+)
 from scheduler.store.scripts import script
 
 _DEVICE, _RESV, _RUNNER = keys.device(""), keys.reservations(""), keys.runner("")
@@ -250,6 +255,7 @@ class DecayedDemand(Mapping[str, float]):
     def __init__(self, client: redis.Redis, now: float) -> None:
         self._client, self._now = client, now
         self._read: dict[bytes, bytes] | None = None
+        self._decoded: dict[str, float] = {}  # an eviction looks a model up many times
 
     @property
     def _raw(self) -> dict[bytes, bytes]:
@@ -258,9 +264,13 @@ class DecayedDemand(Mapping[str, float]):
         return self._read
 
     def __getitem__(self, model: str) -> float:
-        value = self._raw[model.encode()]
-        score, last = value.split(b":")
-        return decayed(float(score), float(last), self._now)
+        found = self._decoded.get(model)
+        if found is None:
+            found = demand_of(model, self._raw[model.encode()], self._now)
+            if found is None:  # unreadable: as if never asked for
+                raise KeyError(model)
+            self._decoded[model] = found
+        return found
 
     def __iter__(self) -> Iterator[str]:
         return (k.decode() for k in self._raw)

@@ -4,9 +4,12 @@ are stored field by field."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from scheduler.cluster import DeviceState, DeviceView, RunnerState, RunnerView, decayed
+
+log = logging.getLogger("ggufq.placement")
 
 
 def text(value: bytes | str) -> str:
@@ -92,12 +95,31 @@ def runner_view(runner_id: str, h: dict[str, str]) -> RunnerView | None:
 
 
 def decayed_demand(raw: dict[str, str], now: float) -> dict[str, float]:
-    """The demand hash (model → "count:time") as counts decayed to ``now``."""
+    """The demand hash (model → "count:time") as counts decayed to ``now``; an entry
+    that cannot be read counts as none (:func:`demand_of`)."""
     demand = {}
     for model, value in raw.items():
-        score, last = value.split(":")
-        demand[model] = decayed(float(score), float(last), now)
+        found = demand_of(model, value, now)
+        if found is not None:
+            demand[model] = found
     return demand
+
+
+_UNREADABLE: set[str] = set()  # models whose demand entry was warned about
+
+
+def demand_of(model: str, value: str | bytes, now: float) -> float | None:
+    """One entry of the demand hash ("count:time", as demand.lua writes it) decayed to
+    ``now``; None, with one warning a model, when it is anything else (an eviction must
+    not fail on it: the model then counts as never asked for)."""
+    try:
+        score, last = text(value).split(":")
+        return decayed(float(score), float(last), now)
+    except ValueError:  # UnicodeDecodeError included
+        if model not in _UNREADABLE:
+            _UNREADABLE.add(model)
+            log.warning("model %r's demand %r cannot be read: none counted", model, value)
+        return None
 
 
 def _devices(h: dict[str, str]) -> dict[str, int]:
