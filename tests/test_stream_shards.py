@@ -8,6 +8,7 @@ import asyncio
 import json
 import signal
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -400,20 +401,26 @@ def test_closing_lets_go_of_an_instance_away_within_its_timeout(
     """A worker that stops while a stream instance is away does not leave that lane's
     thread retrying for the outage bound (600 s here): close gives up on its chunks (their
     readers get ChunksLost) once its timeout has passed and the try under way has failed
-    (redis-py's own retries make a try to a refused port last some 3-4 s); the other
-    instance's chunks are written."""
+    (redis-py's own retries make a try to a refused port last some 3-4 s), and chunks
+    queued behind them are given up on without a try; the other instance's are written."""
     writer, gone, here, there = writer_with_one_away(db, apart[0])
     try:
-        writer.put(there, 1, {"response": there}, 60)
+        first = writer.put(there, 1, {"response": there}, 60)
         writer.put(here, 1, {"response": here}, 60)
         assert not writer.flush(timeout_s=0.2)  # held back for the instance away
+        while not first.taken:  # its lane took it: what comes next is a batch of its own
+            time.sleep(0.01)
+        writer.put(there, 2, {"response": "and on"}, 60)
         writer.close(timeout_s=0.5)
         for lane in writer._lanes.values():
             lane.thread.join(timeout=60)  # a bound for a stuck test, not a wait on slowness
             assert not lane.thread.is_alive()
         assert apart[0].xlen(keys.job_chunks(here)) == 1
-        assert f"chunks of jobs {there}" in caplog.text and "the writer is closing" in caplog.text
+        gave_up = [r.getMessage() for r in caplog.records if "gave up writing" in r.getMessage()]
+        assert len(gave_up) == 2 and all("the writer is closing" in m for m in gave_up)
+        assert f"chunks of jobs {there} after 0 tries" in gave_up[1]
     finally:
+        writer.close(timeout_s=0)  # nothing left retrying, whatever failed above
         gone.close()
 
 

@@ -122,7 +122,7 @@ class ChunkWriter:
         for lane in self._lanes.values():
             lane.queue.put(None)
             lane.hurry.set()
-        until = self.give_up_at + 1.0  # a lane between two tries notices within 0.5 s
+        until = self.give_up_at + 1.0  # a lane between two tries notices at its next
         for lane in self._lanes.values():
             lane.thread.join(timeout=max(0.0, until - time.monotonic()))
         for first in self.firsts.all:
@@ -145,6 +145,7 @@ class _Lane:
         self.queue = queue.SimpleQueue()
         self.hurry = threading.Event()  # set by flush and close: write without waiting
         self.last_write = -float("inf")  # monotonic time of the last write
+        self.away = False  # the last write found this Redis away
         self.thread = threading.Thread(target=self._run, name="ggufq-chunks", daemon=True)
         self.thread.start()
 
@@ -195,32 +196,40 @@ class _Lane:
         empties a pipeline once it has run, so each try builds it again; an entry a failed
         try had already added is refused as a duplicate id (the script skips it), and
         readers go by ``seq``."""
-        since, tries = time.monotonic(), 0
+        since, tries, problem = time.monotonic(), 0, None
         while True:
-            chunks, problem, away = self._try_write(chunks)
+            # closing: past its deadline a lane tries no more where Redis was away
+            closing = time.monotonic() > self.writer.give_up_at
+            if closing and (tries or self.away):
+                problem = problem or "its Redis was away at the last write"
+                self._give_up(chunks, tries, since, f"{problem}; the writer is closing")
+                return
+            chunks, problem, self.away = self._try_write(chunks)
             if not chunks:
                 if tries:
                     log.warning("wrote held-back chunks after %d tries", tries)
                 return
             tries += 1
-            held_s = time.monotonic() - since
-            closing = time.monotonic() > self.writer.give_up_at
-            if held_s > self.writer.outage_s or (not away and tries >= 3) or closing:
-                jobs = ", ".join(sorted({c.job_id for c in chunks}))
-                problem = f"{problem}; the writer is closing" if closing else problem
-                log.error(
-                    "gave up writing %d chunks of jobs %s after %d tries in %.0f s (%s); "
-                    "their readers get ChunksLost",
-                    len(chunks),
-                    jobs,
-                    tries,
-                    held_s,
-                    problem,
-                )
+            if time.monotonic() - since > self.writer.outage_s or (not self.away and tries >= 3):
+                self._give_up(chunks, tries, since, problem)
                 return
-            if tries == 1 or not away:
+            if tries == 1 or not self.away:
                 log.warning("writing %d chunks failed (try %d): %s", len(chunks), tries, problem)
             time.sleep(min(0.1 * tries, 0.5))
+
+    def _give_up(
+        self, chunks: list[Pending], tries: int, since: float, problem: str | None
+    ) -> None:
+        jobs = ", ".join(sorted({c.job_id for c in chunks}))
+        log.error(
+            "gave up writing %d chunks of jobs %s after %d tries in %.0f s (%s); "
+            "their readers get ChunksLost",
+            len(chunks),
+            jobs,
+            tries,
+            time.monotonic() - since,
+            problem,
+        )
 
     def _try_write(self, chunks: list[Pending]) -> tuple[list[Pending], str | None, bool]:
         """Write ``chunks`` once (append.lua's calls again, in the same call, when Redis
