@@ -5,7 +5,8 @@ judged by its worst seed.
 Per seed and per max_replicas (1, 3), the loads of:
 
 - ``ggufq``: today's rule (on each device idle runners in eviction order until the job
-  fits; the device whose set costs least: fitting.victims_cost);
+  fits; the device whose set costs least: fitting.victims_cost, the demand the set
+  brings back);
 - ``fewest``: the rule before it, the same order but the device with the fewest victims
   (the baseline, in the same run);
 - ``belady``: the reference the target is set on: Belady's order (the runner needed again
@@ -97,7 +98,9 @@ def rule_runs(seed: int, max_replicas: int) -> dict[str, int]:
 def eviction_ms(devices: int = 1000, idle: int = 4, repeats: int = 15) -> dict[str, float]:
     """What the rating costs a decision: the median ms of one eviction choice over
     ``devices`` full GPUs of ``idle`` idle runners each (every model's own), a job that
-    needs two of them gone, rated by victims_cost against by the fewest."""
+    needs two of them gone, rated by victims_cost against by the fewest, each on a
+    snapshot of its own (as each decision is: its indexes, the mean demand, built in the
+    time counted)."""
     gib = 1 << 30
     devs, runners, demand = [], [], {}
     for d in range(devices):
@@ -110,12 +113,12 @@ def eviction_ms(devices: int = 1000, idle: int = 4, repeats: int = 15) -> dict[s
                 )
             )
             demand[model] = (d * 7 + k * 13) % 97 / 10
-    snap = Snapshot(devs, runners, 0, demand=demand)
     job = JobNeeds("new", "c", 6 * gib)
     out = {}
     for name, cost in (("fewest", fewest(None)), ("victims_cost", None)):
         times = []
         for _ in range(repeats):
+            snap = Snapshot(devs, runners, 0, demand=demand)  # a decision's own, indexes and all
             started = time.perf_counter()
             fitting.cheapest_victims(job, snap, 10, None, cost=cost)
             times.append((time.perf_counter() - started) * 1000)

@@ -29,8 +29,8 @@ VictimsCost = Callable[[list[RunnerState], Snapshot], tuple[float, ...]]
 # what each victim's eventual reload weighs in victims_cost, in models of mean demand.
 # bench/belady_seeds.py, loads / Belady's over 20 traces, worst and median, without
 # replicas: 0 → 1.191 1.056; 1 → 1.191 1.053; 2 → 1.191 1.025; 3 and 4 → 1.191 1.027
-# (with 3 replicas 1.10 1.03 for 1.5–3). From 3 on, the only runner of a model with 90 %
-# of the demand goes before two runners of 5 % each.
+# (with 3 replicas and REPLICA_SHARE 0.5: 1.10 1.03 for 1.5–3). From 3 on, the only
+# runner of a model with 90 % of the demand goes before two runners of 5 % each.
 RELOAD_WEIGHT = 2.0
 # what an idle replica's unloading brings back soon, as a share of its runner's part of
 # its model's demand: it comes back when that demand needs every runner (belady_seeds.py
