@@ -495,6 +495,20 @@ def test_request_demand_decays_in_redis(db: redis.Redis) -> None:
     assert abs(snap.demand["m"] - (2 / 2.718281828 + 1)) < 1e-3
 
 
+def test_a_demand_entry_that_cannot_be_read_is_written_over(db: redis.Redis) -> None:
+    """A model's demand entry that is not "count:time" (a hand edit, a bad restore) counts
+    as no demand: the next request for the model writes it anew instead of failing every
+    script that counts demand (the normal path's and the fast path's), and a full read
+    meanwhile counts it as none."""
+    state = ClusterState(db)
+    state.register_device(vgpu(0))
+    db.hset(keys.DEMAND, mapping={"m": "garbage", "n": "1:2:3"})
+    assert "m" not in state.snapshot(now=10.0, device_ttl_s=1e9).demand
+    for model in ("m", "n"):
+        state.count_request(model, 100.0)
+        assert db.hget(keys.DEMAND, model) == b"1.000000:100.000"
+
+
 def test_the_embedded_redis_keeps_its_data_across_a_restart(tmp_path: Path) -> None:
     server = EmbeddedRedis(tmp_path / "redis")
     server.start()

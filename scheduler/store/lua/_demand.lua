@@ -4,11 +4,13 @@ local function count_demand(key, model, now, tau)
   local raw = redis.call('HGET', key, model)
   now, tau = tonumber(now), tonumber(tau)
   local score = 0
-  if raw then
-    local s, t = string.match(raw, '([^:]+):([^:]+)')
-    local dt = now - tonumber(t)
+  local s, t
+  if raw then s, t = string.match(raw, '^([^:]+):([^:]+)$') end
+  s, t = tonumber(s), tonumber(t)
+  if s and t then  -- anything else counts as no demand yet, and is written over
+    local dt = now - t
     if dt < 0 then dt = 0 end
-    score = tonumber(s) * math.exp(-dt / tau)
+    score = s * math.exp(-dt / tau)
   end
   redis.call('HSET', key, model, string.format('%.6f:%.3f', score + 1, now))
 end
