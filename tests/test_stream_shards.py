@@ -408,7 +408,9 @@ def test_closing_lets_go_of_an_instance_away_within_its_timeout(
         first = writer.put(there, 1, {"response": there}, 60)
         writer.put(here, 1, {"response": here}, 60)
         assert not writer.flush(timeout_s=0.2)  # held back for the instance away
+        taken_by = time.monotonic() + 60  # a bound for a stuck test only
         while not first.taken:  # its lane took it: what comes next is a batch of its own
+            assert time.monotonic() < taken_by, "the lane never took the first chunk"
             time.sleep(0.01)
         writer.put(there, 2, {"response": "and on"}, 60)
         writer.close(timeout_s=0.5)
@@ -421,6 +423,27 @@ def test_closing_lets_go_of_an_instance_away_within_its_timeout(
         assert f"chunks of jobs {there} after 0 tries" in gave_up[1]
     finally:
         writer.close(timeout_s=0)  # nothing left retrying, whatever failed above
+        gone.close()
+
+
+def test_closing_still_tries_a_redis_that_was_away_before_it_began(db: redis.Redis) -> None:
+    """Only an outage seen since close began lets a closing lane give up without a try: a
+    lane whose Redis was away earlier, and is back, writes what it holds, however short
+    close's timeout."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        gone = redis.Redis(port=closed.getsockname()[1])
+    writer = ChunkWriter(gone, interval_s=600.0, outage_s=0.0)  # only flush, close hurry
+    (lane,) = writer._lanes.values()
+    try:
+        writer.put("lost", 1, {"response": "in the outage"}, 60)
+        assert writer.flush(timeout_s=60)  # tried, found away, given up on
+        lane.r = db  # its Redis is back (at the same address, as a restart is)
+        writer.put("kept", 1, {"response": "after it"}, 60)
+        writer.close(timeout_s=0)
+        assert db.xlen(keys.job_chunks("kept")) == 1
+    finally:
+        writer.close(timeout_s=0)
         gone.close()
 
 

@@ -57,6 +57,7 @@ class ChunkWriter:
         self.firsts = self.streams.map(FirstChunks)
         self.outage_s = outage_s  # how long chunks wait for Redis to come back
         self.give_up_at = float("inf")  # monotonic; set by close: no lane waits past it
+        self.closing_since = float("inf")  # monotonic; when close began
         self.nice = nice  # added to the writer threads' niceness (see procs.py)
         self.interval_s = interval_s
         self.lock = threading.Lock()  # between extend and a lane taking a batch
@@ -118,7 +119,8 @@ class ChunkWriter:
         once the try under way fails; close waits for the lanes until a second after."""
         for first in self.firsts.all:  # every first chunk sent is queued before the end:
             first.stop()  # answers read
-        self.give_up_at = time.monotonic() + timeout_s
+        self.closing_since = time.monotonic()
+        self.give_up_at = self.closing_since + timeout_s
         for lane in self._lanes.values():
             lane.queue.put(None)
             lane.hurry.set()
@@ -145,7 +147,7 @@ class _Lane:
         self.queue = queue.SimpleQueue()
         self.hurry = threading.Event()  # set by flush and close: write without waiting
         self.last_write = -float("inf")  # monotonic time of the last write
-        self.away = False  # the last write found this Redis away
+        self.away_at = -float("inf")  # monotonic time a write last found this Redis away
         self.thread = threading.Thread(target=self._run, name="ggufq-chunks", daemon=True)
         self.thread.start()
 
@@ -198,22 +200,25 @@ class _Lane:
         readers go by ``seq``."""
         since, tries, problem = time.monotonic(), 0, None
         while True:
-            # closing: past its deadline a lane tries no more where Redis was away
+            # closing: past its deadline a lane tries no more where Redis was away (since
+            # close began: an outage before it that may have ended earns a try)
             closing = time.monotonic() > self.writer.give_up_at
-            if closing and (tries or self.away):
+            if closing and (tries or self.away_at >= self.writer.closing_since):
                 problem = problem or "its Redis was away at the last write"
                 self._give_up(chunks, tries, since, f"{problem}; the writer is closing")
                 return
-            chunks, problem, self.away = self._try_write(chunks)
+            chunks, problem, away = self._try_write(chunks)
+            if away:
+                self.away_at = time.monotonic()
             if not chunks:
                 if tries:
                     log.warning("wrote held-back chunks after %d tries", tries)
                 return
             tries += 1
-            if time.monotonic() - since > self.writer.outage_s or (not self.away and tries >= 3):
+            if time.monotonic() - since > self.writer.outage_s or (not away and tries >= 3):
                 self._give_up(chunks, tries, since, problem)
                 return
-            if tries == 1 or not self.away:
+            if tries == 1 or not away:
                 log.warning("writing %d chunks failed (try %d): %s", len(chunks), tries, problem)
             time.sleep(min(0.1 * tries, 0.5))
 
