@@ -12,7 +12,7 @@ from scheduler.cluster import Snapshot
 from scheduler.placement import snapcache
 from scheduler.placement.snapcache import SnapshotCache
 from scheduler.protocol import Placement, RunnerConfig
-from scheduler.store import keys
+from scheduler.store import keys, records
 from tests.test_state import GIB, ClusterState, vgpu
 
 CONFIG = RunnerConfig(512)
@@ -222,12 +222,13 @@ def test_a_device_whose_last_beats_went_unlogged_is_alive_as_its_beats_say(
 
 
 def test_the_mean_demand_of_loaded_models_is_a_full_read_s(
-    db: redis.Redis, caplog: pytest.LogCaptureFixture
+    db: redis.Redis, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What a reload weighs when placement rates victims (Snapshot.mean_live_demand): the
     cache's count leaves out a model whose only runner is on a device that lapsed, as a
     full read does, and a demand entry it cannot read counts as none, with a warning,
     instead of failing every eviction."""
+    monkeypatch.setattr(records, "_UNREADABLE", set())  # warned once a process: here
     state, cache = ClusterState(db), SnapshotCache(db)
     for i in range(3):
         state.register_device(vgpu(i))
@@ -243,4 +244,5 @@ def test_the_mean_demand_of_loaded_models_is_a_full_read_s(
     assert "b" in cached.all_live_by_model  # its runner is still known, on a lapsed device
     assert full.mean_live_demand == pytest.approx(cached.mean_live_demand)
     assert cached.mean_live_demand == pytest.approx(cached.demand["a"] / 2)  # a and c
+    assert dict(cached.demand) == pytest.approx(full.demand)  # c in neither
     assert "model 'c''s demand 'garbage' cannot be read: none counted" in caplog.text

@@ -496,15 +496,16 @@ def test_request_demand_decays_in_redis(db: redis.Redis) -> None:
 
 
 def test_a_demand_entry_that_cannot_be_read_is_written_over(db: redis.Redis) -> None:
-    """A model's demand entry that is not "count:time" (a hand edit, a bad restore) counts
-    as no demand: the next request for the model writes it anew instead of failing every
-    script that counts demand (the normal path's and the fast path's), and a full read
-    meanwhile counts it as none."""
+    """A model's demand entry that is not "count:time" with a finite count of 0 or more
+    (a hand edit, a bad restore) counts as no demand: the next request for the model
+    writes it anew instead of failing every script that counts demand (the normal
+    path's and the fast path's), and a full read meanwhile counts it as none."""
     state = ClusterState(db)
     state.register_device(vgpu(0))
-    db.hset(keys.DEMAND, mapping={"m": "garbage", "n": "1:2:3"})
-    assert "m" not in state.snapshot(now=10.0, device_ttl_s=1e9).demand
-    for model in ("m", "n"):
+    bad = {"m": "garbage", "n": "1:2:3", "o": "nan:1", "p": "inf:5", "q": "-3:1", "r": "1:inf"}
+    db.hset(keys.DEMAND, mapping=bad)
+    assert not state.snapshot(now=10.0, device_ttl_s=1e9).demand  # none of them counted
+    for model in bad:
         state.count_request(model, 100.0)
         assert db.hget(keys.DEMAND, model) == b"1.000000:100.000"
 

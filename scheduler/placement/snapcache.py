@@ -272,11 +272,11 @@ class DecayedDemand(Mapping[str, float]):
             self._decoded[model] = found
         return found
 
-    def __iter__(self) -> Iterator[str]:
-        return (k.decode() for k in self._raw)
+    def __iter__(self) -> Iterator[str]:  # the models a lookup finds, as a full read's
+        return (model for model in (k.decode() for k in self._raw) if model in self)
 
     def __len__(self) -> int:
-        return len(self._raw)
+        return sum(1 for _ in self)
 
 
 class _LiveByModel(Mapping[str, list[RunnerState]]):

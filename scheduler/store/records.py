@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
 from scheduler.cluster import DeviceState, DeviceView, RunnerState, RunnerView, decayed
@@ -110,16 +111,21 @@ _UNREADABLE: set[str] = set()  # models whose demand entry was warned about
 
 def demand_of(model: str, value: str | bytes, now: float) -> float | None:
     """One entry of the demand hash ("count:time", as demand.lua writes it) decayed to
-    ``now``; None, with one warning a model, when it is anything else (an eviction must
-    not fail on it: the model then counts as never asked for)."""
+    ``now``; None, with one warning a model, when it is anything else, a count that is
+    negative or not finite included (an eviction must not fail on it, nor rate every
+    set alike: the model then counts as never asked for)."""
     try:
         score, last = text(value).split(":")
-        return decayed(float(score), float(last), now)
+        count, at = float(score), float(last)
+        if count >= 0 and math.isfinite(count) and math.isfinite(at):
+            return decayed(count, at, now)
     except ValueError:  # UnicodeDecodeError included
-        if model not in _UNREADABLE:
-            _UNREADABLE.add(model)
-            log.warning("model %r's demand %r cannot be read: none counted", model, value)
-        return None
+        pass
+    if model not in _UNREADABLE:
+        _UNREADABLE.add(model)
+        shown = value.decode(errors="replace") if isinstance(value, bytes) else value
+        log.warning("model %r's demand %r cannot be read: none counted", model, shown)
+    return None
 
 
 def _devices(h: dict[str, str]) -> dict[str, int]:

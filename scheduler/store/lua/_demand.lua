@@ -7,7 +7,8 @@ local function count_demand(key, model, now, tau)
   local s, t
   if raw then s, t = string.match(raw, '^([^:]+):([^:]+)$') end
   s, t = tonumber(s), tonumber(t)
-  if s and t then  -- anything else counts as no demand yet, and is written over
+  local finite = s and t and s >= 0 and s < math.huge and t > -math.huge and t < math.huge
+  if finite then  -- anything else (nan fails every test) counts as no demand yet
     local dt = now - t
     if dt < 0 then dt = 0 end
     score = s * math.exp(-dt / tau)
