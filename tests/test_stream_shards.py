@@ -8,9 +8,10 @@ import asyncio
 import json
 import signal
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,7 @@ from tests.test_faults import held_hosts
 from tests.test_midstream import GREEDY, one_stream
 from tests.test_state import vgpu
 from workers.chunks import ChunkWriter
+from workers.pending import Pending
 from workers.publisher import ChunkPublisher
 
 
@@ -439,12 +441,50 @@ def test_closing_still_tries_a_redis_that_was_away_before_it_began(db: redis.Red
         writer.put("lost", 1, {"response": "in the outage"}, 60)
         assert writer.flush(timeout_s=60)  # tried, found away, given up on
         lane.r = db  # its Redis is back (at the same address, as a restart is)
-        writer.put("kept", 1, {"response": "after it"}, 60)
-        writer.close(timeout_s=0)
+        lane.hurry.clear()  # the flush's, if the lane took its batch before it was set
+        writer.put("kept", 2, {"response": "after it"}, 60)  # seq 2: no hurry
+        writer.close(timeout_s=0)  # "kept" and the end go out in one batch
+        lane.thread.join(timeout=60)  # a bound for a stuck test, not a wait on slowness
+        assert not lane.thread.is_alive()
         assert db.xlen(keys.job_chunks("kept")) == 1
     finally:
         writer.close(timeout_s=0)
         gone.close()
+
+
+def test_a_closing_lane_whose_redis_came_back_tries_what_comes_next(db: redis.Redis) -> None:
+    """Only the last try's outage counts: a lane that found its Redis away after close
+    began, and then wrote to it again, still tries the batch behind (a recording stand-in
+    for one try: the first finds Redis away once close has begun, the second succeeds
+    once close's deadline has passed)."""
+    writer = ChunkWriter(db, interval_s=600.0)
+    (lane,) = writer._lanes.values()
+    real, started, calls = lane._try_write, threading.Event(), []
+
+    def until(done: Callable[[], bool]) -> None:
+        bound = time.monotonic() + 60  # for a stuck test only
+        while not done():
+            assert time.monotonic() < bound
+            time.sleep(0.01)
+
+    def one_try(chunks: list[Pending]) -> tuple[list[Pending], str | None, bool]:
+        calls.append([c.job_id for c in chunks])
+        if len(calls) == 1:
+            started.set()
+            until(lambda: writer.closing_since < float("inf"))
+            return chunks, "Connection refused", True
+        until(lambda: time.monotonic() > writer.give_up_at)
+        return real(chunks)
+
+    lane._try_write = one_try  # type: ignore[method-assign]
+    writer.put("first", 1, {"response": "tried while away"}, 60)
+    assert started.wait(60)
+    writer.put("behind", 2, {"response": "queued behind it"}, 60)
+    writer.close(timeout_s=0.2)
+    lane.thread.join(timeout=60)  # a bound for a stuck test, not a wait on slowness
+    assert not lane.thread.is_alive()
+    assert calls == [["first"], ["first"], ["behind"]]
+    assert db.xlen(keys.job_chunks("first")) == 1 and db.xlen(keys.job_chunks("behind")) == 1
 
 
 def test_a_job_whose_worker_is_killed_goes_on_elsewhere_with_its_stream_apart(

@@ -119,8 +119,9 @@ class ChunkWriter:
         once the try under way fails; close waits for the lanes until a second after."""
         for first in self.firsts.all:  # every first chunk sent is queued before the end:
             first.stop()  # answers read
-        self.closing_since = time.monotonic()
-        self.give_up_at = self.closing_since + timeout_s
+        now = time.monotonic()  # a second close keeps the first's times if sooner
+        self.closing_since = min(self.closing_since, now)
+        self.give_up_at = min(self.give_up_at, now + timeout_s)
         for lane in self._lanes.values():
             lane.queue.put(None)
             lane.hurry.set()
@@ -147,7 +148,7 @@ class _Lane:
         self.queue = queue.SimpleQueue()
         self.hurry = threading.Event()  # set by flush and close: write without waiting
         self.last_write = -float("inf")  # monotonic time of the last write
-        self.away_at = -float("inf")  # monotonic time a write last found this Redis away
+        self.away_at = -float("inf")  # monotonic: when the last try found Redis away
         self.thread = threading.Thread(target=self._run, name="ggufq-chunks", daemon=True)
         self.thread.start()
 
@@ -208,8 +209,7 @@ class _Lane:
                 self._give_up(chunks, tries, since, f"{problem}; the writer is closing")
                 return
             chunks, problem, away = self._try_write(chunks)
-            if away:
-                self.away_at = time.monotonic()
+            self.away_at = time.monotonic() if away else -float("inf")  # the last try's
             if not chunks:
                 if tries:
                     log.warning("wrote held-back chunks after %d tries", tries)
