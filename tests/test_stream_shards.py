@@ -45,6 +45,7 @@ from tests.held_worker import is_held, release
 from tests.test_faults import held_hosts
 from tests.test_midstream import GREEDY, one_stream
 from tests.test_state import vgpu
+from workers import chunks as chunks_module
 from workers.chunks import ChunkWriter
 from workers.pending import Pending
 from workers.publisher import ChunkPublisher
@@ -452,20 +453,22 @@ def test_closing_still_tries_a_redis_that_was_away_before_it_began(db: redis.Red
         gone.close()
 
 
+def until(done: Callable[[], bool]) -> None:
+    """Wait for ``done`` (a bound for a stuck test only, not a wait on slowness)."""
+    bound = time.monotonic() + 60
+    while not done():
+        assert time.monotonic() < bound
+        time.sleep(0.01)
+
+
 def test_a_closing_lane_whose_redis_came_back_tries_what_comes_next(db: redis.Redis) -> None:
     """Only the last try's outage counts: a lane that found its Redis away after close
     began, and then wrote to it again, still tries the batch behind (a recording stand-in
-    for one try: the first finds Redis away once close has begun, the second succeeds
-    once close's deadline has passed)."""
+    for one try: the first finds Redis away once close has begun, the second writes, and
+    close's deadline is passed as it does)."""
     writer = ChunkWriter(db, interval_s=600.0)
     (lane,) = writer._lanes.values()
     real, started, calls = lane._try_write, threading.Event(), []
-
-    def until(done: Callable[[], bool]) -> None:
-        bound = time.monotonic() + 60  # for a stuck test only
-        while not done():
-            assert time.monotonic() < bound
-            time.sleep(0.01)
 
     def one_try(chunks: list[Pending]) -> tuple[list[Pending], str | None, bool]:
         calls.append([c.job_id for c in chunks])
@@ -473,18 +476,57 @@ def test_a_closing_lane_whose_redis_came_back_tries_what_comes_next(db: redis.Re
             started.set()
             until(lambda: writer.closing_since < float("inf"))
             return chunks, "Connection refused", True
-        until(lambda: time.monotonic() > writer.give_up_at)
+        writer.give_up_at = min(writer.give_up_at, time.monotonic())  # past it from here
         return real(chunks)
 
     lane._try_write = one_try  # type: ignore[method-assign]
-    writer.put("first", 1, {"response": "tried while away"}, 60)
-    assert started.wait(60)
-    writer.put("behind", 2, {"response": "queued behind it"}, 60)
-    writer.close(timeout_s=0.2)
-    lane.thread.join(timeout=60)  # a bound for a stuck test, not a wait on slowness
-    assert not lane.thread.is_alive()
-    assert calls == [["first"], ["first"], ["behind"]]
-    assert db.xlen(keys.job_chunks("first")) == 1 and db.xlen(keys.job_chunks("behind")) == 1
+    try:
+        writer.put("first", 1, {"response": "tried while away"}, 60)
+        assert started.wait(60)
+        writer.put("behind", 2, {"response": "queued behind it"}, 60)
+        writer.close(timeout_s=30)
+        lane.thread.join(timeout=60)  # a bound for a stuck test, not a wait on slowness
+        assert not lane.thread.is_alive()
+        assert calls == [["first"], ["first"], ["behind"]]
+        assert db.xlen(keys.job_chunks("first")) == db.xlen(keys.job_chunks("behind")) == 1
+    finally:
+        writer.close(timeout_s=0)
+
+
+def test_a_closing_lane_tries_once_more_a_redis_found_away_before_close(
+    db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lane retrying a batch in an outage when close begins, its Redis back by then,
+    tries it once more, however short close's timeout (a stand-in for one try finds Redis
+    away once; the lane's pause between tries is held until close has begun)."""
+    writer = ChunkWriter(db, interval_s=600.0)
+    (lane,) = writer._lanes.values()
+    real, pausing, calls = lane._try_write, threading.Event(), []
+
+    class Clock:  # the writer module's time: its pause between tries outlasts close's start
+        monotonic, time = staticmethod(time.monotonic), staticmethod(time.time)
+
+        @staticmethod
+        def sleep(_s: float) -> None:
+            pausing.set()
+            until(lambda: writer.closing_since < float("inf"))
+
+    def one_try(chunks: list[Pending]) -> tuple[list[Pending], str | None, bool]:
+        calls.append([c.job_id for c in chunks])
+        return (chunks, "Connection refused", True) if len(calls) == 1 else real(chunks)
+
+    monkeypatch.setattr(chunks_module, "time", Clock)
+    lane._try_write = one_try  # type: ignore[method-assign]
+    try:
+        writer.put("retried", 1, {"response": "across the outage"}, 60)
+        assert pausing.wait(60)  # found away once, before close
+        writer.close(timeout_s=0)
+        lane.thread.join(timeout=60)
+        assert not lane.thread.is_alive()
+        assert calls == [["retried"], ["retried"]]
+        assert db.xlen(keys.job_chunks("retried")) == 1
+    finally:
+        writer.close(timeout_s=0)
 
 
 def test_a_job_whose_worker_is_killed_goes_on_elsewhere_with_its_stream_apart(

@@ -199,12 +199,13 @@ class _Lane:
         empties a pipeline once it has run, so each try builds it again; an entry a failed
         try had already added is refused as a duplicate id (the script skips it), and
         readers go by ``seq``."""
-        since, tries, problem = time.monotonic(), 0, None
+        since, tries, problem, away = time.monotonic(), 0, None, False
         while True:
-            # closing: past its deadline a lane tries no more where Redis was away (since
-            # close began: an outage before it that may have ended earns a try)
+            # closing: past its deadline a lane tries no more where Redis was away since
+            # close began (an outage seen before it, which may have ended, earns one more
+            # try), nor again after any other failure
             closing = time.monotonic() > self.writer.give_up_at
-            if closing and (tries or self.away_at >= self.writer.closing_since):
+            if closing and (self.away_at >= self.writer.closing_since or (tries and not away)):
                 problem = problem or "its Redis was away at the last write"
                 self._give_up(chunks, tries, since, f"{problem}; the writer is closing")
                 return
