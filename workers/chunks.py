@@ -114,9 +114,10 @@ class ChunkWriter:
         return all(done.wait(max(0.0, deadline - time.monotonic())) for done in waits)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Write what is queued and stop the lanes: chunks still held back for a Redis
-        that is away after ``timeout_s`` (in all) are given up on, as past the outage,
-        once the try under way fails; close waits for the lanes until a second after."""
+        """Write what is queued and stop the lanes. After ``timeout_s`` (in all), chunks
+        held back for a Redis found away since close began are given up on, as past the
+        outage (a lane that found it away only before gets one more try); close waits
+        for the lanes until a second after that."""
         for first in self.firsts.all:  # every first chunk sent is queued before the end:
             first.stop()  # answers read
         now = time.monotonic()  # a second close keeps the first's times if sooner
