@@ -107,7 +107,7 @@ def eviction_order(
     the least demanded model, the soonest expiry and the least recent use, then the id (a
     total order: the snapshot cache and a full read rank ties alike). Without
     ``live_by_model`` no runner counts as a replica."""
-    spares = live_by_model or {}
+    spares = {} if live_by_model is None else live_by_model  # no len() of a cache's view
     return lambda r: (
         r.expires_at < 0,
         not has_replica(r, spares),
@@ -166,8 +166,7 @@ class Snapshot:
     def mean_live_demand(self) -> float:
         """The mean demand of the models with a live runner (what a reload weighs when
         placement rates victims); read only when a job needs an eviction."""
-        live = self.live_by_model  # the placement cache's iterates lapsed devices' too
-        models = [m for m in live if live.get(m)]
+        models = list(self.live_by_model)
         return sum(self.demand.get(m, 0.0) for m in models) / max(1, len(models))
 
     @cached_property

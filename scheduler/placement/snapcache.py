@@ -295,11 +295,11 @@ class _LiveByModel(Mapping[str, list[RunnerState]]):
             raise KeyError(model)
         return runners
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._index)
+    def __iter__(self) -> Iterator[str]:  # the models a lookup finds, as a full read's
+        return (model for model in self._index if model in self)
 
     def __len__(self) -> int:
-        return len(self._index)
+        return sum(1 for _ in self)
 
 
 class _IdleByDevice(Mapping[str, list[RunnerState]]):
