@@ -11,11 +11,11 @@
 -- fences the writes of a run (lua/_ends.lua: a placement id that is no longer the holder
 -- writes no chunk and no end), and ``run`` (a placement id) with ``delivery`` (the id of the
 -- delivery that runs it) claims the one run of that placement (lua/start.lua). The record
--- also fences a job's holds (lua/_hands.lua): the token of its last hold, whether that hold ended with its send
--- (``sent``), and '1' (put back, ended, or let go of a job recorded elsewhere) or '2' (let
--- go only: it was sent, or had ended) once a sweep took that hold
--- from a silent holder. ggufq:custody:live holds the ids of jobs not
--- ended: one that stays there with no place in Redis is a job lost.
+-- also fences a job's holds (lua/_hands.lua): the token of its last hold, whether that
+-- hold ended with its send (``sent``), and '1' (put back, ended, or let go of a job
+-- recorded elsewhere) or '2' (let go only: it was sent, or had ended) once a sweep took
+-- that hold from a silent holder. ggufq:custody:live holds the ids of jobs not ended: one
+-- that stays there with no place in Redis is a job lost.
 -- CUSTODY_MOVES (the script's own moves) and CUSTODY_ENDED are written above this prelude
 -- from the table (scheduler/store/scripts.py).
 -- Touches, by name: ggufq:job:<id>:custody, ggufq:custody:live, ggufq:custody:refused.
