@@ -34,6 +34,7 @@ from scheduler.store.hops import ordered as ordered_hops
 from scheduler.store.hops import read as read_hops
 from scheduler.store.leases import ThreadLeases
 from scheduler.store.streams import Entries
+from scheduler.store.whereabouts import Whereabouts, alook_if_due, look_if_due
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class Job:
         "resend",
         "_sent_at",
         "first_read_at",
+        "_where",
     )  # a gateway holds one a waiting answer: no dict each
 
     def __init__(self, client: JobHost, request: JobRequest, resend: bool = True) -> None:
@@ -86,6 +88,7 @@ class Job:
         self.resend = resend  # False for a handle without the job's whole request
         self._sent_at = 0.0  # when check() last sent it to placement again
         self.first_read_at = 0.0  # when a reader here had its first chunk (hops.py)
+        self._where: Whereabouts | None = None  # a waiting reader's looks: is it lost?
 
     @property
     def request(self) -> JobRequest:
@@ -283,9 +286,10 @@ class Job:
 
     def check(self) -> None:
         """What a waiting reader does between waits: raise JobLost when Redis no longer
-        knows the job (restarted without its data), which would never end; send the job to
-        placement again when its message was lost on the way (Redis went away as placement
-        took it off the queue), which placement would never see."""
+        knows the job (restarted without its data), or holds it nowhere its custody record
+        says (whereabouts.py), which would never end; send the job to placement again when
+        its message was lost on the way (Redis went away as placement took it off the
+        queue), which placement would never see."""
         pipe = self.client.r.pipeline(transaction=False)
         self._check_commands(pipe)
         try:
@@ -294,6 +298,7 @@ class Job:
             return  # Redis away: the next check tells
         if self._lost_on_the_way(claimed, placed, queued, traces):
             self._send_again()
+        self._where = look_if_due(self.client.r, self.id, self._where)
 
     async def acheck(
         self,
@@ -317,6 +322,7 @@ class Job:
             return None  # Redis away: the next check tells
         if self._lost_on_the_way(claimed, placed, queued, traces):
             await asyncio.to_thread(self._send_again)
+        self._where = await alook_if_due(r, self.id, self._where)
         return ends.seen(self._end_of(last[0])) if ends is not None else None
 
     def _check_commands(self, pipe: Any) -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import api_client.ajob
+import api_client.job
 from api_client import Client
 from api_client.aio import AsyncClient
 from api_client.ajob import AsyncJob
@@ -21,7 +23,7 @@ from api_client.job import RESEND_AFTER_S, Job
 from api_client.results import result_key
 from scheduler.errors import GgufqError, JobLost
 from scheduler.protocol import GenerateResponse, JobRequest
-from scheduler.store import keys
+from scheduler.store import keys, whereabouts
 
 pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
 
@@ -63,6 +65,34 @@ def test_a_job_waiting_longer_than_its_ids_claim_is_not_lost(client: Client) -> 
     try:
         job.check()  # no JobLost, and not sent to placement again
         assert job._sent_at == 0.0
+    finally:
+        client.r.delete(keys.job_custody(job.id))
+
+
+def test_a_job_its_custody_record_places_nowhere_ends_with_job_lost(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recorded parked, and not in ggufq:parked (a bug, or Redis's data edited by hand):
+    nothing would ever move it on. Its readers (its result, its stream, and asyncio's) are
+    told so at their second look at it instead of waiting out their timeout."""
+    monkeypatch.setattr(whereabouts, "LOOK_EVERY_S", 0.0)  # every check looks
+    for module in (api_client.job, api_client.ajob):
+        monkeypatch.setattr(module, "CHECK_EVERY_S", 0.1)
+    job = claimed_but_never_sent(client)
+    client.r.hset(keys.job_custody(job.id), mapping={"state": "parked", "epoch": 3})
+    lost = f"job {job.id} is lost: its custody record says parked .epoch 3., but ggufq:parked"
+    try:
+        with pytest.raises(JobLost, match=lost):
+            job.result(timeout=60)
+        with pytest.raises(JobLost, match=lost):
+            list(Job(client, job.request).stream(timeout=60))
+
+        async def read() -> None:
+            async with AsyncClient(client.redis_url, settings=client.settings) as aclient:
+                await AsyncJob(aclient, Job(aclient.sync, job.request)).result(timeout=60)
+
+        with pytest.raises(JobLost, match=lost):
+            asyncio.run(read())
     finally:
         client.r.delete(keys.job_custody(job.id))
 

@@ -1,0 +1,110 @@
+"""A job recorded live and held nowhere (scheduler/store/whereabouts.py): what one look at a
+real Redis finds for each state, and when a reader's looks call the job lost."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from scheduler.errors import JobLost
+from scheduler.store import keys, whereabouts
+from scheduler.store.whereabouts import Found, Whereabouts, look_if_due
+
+
+def record(db: redis.Redis, job_id: str, state: str, holder: str = "", epoch: int = 3) -> None:
+    db.hset(keys.job_custody(job_id), mapping={"state": state, "holder": holder, "epoch": epoch})
+
+
+def one_look(db: redis.Redis, job_id: str, monkeypatch: pytest.MonkeyPatch) -> Whereabouts:
+    """A reader's first look, at once."""
+    monkeypatch.setattr(whereabouts, "LOOK_EVERY_S", 0.0)
+    return look_if_due(db, job_id, look_if_due(db, job_id, None))
+
+
+def test_a_look_finds_each_state_s_place(db: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    record(db, "held", "placing", "p1")
+    db.hset(keys.IN_HAND, "p1|held", "{}")
+    record(db, "held-by-another", "placing", "p2")
+    db.hset(keys.IN_HAND, "p1|held-by-another", "{}")
+    record(db, "parked", "parked")
+    db.zadd(keys.PARKED, {"parked": 1.0})
+    record(db, "parked-nowhere", "parked", epoch=7)
+    record(db, "orphaned", "orphaned")
+    db.hset(keys.ORPHANS, "orphaned", "{}")
+    record(db, "orphaned-nowhere", "orphaned")
+    record(db, "sent", "sent", "placement-1")
+    record(db, "done", "done")
+    found = {
+        job_id: one_look(db, job_id, monkeypatch).last
+        for job_id in [
+            "held",
+            "held-by-another",
+            "parked",
+            "parked-nowhere",
+            "orphaned",
+            "orphaned-nowhere",
+            "sent",
+            "done",
+            "never-placed",
+        ]
+    }
+    # a look that finds the job where its record says, or looks nowhere, keeps nothing
+    assert found == {
+        "held": None,
+        "held-by-another": Found("placing", "3", 0),
+        "parked": None,
+        "parked-nowhere": Found("parked", "7", 0),
+        "orphaned": None,
+        "orphaned-nowhere": Found("orphaned", "3", 0),
+        "sent": None,
+        "done": None,
+        "never-placed": None,
+    }
+
+
+def test_a_reader_s_second_look_at_a_job_still_nowhere_loses_it(
+    db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record(db, "j1", "parked", epoch=4)
+    where = one_look(db, "j1", monkeypatch)
+    with pytest.raises(JobLost) as lost:
+        look_if_due(db, "j1", where)
+    assert str(lost.value) == (
+        "job j1 is lost: its custody record says parked (epoch 4), but ggufq:parked does not "
+        "hold it, at two looks 0 s apart, and nothing will move it on (a bug, or Redis's data "
+        "edited by hand; `ggufq fsck` names it); submit the job again"
+    )
+
+
+def test_a_job_that_moved_between_looks_is_not_lost(
+    db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record(db, "j1", "parked", epoch=4)
+    where = one_look(db, "j1", monkeypatch)
+    record(db, "j1", "placing", "p1", epoch=5)  # taken, and its hold lost: nowhere again
+    where = look_if_due(db, "j1", where)  # a new finding, not the last one again
+    db.hset(keys.IN_HAND, "p1|j1", "{}")
+    where = look_if_due(db, "j1", where)  # held: found
+    db.hdel(keys.IN_HAND, "p1|j1")
+    where = look_if_due(db, "j1", where)  # nowhere once, after it was found
+    assert where.last == Found("placing", "5", 0)
+
+
+def test_looks_come_every_look_every_s_from_the_reader_s_start() -> None:
+    where = Whereabouts("j1", now=100.0)
+    assert not where.due(100.0 + whereabouts.LOOK_EVERY_S - 0.1)
+    assert where.due(100.0 + whereabouts.LOOK_EVERY_S)
+    where.seen(Found("parked", "1", 0), now=200.0)
+    assert not where.due(200.0 + whereabouts.LOOK_EVERY_S - 0.1)
+    with pytest.raises(JobLost):
+        where.seen(Found("parked", "1", 0), now=220.0)
+
+
+def test_a_look_redis_does_not_answer_changes_nothing(
+    db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record(db, "j1", "parked")
+    where = one_look(db, "j1", monkeypatch)
+    away = redis.Redis(port=1, socket_connect_timeout=0.2)  # nothing listens there
+    assert look_if_due(away, "j1", where) is where
+    assert where.last == Found("parked", "3", 0)
