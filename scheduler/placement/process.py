@@ -96,10 +96,6 @@ class Liveness:
         if back:  # the first beat since starting, or since Redis was away
             self._back_at = now
             service.grace_until = now + settings.device_ttl_s
-            # a Redis written by an earlier version, or restored from one, lacks deadlines
-            added = service.recovery.due.backfill()
-            if added:
-                log.warning("gave %d devices, sends and counts the deadlines they lacked", added)
         if service.park_held() or back:
             # events published while Redis was away were lost: retry parked jobs now,
             # not at the next sweep

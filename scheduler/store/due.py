@@ -80,13 +80,8 @@ class Deadlines:
             pipe.hget(keys.inflight(due.device_id), due.job_id)
         found = {}
         for due, raw in zip(sends, pipe.execute(), strict=True):
-            if raw is None:
-                continue
-            try:
-                record = SentJob.model_validate_json(raw)
-            except ValueError:
-                continue
-            if DueSend.of(record) == due:
+            record = None if raw is None else SentJob.parse(raw)
+            if record is not None and DueSend.of(record) == due:
                 found[due] = record
         return found
 
@@ -117,54 +112,3 @@ class Deadlines:
     def counts_settled(self, runner_id: str, placements: set[str]) -> None:
         if placements:
             self.r.zrem(keys.DUE_COUNTED, *[f"{runner_id}|{p}" for p in placements])
-
-    # -- deadlines a Redis lacks ------------------------------------------------------
-    def backfill(self) -> int:
-        """Give a deadline to each device, send and count that has none: a Redis written by
-        a version that kept none (or restored from one) would otherwise hide its lost
-        messages and stuck counts from every look. Reads the whole cluster once; adds only
-        what is missing (a deadline for something that moved on meanwhile is forgotten at
-        its look). Returns how many it added."""
-        devices = [text(d) for d in cast(set[bytes], self.r.smembers(keys.DEVICES))]
-        runners = [text(r) for r in cast(set[bytes], self.r.smembers(keys.RUNNERS))]
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hkeys(keys.RUNNING)
-        for device_id in devices:
-            pipe.zscore(keys.HEARTBEATS, device_id)
-            pipe.hget(keys.device(device_id), "heartbeat")
-            pipe.hgetall(keys.inflight(device_id))
-        for runner_id in runners:
-            pipe.hgetall(keys.runner_jobs(runner_id))
-        replies = iter(pipe.execute())
-        running = {text(j) for j in next(replies)}
-        beats: dict[str, float] = {}
-        sends: dict[str, float] = {}
-        recorded: set[str] = set()
-        now = self.now()
-        for device_id in devices:
-            scored, beat, records = next(replies), next(replies), next(replies)
-            if scored is None:  # judged by its hash's beat, or at once if it has none
-                beats[device_id] = float(beat) if beat is not None else 0.0
-            for job_id, raw in cast(dict[bytes, bytes], records).items():
-                try:
-                    record = SentJob.model_validate_json(raw)
-                except ValueError:
-                    continue
-                recorded.add(record.placement.id)
-                if text(job_id) not in running:
-                    sends[DueSend.of(record).member] = now
-        counts = {
-            f"{runner_id}|{text(p)}": float(at)
-            for runner_id in runners
-            for p, at in cast(dict[bytes, bytes], next(replies)).items()
-            if text(p) not in recorded
-        }
-        pipe = self.r.pipeline(transaction=False)
-        for key, entries in (
-            (keys.HEARTBEATS, beats),
-            (keys.DUE_SENT, sends),
-            (keys.DUE_COUNTED, counts),
-        ):
-            if entries:
-                pipe.zadd(key, entries, nx=True)
-        return sum(int(n) for n in pipe.execute())
