@@ -44,7 +44,7 @@ from scheduler.cluster import DeviceInfo  # noqa: E402
 from scheduler.local.embedded import EmbeddedRedis  # noqa: E402
 from scheduler.placement.service import PlacementService  # noqa: E402
 from scheduler.placement.wakes import wake_for  # noqa: E402
-from scheduler.protocol import JobRequest  # noqa: E402
+from scheduler.protocol import JobRequest, SentJob  # noqa: E402
 from scheduler.settings import Settings  # noqa: E402
 from scheduler.store import keys  # noqa: E402
 from scheduler.store.celery_app import close_app, make_app  # noqa: E402
@@ -123,6 +123,12 @@ def fill(cluster: Cluster, total: int, n_models: int) -> dict[str, list[float]]:
     return times
 
 
+def sent_records(r: redis.Redis, device_id: str) -> list[SentJob]:
+    """The jobs recorded as sent to a device and not ended."""
+    raws = r.hvals(keys.inflight(device_id))
+    return [s for s in map(SentJob.parse, raws) if s is not None]
+
+
 def end_then_next(cluster: Cluster, ends: int) -> tuple[list[float], list[float]]:
     """A running job ends (the worker's end script, which publishes job_finished), and the
     waker sends what can now run: as the placement process's waker does (the events that
@@ -136,9 +142,9 @@ def end_then_next(cluster: Cluster, ends: int) -> tuple[list[float], list[float]
     events = cluster.r.pubsub(ignore_subscribe_messages=True)
     events.subscribe(keys.EVENTS)
     devices = sorted(text(d) for d in cluster.r.smembers(keys.DEVICES))
-    busy = [d for d in devices if cluster.service.state.sent_records(d)]
+    busy = [d for d in devices if sent_records(cluster.r, d)]
     for n in range(2 * ends if busy else 0):
-        records = cluster.service.state.sent_records(busy[n % len(busy)])  # none started
+        records = sent_records(cluster.r, busy[n % len(busy)])  # none started
         if not records:
             continue
         record = min(records, key=lambda r: r.sent_at)  # the one in the slot

@@ -36,10 +36,6 @@ class JobState(StrEnum):
     FAILED = "failed"  # the stream's final chunk carries the error
     CANCELLED = "cancelled"  # the final chunk says cancel
 
-    @property
-    def ended(self) -> bool:
-        return self in ENDED
-
 
 ENDED = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED})
 

@@ -355,6 +355,15 @@ class SentJob(BaseModel):
     avoid: list[str] = Field(default_factory=list, description="devices its load failed on")
     lost: str = Field("", description="why its run was lost, when not its device's silence")
 
+    @classmethod
+    def parse(cls, raw: bytes | str) -> SentJob | None:
+        """The record ``raw`` holds, or None when it does not parse (hand-written, or
+        another version's): whoever reads one leaves it to the reap."""
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError:
+            return None
+
 
 def parse_placement(data: dict[str, Any]) -> Placement:
     """Validate the placement record a worker receives with a job."""

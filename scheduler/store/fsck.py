@@ -24,7 +24,6 @@ from functools import cached_property
 from typing import Any
 
 import redis
-from pydantic import ValidationError
 
 from scheduler.custody import Evidence, JobState, state_of
 from scheduler.protocol import SentJob
@@ -139,7 +138,7 @@ def read(client: redis.Redis, streams: Mapping[str, redis.Redis] | None = None) 
     for device_id, resv, sent in per_device:
         device = text(device_id)
         census.reservations[device] = {text(r): int(n) for r, n in _pairs(resv)}
-        census.sent[device] = {text(j): _sent(raw) for j, raw in _pairs(sent)}
+        census.sent[device] = {text(j): SentJob.parse(raw) for j, raw in _pairs(sent)}
     census.holders = {text(j): text(h) or None for j, h in _pairs(holders)}
     for where, stream in (streams or {}).items():
         try:
@@ -154,13 +153,6 @@ def read(client: redis.Redis, streams: Mapping[str, redis.Redis] | None = None) 
 
 def _pairs(flat: list[Any]) -> list[tuple[Any, Any]]:
     return list(zip(flat[::2], flat[1::2], strict=True))
-
-
-def _sent(raw: bytes) -> SentJob | None:
-    try:
-        return SentJob.model_validate_json(raw)
-    except ValidationError:
-        return None
 
 
 def problems(census: Census, settled: bool = False) -> list[Problem]:

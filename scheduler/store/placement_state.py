@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import redis
 
@@ -224,16 +224,6 @@ class PlacementState:
                 ],
             )
         )
-
-    def sent_records(self, device_id: str) -> list[SentJob]:
-        """The jobs recorded as sent to a device and not ended."""
-        records = []
-        for raw in cast(dict[bytes, bytes], self.r.hgetall(keys.inflight(device_id))).values():
-            try:
-                records.append(SentJob.model_validate_json(raw))
-            except ValueError:  # unreadable: the device's reaping deals with it
-                continue
-        return records
 
     def prune(self, runner_id: str, seen: set[str], now: float, min_age_s: float) -> Pruned:
         """The placements a runner counts that no in-flight record accounts for, read with

@@ -162,13 +162,8 @@ class WorkerState:
         marks = dict(zip(flat, cast(list[Any], self.r.hmget(keys.RUNNING, flat)), strict=True))
         for device_id, found in zip(device_ids, ids, strict=True):
             pipe.hmget(keys.inflight(device_id), [j for j in found if marks[j] is not None] or [""])
-        records = []
-        for raw in (raw for values in pipe.execute() for raw in values if raw is not None):
-            try:
-                records.append(SentJob.model_validate_json(raw))
-            except ValueError:
-                continue
-        return records
+        records = (SentJob.parse(raw) for values in pipe.execute() for raw in values if raw)
+        return [record for record in records if record is not None]
 
     def job_holder(self, job_id: str) -> str | None:
         """Who holds the job now, as its custody record names it: the placement id it runs
