@@ -23,7 +23,7 @@ STATS = f"{PREFIX}:stats"  # hash: "<counter>|<model>" → total (scheduler/plac
 # (scheduler/store/stats.py): the cluster's histograms of job timings
 TIMINGS = f"{PREFIX}:timings"
 ORPHANS = f"{PREFIX}:orphans"  # hash: job id → in-flight record of a device that was dropped
-# hash: "<placement>|<job id>" → JSON token, what, at, record, sent, ending: a job a
+# hash: "<placement>|<job id>" → JSON token, what, at, record, ending: a job a
 # placement process has in hand (scheduler/store/hands.py)
 IN_HAND = f"{PREFIX}:in_hand"
 # custody deadlines (lua/_due.lua, scheduler/store/due.py): sorted sets a liveness look

@@ -41,12 +41,6 @@ end
 
 local function read_record(key) return redis.call('HMGET', key, 'state', 'epoch', 'holder') end
 
--- Whether the job whose record is ``key`` may move to ``target`` under ``holder``: a
--- script asks before its first write, and writes nothing when it may not.
-local function may_move_record(key, target, holder)
-  return not refused(read_record(key), target, holder)
-end
-
 -- Move the job whose record is ``key`` to ``target`` under ``holder``; an ended record
 -- expires after ``ended_ttl`` s, with the job's stream. Returns the new epoch (the one it
 -- has, asked again after a lost reply), or nil when the table refuses the move.
@@ -71,8 +65,10 @@ local function move(job_id, target, holder)
   return move_record(custody_key(job_id), target, holder)
 end
 
+-- Whether the job may move to ``target`` under ``holder``: a script asks before its first
+-- write, and writes nothing when it may not.
 local function may_move(job_id, target, holder)
-  return may_move_record(custody_key(job_id), target, holder)
+  return not refused(read_record(custody_key(job_id)), target, holder)
 end
 
 -- Whether a run of the job under ``placement_id`` was claimed (lua/start.lua).

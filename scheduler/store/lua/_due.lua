@@ -35,13 +35,6 @@ local function placement_of(raw)
   return record['placement']
 end
 
--- The due member of an in-flight record's JSON ``raw``, nil when it does not parse.
-local function sent_due_of(job_id, raw)
-  local placement = placement_of(raw)
-  if not placement then return nil end
-  return sent_due(job_id, tostring(placement['id']), tostring(placement['device_id']))
+local function counted_due(runner, placement)
+  return string.sub(runner, #'ggufq:runner:' + 1) .. '|' .. placement
 end
-
-local function runner_id_of(runner) return string.sub(runner, #'ggufq:runner:' + 1) end
-
-local function counted_due(runner, placement) return runner_id_of(runner) .. '|' .. placement end

@@ -2,13 +2,6 @@
 -- other chunks with the first).
 -- Touches, by name: nothing; the keys are the callers'.
 
--- Who holds a job: the holder its custody record ``custody`` names (the placement id it was
--- sent under, '' once it was orphaned or ended unrun), nil when Redis has no record of it
--- (it lost the job whole: a restart without its data).
-local function holder_of(custody)
-  return redis.call('HGET', custody, 'holder')
-end
-
 -- Whether the run under ``fence`` (a placement id; '' writes whatever the holder) may not
 -- write to the job whose custody record is ``custody``: the record names another holder, or
 -- the chunk is final and the custody table refuses its move to ``outcome`` (the job ended
@@ -92,7 +85,9 @@ end
 -- placement id: the new run's running mark stays). Returns 1 when the in-flight record was
 -- this placement's and is gone, else 0.
 local function done_with(running, inflight, job_id, placement_id, custody)
-  local holder = holder_of(custody)
+  -- its holder: the placement id it was sent under, '' once orphaned or ended unrun, nil
+  -- when Redis has no record of it (a restart without its data)
+  local holder = redis.call('HGET', custody, 'holder')
   if not holder or holder == '' or holder == placement_id then
     redis.call('HDEL', running, job_id)
   end

@@ -36,14 +36,11 @@ end
 -- Whether a job held under ``token`` was sent by its send step (lua/sent.lua), which let
 -- go of the hold in the same step: its custody ``record`` says this hold ended with its
 -- send, or a sweep let go of it because it was sent (swept '2'; also for a job that had
--- ended), or its entry is marked sent (as a version before the send let go wrote it).
--- Each outlives a reap of its device, which rewrites its holder.
-local function sent_from_us(in_hand, field, token, record)
+-- ended). Both outlive a reap of its device, which rewrites its holder.
+local function sent_from_us(token, record)
   if token == '' then return false end
   local last = redis.call('HMGET', record, 'token', 'swept', 'sent')
-  if last[1] == token and (last[2] == '2' or last[3] == '1') then return true end
-  local entry = held_entry(in_hand, field, token)
-  return entry ~= nil and entry['sent'] ~= nil
+  return last[1] == token and (last[2] == '2' or last[3] == '1')
 end
 
 -- Mark the entry of a job held under ``token`` (mark: 'ending'; value nil clears).

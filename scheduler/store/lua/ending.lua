@@ -8,7 +8,7 @@
 -- KEYS[2] ggufq:job:<id>:custody (hash) the job's record: its hold's token, sweep, send
 -- ARGV: field "<placement>|<job id>", token
 -- Returns 1 when the holder may end it, 0 when it was put back or sent.
-if put_back_from_us(KEYS[2], ARGV[2]) or sent_from_us(KEYS[1], ARGV[1], ARGV[2], KEYS[2]) then
+if put_back_from_us(KEYS[2], ARGV[2]) or sent_from_us(ARGV[2], KEYS[2]) then
   return 0
 end
 mark_held(KEYS[1], ARGV[1], ARGV[2], 'ending', 1)

@@ -14,7 +14,7 @@
 --       a job not in hand)
 -- Returns hands.PutBack: 1 PUT_BACK, 0 SWEPT (another placement process put it back),
 -- 2 SENT (let go only).
-if sent_from_us(KEYS[3], ARGV[4], ARGV[5], KEYS[4]) then
+if sent_from_us(ARGV[5], KEYS[4]) then
   let_go(KEYS[3], ARGV[4], ARGV[5])
   return 2
 end

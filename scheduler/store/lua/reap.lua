@@ -25,10 +25,13 @@ for _, dev in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - 
     end
     local sent = redis.call('HGETALL', 'ggufq:inflight:' .. dev)
     for i = 1, #sent, 2 do
-      redis.call('ZREM', DUE_SENT, sent_due_of(sent[i], sent[i + 1]) or '')
+      local placement = placement_of(sent[i + 1])
+      if placement then
+        redis.call('ZREM', DUE_SENT,
+          sent_due(sent[i], tostring(placement['id']), tostring(placement['device_id'])))
+      end
       -- not a job another placement of it holds now (its running mark is that run's), nor
       -- one whose record says it is elsewhere: its in-flight record here outlived it
-      local placement = placement_of(sent[i + 1])
       local record = read_record(custody_key(sent[i]))
       local holder = record[3]
       local theirs = holder and holder ~= '' and placement and placement['id'] ~= nil

@@ -20,7 +20,7 @@
 -- Returns 1 when it was sent (now or by an earlier ask: its record names this placement,
 -- or a run of it, which may have ended or handed it back since), 0 when it was swept.
 if redis.call('HGET', KEYS[3], 'holder') == ARGV[3] or started_under(ARGV[1], ARGV[3])
-    or sent_from_us(KEYS[2], ARGV[4], ARGV[5], KEYS[3]) then
+    or sent_from_us(ARGV[5], KEYS[3]) then
   return 1
 end
 if ARGV[5] ~= '' and (put_back_from_us(KEYS[3], ARGV[5]) or moved_on(KEYS[3])) then

@@ -19,13 +19,8 @@ local last = redis.call('HMGET', KEYS[4], 'token', 'swept')
 if last[1] == ARGV[3] and last[2] and last[2] ~= '' then
   return false
 end
-local held = redis.call('HGET', KEYS[3], ARGV[2])
-if held then
-  local ok, entry = pcall(cjson.decode, held)
-  if ok and type(entry) == 'table' and entry['token'] == ARGV[3] then
-    return entry['record']
-  end
-end
+local taken = held_entry(KEYS[3], ARGV[2], ARGV[3])
+if taken then return taken['record'] end
 local raw
 if ARGV[4] == 'orphan' then
   raw = redis.call('HGET', KEYS[1], ARGV[1])
