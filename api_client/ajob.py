@@ -260,7 +260,8 @@ class JobReader:
     async def __call__(self) -> None:
         """Its follower's look at the job after a quiet spell (:meth:`Job.acheck`): the
         reader itself, not a callable made for each of a gateway's waiting clients."""
-        await self.job.job.acheck(self.job.client.r)
+        job = self.job
+        await job.job.acheck(job.client.r, stream=job.client.streams.of(job.id)[0])
 
     def _handed(self, chunk: dict[str, Any]) -> GenerateResponse:
         """``chunk`` as handed out (its error raised)."""

@@ -298,7 +298,8 @@ class Job:
             return  # Redis away: the next check tells
         if self._lost_on_the_way(claimed, placed, queued, traces):
             self._send_again()
-        self._where = look_if_due(self.client.r, self.id, self._where)
+        stream, _ = self.client.streams.of(self.id)
+        self._where = look_if_due(self.client.r, stream, self.id, self._where)
 
     async def acheck(
         self,
@@ -322,7 +323,7 @@ class Job:
             return None  # Redis away: the next check tells
         if self._lost_on_the_way(claimed, placed, queued, traces):
             await asyncio.to_thread(self._send_again)
-        self._where = await alook_if_due(r, self.id, self._where)
+        self._where = await alook_if_due(r, stream, self.id, self._where)
         return ends.seen(self._end_of(last[0])) if ends is not None else None
 
     def _check_commands(self, pipe: Any) -> None:

@@ -98,7 +98,8 @@ class JobFailed(GgufqError):
 
 
 class JobLost(JobFailed):
-    """Redis no longer knows the job (restarted without its data, or the record expired)."""
+    """Redis no longer knows the job (restarted without its data, or the record expired),
+    or holds it nowhere its custody record says (scheduler/store/whereabouts.py)."""
 
     code = "job_lost"
 

@@ -3,6 +3,8 @@ real Redis finds for each state, and when a reader's looks call the job lost."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import redis
 
@@ -18,7 +20,7 @@ def record(db: redis.Redis, job_id: str, state: str, holder: str = "", epoch: in
 def one_look(db: redis.Redis, job_id: str, monkeypatch: pytest.MonkeyPatch) -> Whereabouts:
     """A reader's first look, at once."""
     monkeypatch.setattr(whereabouts, "LOOK_EVERY_S", 0.0)
-    return look_if_due(db, job_id, look_if_due(db, job_id, None))
+    return look_if_due(db, db, job_id, look_if_due(db, db, job_id, None))
 
 
 def test_a_look_finds_each_state_s_place(db: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,12 +70,29 @@ def test_a_reader_s_second_look_at_a_job_still_nowhere_loses_it(
     record(db, "j1", "parked", epoch=4)
     where = one_look(db, "j1", monkeypatch)
     with pytest.raises(JobLost) as lost:
-        look_if_due(db, "j1", where)
+        look_if_due(db, db, "j1", where)
     assert str(lost.value) == (
         "job j1 is lost: its custody record says parked (epoch 4), but ggufq:parked does not "
-        "hold it, at two looks 0 s apart, and nothing will move it on (a bug, or Redis's data "
-        "edited by hand; `ggufq fsck` names it); submit the job again"
+        "hold it, at two looks at least 0 s apart, and nothing will move it on (a bug, or "
+        "Redis's data edited by hand: run `ggufq fsck`); submit it again as a new job (this "
+        "id stays taken while its record is kept)"
     )
+
+
+def test_a_job_whose_stream_ended_is_not_lost(
+    db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An orphan found finished is let go of where it was taken in hand: its record says
+    placing, and its readers take its end from its stream."""
+    record(db, "j1", "placing", "p1")
+    db.xadd(keys.job_chunks("j1"), {"c": json.dumps({"seq": 1, "response": "a"})})
+    where = one_look(db, "j1", monkeypatch)
+    with pytest.raises(JobLost):  # its last chunk is not a final one
+        look_if_due(db, db, "j1", where)
+    db.xadd(keys.job_chunks("j1"), {"c": json.dumps({"seq": 2, "done": True})})
+    for _ in range(3):
+        where = look_if_due(db, db, "j1", where)
+    assert where.last == Found("placing", "3", 0)
 
 
 def test_a_job_that_moved_between_looks_is_not_lost(
@@ -82,22 +101,23 @@ def test_a_job_that_moved_between_looks_is_not_lost(
     record(db, "j1", "parked", epoch=4)
     where = one_look(db, "j1", monkeypatch)
     record(db, "j1", "placing", "p1", epoch=5)  # taken, and its hold lost: nowhere again
-    where = look_if_due(db, "j1", where)  # a new finding, not the last one again
+    where = look_if_due(db, db, "j1", where)  # a new finding, not the last one again
     db.hset(keys.IN_HAND, "p1|j1", "{}")
-    where = look_if_due(db, "j1", where)  # held: found
+    where = look_if_due(db, db, "j1", where)  # held: found
     db.hdel(keys.IN_HAND, "p1|j1")
-    where = look_if_due(db, "j1", where)  # nowhere once, after it was found
+    where = look_if_due(db, db, "j1", where)  # nowhere once, after it was found
     assert where.last == Found("placing", "5", 0)
 
 
-def test_looks_come_every_look_every_s_from_the_reader_s_start() -> None:
+def test_looks_come_every_look_every_s_from_the_reader_s_first_check() -> None:
+    every = whereabouts.LOOK_EVERY_S
     where = Whereabouts("j1", now=100.0)
-    assert not where.due(100.0 + whereabouts.LOOK_EVERY_S - 0.1)
-    assert where.due(100.0 + whereabouts.LOOK_EVERY_S)
-    where.seen(Found("parked", "1", 0), now=200.0)
-    assert not where.due(200.0 + whereabouts.LOOK_EVERY_S - 0.1)
-    with pytest.raises(JobLost):
-        where.seen(Found("parked", "1", 0), now=220.0)
+    assert not where.turn(100.0 + every - 0.1)
+    assert where.turn(100.0 + every)
+    assert not where.turn(100.0 + 2 * every - 0.1)  # a turn taken: the next is a look on
+    assert not where.seen(Found("parked", "1", 0))
+    assert where.turn(300.0)
+    assert where.seen(Found("parked", "1", 0))
 
 
 def test_a_look_redis_does_not_answer_changes_nothing(
@@ -106,5 +126,5 @@ def test_a_look_redis_does_not_answer_changes_nothing(
     record(db, "j1", "parked")
     where = one_look(db, "j1", monkeypatch)
     away = redis.Redis(port=1, socket_connect_timeout=0.2)  # nothing listens there
-    assert look_if_due(away, "j1", where) is where
+    assert look_if_due(away, away, "j1", where) is where
     assert where.last == Found("parked", "3", 0)

@@ -12,10 +12,16 @@ import redis.asyncio
 
 from scheduler.custody import ENDED, transitions_of
 
+# scripts that call no prelude, given none: a reader's look (24 KB of preludes would cost
+# it ten times what it reads)
+BARE = frozenset({"whereabouts"})
+
 
 @cache
 def _lua_source(name: str) -> str:
     folder = resources.files("scheduler.store").joinpath("lua")
+    if name in BARE:
+        return folder.joinpath(f"{name}.lua").read_text()
     # the preludes: every script logs the keys it changes (placement's snapshot cache reads
     # that log), and may count a model's demand, let go of a job in hand, read Redis's
     # clock, keep custody deadlines, move a job's custody record, count a runner's jobs, or

@@ -2,7 +2,8 @@
 -- TTL: its holder has not beaten since ``dead_before``, and took the job before that. The
 -- job's custody record marks that hold swept ('1': put back), so that a holder that was
 -- only stalled does nothing more with it (its send, park, end and take scripts look). A
--- job that ended is let go only ('2'); one its holder was ending, or whose entry does not
+-- job that ended, or whose entry is marked sent (as versions before the send let go of it
+-- wrote it), is let go only ('2'); one its holder was ending, or whose entry does not
 -- parse, is ended in the same step with the final chunk the caller gave for it (a crash
 -- between letting go and ending would leave it nowhere). A holder sweeps its own entry
 -- held past the TTL that none of its threads decides on any more (a Redis restored from an
@@ -35,7 +36,7 @@ redis.call('HDEL', KEYS[1], ARGV[1])
 local outcome = 1
 if not readable then
   outcome = -1
-elseif ARGV[6] == '1' then
+elseif ARGV[6] == '1' or entry['sent'] then
   outcome = 2
 elseif entry['ending'] then
   outcome = 3
