@@ -47,7 +47,7 @@ class Found(NamedTuple):
 
 
 class Whereabouts:
-    """One reader's looks at its job (``due``, then ``seen`` with what the look found)."""
+    """One reader's looks at its job (``turn``, then ``seen`` with what a look found)."""
 
     __slots__ = ("job_id", "next_at", "last")  # one a waiting reader: no dict each
 
