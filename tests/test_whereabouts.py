@@ -9,12 +9,18 @@ import pytest
 import redis
 
 from scheduler.errors import JobLost
+from scheduler.protocol import JobRequest, Placement, RunnerConfig, SentJob
 from scheduler.store import keys, whereabouts
 from scheduler.store.whereabouts import Found, Whereabouts, look_if_due
+from tests.conftest import send
+from tests.test_state import GIB, ClusterState, vgpu
 
 
-def record(db: redis.Redis, job_id: str, state: str, holder: str = "", epoch: int = 3) -> None:
-    db.hset(keys.job_custody(job_id), mapping={"state": state, "holder": holder, "epoch": epoch})
+def record(
+    db: redis.Redis, job_id: str, state: str, holder: str = "", epoch: int = 3, device: str = ""
+) -> None:
+    fields = {"state": state, "holder": holder, "epoch": epoch, "device": device}
+    db.hset(keys.job_custody(job_id), mapping=fields)
 
 
 def one_look(db: redis.Redis, job_id: str, monkeypatch: pytest.MonkeyPatch) -> Whereabouts:
@@ -34,7 +40,10 @@ def test_a_look_finds_each_state_s_place(db: redis.Redis, monkeypatch: pytest.Mo
     record(db, "orphaned", "orphaned")
     db.hset(keys.ORPHANS, "orphaned", "{}")
     record(db, "orphaned-nowhere", "orphaned")
-    record(db, "sent", "sent", "placement-1")
+    record(db, "sent", "sent", "placement-1", device="vgpu:h:0")
+    db.hset(keys.inflight("vgpu:h:0"), "sent", "{}")
+    record(db, "running-nowhere", "running", "placement-2", device="vgpu:h:1")
+    record(db, "sent-by-an-older-version", "sent", "placement-3")  # no device recorded
     record(db, "done", "done")
     found = {
         job_id: one_look(db, job_id, monkeypatch).last
@@ -46,6 +55,8 @@ def test_a_look_finds_each_state_s_place(db: redis.Redis, monkeypatch: pytest.Mo
             "orphaned",
             "orphaned-nowhere",
             "sent",
+            "running-nowhere",
+            "sent-by-an-older-version",
             "done",
             "never-placed",
         ]
@@ -59,6 +70,8 @@ def test_a_look_finds_each_state_s_place(db: redis.Redis, monkeypatch: pytest.Mo
         "orphaned": None,
         "orphaned-nowhere": Found("orphaned", "3", 0),
         "sent": None,
+        "running-nowhere": Found("running", "3", 0, "vgpu:h:1"),
+        "sent-by-an-older-version": None,
         "done": None,
         "never-placed": None,
     }
@@ -92,7 +105,7 @@ def test_a_job_whose_stream_ended_is_not_lost(
     db.xadd(keys.job_chunks("j1"), {"c": json.dumps({"seq": 2, "done": True})})
     for _ in range(3):
         where = look_if_due(db, db, "j1", where)
-    assert where.last == Found("placing", "3", 0)
+    assert where.last is None  # its end is in its stream: not a place to look for it
 
 
 def test_a_job_that_moved_between_looks_is_not_lost(
@@ -128,3 +141,34 @@ def test_a_look_redis_does_not_answer_changes_nothing(
     away = redis.Redis(port=1, socket_connect_timeout=0.2)  # nothing listens there
     assert look_if_due(away, away, "j1", where) is where
     assert where.last == Found("parked", "3", 0)
+
+
+def test_a_stream_that_moved_on_between_looks_is_not_lost(
+    db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record(db, "j1", "running", "p1", device="vgpu:h:0")  # its in-flight record lost
+    db.xadd(keys.job_chunks("j1"), {"c": json.dumps({"seq": 1, "response": "a"})}, id="0-1")
+    where = one_look(db, "j1", monkeypatch)
+    db.xadd(keys.job_chunks("j1"), {"c": json.dumps({"seq": 2, "response": "b"})}, id="0-2")
+    where = look_if_due(db, db, "j1", where)  # its run wrote on: not lost yet
+    assert where.last == Found("running", "3", 0, "vgpu:h:0", "0-2")
+    with pytest.raises(JobLost, match=r"says running \(epoch 3\), but ggufq:inflight:vgpu:h:0"):
+        look_if_due(db, db, "j1", where)
+
+
+def test_a_job_sent_and_started_is_found_on_its_device(
+    db: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The steps that send and start a job record its device, where a look finds it."""
+    state = ClusterState(db)
+    state.register_device(vgpu(0))
+    assert state.reserve("r", "p1", {"vgpu:h:0": GIB}, {"model": "m"}, 100.0, 10)
+    job = JobRequest(model="m", prompt="p")
+    placed = Placement(id="p1", runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512))
+    assert send(state, SentJob(job=job, placement=placed, worker="w@h"))
+    assert db.hget(keys.job_custody(job.id), "device") == b"vgpu:h:0"
+    assert one_look(db, job.id, monkeypatch).last is None
+    assert state.start("vgpu:h:0", job.id, "p1", "d1", now=101.0) is False
+    assert db.hmget(keys.job_custody(job.id), "state", "device") == [b"running", b"vgpu:h:0"]
+    db.hdel(keys.inflight("vgpu:h:0"), job.id)  # as a hand's edit would
+    assert one_look(db, job.id, monkeypatch).last == Found("running", "2", 0, "vgpu:h:0")

@@ -1,13 +1,11 @@
 """Whether a job is where its custody record says (lua/whereabouts.lua), for a reader that
 waits: every script that moves a job writes its record and the place it goes (a hold in
-``ggufq:in_hand``, ``ggufq:parked``, ``ggufq:orphans``) in one step, so a job recorded
-there and not held there, whose stream has not ended, is lost: only a bug or data edited
-by hand leaves one so, and nobody would ever move it on. Its reader, finding it so at two
-looks at least :data:`LOOK_EVERY_S` apart with its record unmoved, gets ``JobLost``
-instead of waiting out its timeout. The record is left as it is, for ``ggufq fsck``.
-
-Jobs recorded sent or running are not looked at here: their place is a device's records,
-which the reap and the worker's own looks hold them to.
+``ggufq:in_hand``, ``ggufq:parked``, ``ggufq:orphans``, its device's in-flight records) in
+one step, so a job recorded there and not held there, whose stream neither ended nor
+moved on, is lost: only a bug or data edited by hand leaves one so, and nobody would
+ever move it on. Its reader, finding it so at two looks at least :data:`LOOK_EVERY_S`
+apart with its record and its stream unmoved, gets ``JobLost`` instead of waiting out its
+timeout. The record is left as it is, for ``ggufq fsck``.
 """
 
 from __future__ import annotations
@@ -29,21 +27,43 @@ from scheduler.store.scripts import script
 log = logging.getLogger(__name__)
 
 LOOK_EVERY_S = 15.0  # a reader looks at most this often, the first this long after its first check
-_PLACES = {"placing": f"{keys.IN_HAND} (as its holder's)", "parked": keys.PARKED}
 
 
 class Found(NamedTuple):
-    """One look: the job's recorded state and epoch, and whether the place that state
-    names holds it (1), does not (0), or was not looked at (-1)."""
+    """One look: the job's recorded state, epoch and device, whether the place that state
+    names holds it (1), does not (0), or was not looked at (-1), and, when not, its
+    stream's last entry."""
 
     state: str
     epoch: str
     held: int
+    device: str = ""
+    stream_at: str = ""
 
     @classmethod
-    def of(cls, reply: tuple[bytes, bytes, int]) -> Found:
-        state, epoch, held = reply
-        return cls(text(state), text(epoch), int(held))
+    def of(cls, reply: tuple[bytes, bytes, int, bytes]) -> Found:
+        state, epoch, held, device = reply
+        return cls(text(state), text(epoch), int(held), text(device))
+
+    def in_stream(self, last: Any) -> Found:
+        """This look with its stream's last entry ``last`` (XREVRANGE COUNT 1): a final
+        chunk there ends the question (the job ended; its readers take its end from
+        there), another is where the stream has got to."""
+        try:
+            entry_id, fields = last[0]
+            if json.loads(fields[b"c"]).get("done"):
+                return self._replace(held=-1)
+            return self._replace(stream_at=text(entry_id))
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return self
+
+    @property
+    def place(self) -> str:
+        if self.state == "placing":
+            return f"{keys.IN_HAND} (as its holder's)"
+        if self.state in ("sent", "running"):
+            return keys.inflight(self.device)
+        return keys.PARKED if self.state == "parked" else keys.ORPHANS
 
 
 class Whereabouts:
@@ -65,7 +85,7 @@ class Whereabouts:
 
     def seen(self, found: Found) -> bool:
         """Take one look's answer: True when this look and the last found the job nowhere,
-        its record unmoved between them."""
+        its record and its stream unmoved between them."""
         if found.held != 0:
             self.last = None
             return False
@@ -77,7 +97,7 @@ class Whereabouts:
         assert found is not None
         return JobLost(
             f"job {self.job_id} is lost: its custody record says {found.state} (epoch "
-            f"{found.epoch}), but {_PLACES.get(found.state, keys.ORPHANS)} does not hold it, "
+            f"{found.epoch}), but {found.place} does not hold it, "
             f"at two looks at least {LOOK_EVERY_S:g} s apart, and nothing will move it on (a "
             "bug, or Redis's data edited by hand: run `ggufq fsck`); submit it again as a "
             "new job (this id stays taken while its record is kept)"
@@ -93,7 +113,9 @@ def look_if_due(
     if due:
         try:
             found = Found.of(script(client, "whereabouts")(*_args(job_id)))
-            if where.seen(found) and not _ended(stream.xrevrange(keys.job_chunks(job_id), count=1)):
+            if found.held == 0:
+                found = found.in_stream(stream.xrevrange(keys.job_chunks(job_id), count=1))
+            if where.seen(found):
                 raise where.lost()
         except redis.RedisError as exc:
             _unanswered(job_id, exc)
@@ -108,9 +130,10 @@ async def alook_if_due(
     if due:
         try:
             found = Found.of(await script(client, "whereabouts")(*_args(job_id)))
-            if where.seen(found) and not _ended(
-                await stream.xrevrange(keys.job_chunks(job_id), count=1)
-            ):
+            if found.held == 0:
+                last = await stream.xrevrange(keys.job_chunks(job_id), count=1)
+                found = found.in_stream(last)
+            if where.seen(found):
                 raise where.lost()
         except redis.RedisError as exc:
             _unanswered(job_id, exc)
@@ -124,15 +147,6 @@ def _due(job_id: str, where: Whereabouts | None) -> tuple[Whereabouts, bool]:
 
 def _args(job_id: str) -> tuple[list[str], list[str]]:
     return [keys.job_custody(job_id), keys.IN_HAND, keys.PARKED, keys.ORPHANS], [job_id]
-
-
-def _ended(last: Any) -> bool:
-    """Whether the stream's last entry ``last`` (XREVRANGE COUNT 1) is a final chunk: the
-    job ended, and its readers take its end from there."""
-    try:
-        return bool(json.loads(last[0][1][b"c"]).get("done"))
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-        return False
 
 
 _said: list[str] = []  # the first look Redis refused in this process (said once)

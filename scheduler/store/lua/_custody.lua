@@ -1,21 +1,21 @@
 -- A job's custody record, a prelude: ggufq:job:<id>:custody (hash) names the state the job
 -- is in (scheduler/custody.py), who holds it (a placement process, or the placement id a
 -- device runs it under; '' for a queue), its epoch (raised at every move: each move hands
--- the job over) and when it moved (Redis's clock). Every script that moves a job writes it
--- in the same step as the job's other keys, so the two cannot part. A move from the
--- recorded state that the custody table does not give the script (its header's
--- "Moves a job" line) is refused whole: the script checks it (may_move) before its first
--- write, writes nothing, answers as it does when the job is not the caller's, and the
--- refusal is counted in ggufq:custody:refused (``ggufq fsck`` reports it for a day); so a
--- job recorded ended stays so, and placement cannot end a job a worker runs. Its holder
--- fences the writes of a run (lua/_ends.lua: a placement id that is no longer the holder
--- writes no chunk and no end), and ``run`` (a placement id) with ``delivery`` (the id of the
--- delivery that runs it) claims the one run of that placement (lua/start.lua). The record
--- also fences a job's holds (lua/_hands.lua): the token of its last hold, whether that
--- hold ended with its send (``sent``), and '1' (put back, ended, or let go of a job
--- recorded elsewhere) or '2' (let go only: it was sent, or had ended) once a sweep took
--- that hold from a silent holder. ggufq:custody:live holds the ids of jobs not ended: one
--- that stays there with no place in Redis is a job lost.
+-- the job over), when it moved (Redis's clock) and, sent or running, its device. Every
+-- script that moves a job writes it in the same step as the job's other keys, so the two
+-- cannot part. A move from the recorded state that the custody table does not give the
+-- script (its header's "Moves a job" line) is refused whole: the script checks it
+-- (may_move) before its first write, writes nothing, answers as it does when the job is
+-- not the caller's, and the refusal is counted in ggufq:custody:refused (``ggufq fsck``
+-- reports it for a day); so a job recorded ended stays so, and placement cannot end a job
+-- a worker runs. Its holder fences the writes of a run (lua/_ends.lua: a placement id that
+-- is no longer the holder writes no chunk and no end), and ``run`` (a placement id) with
+-- ``delivery`` (the id of the delivery that runs it) claims the one run of that placement
+-- (lua/start.lua). The record also fences a job's holds (lua/_hands.lua): the token of its
+-- last hold, whether that hold ended with its send (``sent``), and '1' (put back, ended,
+-- or let go of a job recorded elsewhere) or '2' (let go only: it was sent, or had ended)
+-- once a sweep took that hold from a silent holder. ggufq:custody:live holds the ids of
+-- jobs not ended: one that stays there with no place in Redis is a job lost.
 -- CUSTODY_MOVES (the script's own moves) and CUSTODY_ENDED are written above this prelude
 -- from the table (scheduler/store/scripts.py).
 -- Touches, by name: ggufq:job:<id>:custody, ggufq:custody:live, ggufq:custody:refused.
@@ -41,16 +41,18 @@ end
 
 local function read_record(key) return redis.call('HMGET', key, 'state', 'epoch', 'holder') end
 
--- Move the job whose record is ``key`` to ``target`` under ``holder``; an ended record
--- expires after ``ended_ttl`` s, with the job's stream. Returns the new epoch (the one it
--- has, asked again after a lost reply), or nil when the table refuses the move.
-local function move_record(key, target, holder, ended_ttl)
+-- Move the job whose record is ``key`` to ``target`` under ``holder`` (on ``device``, for
+-- a job sent or running: where a reader's look finds it, lua/whereabouts.lua); an ended
+-- record expires after ``ended_ttl`` s, with the job's stream. Returns the new epoch (the
+-- one it has, asked again after a lost reply), or nil when the table refuses the move.
+local function move_record(key, target, holder, ended_ttl, device)
   local job_id = string.sub(key, #'ggufq:job:' + 1, -#':custody' - 1)
   local record = read_record(key)
   if refused(record, target, holder) then return nil end
   if record[1] == target and record[3] == holder then return tonumber(record[2]) end
   local epoch = (tonumber(record[2]) or 0) + 1
-  redis.call('HSET', key, 'state', target, 'epoch', epoch, 'holder', holder, 'at', now_s())
+  redis.call('HSET', key, 'state', target, 'epoch', epoch, 'holder', holder, 'at', now_s(),
+    'device', device or '')
   if CUSTODY_ENDED[target] then
     redis.call('SREM', CUSTODY_LIVE, job_id)
     redis.call('EXPIRE', key, tonumber(ended_ttl) or 86400)
@@ -61,8 +63,8 @@ local function move_record(key, target, holder, ended_ttl)
   return epoch
 end
 
-local function move(job_id, target, holder)
-  return move_record(custody_key(job_id), target, holder)
+local function move(job_id, target, holder, device)
+  return move_record(custody_key(job_id), target, holder, nil, device)
 end
 
 -- Whether the job may move to ``target`` under ``holder``: a script asks before its first

@@ -35,5 +35,5 @@ if redis.call('EXISTS', KEYS[4]) == 1 then
   changed(KEYS[4])
 end
 redis.call('LPUSH', KEYS[5], ARGV[6])
-move(ARGV[1], 'sent', ARGV[4])
+move(ARGV[1], 'sent', ARGV[4], ARGV[5])
 return 1

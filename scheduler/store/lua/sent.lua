@@ -32,6 +32,6 @@ redis.call('ZADD', DUE_SENT, now_s(), sent_due(ARGV[1], ARGV[3], ARGV[7]))
 no_longer_due('ggufq:runner:' .. ARGV[6], ARGV[3])
 let_go(KEYS[2], ARGV[4], ARGV[5])
 redis.call('LPUSH', KEYS[4], ARGV[8])
-move(ARGV[1], 'sent', ARGV[3])
+move(ARGV[1], 'sent', ARGV[3], ARGV[7])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], 'sent', '1') end
 return 1
