@@ -19,7 +19,8 @@ from tests.test_state import GIB, ClusterState, vgpu
 def record(
     db: redis.Redis, job_id: str, state: str, holder: str = "", epoch: int = 3, device: str = ""
 ) -> None:
-    fields = {"state": state, "holder": holder, "epoch": epoch, "device": device}
+    at = f"{epoch}|{device}" if device else ""  # as the move that wrote the device writes it
+    fields = {"state": state, "holder": holder, "epoch": epoch, "device": at}
     db.hset(keys.job_custody(job_id), mapping=fields)
 
 
@@ -166,9 +167,13 @@ def test_a_job_sent_and_started_is_found_on_its_device(
     job = JobRequest(model="m", prompt="p")
     placed = Placement(id="p1", runner_id="r", device_id="vgpu:h:0", config=RunnerConfig(512))
     assert send(state, SentJob(job=job, placement=placed, worker="w@h"))
-    assert db.hget(keys.job_custody(job.id), "device") == b"vgpu:h:0"
+    assert db.hget(keys.job_custody(job.id), "device") == b"1|vgpu:h:0"
     assert one_look(db, job.id, monkeypatch).last is None
     assert state.start("vgpu:h:0", job.id, "p1", "d1", now=101.0) is False
-    assert db.hmget(keys.job_custody(job.id), "state", "device") == [b"running", b"vgpu:h:0"]
+    assert db.hmget(keys.job_custody(job.id), "state", "device") == [b"running", b"2|vgpu:h:0"]
     db.hdel(keys.inflight("vgpu:h:0"), job.id)  # as a hand's edit would
     assert one_look(db, job.id, monkeypatch).last == Found("running", "2", 0, "vgpu:h:0")
+    # a move by a version that writes no device raises the epoch and leaves the field:
+    # it no longer says where the job is, and no look trusts it
+    db.hset(keys.job_custody(job.id), mapping={"state": "sent", "epoch": 3, "holder": "p2"})
+    assert one_look(db, job.id, monkeypatch).last is None

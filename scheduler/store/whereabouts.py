@@ -51,11 +51,14 @@ class Found(NamedTuple):
         there), another is where the stream has got to."""
         try:
             entry_id, fields = last[0]
-            if json.loads(fields[b"c"]).get("done"):
-                return self._replace(held=-1)
-            return self._replace(stream_at=text(entry_id))
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return self
+        except (ValueError, TypeError, IndexError):
+            return self  # an empty stream
+        at = self._replace(stream_at=text(entry_id))
+        try:
+            ended = json.loads(fields.get(b"c", fields.get("c"))).get("done")
+        except (ValueError, TypeError, AttributeError):
+            return at
+        return self._replace(held=-1) if ended else at
 
     @property
     def place(self) -> str:

@@ -42,9 +42,11 @@ end
 local function read_record(key) return redis.call('HMGET', key, 'state', 'epoch', 'holder') end
 
 -- Move the job whose record is ``key`` to ``target`` under ``holder`` (on ``device``, for
--- a job sent or running: where a reader's look finds it, lua/whereabouts.lua); an ended
--- record expires after ``ended_ttl`` s, with the job's stream. Returns the new epoch (the
--- one it has, asked again after a lost reply), or nil when the table refuses the move.
+-- a job sent or running: where a reader's look finds it, lua/whereabouts.lua; written as
+-- "<epoch>|<device>", so that a move by a version that wrote none, raising the epoch, leaves
+-- one no look trusts); an ended record expires after ``ended_ttl`` s, with the job's
+-- stream. Returns the new epoch (the one it has, asked again after a lost reply), or nil
+-- when the table refuses the move.
 local function move_record(key, target, holder, ended_ttl, device)
   local job_id = string.sub(key, #'ggufq:job:' + 1, -#':custody' - 1)
   local record = read_record(key)
@@ -52,7 +54,7 @@ local function move_record(key, target, holder, ended_ttl, device)
   if record[1] == target and record[3] == holder then return tonumber(record[2]) end
   local epoch = (tonumber(record[2]) or 0) + 1
   redis.call('HSET', key, 'state', target, 'epoch', epoch, 'holder', holder, 'at', now_s(),
-    'device', device or '')
+    'device', device and (epoch .. '|' .. device) or '')
   if CUSTODY_ENDED[target] then
     redis.call('SREM', CUSTODY_LIVE, job_id)
     redis.call('EXPIRE', key, tonumber(ended_ttl) or 86400)

@@ -20,7 +20,7 @@ if claim[1] == ARGV[2] and claim[2] ~= ARGV[3] then
 end
 if not may_move(ARGV[1], 'running', ARGV[2]) then return {0} end  -- recorded elsewhere
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
-move(ARGV[1], 'running', ARGV[2], tostring(placement['device_id']))
+move(ARGV[1], 'running', ARGV[2], string.sub(KEYS[1], #'ggufq:inflight:' + 1))
 redis.call('HSET', KEYS[2], 'run', ARGV[2], 'delivery', ARGV[3])
 redis.call('ZREM', DUE_SENT, sent_due(ARGV[1], ARGV[2], tostring(placement['device_id'])))
 return {1, redis.call('GET', KEYS[4]), redis.call('GET', KEYS[5]), redis.call('GET', KEYS[6])}

@@ -4,6 +4,7 @@
 -- keep it waiting until its timeout. Given no prelude (scheduler/store/scripts.py: BARE).
 -- Moves no job: reads only
 -- KEYS[1] ggufq:job:<id>:custody (hash) the job's record: state, epoch, holder, device
+--         ("<epoch>|<device>": the epoch of the move that wrote it)
 -- KEYS[2] ggufq:in_hand (hash) where a placing job is held, as "<holder>|<job id>"
 -- KEYS[3] ggufq:parked (sorted set) where a parked job waits
 -- KEYS[4] ggufq:orphans (hash) where an orphaned job waits
@@ -11,9 +12,12 @@
 -- ARGV: job id
 -- Returns {state, epoch, held, device}: held is 1 when that place holds the job, 0 when
 -- it does not, -1 when no place is looked at (no record; submitted; ended; sent or
--- running with no device recorded, as versions before it wrote).
+-- running with no device written by its last move, as versions before it wrote).
 local record = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'holder', 'device')
-local state, job_id, device = record[1] or '', ARGV[1], record[4] or ''
+local state, job_id = record[1] or '', ARGV[1]
+-- the device its last move wrote ("<epoch>|<device>"), none when an older version moved it
+local at, device = string.match(record[4] or '', '^(%d+)|(.+)$')
+if not at or at ~= record[2] then device = '' end
 local held = -1
 if state == 'placing' then
   held = redis.call('HEXISTS', KEYS[2], (record[3] or '') .. '|' .. job_id)
