@@ -23,6 +23,7 @@ from scheduler.store.cancel import request_cancel
 from scheduler.store.placement_state import PlacementState
 from tests.conftest import beat_forever, send
 from tests.test_state import GIB, vgpu
+from workers import runtime as runtime_module
 from workers.engine.relay import LAG
 from workers.handback import HandBack, NotOwned
 from workers.publisher import ChunkPublisher
@@ -348,6 +349,30 @@ def assert_broke_down_once(db: redis.Redis, runtime: WorkerRuntime) -> None:
     """Runner r unloaded here and gone from Redis, counted as one breakdown."""
     assert "r" not in runtime.runners and not db.exists(keys.runner("r"))
     assert float(db.hget(keys.STATS, "breakdowns|tiny") or 0) == 1
+
+
+class Stopped(BaseException):
+    """What stops a run as a KeyboardInterrupt or a SystemExit would: not an Exception."""
+
+
+def test_a_run_stopped_by_other_than_an_exception_is_handed_back(
+    db: redis.Redis, runtime: WorkerRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its end takes its in-flight record, so placement must have it back: else nothing
+    would place it again (its custody record would say running, on no device's records)."""
+
+    def stop(*_args: Any, **_kwargs: Any) -> None:
+        raise Stopped("stop")
+
+    monkeypatch.setattr(runtime_module, "produce", stop)
+    stopped = job("stop")
+    with pytest.raises(Stopped):
+        deliver(db, runtime, stopped)  # its start claimed before its runner loaded
+    record = SentJob.model_validate_json(db.hget(keys.ORPHANS, stopped.id) or b"")
+    assert record.lost == f"its run on {DEVICE.id} was stopped before its end (Stopped('stop'))"
+    assert record.avoid == [] and not db.hexists(keys.inflight(DEVICE.id), stopped.id)
+    assert db.hget(keys.job_custody(stopped.id), "state") == b"orphaned"
+    assert not db.exists(keys.job_chunks(stopped.id))
 
 
 def test_a_job_that_reaches_a_runner_whose_loop_stopped_is_handed_back_and_it_unloads(

@@ -1,12 +1,15 @@
 """How a worker gives back a job it was delivered but will not run: the job is no longer
 this device's (:class:`NotOwned`: dropped without a result), or nothing of it ran and
 placement places it again (:class:`HandBack`, :class:`RunnerGone`: lua/end.lua writes its
-orphan record in the same step as its in-flight record goes)."""
+orphan record in the same step as its in-flight record goes), or its run was stopped
+before its end (:func:`stopped_run`)."""
 
 from __future__ import annotations
 
+import sys
+
 from scheduler.errors import JobFailed
-from scheduler.protocol import JobRequest
+from scheduler.protocol import JobRequest, Placement, SentJob
 
 
 class NotOwned(Exception):
@@ -36,3 +39,16 @@ def runner_stopped(req: JobRequest, device: str, why: str) -> RunnerGone | JobFa
         f"{device}): {why}"
     )
     return RunnerGone(gone) if req.attempt == 0 else JobFailed(gone + "; submit the job again")
+
+
+def stopped_run(req: JobRequest, placement: Placement, worker: str) -> SentJob | None:
+    """The orphan record that hands back a job whose run was stopped before its end by
+    something other than an Exception (KeyboardInterrupt, SystemExit), raised as this is
+    called: its end takes its in-flight record, and nothing else would place it again
+    (re-placed once if nothing streamed, else it goes on elsewhere or fails saying so).
+    None for an Exception (NotOwned: the job is another's now): its run just stops."""
+    stopped = sys.exc_info()[1]
+    if stopped is None or isinstance(stopped, Exception):
+        return None
+    why = f"its run on {placement.device_id} was stopped before its end ({stopped!r})"
+    return SentJob(job=req, placement=placement, worker=worker, lost=why)

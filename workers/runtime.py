@@ -29,7 +29,7 @@ from scheduler.store.stats import count, execute, job_timings, observe
 from scheduler.store.streams import Appended, error_chunk
 from workers.chunks import ChunkWriter
 from workers.generation import AnyRunner, Progress, produce
-from workers.handback import HandBack, NotOwned
+from workers.handback import HandBack, NotOwned, stopped_run
 from workers.keepalive import expires_at
 from workers.membership import Membership
 from workers.publisher import ChunkPublisher
@@ -324,9 +324,7 @@ class WorkerRuntime(Residency):
         is not this run's to store."""
         run = (req.id, placement.id)
         with self._end_of(run):
-            with self._jobs_lock:
-                if not self._runs_of(req.id):
-                    self.cancels.forget(req.id)
+            self._unwatch(req.id)
             ttl_s = self.settings.stream_ttl_s
             seq = publisher.last_seq() if last is not None else 0
             hops = dict(publisher.hops(), worker_received=received_at)
@@ -360,10 +358,12 @@ class WorkerRuntime(Residency):
         owned: bool,
         received_at: float,
     ) -> None:
-        """A run that left before its end: one this delivery ran (handed back to placement)
-        ends with no chunk of its own; another stops watching the job."""
+        """A run that left before its end: one this delivery ran ends with no chunk of its
+        own (handed back when stopped by other than an Exception); another stops watching
+        the job."""
         if owned:
-            self._ended(req, placement, publisher, None, {}, received_at)
+            gone = stopped_run(req, placement, self.worker_name)
+            self._ended(req, placement, publisher, None, {}, received_at, gone)
         else:
             self._unwatch(req.id)
 
