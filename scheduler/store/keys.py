@@ -89,7 +89,8 @@ def route(shape: str) -> str:
 
 
 def job_custody(job_id: str) -> str:
-    # hash: state, holder, epoch, at: the job's custody record (lua/_custody.lua)
+    # hash: state, holder, epoch, at, device ("<epoch>|<device>"): the job's custody record
+    # (lua/_custody.lua)
     return f"{PREFIX}:job:{job_id}:custody"
 
 

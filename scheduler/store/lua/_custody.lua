@@ -53,8 +53,9 @@ local function move_record(key, target, holder, ended_ttl, device)
   if refused(record, target, holder) then return nil end
   if record[1] == target and record[3] == holder then return tonumber(record[2]) end
   local epoch = (tonumber(record[2]) or 0) + 1
-  redis.call('HSET', key, 'state', target, 'epoch', epoch, 'holder', holder, 'at', now_s(),
-    'device', device and (epoch .. '|' .. device) or '')
+  local text = tostring(epoch)  -- the one text of it, in the record and in its device's field
+  redis.call('HSET', key, 'state', target, 'epoch', text, 'holder', holder, 'at', now_s(),
+    'device', device and (text .. '|' .. device) or '')
   if CUSTODY_ENDED[target] then
     redis.call('SREM', CUSTODY_LIVE, job_id)
     redis.call('EXPIRE', key, tonumber(ended_ttl) or 86400)
