@@ -375,6 +375,28 @@ def test_a_run_stopped_by_other_than_an_exception_is_handed_back(
     assert not db.exists(keys.job_chunks(stopped.id))
 
 
+def test_a_run_whose_stream_claim_fails_leaves_its_job_to_the_strays_look(
+    db: redis.Redis, runtime: WorkerRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its start claimed, then its stream's claim refused (a stream instance turned
+    read-only by a failover, say): the run is not running here, so the strays look hands
+    the job back rather than Redis keeping it running and in flight for good."""
+
+    def refused(_job_id: str, _placement_id: str) -> int:
+        raise redis.ResponseError("READONLY You can't write against a read only replica.")
+
+    monkeypatch.setattr(runtime.state, "claim_stream", refused)
+    lost = job("claim refused")
+    with pytest.raises(redis.ResponseError, match="READONLY"):
+        deliver(db, runtime, lost)
+    assert db.hexists(keys.RUNNING, lost.id) and (lost.id, "p1") not in runtime._runs()
+    runtime.strays.min_age_s = 0.0
+    runtime.strays.look()  # seen once
+    runtime.strays.look()  # and again: a stray, handed back
+    record = SentJob.model_validate_json(db.hget(keys.ORPHANS, lost.id) or b"")
+    assert record.placement.id == "p1" and not db.hexists(keys.inflight(DEVICE.id), lost.id)
+
+
 def test_a_job_that_reaches_a_runner_whose_loop_stopped_is_handed_back_and_it_unloads(
     db: redis.Redis, runtime: WorkerRuntime
 ) -> None:

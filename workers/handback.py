@@ -6,10 +6,13 @@ before its end (:func:`stopped_run`)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from scheduler.errors import JobFailed
 from scheduler.protocol import JobRequest, Placement, SentJob
+
+log = logging.getLogger(__name__)
 
 
 class NotOwned(Exception):
@@ -42,13 +45,14 @@ def runner_stopped(req: JobRequest, device: str, why: str) -> RunnerGone | JobFa
 
 
 def stopped_run(req: JobRequest, placement: Placement, worker: str) -> SentJob | None:
-    """The orphan record that hands back a job whose run was stopped before its end by
-    something other than an Exception (KeyboardInterrupt, SystemExit), raised as this is
-    called: its end takes its in-flight record, and nothing else would place it again
-    (re-placed once if nothing streamed, else it goes on elsewhere or fails saying so).
-    None for an Exception (NotOwned: the job is another's now): its run just stops."""
+    """The orphan record that hands back a job whose run left before its end, stopped by
+    what is raised as this is called (a SystemExit in task code, an error raised while an
+    error was being handled): its end takes its in-flight record, and nothing else would
+    place it again (re-placed once if nothing streamed, else it goes on elsewhere or fails
+    saying so). None for NotOwned (the job is another's now): its run just stops."""
     stopped = sys.exc_info()[1]
-    if stopped is None or isinstance(stopped, Exception):
+    if stopped is None or isinstance(stopped, NotOwned):
         return None
+    log.error("job %s: its run was stopped (%r): handing it back", req.id, stopped)
     why = f"its run on {placement.device_id} was stopped before its end ({stopped!r})"
     return SentJob(job=req, placement=placement, worker=worker, lost=why)

@@ -105,11 +105,15 @@ class StartClaim:
         run = (req.id, placement.id)
         with rt._jobs_lock:  # running here, for the strays look, while its stream is claimed
             rt._running[run] = placement
-        last = self._claim_stream()
+        last = None
+        try:
+            last = self._claim_stream()
+        finally:
+            if last is None:  # not running here: one Redis has running, the strays look hands back
+                with rt._jobs_lock:
+                    rt._running.pop(run, None)
         if last is None:  # taken from this run between its start and its stream's claim
             log.warning("job %s was taken from this run as it began: not running it", req.id)
-            with rt._jobs_lock:
-                rt._running.pop(run, None)
             self.publisher.discard()
             raise NotOwned(req.id)
         self.owned = True
