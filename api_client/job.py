@@ -298,8 +298,9 @@ class Job:
             return  # Redis away: the next check tells
         if self._lost_on_the_way(claimed, placed, queued, traces):
             self._send_again()
-        stream, _ = self.client.streams.of(self.id)
-        self._where = look_if_due(self.client.r, stream, self.id, self._where)
+        with contextlib.suppress(redis.RedisError):  # Redis away: the next check looks
+            stream, _ = self.client.streams.of(self.id)
+            self._where = look_if_due(self.client.r, stream, self.id, self._where)
 
     async def acheck(
         self,

@@ -359,8 +359,8 @@ class WorkerRuntime(Residency):
         received_at: float,
     ) -> None:
         """A run that left before its end: one this delivery ran ends with no chunk of its
-        own (handed back when stopped by other than an Exception); another stops watching
-        the job."""
+        own (handed back, unless the job is another's now: NotOwned); another stops
+        watching the job."""
         if owned:
             gone = stopped_run(req, placement, self.worker_name)
             self._ended(req, placement, publisher, None, {}, received_at, gone)
