@@ -238,11 +238,14 @@ class Job:
         if self.kind == "embed":
             return None
         try:
-            stream, _ = self.client.streams.of(self.id)
-            last = cast(Entries, stream.xrevrange(keys.job_chunks(self.id), count=1))
+            last = cast(Entries, self._stream().xrevrange(keys.job_chunks(self.id), count=1))
         except redis.RedisError:
             return None  # Redis away: the next look tells
         return self._end_of(last)
+
+    def _stream(self) -> redis.Redis:
+        """The Redis the job's stream lives on."""
+        return self.client.streams.of(self.id)[0]
 
     def _end_of(self, last: Entries) -> dict[str, Any] | None:
         """The final chunk among the stream's last entry ``last``, if it is one (never for
@@ -298,9 +301,7 @@ class Job:
             return  # Redis away: the next check tells
         if self._lost_on_the_way(claimed, placed, queued, traces):
             self._send_again()
-        with contextlib.suppress(redis.RedisError):  # Redis away: the next check looks
-            stream, _ = self.client.streams.of(self.id)
-            self._where = look_if_due(self.client.r, stream, self.id, self._where)
+        self._where = look_if_due(self.client.r, self._stream, self.id, self._where)
 
     async def acheck(
         self,
@@ -366,7 +367,7 @@ class Job:
     def _streamed_apart(self) -> bool:
         """Whether the job's stream, where it lives on a Redis of its own, is there: the
         control Redis restarted without its data while the job streams on."""
-        stream, _ = self.client.streams.of(self.id)
+        stream = self._stream()
         if stream is self.client.r:
             return False
         try:

@@ -28,7 +28,7 @@ def record(
 def one_look(db: redis.Redis, job_id: str, monkeypatch: pytest.MonkeyPatch) -> Whereabouts:
     """A reader's first look, at once."""
     monkeypatch.setattr(whereabouts, "LOOK_EVERY_S", 0.0)
-    return look_if_due(db, db, job_id, look_if_due(db, db, job_id, None))
+    return look_if_due(db, lambda: db, job_id, look_if_due(db, lambda: db, job_id, None))
 
 
 def test_a_look_finds_each_state_s_place(db: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,7 +98,7 @@ def test_a_reader_s_second_look_at_a_job_still_nowhere_loses_it(
     record(db, "j1", "parked", epoch=4)
     where = one_look(db, "j1", monkeypatch)
     with pytest.raises(JobLost) as lost:
-        look_if_due(db, db, "j1", where)
+        look_if_due(db, lambda: db, "j1", where)
     assert str(lost.value) == (
         "job j1 is lost: its custody record says parked (epoch 4), but ggufq:parked does not "
         "hold it, at two looks at least 0 s apart, and nothing will move it on (a bug, or "
@@ -116,10 +116,10 @@ def test_a_job_whose_stream_ended_is_not_lost(
     db.xadd(keys.job_chunks("j1"), {"c": json.dumps({"seq": 1, "response": "a"})})
     where = one_look(db, "j1", monkeypatch)
     with pytest.raises(JobLost):  # its last chunk is not a final one
-        look_if_due(db, db, "j1", where)
+        look_if_due(db, lambda: db, "j1", where)
     db.xadd(keys.job_chunks("j1"), {"c": json.dumps({"seq": 2, "done": True})})
     for _ in range(3):
-        where = look_if_due(db, db, "j1", where)
+        where = look_if_due(db, lambda: db, "j1", where)
     assert where.last is None  # its end is in its stream: not a place to look for it
 
 
@@ -129,11 +129,11 @@ def test_a_job_that_moved_between_looks_is_not_lost(
     record(db, "j1", "parked", epoch=4)
     where = one_look(db, "j1", monkeypatch)
     record(db, "j1", "placing", "p1", epoch=5)  # taken, and its hold lost: nowhere again
-    where = look_if_due(db, db, "j1", where)  # a new finding, not the last one again
+    where = look_if_due(db, lambda: db, "j1", where)  # a new finding, not the last one again
     db.hset(keys.IN_HAND, "p1|j1", "{}")
-    where = look_if_due(db, db, "j1", where)  # held: found
+    where = look_if_due(db, lambda: db, "j1", where)  # held: found
     db.hdel(keys.IN_HAND, "p1|j1")
-    where = look_if_due(db, db, "j1", where)  # nowhere once, after it was found
+    where = look_if_due(db, lambda: db, "j1", where)  # nowhere once, after it was found
     assert where.last == Found("placing", "5", 0)
 
 
@@ -154,7 +154,7 @@ def test_a_look_redis_does_not_answer_changes_nothing(
     record(db, "j1", "parked")
     where = one_look(db, "j1", monkeypatch)
     away = redis.Redis(port=1, socket_connect_timeout=0.2)  # nothing listens there
-    assert look_if_due(away, away, "j1", where) is where
+    assert look_if_due(away, lambda: away, "j1", where) is where
     assert where.last == Found("parked", "3", 0)
 
 
@@ -165,10 +165,10 @@ def test_a_stream_that_moved_on_between_looks_is_not_lost(
     db.xadd(keys.job_chunks("j1"), {"c": json.dumps({"seq": 1, "response": "a"})}, id="0-1")
     where = one_look(db, "j1", monkeypatch)
     db.xadd(keys.job_chunks("j1"), {"c": json.dumps({"seq": 2, "response": "b"})}, id="0-2")
-    where = look_if_due(db, db, "j1", where)  # its run wrote on: not lost yet
+    where = look_if_due(db, lambda: db, "j1", where)  # its run wrote on: not lost yet
     assert where.last == Found("running", "3", 0, "vgpu:h:0", "0-2")
     with pytest.raises(JobLost, match=r"says running \(epoch 3\), but ggufq:inflight:vgpu:h:0"):
-        look_if_due(db, db, "j1", where)
+        look_if_due(db, lambda: db, "j1", where)
 
 
 def test_a_job_sent_and_started_is_found_on_its_device(
@@ -201,5 +201,5 @@ def test_a_stream_entry_that_does_not_parse_still_counts_as_its_progress(
     where = one_look(db, "j1", monkeypatch)
     assert where.last == Found("parked", "3", 0, "", "0-1")
     db.xadd(keys.job_chunks("j1"), {"c": b"[1, 2]"}, id="0-2")  # JSON, not a chunk
-    where = look_if_due(db, db, "j1", where)
+    where = look_if_due(db, lambda: db, "j1", where)
     assert where.last == Found("parked", "3", 0, "", "0-2")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import redis
@@ -108,16 +109,21 @@ class Whereabouts:
 
 
 def look_if_due(
-    client: redis.Redis, stream: redis.Redis, job_id: str, where: Whereabouts | None
+    client: redis.Redis,
+    stream_of: Callable[[], redis.Redis],
+    job_id: str,
+    where: Whereabouts | None,
 ) -> Whereabouts:
     """A reader's look at its job's whereabouts when one is due; raises JobLost when it
-    is lost (``stream``: the Redis its stream lives on, whose final chunk says it ended)."""
+    is lost (``stream_of``: the Redis its stream lives on, whose last entry says whether
+    it ended or moved on; asked for only when the look finds the job nowhere)."""
     where, due = _due(job_id, where)
     if due:
         try:
             found = Found.of(script(client, "whereabouts")(*_args(job_id)))
             if found.held == 0:
-                found = found.in_stream(stream.xrevrange(keys.job_chunks(job_id), count=1))
+                last = stream_of().xrevrange(keys.job_chunks(job_id), count=1)
+                found = found.in_stream(last)
             if where.seen(found):
                 raise where.lost()
         except redis.RedisError as exc:
